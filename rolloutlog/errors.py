@@ -1,0 +1,161 @@
+"""rolloutlog's error tree.
+
+Every error carries its stable ``code`` (DESIGN.md §8), the HTTP status it maps to and whether a
+retry may succeed. Driver errors (SQLite, PostgreSQL, Kafka) are translated into these classes at the
+boundary where they occur, always with ``raise ... from e``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "AttemptFenced",
+    "BackendUnavailable",
+    "CatalogError",
+    "CatalogVersionError",
+    "CheckpointInProgress",
+    "CheckpointNotPending",
+    "Forbidden",
+    "InvalidEvent",
+    "InvalidRequest",
+    "LogError",
+    "ParticipantFenced",
+    "PayloadTooLarge",
+    "RolloutlogError",
+    "RunExists",
+    "StaleController",
+    "Unauthorized",
+    "UnknownCheckpoint",
+    "UnknownEpisode",
+    "UnknownRestore",
+    "UnknownRun",
+]
+
+
+class RolloutlogError(Exception):
+    """Base of every error rolloutlog raises on purpose."""
+
+    code: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+    retriable: ClassVar[bool] = False
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, Any] = details
+
+    def to_dict(self) -> dict[str, Any]:
+        """The body of the REST error reply: ``{"error": {"code", "message", "details"}}``."""
+        return {"error": {"code": self.code, "message": self.message, "details": self.details}}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, details={self.details!r})"
+
+
+class InvalidEvent(RolloutlogError):
+    """An event envelope is malformed; ``details`` names the field (and the event's index)."""
+
+    code = "invalid_event"
+    http_status = 422
+
+
+class InvalidRequest(RolloutlogError):
+    code = "invalid_request"
+    http_status = 400
+
+
+class PayloadTooLarge(RolloutlogError):
+    code = "payload_too_large"
+    http_status = 413
+
+
+class UnknownRun(RolloutlogError):
+    code = "unknown_run"
+    http_status = 404
+
+
+class UnknownCheckpoint(RolloutlogError):
+    code = "unknown_checkpoint"
+    http_status = 404
+
+
+class UnknownRestore(RolloutlogError):
+    code = "unknown_restore"
+    http_status = 404
+
+
+class UnknownEpisode(RolloutlogError):
+    code = "unknown_episode"
+    http_status = 404
+
+
+class RunExists(RolloutlogError):
+    code = "run_exists"
+    http_status = 409
+
+
+class AttemptFenced(RolloutlogError):
+    code = "attempt_fenced"
+    http_status = 409
+
+
+class ParticipantFenced(RolloutlogError):
+    code = "participant_fenced"
+    http_status = 409
+
+
+class StaleController(RolloutlogError):
+    code = "stale_controller"
+    http_status = 409
+
+
+class CheckpointInProgress(RolloutlogError):
+    code = "checkpoint_in_progress"
+    http_status = 409
+    retriable = True
+
+
+class CheckpointNotPending(RolloutlogError):
+    """A checkpoint operation needs a ``pending`` checkpoint; ``details["status"]`` says what it is."""
+
+    code = "checkpoint_not_pending"
+    http_status = 409
+
+
+class Unauthorized(RolloutlogError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class Forbidden(RolloutlogError):
+    code = "forbidden"
+    http_status = 403
+
+
+class BackendUnavailable(RolloutlogError):
+    """The log or the catalog could not be reached; the operation had no effect and may be retried."""
+
+    code = "unavailable"
+    http_status = 503
+    retriable = True
+
+
+class LogError(RolloutlogError):
+    """The log backend failed in a way that is not a connectivity problem."""
+
+    code = "log_error"
+    http_status = 500
+
+
+class CatalogError(RolloutlogError):
+    """The catalog failed in a way that is not a connectivity problem."""
+
+    code = "catalog_error"
+    http_status = 500
+
+
+class CatalogVersionError(CatalogError):
+    """The catalog's schema is newer than this code understands."""
+
+    code = "catalog_too_new"

@@ -1,0 +1,257 @@
+"""The event envelope and every event type of DESIGN.md §3, as immutable pydantic models."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeAlias
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from rolloutlog.log._ids import NAME_PATTERN, episode_id_problem
+from rolloutlog.log._opaque import Opaque
+
+ENVELOPE_VERSION: Literal[1] = 1
+
+ParticipantKind: TypeAlias = Literal["environment", "policy", "agent", "resources"]
+#: Who may write an event: the four participant kinds, and the service itself (markers, attempts).
+WriterKind: TypeAlias = Literal["environment", "policy", "agent", "resources", "service"]
+StepMode: TypeAlias = Literal["replay", "wait"]
+SessionMode: TypeAlias = Literal["restart_only", "stateless", "exported"]
+#: The participant id the service writes its own events (markers, attempt starts) under.
+SERVICE_PARTICIPANT_ID = "rolloutlog"
+
+
+def _check_episode(value: str) -> str:
+    problem = episode_id_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+EpisodeId = Annotated[str, AfterValidator(_check_episode)]
+#: Participant, session, owner, stage and call ids (checked by pydantic-core's regex, no Python call).
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+NonNegative = Annotated[int, Field(ge=0)]
+Digest = Annotated[str, Field(min_length=1, max_length=128)]
+#: Token ids: plain ints (a per-item bound would cost 4x the validation time of a 512-token row).
+TokenIds = list[int]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class Participant(_Frozen):
+    """Who wrote an event: ``kind``, ``id`` and the ``epoch`` granted at registration."""
+
+    id: Name
+    kind: WriterKind
+    epoch: NonNegative
+
+
+# -- data of each event type -------------------------------------------------------------------
+
+
+class EpisodeStartedData(_Frozen):
+    task: Opaque
+    task_digest: Digest
+    deadline_s: float | None = None
+
+
+class StepStartedData(_Frozen):
+    owner: Name
+    stage: Name
+    mode: StepMode = "wait"
+
+
+class StepBoundaryData(_Frozen):
+    owner: Name
+    stage: Name
+    next: Name | None = None
+    state: Opaque
+
+
+class LedgerRowData(_Frozen):
+    call_id: Name
+    parent_call_id: Name | None
+    fingerprint: Digest
+    context_digest: Digest
+    policy_version: NonNegative
+    prev_len: NonNegative
+    token_ids: TokenIds
+    cum_len: NonNegative
+    digest: Digest
+    staging_key: str | None = None
+    constrained: bool = False
+
+    @model_validator(mode="after")
+    def _lengths_chain(self) -> LedgerRowData:
+        if self.cum_len != self.prev_len + len(self.token_ids):
+            raise ValueError("cum_len must equal prev_len + len(token_ids)")
+        return self
+
+
+class GenerationChunkData(_Frozen):
+    call_id: Name
+    parent_call_id: Name | None
+    request_digest: Digest
+    start: NonNegative
+    token_ids: TokenIds
+    policy_version: NonNegative
+    staging_key: str | None = None
+    #: The call completed with this chunk (a terminal cut if it was never delivered).
+    done: bool = False
+
+
+class SessionStartedData(_Frozen):
+    session_id: Name
+    mode: SessionMode = "restart_only"
+    verify: StepMode = "replay"
+
+
+class SessionStateData(_Frozen):
+    session_id: Name
+    state: Opaque
+
+
+class SessionEndedData(_Frozen):
+    session_id: Name
+
+
+class EpisodeFinishedData(_Frozen):
+    reward: float | None = None
+    result: Opaque | None = None
+
+
+class CheckpointMarkerData(_Frozen):
+    checkpoint_id: NonNegative
+    controller_epoch: NonNegative
+
+
+class AttemptStartedData(_Frozen):
+    restore_id: NonNegative
+    checkpoint_id: NonNegative
+    previous_attempt: NonNegative
+
+
+# -- envelopes ---------------------------------------------------------------------------------
+
+
+class _Envelope(_Frozen):
+    v: Literal[1] = ENVELOPE_VERSION
+    episode: EpisodeId
+    attempt: NonNegative = 0
+    step: NonNegative | None = None
+    participant: Participant
+    seq: NonNegative
+    ts: float
+
+
+class EpisodeStarted(_Envelope):
+    type: Literal["episode.started"] = "episode.started"
+    data: EpisodeStartedData
+
+
+class StepStarted(_Envelope):
+    type: Literal["step.started"] = "step.started"
+    data: StepStartedData
+
+
+class StepBoundary(_Envelope):
+    type: Literal["step.boundary"] = "step.boundary"
+    data: StepBoundaryData
+
+
+class LedgerRow(_Envelope):
+    type: Literal["ledger.row"] = "ledger.row"
+    data: LedgerRowData
+
+
+class GenerationChunk(_Envelope):
+    type: Literal["generation.chunk"] = "generation.chunk"
+    data: GenerationChunkData
+
+
+class SessionStarted(_Envelope):
+    type: Literal["session.started"] = "session.started"
+    data: SessionStartedData
+
+
+class SessionState(_Envelope):
+    type: Literal["session.state"] = "session.state"
+    data: SessionStateData
+
+
+class SessionEnded(_Envelope):
+    type: Literal["session.ended"] = "session.ended"
+    data: SessionEndedData
+
+
+class EpisodeFinished(_Envelope):
+    type: Literal["episode.finished"] = "episode.finished"
+    data: EpisodeFinishedData
+
+
+class CheckpointMarker(_Envelope):
+    """Written by the service into every partition; it belongs to no episode."""
+
+    type: Literal["checkpoint.marker"] = "checkpoint.marker"
+    episode: None = None  # type: ignore[assignment]
+    data: CheckpointMarkerData
+
+
+class AttemptStarted(_Envelope):
+    type: Literal["attempt.started"] = "attempt.started"
+    data: AttemptStartedData
+
+
+Event = Annotated[
+    EpisodeStarted
+    | StepStarted
+    | StepBoundary
+    | LedgerRow
+    | GenerationChunk
+    | SessionStarted
+    | SessionState
+    | SessionEnded
+    | EpisodeFinished
+    | CheckpointMarker
+    | AttemptStarted,
+    Field(discriminator="type"),
+]
+
+EVENT_CLASSES: dict[str, type[_Envelope]] = {
+    cls.model_fields["type"].default: cls
+    for cls in (
+        EpisodeStarted,
+        StepStarted,
+        StepBoundary,
+        LedgerRow,
+        GenerationChunk,
+        SessionStarted,
+        SessionState,
+        SessionEnded,
+        EpisodeFinished,
+        CheckpointMarker,
+        AttemptStarted,
+    )
+}
+
+#: The one opaque field of each event type that has one.
+OPAQUE_FIELD: dict[str, str] = {
+    "episode.started": "task",
+    "step.boundary": "state",
+    "session.state": "state",
+    "episode.finished": "result",
+}
+
+#: Event types only the service may write.
+SERVICE_EVENT_TYPES = frozenset({"checkpoint.marker", "attempt.started"})
+
+
+def event_size_hint(event: Any) -> int:
+    """Bytes of the event's opaque payload (0 when it has none)."""
+    field = OPAQUE_FIELD.get(event.type)
+    if field is None:
+        return 0
+    payload = getattr(event.data, field)
+    return len(payload.raw) if payload is not None else 0

@@ -1,0 +1,171 @@
+"""The ``Log`` interface every backend implements, and ``open_log`` that picks one by URL."""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NamedTuple, Self
+
+from rolloutlog.errors import InvalidRequest, PayloadTooLarge
+from rolloutlog.log._codec import decode_record, encode_record, validate_events
+from rolloutlog.log._events import (
+    SERVICE_PARTICIPANT_ID,
+    CheckpointMarker,
+    CheckpointMarkerData,
+    Event,
+    Participant,
+)
+from rolloutlog.log._ids import partition_for, run_name_problem
+
+#: Largest record (metadata plus payload) a backend accepts by default: 16 MiB.
+DEFAULT_MAX_RECORD_BYTES = 16 * 1024 * 1024
+DEFAULT_PARTITIONS = 16
+
+
+class Position(NamedTuple):
+    """Where an appended record landed."""
+
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """An encoded event bound for one partition."""
+
+    partition: int
+    key: bytes | None
+    value: bytes
+
+
+class Log(abc.ABC):
+    """An append-only, partitioned event log: one topic per run.
+
+    Every write returns only once it is durable. Reads are bounded by offsets the caller
+    knows (from appends and markers), never by asking the backend where the end is.
+    """
+
+    url: str
+    max_record_bytes: int
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Connect / open files."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release every resource; pending appends finish first."""
+
+    @abc.abstractmethod
+    async def ensure_run(self, run: str, partitions: int = DEFAULT_PARTITIONS) -> int:
+        """Create the run's topic if missing; return its partition count (which wins if it exists)."""
+
+    @abc.abstractmethod
+    async def partitions(self, run: str) -> int:
+        """The run's partition count; ``UnknownRun`` when it has no topic."""
+
+    @abc.abstractmethod
+    async def append_records(self, run: str, records: Sequence[Record]) -> list[Position]:
+        """Append encoded records, all or none; positions in input order, once durable."""
+
+    @abc.abstractmethod
+    def read_records(
+        self, run: str, partition: int, start: int, end: int
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        """Records of ``partition`` with ``start <= offset < end``, in order, as raw bytes."""
+
+    @abc.abstractmethod
+    async def trim(self, run: str, partition: int, before: int) -> bool:
+        """Drop records below ``before`` where the backend can; False when it cannot."""
+
+    @abc.abstractmethod
+    async def end_offsets(self, run: str) -> list[int]:
+        """The next offset of every partition, as far as this log instance knows it."""
+
+    async def ping(self) -> None:  # noqa: B027 - optional hook: most backends need no probe
+        """Raise ``BackendUnavailable`` when the backend cannot be reached."""
+
+    # -- shared behaviour, built on the primitives above ---------------------------------------
+
+    async def append(self, run: str, events: Sequence[Event | dict[str, Any]]) -> list[Position]:
+        """Validate, encode and append a batch of events, all or none; once durable, return each
+        event's partition and offset in input order."""
+        checked = validate_events(events)
+        partitions = await self.partitions(run)
+        records = [self._record(event, partitions, index) for index, event in enumerate(checked)]
+        return await self.append_records(run, records)
+
+    def _record(self, event: Event, partitions: int, index: int) -> Record:
+        value = encode_record(event)
+        if len(value) > self.max_record_bytes:
+            raise PayloadTooLarge(
+                f"event {index} is {len(value)} bytes; the log accepts at most "
+                f"{self.max_record_bytes}",
+                index=index,
+                size=len(value),
+                max_bytes=self.max_record_bytes,
+            )
+        if event.episode is None:
+            raise InvalidRequest(f"event {index}: {event.type} events are written by the service")
+        return Record(partition_for(event.episode, partitions), event.episode.encode(), value)
+
+    async def write_markers(self, run: str, checkpoint_id: int, controller_epoch: int) -> list[int]:
+        """Write a ``checkpoint.marker`` into every partition; return the marker offsets."""
+        partitions = await self.partitions(run)
+        data = CheckpointMarkerData(checkpoint_id=checkpoint_id, controller_epoch=controller_epoch)
+        writer = Participant(id=SERVICE_PARTICIPANT_ID, kind="service", epoch=controller_epoch)
+        marker = CheckpointMarker(participant=writer, seq=checkpoint_id, ts=time.time(), data=data)
+        value = encode_record(marker)
+        records = [Record(partition, None, value) for partition in range(partitions)]
+        positions = await self.append_records(run, records)
+        return [position.offset for position in positions]
+
+    async def read(
+        self, run: str, partition: int, start: int, end: int
+    ) -> AsyncIterator[tuple[int, Event]]:
+        """Typed events of ``partition`` with ``start <= offset < end``, in order."""
+        async for offset, value in self.read_records(run, partition, start, end):
+            yield offset, decode_record(value)
+
+
+def check_run_name(run: str) -> None:
+    problem = run_name_problem(run)
+    if problem is not None:
+        raise InvalidRequest(f"invalid run name {run!r}: {problem}", field="run")
+
+
+_BACKENDS = {"embedded": "rolloutlog.log.embedded", "kafka": "rolloutlog.log.kafka"}
+
+
+def open_log(url: str | Path, **options: Any) -> Log:
+    """The log backend a URL names: ``embedded:///path``, a plain data directory, or
+    ``kafka://host:port[,host:port]``. The backend module is imported only when used."""
+    text = str(url)
+    scheme, sep, _ = text.partition("://")
+    if not sep:
+        scheme, text = "embedded", f"embedded://{Path(text).resolve()}"
+    module_name = _BACKENDS.get(scheme)
+    if module_name is None:
+        raise InvalidRequest(
+            f"unknown log URL scheme {scheme!r}: use embedded:///path or kafka://host:port"
+        )
+    module = importlib.import_module(module_name)
+    backend: Log = module.from_url(text, **options)
+    return backend

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from tests._services import DEFAULT_POSTGRES_URL, kafka_broker, unavailable
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """``host:port`` of a real Kafka-protocol broker for this test session."""
+    explicit = os.environ.get("ROLLOUTLOG_TEST_KAFKA")
+    if explicit:
+        yield explicit
+        return
+    try:
+        broker = kafka_broker()
+        bootstrap = broker.__enter__()
+    except Exception as e:  # the reason is what matters here, whatever failed
+        unavailable(f"no Kafka-protocol broker: {e}")
+        return
+    try:
+        yield bootstrap
+    finally:
+        broker.__exit__(None, None, None)
+
+
+async def _postgres_reachable(url: str) -> str | None:
+    import asyncpg
+
+    dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
+    try:
+        conn = await asyncio.wait_for(asyncpg.connect(dsn), timeout=5)
+    except Exception as e:  # any failure to connect means "not reachable"
+        return f"{type(e).__name__}: {e}"
+    await conn.close()
+    return None
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """SQLAlchemy URL of a reachable PostgreSQL database (the local server by default)."""
+    url = os.environ.get("ROLLOUTLOG_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)
+    problem = asyncio.run(_postgres_reachable(url))
+    if problem is not None:
+        unavailable(f"no PostgreSQL at {url}: {problem}")
+    return url
+
+
+@pytest.fixture
+async def postgres_schema(postgres_url: str) -> AsyncIterator[str]:
+    """A fresh, empty PostgreSQL schema for one test; yields a URL whose search_path points at it."""
+    import asyncpg
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    dsn = postgres_url.replace("postgresql+asyncpg://", "postgresql://", 1)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f"CREATE SCHEMA {schema}")
+    finally:
+        await conn.close()
+    sep = "&" if "?" in postgres_url else "?"
+    yield f"{postgres_url}{sep}options=-csearch_path%3D{schema}"
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    finally:
+        await conn.close()
