@@ -53,20 +53,25 @@ def postgres_url() -> str:
 
 @pytest.fixture
 async def postgres_schema(postgres_url: str) -> AsyncIterator[str]:
-    """A fresh, empty PostgreSQL schema for one test; yields a URL whose search_path points at it."""
-    import asyncpg
+    """A fresh, empty PostgreSQL database for one test; yields its SQLAlchemy URL.
 
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    dsn = postgres_url.replace("postgresql+asyncpg://", "postgresql://", 1)
+    A whole database rather than a schema: asyncpg takes no ``options=`` in a URL, so a
+    ``search_path`` could not travel in it, while a database name can. Dropped afterwards.
+    """
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = make_url(postgres_url)
+    dsn = admin.set(drivername="postgresql").render_as_string(hide_password=False)
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute(f"CREATE SCHEMA {schema}")
+        await conn.execute(f'CREATE DATABASE "{name}"')
     finally:
         await conn.close()
-    sep = "&" if "?" in postgres_url else "?"
-    yield f"{postgres_url}{sep}options=-csearch_path%3D{schema}"
+    yield admin.set(database=name).render_as_string(hide_password=False)
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute(f"DROP SCHEMA {schema} CASCADE")
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await conn.close()

@@ -1,0 +1,98 @@
+"""The SQL catalog: runs, fencing, checkpoints and manifests, restores (DESIGN.md §5, §6).
+
+``open_catalog(url)`` picks the backend by URL: ``sqlite+aiosqlite:///path`` (the embedded
+default) or ``postgresql+asyncpg://user@host/db``. Every operation is one transaction; the schema
+is documented for analysts in ``docs/catalog.md``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from rolloutlog.catalog._backend import Backend
+from rolloutlog.catalog._catalog import Catalog
+from rolloutlog.catalog._migrate import head_revision
+from rolloutlog.catalog._values import (
+    DEFAULT_KEEP_COMMITTED,
+    DEFAULT_PARTITIONS,
+    Checkpoint,
+    CheckpointStatus,
+    Episode,
+    EpisodeStart,
+    EpisodeStatus,
+    ManifestAction,
+    ManifestEntry,
+    Participant,
+    ParticipantKind,
+    PartitionOffset,
+    Restore,
+    RestoreAction,
+    RestoreEntry,
+    Run,
+    RunStats,
+    RunSummary,
+    capture_key,
+)
+from rolloutlog.errors import CatalogError
+
+__all__ = [
+    "DEFAULT_KEEP_COMMITTED",
+    "DEFAULT_PARTITIONS",
+    "Catalog",
+    "Checkpoint",
+    "CheckpointStatus",
+    "Episode",
+    "EpisodeStart",
+    "EpisodeStatus",
+    "ManifestAction",
+    "ManifestEntry",
+    "Participant",
+    "ParticipantKind",
+    "PartitionOffset",
+    "Restore",
+    "RestoreAction",
+    "RestoreEntry",
+    "Run",
+    "RunStats",
+    "RunSummary",
+    "capture_key",
+    "head_revision",
+    "open_catalog",
+]
+
+
+def open_catalog(
+    url: str,
+    *,
+    keep_committed: int = DEFAULT_KEEP_COMMITTED,
+    abort_pending_on_start: bool = True,
+    clock: Callable[[], float] = time.time,
+) -> Catalog:
+    """A catalog for ``url`` (not yet started: use ``async with`` or ``await start()``).
+
+    ``keep_committed`` is the retention (newest N committed checkpoints keep their manifests).
+    ``abort_pending_on_start=False`` is for deployments where another live replica may own a
+    pending checkpoint.
+    """
+    backend: Backend
+    if url.startswith("sqlite+aiosqlite://"):
+        from rolloutlog.catalog._sqlite import SQLiteBackend
+
+        backend = SQLiteBackend(url)
+    elif url.startswith("postgresql+asyncpg://"):
+        from rolloutlog.catalog._postgres import PostgresBackend
+
+        backend = PostgresBackend(url)
+    else:
+        raise CatalogError(
+            f"unsupported catalog URL {url!r}: use sqlite+aiosqlite:///PATH or "
+            "postgresql+asyncpg://USER@HOST/DB",
+            url=url,
+        )
+    return Catalog(
+        backend,
+        keep_committed=keep_committed,
+        abort_pending_on_start=abort_pending_on_start,
+        clock=clock,
+    )

@@ -1,0 +1,116 @@
+"""What differs between the catalog's databases, behind one small interface.
+
+``open_catalog`` picks the subclass by URL and imports its module lazily; everything else in the
+catalog is shared SQL. A backend creates the engines, bulk-inserts rows through the raw driver
+(the one hot path: a 16,000-entry manifest is one ``executemany``/``COPY``, not 16,000 round
+trips), serializes migrations and classifies driver errors into rolloutlog's error tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from sqlalchemy import Table
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from rolloutlog.errors import (
+    BackendUnavailable,
+    CatalogError,
+    CheckpointInProgress,
+    RolloutlogError,
+)
+
+ONE_PENDING_INDEX = "uq_checkpoints_one_pending"
+
+
+class Backend:
+    """Base of the per-database overrides."""
+
+    name: ClassVar[str]
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def create_engine(self) -> AsyncEngine:
+        raise NotImplementedError
+
+    def read_engine(self, engine: AsyncEngine) -> AsyncEngine:
+        """An engine over the same pool whose transactions read one consistent snapshot."""
+        raise NotImplementedError
+
+    async def bulk_insert(
+        self,
+        conn: AsyncConnection,
+        table: Table,
+        columns: Sequence[str],
+        rows: list[tuple[Any, ...]],
+    ) -> None:
+        """Insert ``rows`` (tuples in ``columns`` order) inside ``conn``'s open transaction."""
+        raise NotImplementedError
+
+    async def lock_migrations(self, conn: AsyncConnection) -> None:
+        """Serialize concurrent starts that migrate the same catalog (no-op where writes serialize)."""
+
+    def driver_errors(self) -> tuple[type[BaseException], ...]:
+        """Exception classes of the driver that ``translate`` understands."""
+        return ()
+
+    def classify(self, error: BaseException) -> RolloutlogError | None:
+        """The rolloutlog error for one driver exception, or None to fall back to ``CatalogError``."""
+        return None
+
+    def translate(self, error: BaseException) -> RolloutlogError:
+        """Translate a driver or SQLAlchemy exception (the caller raises it ``from error``)."""
+        if isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated:
+            return BackendUnavailable(
+                f"catalog connection lost: {_first_line(error)}", backend=self.name
+            )
+        for cause in _causes(error):
+            if isinstance(cause, sa_exc.TimeoutError | asyncio.TimeoutError | OSError):
+                return BackendUnavailable(
+                    f"catalog unreachable: {type(cause).__name__}: {_first_line(cause)}",
+                    backend=self.name,
+                )
+            found = self.classify(cause)
+            if found is not None:
+                return found
+        if isinstance(error, sa_exc.InterfaceError):
+            return BackendUnavailable(
+                f"catalog unreachable: {_first_line(error)}", backend=self.name
+            )
+        if isinstance(error, sa_exc.IntegrityError):
+            return integrity_error(error)
+        return CatalogError(
+            f"catalog failed: {type(error).__name__}: {_first_line(error)}", backend=self.name
+        )
+
+
+def integrity_error(error: BaseException) -> RolloutlogError:
+    """Integrity conflicts the catalog's own checks did not pre-empt (a race they lost)."""
+    text = str(error)
+    if ONE_PENDING_INDEX in text or "checkpoints.run" in text:
+        return CheckpointInProgress("another checkpoint of this run is pending")
+    return CatalogError(f"catalog integrity conflict: {_first_line(error)}")
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error`` and what it wraps (SQLAlchemy's ``orig``, the adapter's ``__cause__``)."""
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = [error]
+    while todo:
+        current = todo.pop(0)
+        if current is None or any(current is s for s in seen):
+            continue
+        seen.append(current)
+        orig = getattr(current, "orig", None)
+        todo.append(orig if isinstance(orig, BaseException) else None)
+        todo.append(current.__cause__)
+    return seen
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(getattr(error, "orig", None) or error)
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,709 @@
+"""The catalog: every durable decision of the service, one transaction per operation.
+
+Writes that touch a run's fencing state (controller takeover, every checkpoint and restore step)
+first lock the run's row, so they serialize per run on either database and each check of the
+controller epoch holds until its transaction commits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import TypeVar
+
+from sqlalchemy import delete, insert, select, text, update
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from rolloutlog.catalog import _migrate, _reads
+from rolloutlog.catalog._backend import Backend
+from rolloutlog.catalog._schema import (
+    checkpoint_offsets,
+    checkpoints,
+    runs,
+)
+from rolloutlog.catalog._validate import (
+    check_count,
+    check_episode,
+    check_name,
+    check_positive_seconds,
+    check_run_name,
+    check_timings,
+)
+from rolloutlog.catalog._values import (
+    DEFAULT_KEEP_COMMITTED,
+    DEFAULT_PARTITIONS,
+    PARTICIPANT_KINDS,
+    RESTORE_ACTIONS,
+    Checkpoint,
+    CheckpointStatus,
+    Episode,
+    EpisodeStart,
+    EpisodeStatus,
+    ManifestAction,
+    ManifestEntry,
+    Participant,
+    PartitionOffset,
+    Restore,
+    RestoreAction,
+    RestoreEntry,
+    Run,
+    RunStats,
+    RunSummary,
+)
+from rolloutlog.catalog._writes import (
+    commit_checkpoint_rows,
+    commit_restore_rows,
+    lock_run,
+    pending_checkpoint,
+)
+from rolloutlog.errors import (
+    CatalogError,
+    CheckpointInProgress,
+    CheckpointNotPending,
+    InvalidRequest,
+    RolloutlogError,
+    RunExists,
+    StaleController,
+    UnknownCheckpoint,
+)
+
+T = TypeVar("T")
+
+_REGISTER = text(
+    "INSERT INTO participants (run, participant_id, kind, epoch, registered_at, last_seen_at) "
+    "VALUES (:run, :participant_id, :kind, 1, :now, :now) "
+    "ON CONFLICT (run, participant_id) DO UPDATE SET epoch = participants.epoch + 1, "
+    "registered_at = excluded.registered_at, last_seen_at = excluded.last_seen_at "
+    "WHERE participants.kind = excluded.kind "
+    "RETURNING epoch"
+)
+_CREATE_RUN = text(
+    "INSERT INTO runs (run, partitions, log_url, created_at) "
+    "VALUES (:run, :partitions, :log_url, :now) ON CONFLICT (run) DO NOTHING"
+)
+_TOUCH = text(
+    "UPDATE participants SET last_seen_at = CASE WHEN last_seen_at < :seen THEN :seen "
+    "ELSE last_seen_at END WHERE run = :run AND participant_id = :participant_id"
+)
+_EPISODES_STARTED = text(
+    "INSERT INTO episodes (run, episode, current_attempt, status, first_partition, first_offset, "
+    "started_at, updated_at) VALUES (:run, :episode, 0, 'running', :partition, :offset, "
+    ":started_at, :now) ON CONFLICT (run, episode) DO UPDATE SET "
+    "first_partition = COALESCE(episodes.first_partition, excluded.first_partition), "
+    "first_offset = COALESCE(episodes.first_offset, excluded.first_offset), "
+    "started_at = COALESCE(episodes.started_at, excluded.started_at), "
+    "updated_at = excluded.updated_at"
+)
+
+
+class Catalog:
+    """The SQL catalog of one deployment. Use ``async with`` or ``start()``/``stop()``."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        keep_committed: int = DEFAULT_KEEP_COMMITTED,
+        abort_pending_on_start: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        check_count(keep_committed, "keep_committed", minimum=1)
+        self._backend = backend
+        self._keep_committed = keep_committed
+        self._abort_pending_on_start = abort_pending_on_start
+        self._clock = clock
+        self._engine: AsyncEngine | None = None
+        self._reader: AsyncEngine | None = None
+        self._translated: tuple[type[BaseException], ...] = (
+            sa_exc.SQLAlchemyError,
+            OSError,
+            TimeoutError,
+            *backend.driver_errors(),
+        )
+        self.migrated_from: str | None = None
+        """The schema revision the last ``start()`` found (None: the database was empty)."""
+
+    @property
+    def backend(self) -> str:
+        """``sqlite`` or ``postgresql``."""
+        return self._backend.name
+
+    @property
+    def keep_committed(self) -> int:
+        return self._keep_committed
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, migrate the schema to this code's head, abort checkpoints left pending."""
+        if self._engine is not None:
+            return
+        engine = self._backend.create_engine()
+        try:
+            try:
+                async with engine.begin() as conn:
+                    await self._backend.lock_migrations(conn)
+                    before, _ = await conn.run_sync(_migrate.upgrade)
+            except RolloutlogError:
+                raise
+            except self._translated as e:
+                raise self._backend.translate(e) from e
+            self.migrated_from = before
+            self._engine = engine
+            self._reader = self._backend.read_engine(engine)
+            if self._abort_pending_on_start:
+                await self.abort_pending_checkpoints("aborted on start: left pending by a crash")
+        except BaseException:
+            self._engine = self._reader = None
+            await engine.dispose()
+            raise
+
+    async def stop(self) -> None:
+        """Close every connection; the catalog can be started again."""
+        engine, self._engine, self._reader = self._engine, None, None
+        if engine is not None:
+            await engine.dispose()
+
+    async def __aenter__(self) -> Catalog:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def schema_revision(self) -> str | None:
+        """The schema revision the database is at."""
+        async with self._read() as conn:
+            return await conn.run_sync(_migrate.current_revision)
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        if self._engine is None:
+            raise CatalogError("the catalog is not started")
+        try:
+            async with self._engine.begin() as conn:
+                yield conn
+        except RolloutlogError:
+            raise
+        except self._translated as e:
+            raise self._backend.translate(e) from e
+
+    @asynccontextmanager
+    async def _read(self) -> AsyncIterator[AsyncConnection]:
+        if self._reader is None:
+            raise CatalogError("the catalog is not started")
+        try:
+            async with self._reader.begin() as conn:
+                yield conn
+        except RolloutlogError:
+            raise
+        except self._translated as e:
+            raise self._backend.translate(e) from e
+
+    async def _query(self, fn: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        async with self._read() as conn:
+            return await fn(conn)
+
+    # -- runs and participants -----------------------------------------------------------------
+
+    async def create_run(
+        self, run: str, *, partitions: int | None = None, log_url: str | None = None
+    ) -> Run:
+        """Create a run, or return it if it exists with the same settings (else ``RunExists``).
+
+        ``None`` settings mean "as stored" for an existing run and the defaults for a new one.
+        """
+        check_run_name(run)
+        if partitions is not None:
+            check_count(partitions, "partitions", minimum=1)
+        if log_url is not None:
+            check_name(log_url, "log_url")
+        async with self._write() as conn:
+            await conn.execute(
+                _CREATE_RUN,
+                {
+                    "run": run,
+                    "partitions": partitions if partitions is not None else DEFAULT_PARTITIONS,
+                    "log_url": log_url,
+                    "now": self._clock(),
+                },
+            )
+            found = await _reads.get_run(conn, run)
+        differs = {
+            name: {"existing": existing, "requested": requested}
+            for name, existing, requested in (
+                ("partitions", found.partitions, partitions),
+                ("log_url", found.log_url, log_url),
+            )
+            if requested is not None and requested != existing
+        }
+        if differs:
+            raise RunExists(f"run {run!r} exists with other settings", run=run, settings=differs)
+        return found
+
+    async def get_run(self, run: str) -> Run:
+        return await self._query(lambda conn: _reads.get_run(conn, run))
+
+    async def run_summary(self, run: str) -> RunSummary:
+        """One run with its counts."""
+
+        async def query(conn: AsyncConnection) -> RunSummary:
+            return (await _reads.summarize_runs(conn, [await _reads.get_run(conn, run)]))[0]
+
+        return await self._query(query)
+
+    async def list_runs(self, *, after: str | None = None, limit: int = 100) -> list[RunSummary]:
+        """Runs with counts, by name; page with ``after=<last run's name>``."""
+        check_count(limit, "limit", minimum=1)
+        return await self._query(lambda conn: _reads.list_runs(conn, after, limit))
+
+    async def register_participant(self, run: str, participant_id: str, kind: str) -> int:
+        """Register (or re-register) a participant; return its new epoch (1, 2, …)."""
+        check_name(participant_id, "participant_id")
+        if kind not in PARTICIPANT_KINDS:
+            raise InvalidRequest(
+                f"participant kind must be one of {sorted(PARTICIPANT_KINDS)}, not {kind!r}",
+                field="kind",
+            )
+        async with self._write() as conn:
+            await _reads.get_run(conn, run)
+            epoch = (
+                await conn.execute(
+                    _REGISTER,
+                    {
+                        "run": run,
+                        "participant_id": participant_id,
+                        "kind": kind,
+                        "now": self._clock(),
+                    },
+                )
+            ).scalar_one_or_none()
+            if epoch is None:
+                existing = await conn.execute(
+                    text(
+                        "SELECT kind FROM participants WHERE run = :run AND participant_id = :pid"
+                    ),
+                    {"run": run, "pid": participant_id},
+                )
+                raise InvalidRequest(
+                    f"participant {participant_id!r} is registered as another kind",
+                    field="kind",
+                    registered_kind=existing.scalar_one(),
+                )
+            return int(epoch)
+
+    async def touch_participants(self, run: str, seen: Mapping[str, float]) -> None:
+        """Record when participants were last seen (never moves a time backwards)."""
+        if not seen:
+            return
+        async with self._write() as conn:
+            await _reads.get_run(conn, run)
+            await conn.execute(
+                _TOUCH,
+                [{"run": run, "participant_id": pid, "seen": at} for pid, at in seen.items()],
+            )
+
+    async def list_participants(self, run: str) -> list[Participant]:
+        return await self._query(lambda conn: _reads.list_participants(conn, run))
+
+    # -- fencing -------------------------------------------------------------------------------
+
+    async def take_over_controller(self, run: str, *, expected_epoch: int | None = None) -> int:
+        """Become the run's controller; return the new controller epoch.
+
+        With ``expected_epoch`` this is a compare-and-set: it fails with ``StaleController`` unless
+        the current epoch is still ``expected_epoch``, so of two takeovers that saw the same epoch
+        exactly one wins. Checkpoints left pending by the previous controller are aborted.
+        """
+        async with self._write() as conn:
+            row = await lock_run(conn, run)
+            current = int(row.controller_epoch)
+            if expected_epoch is not None and expected_epoch != current:
+                raise StaleController(
+                    f"controller epoch of run {run!r} is {current}, not {expected_epoch}",
+                    run=run,
+                    expected_epoch=expected_epoch,
+                    current_epoch=current,
+                )
+            new_epoch = current + 1
+            await conn.execute(
+                update(runs).where(runs.c.run == run).values(controller_epoch=new_epoch)
+            )
+            await conn.execute(
+                update(checkpoints)
+                .where(checkpoints.c.run == run, checkpoints.c.status == "pending")
+                .values(
+                    status="aborted",
+                    ended_at=self._clock(),
+                    reason=f"controller taken over by epoch {new_epoch}",
+                )
+            )
+            return new_epoch
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    async def begin_checkpoint(
+        self,
+        run: str,
+        controller_epoch: int,
+        *,
+        trigger: str = "request",
+        deadline_s: float | None = None,
+    ) -> int:
+        """Create the run's one ``pending`` checkpoint; return its id (strictly increasing)."""
+        check_name(trigger, "trigger")
+        check_positive_seconds(deadline_s, "deadline_s")
+        async with self._write() as conn:
+            row = await lock_run(conn, run, controller_epoch)
+            pending = (
+                await conn.execute(
+                    select(checkpoints.c.checkpoint_id).where(
+                        checkpoints.c.run == run, checkpoints.c.status == "pending"
+                    )
+                )
+            ).scalar_one_or_none()
+            if pending is not None:
+                raise CheckpointInProgress(
+                    f"checkpoint {pending} of run {run!r} is still pending",
+                    run=run,
+                    checkpoint_id=pending,
+                )
+            checkpoint_id = int(row.last_checkpoint_id) + 1
+            await conn.execute(
+                update(runs).where(runs.c.run == run).values(last_checkpoint_id=checkpoint_id)
+            )
+            await conn.execute(
+                insert(checkpoints).values(
+                    run=run,
+                    checkpoint_id=checkpoint_id,
+                    status="pending",
+                    trigger=trigger[:64],
+                    controller_epoch=controller_epoch,
+                    deadline_s=deadline_s,
+                    requested_at=self._clock(),
+                )
+            )
+            return checkpoint_id
+
+    async def mark_checkpoint(
+        self,
+        run: str,
+        checkpoint_id: int,
+        controller_epoch: int,
+        markers: Mapping[int, int],
+        *,
+        marked_at: float | None = None,
+    ) -> None:
+        """Record where the checkpoint's marker landed in each partition (partition → offset)."""
+        async with self._write() as conn:
+            row = await lock_run(conn, run, controller_epoch)
+            await pending_checkpoint(conn, run, checkpoint_id)
+            for partition, offset in markers.items():
+                check_count(partition, "partition")
+                check_count(offset, "marker offset")
+                if partition >= row.partitions:
+                    raise InvalidRequest(
+                        f"run {run!r} has {row.partitions} partitions, not partition {partition}",
+                        field="partition",
+                    )
+            where = (checkpoint_offsets.c.run == run) & (
+                checkpoint_offsets.c.checkpoint_id == checkpoint_id
+            )
+            await conn.execute(delete(checkpoint_offsets).where(where))
+            if markers:
+                await conn.execute(
+                    insert(checkpoint_offsets),
+                    [
+                        {
+                            "run": run,
+                            "checkpoint_id": checkpoint_id,
+                            "partition": partition,
+                            "marker_offset": offset,
+                            "replay_from": None,
+                        }
+                        for partition, offset in sorted(markers.items())
+                    ],
+                )
+            await conn.execute(
+                update(checkpoints)
+                .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id)
+                .values(marked_at=marked_at if marked_at is not None else self._clock())
+            )
+
+    async def commit_checkpoint(
+        self,
+        run: str,
+        checkpoint_id: int,
+        controller_epoch: int,
+        offsets: Sequence[PartitionOffset],
+        entries: Sequence[ManifestEntry],
+        *,
+        timings_ms: Mapping[str, float] | None = None,
+        marked_at: float | None = None,
+    ) -> Checkpoint:
+        """Commit a pending checkpoint manifest-last, in one transaction.
+
+        Writes one offset per partition and every manifest entry, marks finished episodes,
+        sets ``committed`` and the run's latest pointer, and applies retention: committed
+        checkpoints beyond the newest ``keep_committed`` become ``expired`` and lose their
+        manifest. A reader sees either none of it or all of it.
+        """
+        check_timings(timings_ms)
+        async with self._write() as conn:
+            return await commit_checkpoint_rows(
+                conn,
+                self._backend,
+                run=run,
+                checkpoint_id=checkpoint_id,
+                controller_epoch=controller_epoch,
+                offsets=offsets,
+                entries=entries,
+                timings_ms=dict(timings_ms or {}),
+                marked_at=marked_at,
+                now=self._clock(),
+                keep_committed=self._keep_committed,
+            )
+
+    async def abort_checkpoint(
+        self, run: str, checkpoint_id: int, controller_epoch: int, reason: str
+    ) -> None:
+        """Abort a pending checkpoint (aborting an aborted one again is a no-op)."""
+        async with self._write() as conn:
+            await lock_run(conn, run, controller_epoch)
+            status = await _checkpoint_status(conn, run, checkpoint_id)
+            if status == "aborted":
+                return
+            if status != "pending":
+                raise CheckpointNotPending(
+                    f"checkpoint {checkpoint_id} of run {run!r} is {status}; only a pending "
+                    "checkpoint can be aborted",
+                    run=run,
+                    checkpoint_id=checkpoint_id,
+                    status=status,
+                )
+            await conn.execute(
+                update(checkpoints)
+                .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id)
+                .values(status="aborted", ended_at=self._clock(), reason=reason)
+            )
+
+    async def abort_pending_checkpoints(self, reason: str) -> list[tuple[str, int]]:
+        """Abort every pending checkpoint of every run; return their (run, checkpoint id).
+
+        ``start()`` calls this (unless ``abort_pending_on_start=False``): a checkpoint pending when
+        the service died can never be committed, and it would block the run's next checkpoint.
+        """
+        async with self._write() as conn:
+            result = await conn.execute(
+                update(checkpoints)
+                .where(checkpoints.c.status == "pending")
+                .values(status="aborted", ended_at=self._clock(), reason=reason)
+                .returning(checkpoints.c.run, checkpoints.c.checkpoint_id)
+            )
+            return sorted((str(run), int(cid)) for run, cid in result.tuples())
+
+    async def get_checkpoint(self, run: str, checkpoint_id: int) -> Checkpoint:
+        return await self._query(lambda conn: _reads.get_checkpoint(conn, run, checkpoint_id))
+
+    async def latest_checkpoint(self, run: str) -> Checkpoint:
+        """The run's newest committed checkpoint (``UnknownCheckpoint`` if it has none)."""
+        return await self._query(lambda conn: _reads.latest_checkpoint(conn, run))
+
+    async def list_checkpoints(
+        self,
+        run: str,
+        *,
+        status: CheckpointStatus | None = None,
+        before: int | None = None,
+        limit: int = 100,
+    ) -> list[Checkpoint]:
+        """Checkpoints newest first; page with ``before=<last checkpoint id>``."""
+        check_count(limit, "limit", minimum=1)
+        return await self._query(
+            lambda conn: _reads.list_checkpoints(conn, run, status, before, limit)
+        )
+
+    async def manifest_page(
+        self,
+        run: str,
+        checkpoint_id: int,
+        *,
+        after: str | None = None,
+        limit: int = 1000,
+        action: ManifestAction | None = None,
+    ) -> list[ManifestEntry]:
+        """Manifest entries by episode id; page with ``after=<last episode>``."""
+        check_count(limit, "limit", minimum=1)
+        return await self._query(
+            lambda conn: _reads.manifest_page(conn, run, checkpoint_id, after, limit, action)
+        )
+
+    async def load_manifest(self, run: str, checkpoint_id: int) -> list[ManifestEntry]:
+        """The whole manifest of a committed checkpoint, read in one snapshot."""
+        return await self._query(
+            lambda conn: _reads.manifest_page(conn, run, checkpoint_id, None, None)
+        )
+
+    async def stream_manifest(
+        self, run: str, checkpoint_id: int, *, batch_size: int = 2000
+    ) -> AsyncIterator[ManifestEntry]:
+        """Iterate a manifest in batches, holding no connection between them.
+
+        Each batch checks that the checkpoint is still committed, so a checkpoint that expires
+        mid-stream raises ``UnknownCheckpoint`` instead of ending the stream early.
+        """
+        check_count(batch_size, "batch_size", minimum=1)
+        after: str | None = None
+        while True:
+            batch = await self.manifest_page(run, checkpoint_id, after=after, limit=batch_size)
+            for entry in batch:
+                yield entry
+            if len(batch) < batch_size:
+                return
+            after = batch[-1].episode
+
+    async def staging_keys(self, run: str) -> frozenset[str]:
+        """Staging keys referenced by the run's committed checkpoints (the trainer keeps them)."""
+        return await self._query(lambda conn: _reads.staging_keys(conn, run))
+
+    # -- restores and episodes -----------------------------------------------------------------
+
+    async def commit_restore(
+        self,
+        run: str,
+        controller_epoch: int,
+        checkpoint_id: int,
+        entries: Sequence[RestoreEntry],
+        *,
+        timings_ms: Mapping[str, float] | None = None,
+    ) -> Restore:
+        """Commit a restore plan and make its new attempts current, in one transaction.
+
+        The checkpoint must be committed (else ``UnknownCheckpoint``). The plan must account for
+        every ``continue``/``restart`` episode of its manifest exactly once, name only episodes
+        of the manifest, never continue a finished or restart-only episode, and start from each
+        episode's current attempt.
+        """
+        check_timings(timings_ms)
+        seen: set[str] = set()
+        for entry in entries:
+            check_episode(entry.episode)
+            if entry.episode in seen:
+                raise InvalidRequest(
+                    f"episode {entry.episode!r} appears twice in the restore plan",
+                    episode=entry.episode,
+                )
+            seen.add(entry.episode)
+            if entry.action not in RESTORE_ACTIONS:
+                raise InvalidRequest(
+                    f"restore action must be one of {sorted(RESTORE_ACTIONS)}",
+                    episode=entry.episode,
+                )
+            check_count(entry.previous_attempt, "previous_attempt")
+            check_count(entry.attempt, "attempt", minimum=entry.previous_attempt + 1)
+        async with self._write() as conn:
+            return await commit_restore_rows(
+                conn,
+                self._backend,
+                run=run,
+                controller_epoch=controller_epoch,
+                checkpoint_id=checkpoint_id,
+                entries=entries,
+                timings_ms=dict(timings_ms or {}),
+                now=self._clock(),
+            )
+
+    async def get_restore(self, run: str, restore_id: int) -> Restore:
+        return await self._query(lambda conn: _reads.get_restore(conn, run, restore_id))
+
+    async def list_restores(
+        self, run: str, *, before: int | None = None, limit: int = 100
+    ) -> list[Restore]:
+        """Restores newest first; page with ``before=<last restore id>``."""
+        check_count(limit, "limit", minimum=1)
+        return await self._query(lambda conn: _reads.list_restores(conn, run, before, limit))
+
+    async def restore_episodes(
+        self,
+        run: str,
+        restore_id: int,
+        *,
+        action: RestoreAction | None = None,
+        after: str | None = None,
+        limit: int | None = 1000,
+    ) -> list[RestoreEntry]:
+        """A restore's episodes by episode id; page with ``after``; ``limit=None`` for all."""
+        if limit is not None:
+            check_count(limit, "limit", minimum=1)
+        return await self._query(
+            lambda conn: _reads.restore_entries(conn, run, restore_id, action, after, limit)
+        )
+
+    async def record_episodes(self, run: str, started: Sequence[EpisodeStart]) -> None:
+        """Record where episodes started (first write wins; attempts are the restores' to set)."""
+        if not started:
+            return
+        for start in started:
+            check_episode(start.episode)
+        now = self._clock()
+        async with self._write() as conn:
+            await _reads.get_run(conn, run)
+            await conn.execute(
+                _EPISODES_STARTED,
+                [
+                    {
+                        "run": run,
+                        "episode": start.episode,
+                        "partition": start.partition,
+                        "offset": start.offset,
+                        "started_at": start.started_at,
+                        "now": now,
+                    }
+                    for start in started
+                ],
+            )
+
+    async def get_episode(self, run: str, episode: str) -> Episode:
+        return await self._query(lambda conn: _reads.get_episode(conn, run, episode))
+
+    async def list_episodes(
+        self,
+        run: str,
+        *,
+        status: EpisodeStatus | None = None,
+        after: str | None = None,
+        limit: int = 1000,
+    ) -> list[Episode]:
+        """Episodes by id, optionally of one status; page with ``after=<last episode>``."""
+        check_count(limit, "limit", minimum=1)
+        return await self._query(lambda conn: _reads.list_episodes(conn, run, status, after, limit))
+
+    async def current_attempts(self, run: str) -> dict[str, int]:
+        """Every recorded episode's current attempt (episodes absent here are at attempt 0)."""
+        return await self._query(lambda conn: _reads.current_attempts(conn, run))
+
+    async def run_stats(self, run: str) -> RunStats:
+        return await self._query(lambda conn: _reads.run_stats(conn, run))
+
+
+async def _checkpoint_status(conn: AsyncConnection, run: str, checkpoint_id: int) -> str:
+    status = (
+        await conn.execute(
+            select(checkpoints.c.status).where(
+                checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id
+            )
+        )
+    ).scalar_one_or_none()
+    if status is None:
+        raise UnknownCheckpoint(
+            f"run {run!r} has no checkpoint {checkpoint_id}", run=run, checkpoint_id=checkpoint_id
+        )
+    return str(status)

@@ -1,0 +1,90 @@
+"""PostgreSQL backend (``postgresql+asyncpg://``): production, shared by service replicas.
+
+Writes run in READ COMMITTED and serialize per run on the ``runs`` row (``FOR NO KEY UPDATE``, which
+does not block foreign-key checks of concurrent inserts); reads run in REPEATABLE READ, read-only,
+so a checkpoint and its manifest come from one snapshot. Bulk rows go through asyncpg's binary
+``COPY``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import asyncpg  # type: ignore[import-untyped]
+from sqlalchemy import Table, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from rolloutlog.catalog._backend import Backend, integrity_error
+from rolloutlog.errors import BackendUnavailable, CatalogError, RolloutlogError
+
+# Any constant works; it only has to be the same for every process that migrates this catalog.
+_MIGRATION_LOCK_KEY = 0x726F6C6C6F7574
+_CONNECT_TIMEOUT_S = 10
+_UNAVAILABLE_SQLSTATES = {
+    "57P01",  # admin_shutdown
+    "57P02",  # crash_shutdown
+    "57P03",  # cannot_connect_now
+    "53300",  # too_many_connections
+    "40001",  # serialization_failure: nothing was written, a retry may succeed
+    "40P01",  # deadlock_detected: likewise
+}
+
+
+class PostgresBackend(Backend):
+    name: ClassVar[str] = "postgresql"
+
+    def create_engine(self) -> AsyncEngine:
+        return create_async_engine(
+            self.url,
+            pool_size=5,
+            max_overflow=5,
+            connect_args={
+                "timeout": _CONNECT_TIMEOUT_S,
+                "server_settings": {"application_name": "rolloutlog-catalog"},
+            },
+        )
+
+    def read_engine(self, engine: AsyncEngine) -> AsyncEngine:
+        return engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+
+    async def bulk_insert(
+        self,
+        conn: AsyncConnection,
+        table: Table,
+        columns: Sequence[str],
+        rows: list[tuple[Any, ...]],
+    ) -> None:
+        if not rows:
+            return
+        raw = await conn.get_raw_connection()
+        driver: Any = raw.driver_connection
+        if not driver.is_in_transaction():
+            # COPY outside the transaction would commit on its own: manifest-last needs it inside.
+            raise CatalogError("bulk insert outside a transaction", table=table.name)
+        await driver.copy_records_to_table(table.name, records=rows, columns=list(columns))
+
+    async def lock_migrations(self, conn: AsyncConnection) -> None:
+        await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
+
+    def driver_errors(self) -> tuple[type[BaseException], ...]:
+        return (asyncpg.PostgresError, asyncpg.InterfaceError)
+
+    def classify(self, error: BaseException) -> RolloutlogError | None:
+        if isinstance(error, asyncpg.PostgresConnectionError | asyncpg.InterfaceError):
+            return BackendUnavailable(f"PostgreSQL catalog unavailable: {error}", backend=self.name)
+        sqlstate = getattr(error, "sqlstate", None)
+        if not isinstance(sqlstate, str):
+            return None
+        if sqlstate.startswith("08") or sqlstate in _UNAVAILABLE_SQLSTATES:
+            return BackendUnavailable(
+                f"PostgreSQL catalog unavailable ({sqlstate}): {error}", backend=self.name
+            )
+        if sqlstate.startswith("23"):
+            return integrity_error(error)
+        if sqlstate == "42P01":  # undefined_table
+            return CatalogError(
+                f"the catalog has no schema ({error}); call start() to migrate it",
+                backend=self.name,
+            )
+        return None

@@ -1,0 +1,206 @@
+"""Immutable values the catalog takes and returns.
+
+Most are frozen dataclasses. The two that come by the ten thousand, ``ManifestEntry`` and
+``RestoreEntry``, are ``NamedTuple``s: building one costs a single tuple allocation, where a
+frozen dataclass pays an ``object.__setattr__`` per field, which dominated reading a
+16,000-entry manifest back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+ParticipantKind = Literal["environment", "policy", "agent", "resources"]
+CheckpointStatus = Literal["pending", "committed", "aborted", "expired"]
+ManifestAction = Literal["continue", "restart", "finished"]
+RestoreAction = Literal["continue", "restart", "excluded"]
+EpisodeStatus = Literal["running", "finished", "excluded"]
+
+PARTICIPANT_KINDS: frozenset[str] = frozenset({"environment", "policy", "agent", "resources"})
+CHECKPOINT_STATUSES: frozenset[str] = frozenset({"pending", "committed", "aborted", "expired"})
+MANIFEST_ACTIONS: frozenset[str] = frozenset({"continue", "restart", "finished"})
+RESTORE_ACTIONS: frozenset[str] = frozenset({"continue", "restart", "excluded"})
+EPISODE_STATUSES: frozenset[str] = frozenset({"running", "finished", "excluded"})
+
+DEFAULT_PARTITIONS = 16
+DEFAULT_KEEP_COMMITTED = 2
+
+
+def capture_key(episode: str, attempt: int) -> str:
+    """The capture key of an attempt: ``r17`` for attempt 0, ``r17-a2`` for attempt 2."""
+    return episode if attempt == 0 else f"{episode}-a{attempt}"
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """A run's settings and its fencing state."""
+
+    run: str
+    partitions: int
+    log_url: str | None
+    controller_epoch: int
+    latest_checkpoint_id: int | None
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """A run with the counts an analyst's run list shows."""
+
+    run: Run
+    participant_count: int
+    checkpoint_counts: Mapping[str, int]
+    restore_count: int
+    episode_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Participant:
+    run: str
+    participant_id: str
+    kind: ParticipantKind
+    epoch: int
+    registered_at: float
+    last_seen_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionOffset:
+    """One partition of a checkpoint: its marker offset and where a restore replays it from."""
+
+    partition: int
+    marker: int
+    replay_from: int | None = None
+
+
+class ManifestEntry(NamedTuple):
+    """One episode of a checkpoint's manifest."""
+
+    episode: str
+    attempt: int
+    action: ManifestAction
+    cut_partition: int
+    cut_offset: int
+    last_stage: str | None = None
+    staging_keys: tuple[str, ...] = ()
+    size_bytes: int = 0
+
+    @property
+    def capture_key(self) -> str:
+        return capture_key(self.episode, self.attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A checkpoint's catalog row with its per-partition offsets."""
+
+    run: str
+    checkpoint_id: int
+    status: CheckpointStatus
+    trigger: str
+    controller_epoch: int
+    deadline_s: float | None
+    requested_at: float
+    marked_at: float | None
+    committed_at: float | None
+    ended_at: float | None
+    continue_count: int
+    restart_count: int
+    finished_count: int
+    entry_count: int
+    size_bytes: int
+    reason: str | None
+    timings_ms: Mapping[str, float] = field(default_factory=dict)
+    offsets: tuple[PartitionOffset, ...] = ()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """``{"continue", "restart", "finished"}`` as in the REST reply."""
+        return {
+            "continue": self.continue_count,
+            "restart": self.restart_count,
+            "finished": self.finished_count,
+        }
+
+
+class RestoreEntry(NamedTuple):
+    """One episode of a restore plan: its previous and new attempt and what happens to it."""
+
+    episode: str
+    previous_attempt: int
+    attempt: int
+    action: RestoreAction
+    reason: str | None = None
+
+    @property
+    def capture_key(self) -> str:
+        return capture_key(self.episode, self.attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    run: str
+    restore_id: int
+    checkpoint_id: int
+    controller_epoch: int
+    committed_at: float
+    continue_count: int
+    restart_count: int
+    excluded_count: int
+    timings_ms: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """``{"continue", "restart", "excluded"}`` as in the REST reply."""
+        return {
+            "continue": self.continue_count,
+            "restart": self.restart_count,
+            "excluded": self.excluded_count,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeStart:
+    """Where an episode's first event landed, as the projector saw it."""
+
+    episode: str
+    partition: int
+    offset: int
+    started_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    run: str
+    episode: str
+    current_attempt: int
+    status: EpisodeStatus
+    first_partition: int | None
+    first_offset: int | None
+    started_at: float | None
+    finished_at: float | None
+    updated_at: float
+
+    @property
+    def capture_key(self) -> str:
+        return capture_key(self.episode, self.current_attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class RunStats:
+    """Catalog-side statistics of one run (event counts live in the log)."""
+
+    run: str
+    participant_count: int
+    checkpoint_counts: Mapping[str, int]
+    episode_counts: Mapping[str, int]
+    restore_count: int
+    latest_checkpoint_id: int | None
+    latest_entry_count: int
+    latest_size_bytes: int
+    checkpoint_duration_ms_mean: float | None
+    checkpoint_duration_ms_max: float | None
+    checkpoint_duration_ms_last: float | None
+    last_restore_at: float | None

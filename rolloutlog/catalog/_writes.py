@@ -1,0 +1,482 @@
+"""The two large write transactions (checkpoint commit, restore commit) and their shared checks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+from sqlalchemy import delete, insert, select, text, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from rolloutlog.catalog._backend import Backend
+from rolloutlog.catalog._schema import (
+    checkpoint_offsets,
+    checkpoints,
+    episodes,
+    manifest_entries,
+    restore_episodes,
+    restores,
+    runs,
+)
+from rolloutlog.catalog._validate import check_count, check_episode
+from rolloutlog.catalog._values import (
+    Checkpoint,
+    ManifestEntry,
+    PartitionOffset,
+    Restore,
+    RestoreEntry,
+    capture_key,
+)
+from rolloutlog.errors import (
+    CheckpointNotPending,
+    InvalidRequest,
+    StaleController,
+    UnknownCheckpoint,
+    UnknownEpisode,
+    UnknownRun,
+)
+
+MANIFEST_COLUMNS = (
+    "run",
+    "checkpoint_id",
+    "episode",
+    "attempt",
+    "action",
+    "cut_partition",
+    "cut_offset",
+    "last_stage",
+    "staging_keys",
+    "size_bytes",
+)
+RESTORE_EPISODE_COLUMNS = (
+    "run",
+    "restore_id",
+    "episode",
+    "previous_attempt",
+    "attempt",
+    "capture_key",
+    "action",
+    "reason",
+)
+_EPISODES_FINISHED = text(
+    "INSERT INTO episodes (run, episode, current_attempt, status, finished_at, updated_at) "
+    "VALUES (:run, :episode, :attempt, 'finished', :now, :now) "
+    "ON CONFLICT (run, episode) DO UPDATE SET status = 'finished', "
+    "finished_at = COALESCE(episodes.finished_at, excluded.finished_at), "
+    "updated_at = excluded.updated_at"
+)
+_EPISODES_RESTORED = text(
+    "INSERT INTO episodes (run, episode, current_attempt, status, updated_at) "
+    "VALUES (:run, :episode, :attempt, :status, :now) "
+    "ON CONFLICT (run, episode) DO UPDATE SET current_attempt = excluded.current_attempt, "
+    "status = excluded.status, updated_at = excluded.updated_at"
+)
+
+
+async def lock_run(conn: AsyncConnection, run: str, controller_epoch: int | None = None) -> Any:
+    """Lock the run's row for this transaction; check the controller epoch when given.
+
+    On PostgreSQL ``FOR NO KEY UPDATE`` queues concurrent fencing writes of the same run without
+    blocking inserts that only reference the run; SQLite's ``BEGIN IMMEDIATE`` already serializes.
+    """
+    row = (
+        await conn.execute(
+            select(
+                runs.c.partitions,
+                runs.c.controller_epoch,
+                runs.c.last_checkpoint_id,
+                runs.c.last_restore_id,
+            )
+            .where(runs.c.run == run)
+            .with_for_update(key_share=True)
+        )
+    ).one_or_none()
+    if row is None:
+        raise UnknownRun(f"no run {run!r}", run=run)
+    if controller_epoch is not None:
+        current = int(row.controller_epoch)
+        if current == 0:
+            raise StaleController(
+                f"run {run!r} has no controller yet: take over the controller first",
+                run=run,
+                controller_epoch=controller_epoch,
+                current_epoch=current,
+            )
+        if controller_epoch != current:
+            raise StaleController(
+                f"controller epoch {controller_epoch} of run {run!r} is stale (current: {current})",
+                run=run,
+                controller_epoch=controller_epoch,
+                current_epoch=current,
+            )
+    return row
+
+
+async def pending_checkpoint(conn: AsyncConnection, run: str, checkpoint_id: int) -> Any:
+    row = (
+        await conn.execute(
+            select(checkpoints).where(
+                checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id
+            )
+        )
+    ).one_or_none()
+    if row is None:
+        raise UnknownCheckpoint(
+            f"run {run!r} has no checkpoint {checkpoint_id}", run=run, checkpoint_id=checkpoint_id
+        )
+    if row.status != "pending":
+        raise CheckpointNotPending(
+            f"checkpoint {checkpoint_id} of run {run!r} is {row.status}, not pending",
+            run=run,
+            checkpoint_id=checkpoint_id,
+            status=row.status,
+        )
+    return row
+
+
+def _bad_entry(entry: ManifestEntry, problem: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"manifest entry of episode {entry.episode!r}: {problem}", episode=entry.episode
+    )
+
+
+def manifest_rows(
+    run: str, checkpoint_id: int, entries: Sequence[ManifestEntry]
+) -> tuple[list[tuple[Any, ...]], dict[str, int], int, int]:
+    """Check and encode entries as rows; return (rows, counts per action, bytes, max partition).
+
+    One pass with no per-entry allocation beyond the row tuple: this runs 16,000 times inside
+    the checkpoint's time budget.
+    """
+    rows: list[tuple[Any, ...]] = []
+    append = rows.append
+    counts = {"continue": 0, "restart": 0, "finished": 0}
+    seen: set[str] = set()
+    total_bytes = 0
+    max_partition = 0
+    dumps = orjson.dumps
+    for entry in entries:
+        episode, attempt, action, partition, offset, stage, keys, size = entry
+        if episode in seen:
+            raise _bad_entry(entry, "the episode appears twice")
+        seen.add(episode)
+        check_episode(episode)
+        if action not in counts:
+            raise _bad_entry(entry, f"action must be one of {sorted(counts)}, not {action!r}")
+        counts[action] += 1
+        if not (
+            type(attempt) is int
+            and type(partition) is int
+            and type(offset) is int
+            and type(size) is int
+            and attempt >= 0
+            and partition >= 0
+            and offset >= 0
+            and size >= 0
+        ):
+            raise _bad_entry(entry, "attempt, cut and size_bytes must be integers >= 0")
+        if partition > max_partition:
+            max_partition = partition
+        total_bytes += size
+        if stage is not None and type(stage) is not str:
+            raise _bad_entry(entry, "last_stage must be a string or None")
+        encoded = None
+        if keys:
+            for key in keys:
+                if type(key) is not str:
+                    raise _bad_entry(entry, "staging keys must be strings")
+            encoded = dumps(keys).decode()
+        append(
+            (run, checkpoint_id, episode, attempt, action, partition, offset, stage, encoded, size)
+        )
+    return rows, counts, total_bytes, max_partition
+
+
+def _check_offsets(run: str, partitions: int, offsets: Sequence[PartitionOffset]) -> None:
+    found = sorted(offset.partition for offset in offsets)
+    if found != list(range(partitions)):
+        raise InvalidRequest(
+            f"a checkpoint of run {run!r} needs one offset for each of its {partitions} partitions",
+            field="offsets",
+            partitions=partitions,
+            given=found,
+        )
+    for offset in offsets:
+        check_count(offset.marker, "marker")
+        if offset.replay_from is not None:
+            check_count(offset.replay_from, "replay_from")
+            if offset.replay_from > offset.marker:
+                raise InvalidRequest(
+                    f"partition {offset.partition}: replay_from is after the marker",
+                    field="offsets",
+                    partition=offset.partition,
+                )
+
+
+async def commit_checkpoint_rows(
+    conn: AsyncConnection,
+    backend: Backend,
+    *,
+    run: str,
+    checkpoint_id: int,
+    controller_epoch: int,
+    offsets: Sequence[PartitionOffset],
+    entries: Sequence[ManifestEntry],
+    timings_ms: dict[str, float],
+    marked_at: float | None,
+    now: float,
+    keep_committed: int,
+) -> Checkpoint:
+    rows, counts, total_bytes, max_partition = manifest_rows(run, checkpoint_id, entries)
+    run_row = await lock_run(conn, run, controller_epoch)
+    pending = await pending_checkpoint(conn, run, checkpoint_id)
+    partitions = int(run_row.partitions)
+    _check_offsets(run, partitions, offsets)
+    if rows and max_partition >= partitions:
+        raise InvalidRequest(
+            f"a manifest entry cuts partition {max_partition}; run {run!r} has {partitions}",
+            field="entries",
+        )
+    this = (checkpoint_offsets.c.run == run) & (checkpoint_offsets.c.checkpoint_id == checkpoint_id)
+    await conn.execute(delete(checkpoint_offsets).where(this))
+    await conn.execute(
+        insert(checkpoint_offsets),
+        [
+            {
+                "run": run,
+                "checkpoint_id": checkpoint_id,
+                "partition": offset.partition,
+                "marker_offset": offset.marker,
+                "replay_from": offset.replay_from,
+            }
+            for offset in sorted(offsets, key=lambda offset: offset.partition)
+        ],
+    )
+    await backend.bulk_insert(conn, manifest_entries, MANIFEST_COLUMNS, rows)
+    if counts["finished"]:
+        await conn.execute(
+            _EPISODES_FINISHED,
+            [
+                {"run": run, "episode": entry.episode, "attempt": entry.attempt, "now": now}
+                for entry in entries
+                if entry.action == "finished"
+            ],
+        )
+    marked = pending.marked_at if pending.marked_at is not None else marked_at
+    await conn.execute(
+        update(checkpoints)
+        .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id)
+        .values(
+            status="committed",
+            committed_at=now,
+            marked_at=marked,
+            continue_count=counts["continue"],
+            restart_count=counts["restart"],
+            finished_count=counts["finished"],
+            entry_count=len(rows),
+            size_bytes=total_bytes,
+            timings_ms=orjson.dumps(timings_ms).decode() if timings_ms else None,
+        )
+    )
+    await conn.execute(
+        update(runs).where(runs.c.run == run).values(latest_checkpoint_id=checkpoint_id)
+    )
+    await _apply_retention(conn, run, keep_committed, now)
+    return Checkpoint(
+        run=run,
+        checkpoint_id=checkpoint_id,
+        status="committed",
+        trigger=pending.trigger,
+        controller_epoch=pending.controller_epoch,
+        deadline_s=pending.deadline_s,
+        requested_at=pending.requested_at,
+        marked_at=marked,
+        committed_at=now,
+        ended_at=None,
+        continue_count=counts["continue"],
+        restart_count=counts["restart"],
+        finished_count=counts["finished"],
+        entry_count=len(rows),
+        size_bytes=total_bytes,
+        reason=None,
+        timings_ms=timings_ms,
+        offsets=tuple(sorted(offsets, key=lambda offset: offset.partition)),
+    )
+
+
+async def _apply_retention(conn: AsyncConnection, run: str, keep: int, now: float) -> None:
+    """Expire committed checkpoints beyond the newest ``keep`` and delete their manifests."""
+    expired = (
+        (
+            await conn.execute(
+                select(checkpoints.c.checkpoint_id)
+                .where(checkpoints.c.run == run, checkpoints.c.status == "committed")
+                .order_by(checkpoints.c.checkpoint_id.desc())
+                .offset(keep)
+            )
+        )
+        .scalars()
+        .all()
+    )
+    if not expired:
+        return
+    await conn.execute(
+        update(checkpoints)
+        .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id.in_(expired))
+        .values(status="expired", ended_at=now)
+    )
+    await conn.execute(
+        delete(manifest_entries).where(
+            manifest_entries.c.run == run, manifest_entries.c.checkpoint_id.in_(expired)
+        )
+    )
+
+
+async def commit_restore_rows(
+    conn: AsyncConnection,
+    backend: Backend,
+    *,
+    run: str,
+    controller_epoch: int,
+    checkpoint_id: int,
+    entries: Sequence[RestoreEntry],
+    timings_ms: dict[str, float],
+    now: float,
+) -> Restore:
+    run_row = await lock_run(conn, run, controller_epoch)
+    status = (
+        await conn.execute(
+            select(checkpoints.c.status).where(
+                checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id
+            )
+        )
+    ).scalar_one_or_none()
+    if status != "committed":
+        raise UnknownCheckpoint(
+            f"checkpoint {checkpoint_id} of run {run!r} "
+            + ("does not exist" if status is None else f"is {status}")
+            + ": only a committed checkpoint can be restored",
+            run=run,
+            checkpoint_id=checkpoint_id,
+            status=status,
+        )
+    manifest: dict[str, str] = dict(
+        (
+            await conn.execute(
+                select(manifest_entries.c.episode, manifest_entries.c.action).where(
+                    manifest_entries.c.run == run,
+                    manifest_entries.c.checkpoint_id == checkpoint_id,
+                )
+            )
+        )
+        .tuples()
+        .all()
+    )
+    current: dict[str, int] = dict(
+        (
+            await conn.execute(
+                select(episodes.c.episode, episodes.c.current_attempt).where(episodes.c.run == run)
+            )
+        )
+        .tuples()
+        .all()
+    )
+    restore_id = int(run_row.last_restore_id) + 1
+    counts = {"continue": 0, "restart": 0, "excluded": 0}
+    rows: list[tuple[Any, ...]] = []
+    for entry in entries:
+        episode, action = entry.episode, entry.action
+        planned = manifest.get(episode)
+        if planned is None:
+            raise UnknownEpisode(
+                f"episode {episode!r} is not in the manifest of checkpoint {checkpoint_id}",
+                run=run,
+                checkpoint_id=checkpoint_id,
+                episode=episode,
+            )
+        if (planned == "finished" and action != "excluded") or (
+            planned == "restart" and action == "continue"
+        ):
+            raise InvalidRequest(
+                f"episode {episode!r} is {planned} in checkpoint {checkpoint_id}; "
+                f"it cannot be restored as {action}",
+                episode=episode,
+                manifest_action=planned,
+                action=action,
+            )
+        attempt_now = current.get(episode, 0)
+        if entry.previous_attempt != attempt_now:
+            raise InvalidRequest(
+                f"episode {episode!r} is at attempt {attempt_now}, the plan assumed "
+                f"{entry.previous_attempt}: the plan is stale",
+                episode=episode,
+                current_attempt=attempt_now,
+                previous_attempt=entry.previous_attempt,
+            )
+        counts[action] += 1
+        rows.append(
+            (
+                run,
+                restore_id,
+                episode,
+                entry.previous_attempt,
+                entry.attempt,
+                capture_key(episode, entry.attempt),
+                action,
+                entry.reason,
+            )
+        )
+    planned_episodes = {entry.episode for entry in entries}
+    missing = sorted(
+        episode
+        for episode, action in manifest.items()
+        if action != "finished" and episode not in planned_episodes
+    )
+    if missing:
+        raise InvalidRequest(
+            f"the restore plan leaves {len(missing)} live episode(s) of checkpoint "
+            f"{checkpoint_id} unaccounted for",
+            episodes=missing[:20],
+        )
+    await conn.execute(update(runs).where(runs.c.run == run).values(last_restore_id=restore_id))
+    encoded_timings = orjson.dumps(timings_ms).decode() if timings_ms else None
+    await conn.execute(
+        insert(restores).values(
+            run=run,
+            restore_id=restore_id,
+            checkpoint_id=checkpoint_id,
+            controller_epoch=controller_epoch,
+            committed_at=now,
+            continue_count=counts["continue"],
+            restart_count=counts["restart"],
+            excluded_count=counts["excluded"],
+            timings_ms=encoded_timings,
+        )
+    )
+    await backend.bulk_insert(conn, restore_episodes, RESTORE_EPISODE_COLUMNS, rows)
+    if entries:
+        await conn.execute(
+            _EPISODES_RESTORED,
+            [
+                {
+                    "run": run,
+                    "episode": entry.episode,
+                    "attempt": entry.attempt,
+                    "status": "excluded" if entry.action == "excluded" else "running",
+                    "now": now,
+                }
+                for entry in entries
+            ],
+        )
+    return Restore(
+        run=run,
+        restore_id=restore_id,
+        checkpoint_id=checkpoint_id,
+        controller_epoch=controller_epoch,
+        committed_at=now,
+        continue_count=counts["continue"],
+        restart_count=counts["restart"],
+        excluded_count=counts["excluded"],
+        timings_ms=timings_ms,
+    )
