@@ -6,14 +6,19 @@ cost one fsync. An append's future resolves only after its group committed (``sy
 durable across a SIGKILL of the process and across power loss). Readers use their own connections;
 WAL lets them read while the writer writes.
 
-A record's row id is ``partition << 40 | offset``, so the table's own primary key orders records by
-partition and offset, and a range read is one index range scan.
+Records are stored in *segments*, like Kafka's record batches: the records of one partition that
+one commit group appended become one row (split at ``_SEGMENT_BYTES``), whose id is
+``partition << 40 | first offset``. The table's own primary key then orders segments by partition and
+offset, a range read is one index range scan, and a group of thousands of small events costs a few
+row inserts instead of thousands.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import sys
 import queue
 import sqlite3
 import threading
@@ -39,12 +44,20 @@ _OFFSET_BITS = 40
 _MAX_PARTITIONS = 1 << 16
 #: A commit group stops growing at this many bytes (bounds the writer's memory and latency).
 _GROUP_BYTES = 64 * 1024 * 1024
-#: A read page stops at this many bytes or rows, whichever comes first.
+#: A segment stops growing at this many bytes (a larger record is a segment of its own).
+_SEGMENT_BYTES = 1024 * 1024
+#: A read page stops at this many bytes or segments, whichever comes first.
 _PAGE_BYTES = 8 * 1024 * 1024
-_PAGE_ROWS = 4096
+_PAGE_SEGMENTS = 64
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS records (id INTEGER PRIMARY KEY, value BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS segments (
+    id INTEGER PRIMARY KEY,  -- partition << 40 | offset of the first record
+    count INTEGER NOT NULL,
+    value BLOB NOT NULL      -- count little-endian uint32 lengths, then the records
+);
 CREATE TABLE IF NOT EXISTS partitions (
     partition INTEGER PRIMARY KEY,
     start_offset INTEGER NOT NULL DEFAULT 0
@@ -57,8 +70,36 @@ def _row_id(partition: int, offset: int) -> int:
     return (partition << _OFFSET_BITS) | offset
 
 
+def _encode_segment(values: list[bytes]) -> bytes:
+    lengths = array.array("I", [len(value) for value in values])
+    if not _LITTLE_ENDIAN:
+        lengths.byteswap()
+    return lengths.tobytes() + b"".join(values)
+
+
+def _decode_segment(
+    first: int, count: int, blob: bytes, start: int, end: int
+) -> list[tuple[int, bytes]]:
+    """The records of a segment whose offsets fall in ``[start, end)``."""
+    lengths = array.array("I")
+    lengths.frombytes(blob[: 4 * count])
+    if not _LITTLE_ENDIAN:
+        lengths.byteswap()
+    view = memoryview(blob)
+    position = 4 * count
+    out: list[tuple[int, bytes]] = []
+    for index, length in enumerate(lengths):
+        offset = first + index
+        if start <= offset < end:
+            out.append((offset, bytes(view[position : position + length])))
+        position += length
+    return out
+
+
 def _connect(path: Path, synchronous: str) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    # Large pages keep big payloads in few overflow pages (only effective on a new file).
+    conn.execute("PRAGMA page_size=65536")
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA synchronous={synchronous}")
     return conn
@@ -103,11 +144,11 @@ class _RunFile:
         self.start_offsets = [starts.get(p, 0) for p in range(self.partitions)]
         self.next_offsets = []
         for p in range(self.partitions):
-            (last,) = conn.execute(
-                "SELECT max(id) FROM records WHERE id >= ? AND id < ?",
+            last = conn.execute(
+                "SELECT id, count FROM segments WHERE id >= ? AND id < ? ORDER BY id DESC LIMIT 1",
                 (_row_id(p, 0), _row_id(p + 1, 0)),
             ).fetchone()
-            following = 0 if last is None else (last & ((1 << _OFFSET_BITS) - 1)) + 1
+            following = 0 if last is None else (last[0] & _OFFSET_MASK) + last[1]
             self.next_offsets.append(max(following, self.start_offsets[p]))
         self.thread = threading.Thread(
             target=self._write_loop, name=f"rolloutlog-writer-{self.path.stem}", daemon=True
@@ -162,7 +203,9 @@ class _RunFile:
         assert self.conn is not None
         saved = list(self.next_offsets)
         next_offsets = self.next_offsets
-        rows: list[tuple[int, bytes]] = []
+        # Per partition: the open segment's first offset, values and size.
+        open_segments: dict[int, tuple[int, list[bytes], list[int]]] = {}
+        rows: list[tuple[int, int, bytes]] = []
         results: list[list[Position]] = []
         for request in group:
             positions = []
@@ -170,12 +213,21 @@ class _RunFile:
                 partition = record.partition
                 offset = next_offsets[partition]
                 next_offsets[partition] = offset + 1
-                rows.append(((partition << _OFFSET_BITS) | offset, record.value))
                 positions.append(Position(partition, offset))
+                segment = open_segments.get(partition)
+                if segment is not None and segment[2][0] + len(record.value) > _SEGMENT_BYTES:
+                    rows.append(_segment_row(partition, segment))
+                    segment = None
+                if segment is None:
+                    open_segments[partition] = (offset, [record.value], [len(record.value)])
+                else:
+                    segment[1].append(record.value)
+                    segment[2][0] += len(record.value)
             results.append(positions)
+        rows.extend(_segment_row(p, segment) for p, segment in open_segments.items())
         try:
             self.conn.execute("BEGIN IMMEDIATE")
-            self.conn.executemany("INSERT INTO records (id, value) VALUES (?, ?)", rows)
+            self.conn.executemany("INSERT INTO segments (id, count, value) VALUES (?, ?, ?)", rows)
             self.conn.execute("COMMIT")
         except sqlite3.Error as e:
             self.next_offsets[:] = saved
@@ -201,6 +253,13 @@ class _RunFile:
             call.loop.call_soon_threadsafe(_fail, call.future, e)
         else:
             call.loop.call_soon_threadsafe(_resolve_all, [(call.future, result)])
+
+
+def _segment_row(
+    partition: int, segment: tuple[int, list[bytes], list[int]]
+) -> tuple[int, int, bytes]:
+    first, values, _ = segment
+    return _row_id(partition, first), len(values), _encode_segment(values)
 
 
 def _resolve_all(done: list[tuple[asyncio.Future[Any], Any]]) -> None:
@@ -330,23 +389,28 @@ class EmbeddedLog(Log):
     async def read_records(
         self, run: str, partition: int, start: int, end: int
     ) -> AsyncIterator[tuple[int, bytes]]:
+        async for page in self.read_pages(run, partition, start, end):
+            for item in page:
+                yield item
+
+    async def read_pages(
+        self, run: str, partition: int, start: int, end: int
+    ) -> AsyncIterator[list[tuple[int, bytes]]]:
+        """Like ``read_records``, a page (list) at a time: cheaper for bulk replays."""
         run_file = await self._run(run)
         if not 0 <= partition < run_file.partitions:
             raise InvalidRequest(f"partition {partition} out of range", run=run)
+        start = max(start, run_file.start_offsets[partition], 0)
         if end <= start:
             return
         conn = await asyncio.to_thread(_connect, run_file.path, run_file.synchronous)
         try:
-            cursor = conn.execute(
-                "SELECT id, value FROM records WHERE id >= ? AND id < ? ORDER BY id",
-                (_row_id(partition, max(start, 0)), _row_id(partition, end)),
-            )
+            cursor = await asyncio.to_thread(_open_range, conn, partition, start, end)
             while True:
-                page = await asyncio.to_thread(_fetch_page, cursor)
+                page = await asyncio.to_thread(_fetch_page, cursor, start, end)
                 if not page:
                     return
-                for row_id, value in page:
-                    yield row_id & ((1 << _OFFSET_BITS) - 1), value
+                yield page
         except sqlite3.Error as e:
             raise _translate(e, run_file.path) from e
         finally:
@@ -361,9 +425,11 @@ class EmbeddedLog(Log):
                 return
             conn.execute("BEGIN IMMEDIATE")
             try:
+                # Whole segments below ``before`` go; a segment straddling it stays, and reads
+                # skip its trimmed head (they start at the partition's start offset).
                 conn.execute(
-                    "DELETE FROM records WHERE id >= ? AND id < ?",
-                    (_row_id(partition, 0), _row_id(partition, before)),
+                    "DELETE FROM segments WHERE id >= ? AND id < ? AND (id & ?) + count <= ?",
+                    (_row_id(partition, 0), _row_id(partition, before), _OFFSET_MASK, before),
                 )
                 conn.execute(
                     "INSERT INTO partitions (partition, start_offset) VALUES (?, ?) "
@@ -388,15 +454,31 @@ class EmbeddedLog(Log):
         return list((await self._run(run)).start_offsets)
 
 
-def _fetch_page(cursor: sqlite3.Cursor) -> list[tuple[int, bytes]]:
+def _open_range(conn: sqlite3.Connection, partition: int, start: int, end: int) -> sqlite3.Cursor:
+    # The first segment may begin before ``start``: begin the scan at the last one that does.
+    row = conn.execute(
+        "SELECT max(id) FROM segments WHERE id >= ? AND id <= ?",
+        (_row_id(partition, 0), _row_id(partition, start)),
+    ).fetchone()
+    first = row[0] if row[0] is not None else _row_id(partition, start)
+    return conn.execute(
+        "SELECT id, count, value FROM segments WHERE id >= ? AND id < ? ORDER BY id",
+        (first, _row_id(partition, end)),
+    )
+
+
+def _fetch_page(cursor: sqlite3.Cursor, start: int, end: int) -> list[tuple[int, bytes]]:
     page: list[tuple[int, bytes]] = []
     size = 0
-    while len(page) < _PAGE_ROWS and size < _PAGE_BYTES:
-        rows = cursor.fetchmany(256)
-        if not rows:
+    segments = 0
+    while segments < _PAGE_SEGMENTS and size < _PAGE_BYTES:
+        row = cursor.fetchone()
+        if row is None:
             break
-        page.extend(rows)
-        size += sum(len(value) for _, value in rows)
+        row_id, count, blob = row
+        page.extend(_decode_segment(row_id & _OFFSET_MASK, count, blob, start, end))
+        size += len(blob)
+        segments += 1
     return page
 
 
