@@ -18,9 +18,9 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import sys
 import queue
 import sqlite3
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
