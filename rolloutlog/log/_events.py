@@ -131,6 +131,9 @@ class AttemptStartedData(_Frozen):
     restore_id: NonNegative
     checkpoint_id: NonNegative
     previous_attempt: NonNegative
+    #: The episode's cut in its partition: the previous attempts' events below it form the
+    #: projection the new attempt continues; those at or above it are dropped.
+    cut: NonNegative
 
 
 # -- envelopes ---------------------------------------------------------------------------------

@@ -1,0 +1,35 @@
+"""Projections: the pure fold of an episode's events, the projector, checkpoints and restores."""
+
+from rolloutlog.projections._fold import (
+    EpisodeFold,
+    RecordView,
+    ledger_digest,
+    project_episode,
+    project_events,
+    select_records,
+    token_count,
+)
+from rolloutlog.projections._model import (
+    BoundaryView,
+    EpisodeProjection,
+    EpisodeStatus,
+    GenerationCut,
+    LedgerEntry,
+    SessionView,
+)
+
+__all__ = [
+    "BoundaryView",
+    "EpisodeFold",
+    "EpisodeProjection",
+    "EpisodeStatus",
+    "GenerationCut",
+    "LedgerEntry",
+    "RecordView",
+    "SessionView",
+    "ledger_digest",
+    "project_episode",
+    "project_events",
+    "select_records",
+    "token_count",
+]

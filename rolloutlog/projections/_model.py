@@ -1,0 +1,168 @@
+"""What a fold produces: an episode's projection and its parts (immutable values)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from rolloutlog.log import Opaque, capture_key
+
+EpisodeStatus = Literal["live", "finished"]
+
+
+@dataclass(frozen=True, slots=True)
+class BoundaryView:
+    """The latest boundary of one owner (the environment, or an agent session)."""
+
+    stage: str
+    next: str | None
+    state: Opaque | None
+    step: int | None
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    """An open resources or agent session at the cut, with its latest recorded state."""
+
+    session_id: str
+    kind: str
+    participant: str
+    mode: str
+    verify: str
+    state: Opaque | None
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """One committed token-capture row; its token ids stay the raw JSON array they were logged as."""
+
+    call_id: str
+    parent_call_id: str | None
+    fingerprint: str
+    context_digest: str
+    policy_version: int
+    prev_len: int
+    cum_len: int
+    digest: str
+    staging_key: str | None
+    constrained: bool
+    token_ids_json: bytes
+
+    def token_ids(self) -> list[int]:
+        ids: list[int] = orjson.loads(self.token_ids_json)
+        return ids
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "call_id": self.call_id,
+            "parent_call_id": self.parent_call_id,
+            "fingerprint": self.fingerprint,
+            "context_digest": self.context_digest,
+            "policy_version": self.policy_version,
+            "prev_len": self.prev_len,
+            "token_ids": orjson.Fragment(self.token_ids_json),
+            "cum_len": self.cum_len,
+            "digest": self.digest,
+            "staging_key": self.staging_key,
+            "constrained": self.constrained,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationCut:
+    """A durable token prefix of an in-flight policy call, which the replacement call continues.
+
+    ``terminal`` means the call completed (nothing is left to generate).
+    """
+
+    call_id: str
+    parent_call_id: str | None
+    request_digest: str
+    token_ids: tuple[int, ...]
+    terminal: bool
+    policy_version: int
+    staging_key: str | None
+    #: Why the chunks stop being usable, when they do (a gap, or a start other than 0).
+    problem: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeProjection:
+    """The fold of one episode's events up to its cut (DESIGN.md §4)."""
+
+    episode: str
+    attempt: int
+    status: EpisodeStatus
+    cut: int
+    first_offset: int | None
+    task: Opaque | None
+    task_digest: str | None
+    deadline_s: float | None
+    boundaries: Mapping[str, BoundaryView]
+    sessions: Mapping[str, SessionView]
+    ledger: tuple[LedgerEntry, ...]
+    generation_cut: GenerationCut | None
+    #: Owners whose wait-mode step is open at the cut, with the offset of its ``step.started``.
+    open_waits: Mapping[str, int]
+    #: Offset of the event that ends the committed prefix (last boundary or ``episode.started``).
+    committed_through: int | None
+    reward: float | None = None
+    result: Opaque | None = None
+    events_folded: int = 0
+    payload_bytes: int = 0
+    staging_keys: tuple[str, ...] = field(default=())
+
+    @property
+    def capture_key(self) -> str:
+        return capture_key(self.episode, self.attempt)
+
+    @property
+    def last_stage(self) -> str | None:
+        """The stage of the environment's latest boundary (for analysts)."""
+        env = self.boundaries.get("environment")
+        return env.stage if env is not None else None
+
+    def restart_only_sessions(self) -> list[str]:
+        return [s.session_id for s in self.sessions.values() if s.mode == "restart_only"]
+
+    def to_json(self) -> dict[str, Any]:
+        """The REST form (DESIGN.md §8): opaque states as ``Opaque`` (encoded raw by orjson)."""
+        cut = self.generation_cut
+        return {
+            "episode": self.episode,
+            "attempt": self.attempt,
+            "capture_key": self.capture_key,
+            "status": self.status,
+            "task": self.task,
+            "task_digest": self.task_digest,
+            "boundaries": {
+                owner: {"stage": b.stage, "next": b.next, "state": b.state, "step": b.step}
+                for owner, b in self.boundaries.items()
+            },
+            "sessions": {
+                sid: {
+                    "kind": s.kind,
+                    "participant": s.participant,
+                    "mode": s.mode,
+                    "verify": s.verify,
+                    "state": s.state,
+                }
+                for sid, s in self.sessions.items()
+            },
+            "ledger": [row.to_json() for row in self.ledger],
+            "generation_cut": None
+            if cut is None
+            else {
+                "call_id": cut.call_id,
+                "parent_call_id": cut.parent_call_id,
+                "request_digest": cut.request_digest,
+                "token_ids": list(cut.token_ids),
+                "terminal": cut.terminal,
+                "policy_version": cut.policy_version,
+                "staging_key": cut.staging_key,
+            },
+        }
