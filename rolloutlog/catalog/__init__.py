@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from rolloutlog.catalog._backend import Backend
+from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._catalog import Catalog
 from rolloutlog.catalog._migrate import head_revision
 from rolloutlog.catalog._values import (
@@ -34,7 +34,6 @@ from rolloutlog.catalog._values import (
     RunSummary,
     capture_key,
 )
-from rolloutlog.errors import CatalogError
 
 __all__ = [
     "DEFAULT_KEEP_COMMITTED",
@@ -75,23 +74,8 @@ def open_catalog(
     ``abort_pending_on_start=False`` is for deployments where another live replica may own a
     pending checkpoint.
     """
-    backend: Backend
-    if url.startswith("sqlite+aiosqlite://"):
-        from rolloutlog.catalog._sqlite import SQLiteBackend
-
-        backend = SQLiteBackend(url)
-    elif url.startswith("postgresql+asyncpg://"):
-        from rolloutlog.catalog._postgres import PostgresBackend
-
-        backend = PostgresBackend(url)
-    else:
-        raise CatalogError(
-            f"unsupported catalog URL {url!r}: use sqlite+aiosqlite:///PATH or "
-            "postgresql+asyncpg://USER@HOST/DB",
-            url=url,
-        )
     return Catalog(
-        backend,
+        backend_for(url),
         keep_committed=keep_committed,
         abort_pending_on_start=abort_pending_on_start,
         clock=clock,

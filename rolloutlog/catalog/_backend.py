@@ -114,3 +114,20 @@ def _causes(error: BaseException) -> list[BaseException]:
 def _first_line(error: BaseException) -> str:
     text = str(getattr(error, "orig", None) or error)
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def backend_for(url: str) -> Backend:
+    """The backend for a catalog URL, its module imported only when chosen."""
+    if url.startswith("sqlite+aiosqlite://"):
+        from rolloutlog.catalog._sqlite import SQLiteBackend
+
+        return SQLiteBackend(url)
+    if url.startswith("postgresql+asyncpg://"):
+        from rolloutlog.catalog._postgres import PostgresBackend
+
+        return PostgresBackend(url)
+    raise CatalogError(
+        f"unsupported catalog URL {url!r}: use sqlite+aiosqlite:///PATH or "
+        "postgresql+asyncpg://USER@HOST/DB",
+        url=url,
+    )

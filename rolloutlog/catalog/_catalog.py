@@ -508,7 +508,7 @@ class Catalog:
                 .values(status="aborted", ended_at=self._clock(), reason=reason)
                 .returning(checkpoints.c.run, checkpoints.c.checkpoint_id)
             )
-            return sorted((str(run), int(cid)) for run, cid in result.tuples())
+            return sorted((str(run), int(cid)) for run, cid in result)
 
     async def get_checkpoint(self, run: str, checkpoint_id: int) -> Checkpoint:
         return await self._query(lambda conn: _reads.get_checkpoint(conn, run, checkpoint_id))

@@ -9,6 +9,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.script.revision import RevisionError
+from alembic.util import CommandError
 from sqlalchemy.engine import Connection
 
 from rolloutlog.catalog._schema import VERSION_TABLE
@@ -52,7 +53,7 @@ def upgrade(connection: Connection) -> tuple[str | None, str]:
     for revision in found:
         try:
             known = script.get_revision(revision)
-        except RevisionError:
+        except (RevisionError, CommandError):
             known = None
         if known is None:
             raise CatalogVersionError(

@@ -4,15 +4,21 @@ Writes run in READ COMMITTED and serialize per run on the ``runs`` row (``FOR NO
 does not block foreign-key checks of concurrent inserts); reads run in REPEATABLE READ, read-only,
 so a checkpoint and its manifest come from one snapshot. Bulk rows go through asyncpg's binary
 ``COPY``.
+
+Query parameters of the URL that are not ``asyncpg.connect`` arguments are PostgreSQL server
+settings, as in asyncpg's own DSNs: ``postgresql+asyncpg://user@host/db?search_path=catalog``
+keeps the catalog in schema ``catalog``.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import asyncpg  # type: ignore[import-untyped]
 from sqlalchemy import Table, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from rolloutlog.catalog._backend import Backend, integrity_error
@@ -21,6 +27,10 @@ from rolloutlog.errors import BackendUnavailable, CatalogError, RolloutlogError
 # Any constant works; it only has to be the same for every process that migrates this catalog.
 _MIGRATION_LOCK_KEY = 0x726F6C6C6F7574
 _CONNECT_TIMEOUT_S = 10
+# What SQLAlchemy's asyncpg dialect passes to asyncpg.connect (or consumes itself).
+_CONNECT_PARAMETERS = frozenset(inspect.signature(asyncpg.connect).parameters) | {
+    "prepared_statement_cache_size",
+}
 _UNAVAILABLE_SQLSTATES = {
     "57P01",  # admin_shutdown
     "57P02",  # crash_shutdown
@@ -35,13 +45,19 @@ class PostgresBackend(Backend):
     name: ClassVar[str] = "postgresql"
 
     def create_engine(self) -> AsyncEngine:
+        url = make_url(self.url)
+        settings = {
+            name: value if isinstance(value, str) else value[-1]
+            for name, value in url.query.items()
+            if name not in _CONNECT_PARAMETERS
+        }
         return create_async_engine(
-            self.url,
+            url.difference_update_query(settings),
             pool_size=5,
             max_overflow=5,
             connect_args={
                 "timeout": _CONNECT_TIMEOUT_S,
-                "server_settings": {"application_name": "rolloutlog-catalog"},
+                "server_settings": {"application_name": "rolloutlog-catalog", **settings},
             },
         )
 

@@ -314,7 +314,7 @@ async def manifest_page(
     if limit is not None:
         query = query.limit(limit)
     result = await conn.execute(query)
-    return [manifest_entry_from_row(row) for row in result.tuples()]
+    return [manifest_entry_from_row(row) for row in result]
 
 
 async def staging_keys(conn: AsyncConnection, run: str) -> frozenset[str]:
@@ -394,7 +394,7 @@ async def restore_entries(
     if limit is not None:
         query = query.limit(limit)
     result = await conn.execute(query)
-    return [RestoreEntry(*row) for row in result.tuples()]
+    return [RestoreEntry(*row) for row in result]
 
 
 async def get_episode(conn: AsyncConnection, run: str, episode: str) -> Episode:
@@ -426,7 +426,7 @@ async def current_attempts(conn: AsyncConnection, run: str) -> dict[str, int]:
     result = await conn.execute(
         select(episodes.c.episode, episodes.c.current_attempt).where(episodes.c.run == run)
     )
-    return dict(result.tuples().all())
+    return dict(result.all())
 
 
 async def run_stats(conn: AsyncConnection, run: str) -> RunStats:

@@ -24,10 +24,11 @@ from rolloutlog.errors import BackendUnavailable, CatalogError, RolloutlogError
 _READ_ONLY = "rolloutlog_read_only"
 _BUSY_TIMEOUT_MS = 30_000
 _PRAGMAS = (
+    # First, so that the journal-mode switch of a brand-new file waits for other openers.
+    f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}",
     "PRAGMA journal_mode=WAL",
     "PRAGMA synchronous=FULL",
     "PRAGMA foreign_keys=ON",
-    f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}",
 )
 _UNAVAILABLE = ("database is locked", "busy", "unable to open", "disk i/o", "readonly database")
 

@@ -369,18 +369,14 @@ async def commit_restore_rows(
                     manifest_entries.c.checkpoint_id == checkpoint_id,
                 )
             )
-        )
-        .tuples()
-        .all()
+        ).all()
     )
     current: dict[str, int] = dict(
         (
             await conn.execute(
                 select(episodes.c.episode, episodes.c.current_attempt).where(episodes.c.run == run)
             )
-        )
-        .tuples()
-        .all()
+        ).all()
     )
     restore_id = int(run_row.last_restore_id) + 1
     counts = {"continue": 0, "restart": 0, "excluded": 0}

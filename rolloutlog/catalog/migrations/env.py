@@ -11,8 +11,8 @@ import asyncio
 
 from alembic import context
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import create_async_engine
 
+from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._schema import VERSION_TABLE, metadata
 
 
@@ -28,7 +28,7 @@ def _run(connection: Connection) -> None:
 
 
 async def _run_with_url(url: str) -> None:
-    engine = create_async_engine(url)
+    engine = backend_for(url).create_engine()
     try:
         async with engine.begin() as conn:
             await conn.run_sync(_run)

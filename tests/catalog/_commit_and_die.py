@@ -1,0 +1,60 @@
+"""Helper process for the crash test: commits a large manifest and waits to be SIGKILLed.
+
+Usage: ``python _commit_and_die.py URL MODE`` where MODE is ``racing`` (just commit; the parent
+kills at some moment) or ``inside`` (stop right after the manifest rows are written, inside the
+commit's transaction, and wait there to be killed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Table
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from rolloutlog.catalog import ManifestEntry, PartitionOffset, open_catalog
+
+RUN = "crash"
+PARTITIONS = 4
+
+
+def entries(count: int) -> list[ManifestEntry]:
+    return [
+        ManifestEntry(f"e{i:06d}", 0, "continue", i % PARTITIONS, i, "seed", (f"k{i}",), 64)
+        for i in range(count)
+    ]
+
+
+async def main(url: str, mode: str) -> None:
+    catalog = open_catalog(url)
+    await catalog.start()
+    await catalog.create_run(RUN, partitions=PARTITIONS)
+    epoch = await catalog.take_over_controller(RUN)
+    offsets = [PartitionOffset(p, 100, 0) for p in range(PARTITIONS)]
+    first = await catalog.begin_checkpoint(RUN, epoch)
+    await catalog.commit_checkpoint(RUN, first, epoch, offsets, entries(10))
+    checkpoint_id = await catalog.begin_checkpoint(RUN, epoch)
+    if mode == "inside":
+        backend: Any = catalog._backend  # a test-only hook into the private backend
+        bulk_insert = backend.bulk_insert
+
+        async def hooked(
+            conn: AsyncConnection, table: Table, columns: Sequence[str], rows: list[Any]
+        ) -> None:
+            await bulk_insert(conn, table, columns, rows)
+            if table.name == "manifest_entries":
+                print("INSIDE", flush=True)
+                await asyncio.sleep(3600)
+
+        backend.bulk_insert = hooked
+    print(f"COMMITTING {checkpoint_id}", flush=True)
+    await catalog.commit_checkpoint(RUN, checkpoint_id, epoch, offsets, entries(20_000))
+    print("COMMITTED", flush=True)
+    await asyncio.sleep(3600)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2]))

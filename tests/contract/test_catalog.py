@@ -1,0 +1,868 @@
+"""The catalog contract: every case runs on SQLite and on PostgreSQL (issue 3, DESIGN.md §5-§6)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from rolloutlog.catalog import (
+    Catalog,
+    EpisodeStart,
+    ManifestEntry,
+    PartitionOffset,
+    RestoreEntry,
+    head_revision,
+    open_catalog,
+)
+from rolloutlog.catalog._backend import backend_for
+from rolloutlog.catalog._migrate import alembic_config
+from rolloutlog.catalog._schema import VERSION_TABLE, metadata
+from rolloutlog.errors import (
+    CatalogVersionError,
+    CheckpointInProgress,
+    CheckpointNotPending,
+    InvalidRequest,
+    RunExists,
+    StaleController,
+    UnknownCheckpoint,
+    UnknownEpisode,
+    UnknownRestore,
+    UnknownRun,
+)
+
+P = 4
+RUN = "run-1"
+HELPER = Path(__file__).resolve().parent.parent / "catalog" / "_commit_and_die.py"
+
+CatalogFactory = Callable[..., Awaitable[Catalog]]
+
+
+def raw_engine(url: str) -> AsyncEngine:
+    """An engine on the catalog's database that bypasses the catalog's checks."""
+    return backend_for(url).create_engine()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A URL of an empty catalog database of one backend."""
+    if request.param == "postgres":
+        return str(request.getfixturevalue("postgres_schema"))
+    return f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"
+
+
+@pytest.fixture
+async def catalog_factory(catalog_url: str) -> AsyncIterator[CatalogFactory]:
+    """Opens started catalogs over the same database; stops them all at the end."""
+    opened: list[Catalog] = []
+
+    async def factory(**options: Any) -> Catalog:
+        catalog = open_catalog(catalog_url, **options)
+        opened.append(catalog)
+        await catalog.start()
+        return catalog
+
+    try:
+        yield factory
+    finally:
+        for catalog in opened:
+            await catalog.stop()
+
+
+@pytest.fixture
+async def catalog(catalog_factory: CatalogFactory) -> Catalog:
+    return await catalog_factory()
+
+
+async def controlled_run(catalog: Catalog, run: str = RUN, partitions: int = P) -> int:
+    """Create a run and take over its controller; return the controller epoch."""
+    await catalog.create_run(run, partitions=partitions)
+    return await catalog.take_over_controller(run)
+
+
+def make_entries(count: int, *, attempt: int = 0, finished_every: int = 0) -> list[ManifestEntry]:
+    entries = []
+    for i in range(count):
+        action = "finished" if finished_every and i % finished_every == 0 else "continue"
+        if action == "continue" and i % 7 == 3:
+            action = "restart"
+        entries.append(
+            ManifestEntry(
+                episode=f"r{i:05d}",
+                attempt=attempt,
+                action=action,  # type: ignore[arg-type]
+                cut_partition=i % P,
+                cut_offset=10 + i,
+                last_stage="invoke_agent" if i % 2 else None,
+                staging_keys=(f"s{i}", f"s{i}b") if i % 3 == 0 else (),
+                size_bytes=100 + i,
+            )
+        )
+    return entries
+
+
+def make_offsets(partitions: int = P, marker: int = 1000) -> list[PartitionOffset]:
+    return [PartitionOffset(p, marker + p, p) for p in range(partitions)]
+
+
+async def commit(catalog: Catalog, epoch: int, entries: list[ManifestEntry], run: str = RUN) -> int:
+    checkpoint_id = await catalog.begin_checkpoint(run, epoch)
+    await catalog.commit_checkpoint(run, checkpoint_id, epoch, make_offsets(), entries)
+    return checkpoint_id
+
+
+async def manifest_rows(url: str, checkpoint_id: int, run: str = RUN) -> int:
+    """Rows of a checkpoint's manifest as stored, counted past the catalog's own checks."""
+    engine = raw_engine(url)
+    try:
+        async with engine.connect() as conn:
+            result = await conn.execute(
+                text(
+                    "SELECT count(*) FROM manifest_entries WHERE run = :run AND checkpoint_id = :c"
+                ),
+                {"run": run, "c": checkpoint_id},
+            )
+            return int(result.scalar_one())
+    finally:
+        await engine.dispose()
+
+
+def restore_plan(entries: list[ManifestEntry], previous: int = 0) -> list[RestoreEntry]:
+    return [
+        RestoreEntry(
+            entry.episode,
+            previous,
+            previous + 1,
+            "continue" if entry.action == "continue" else "restart",
+        )
+        for entry in entries
+        if entry.action != "finished"
+    ]
+
+
+# -- migrations and lifecycle --------------------------------------------------------------------
+
+
+async def test_start_migrates_an_empty_database_and_a_rerun_is_a_noop(catalog_url: str) -> None:
+    async with open_catalog(catalog_url) as first:
+        assert first.migrated_from is None
+        assert await first.schema_revision() == head_revision()
+        await first.create_run(RUN, partitions=P)
+    async with open_catalog(catalog_url) as again:
+        assert again.migrated_from == head_revision()
+        assert await again.schema_revision() == head_revision()
+        assert (await again.get_run(RUN)).partitions == P
+
+
+async def test_concurrent_starts_migrate_once(catalog_url: str) -> None:
+    catalogs = [open_catalog(catalog_url) for _ in range(3)]
+    try:
+        await asyncio.gather(*(catalog.start() for catalog in catalogs))
+        assert sum(catalog.migrated_from is None for catalog in catalogs) == 1
+    finally:
+        for catalog in catalogs:
+            await catalog.stop()
+
+
+def _schema_differences(connection: Connection) -> list[Any]:
+    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+    return list(compare_metadata(context, metadata))
+
+
+async def test_migrations_create_exactly_the_schema_module(
+    catalog: Catalog, catalog_url: str
+) -> None:
+    engine = raw_engine(catalog_url)
+    try:
+        async with engine.connect() as conn:
+            assert await conn.run_sync(_schema_differences) == []
+    finally:
+        await engine.dispose()
+
+
+def _upgrade_to(connection: Connection, revision: str) -> None:
+    config = alembic_config()
+    config.attributes["connection"] = connection
+    command.upgrade(config, revision)
+
+
+async def test_an_old_catalog_upgrades_in_place(catalog_url: str) -> None:
+    engine = raw_engine(catalog_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(_upgrade_to, "0001_core")
+            await conn.execute(
+                text(
+                    "INSERT INTO runs (run, partitions, controller_epoch, created_at) "
+                    "VALUES ('old-run', 3, 5, 1.5)"
+                )
+            )
+    finally:
+        await engine.dispose()
+    async with open_catalog(catalog_url) as catalog:
+        assert catalog.migrated_from == "0001_core"
+        assert await catalog.schema_revision() == head_revision()
+        run = await catalog.get_run("old-run")
+        assert (run.partitions, run.controller_epoch) == (3, 5)
+        checkpoint_id = await catalog.begin_checkpoint("old-run", 5)
+        await catalog.commit_checkpoint(
+            "old-run", checkpoint_id, 5, make_offsets(3), [ManifestEntry("r1", 0, "continue", 0, 1)]
+        )
+        restore = await catalog.commit_restore(
+            "old-run", 5, checkpoint_id, [RestoreEntry("r1", 0, 1, "continue")]
+        )
+        assert restore.restore_id == 1
+
+
+async def test_a_catalog_newer_than_the_code_is_refused(catalog_url: str) -> None:
+    async with open_catalog(catalog_url) as catalog:
+        await catalog.create_run(RUN)
+    engine = raw_engine(catalog_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '9999_future'"))
+    finally:
+        await engine.dispose()
+    newer = open_catalog(catalog_url)
+    with pytest.raises(CatalogVersionError) as raised:
+        await newer.start()
+    assert "9999_future" in raised.value.message
+    assert raised.value.details["head"] == head_revision()
+    assert raised.value.code == "catalog_too_new"
+    with pytest.raises(CatalogVersionError):
+        async with open_catalog(catalog_url):
+            pass
+
+
+async def test_pending_checkpoints_are_aborted_on_start(catalog_factory: CatalogFactory) -> None:
+    first = await catalog_factory()
+    epoch = await controlled_run(first)
+    checkpoint_id = await first.begin_checkpoint(RUN, epoch)
+    await first.stop()
+
+    keeper = await catalog_factory(abort_pending_on_start=False)
+    assert (await keeper.get_checkpoint(RUN, checkpoint_id)).status == "pending"
+    await keeper.stop()
+
+    restarted = await catalog_factory()
+    aborted = await restarted.get_checkpoint(RUN, checkpoint_id)
+    assert aborted.status == "aborted"
+    assert aborted.reason and "start" in aborted.reason
+    assert aborted.ended_at is not None
+    assert await restarted.begin_checkpoint(RUN, epoch) == checkpoint_id + 1
+
+
+async def test_operations_need_a_started_catalog(catalog_url: str) -> None:
+    catalog = open_catalog(catalog_url)
+    with pytest.raises(Exception, match="not started"):
+        await catalog.get_run(RUN)
+    async with catalog:
+        await catalog.create_run(RUN)
+    with pytest.raises(Exception, match="not started"):
+        await catalog.get_run(RUN)
+
+
+# -- runs and participants -----------------------------------------------------------------------
+
+
+async def test_create_run_is_idempotent_and_refuses_other_settings(catalog: Catalog) -> None:
+    created = await catalog.create_run(RUN, partitions=8, log_url="embedded://data")
+    assert (created.partitions, created.log_url, created.controller_epoch) == (
+        8,
+        "embedded://data",
+        0,
+    )
+    assert await catalog.create_run(RUN, partitions=8, log_url="embedded://data") == created
+    assert await catalog.create_run(RUN) == created
+    with pytest.raises(RunExists) as raised:
+        await catalog.create_run(RUN, partitions=4)
+    assert raised.value.details["settings"]["partitions"] == {"existing": 8, "requested": 4}
+    with pytest.raises(RunExists):
+        await catalog.create_run(RUN, log_url="kafka://elsewhere")
+    assert (await catalog.create_run("other")).partitions == 16
+
+
+async def test_invalid_run_settings_are_refused(catalog: Catalog) -> None:
+    for name in ("", "bad/name", "x" * 201, " lead"):
+        with pytest.raises(InvalidRequest):
+            await catalog.create_run(name)
+    with pytest.raises(InvalidRequest):
+        await catalog.create_run(RUN, partitions=0)
+
+
+async def test_unknown_run_raises_everywhere(catalog: Catalog) -> None:
+    calls: list[Callable[[], Awaitable[Any]]] = [
+        lambda: catalog.get_run("nope"),
+        lambda: catalog.register_participant("nope", "env-0", "environment"),
+        lambda: catalog.take_over_controller("nope"),
+        lambda: catalog.begin_checkpoint("nope", 1),
+        lambda: catalog.latest_checkpoint("nope"),
+        lambda: catalog.list_checkpoints("nope"),
+        lambda: catalog.get_checkpoint("nope", 1),
+        lambda: catalog.list_episodes("nope"),
+        lambda: catalog.current_attempts("nope"),
+        lambda: catalog.run_stats("nope"),
+        lambda: catalog.run_summary("nope"),
+        lambda: catalog.commit_restore("nope", 1, 1, []),
+        lambda: catalog.get_restore("nope", 1),
+    ]
+    for call in calls:
+        with pytest.raises(UnknownRun):
+            await call()
+
+
+async def test_registration_returns_the_next_epoch_per_participant(catalog: Catalog) -> None:
+    await catalog.create_run(RUN)
+    assert await catalog.register_participant(RUN, "env-0", "environment") == 1
+    assert await catalog.register_participant(RUN, "env-0", "environment") == 2
+    assert await catalog.register_participant(RUN, "policy-0", "policy") == 1
+    await catalog.create_run("other")
+    assert await catalog.register_participant("other", "env-0", "environment") == 1
+    with pytest.raises(InvalidRequest) as raised:
+        await catalog.register_participant(RUN, "env-0", "agent")
+    assert raised.value.details["registered_kind"] == "environment"
+    with pytest.raises(InvalidRequest):
+        await catalog.register_participant(RUN, "x", "trainer")
+    assert await catalog.register_participant(RUN, "env-0", "environment") == 3
+    listed = {p.participant_id: (p.kind, p.epoch) for p in await catalog.list_participants(RUN)}
+    assert listed == {"env-0": ("environment", 3), "policy-0": ("policy", 1)}
+
+
+async def test_concurrent_registrations_never_share_an_epoch(
+    catalog_factory: CatalogFactory,
+) -> None:
+    first, second = await catalog_factory(), await catalog_factory()
+    await first.create_run(RUN)
+    epochs = await asyncio.gather(
+        *(
+            (first if i % 2 else second).register_participant(RUN, "env-0", "environment")
+            for i in range(24)
+        )
+    )
+    assert sorted(epochs) == list(range(1, 25))
+
+
+async def test_touch_participants_moves_last_seen_forward_only(catalog: Catalog) -> None:
+    await catalog.create_run(RUN)
+    await catalog.register_participant(RUN, "env-0", "environment")
+    registered = (await catalog.list_participants(RUN))[0].last_seen_at
+    await catalog.touch_participants(RUN, {"env-0": registered + 50, "ghost": 1.0})
+    await catalog.touch_participants(RUN, {"env-0": registered + 10})
+    assert (await catalog.list_participants(RUN))[0].last_seen_at == registered + 50
+
+
+# -- controller fencing --------------------------------------------------------------------------
+
+
+async def test_takeover_increments_and_compares_and_sets(catalog: Catalog) -> None:
+    await catalog.create_run(RUN)
+    assert await catalog.take_over_controller(RUN) == 1
+    assert await catalog.take_over_controller(RUN, expected_epoch=1) == 2
+    with pytest.raises(StaleController) as raised:
+        await catalog.take_over_controller(RUN, expected_epoch=1)
+    assert raised.value.details["current_epoch"] == 2
+    assert (await catalog.get_run(RUN)).controller_epoch == 2
+
+
+async def test_two_concurrent_takeovers_exactly_one_wins(catalog_factory: CatalogFactory) -> None:
+    first, second = await catalog_factory(), await catalog_factory()
+    await first.create_run(RUN)
+    for expected in range(8):
+        outcomes = await asyncio.gather(
+            first.take_over_controller(RUN, expected_epoch=expected),
+            second.take_over_controller(RUN, expected_epoch=expected),
+            return_exceptions=True,
+        )
+        winners = [o for o in outcomes if isinstance(o, int)]
+        losers = [o for o in outcomes if isinstance(o, StaleController)]
+        assert winners == [expected + 1], outcomes
+        assert len(losers) == 1, outcomes
+    assert (await first.get_run(RUN)).controller_epoch == 8
+
+
+async def test_unconditional_concurrent_takeovers_get_distinct_epochs(
+    catalog_factory: CatalogFactory,
+) -> None:
+    first, second = await catalog_factory(), await catalog_factory()
+    await first.create_run(RUN)
+    epochs = await asyncio.gather(
+        *((first if i % 2 else second).take_over_controller(RUN) for i in range(10))
+    )
+    assert sorted(epochs) == list(range(1, 11))
+
+
+async def test_stale_controller_is_refused_by_every_checkpoint_and_restore_step(
+    catalog: Catalog,
+) -> None:
+    epoch = await controlled_run(catalog)
+    committed = await commit(catalog, epoch, make_entries(5))
+    pending = await catalog.begin_checkpoint(RUN, epoch)
+    new_epoch = await catalog.take_over_controller(RUN)
+    assert new_epoch == epoch + 1
+    # The takeover aborted the old controller's pending checkpoint.
+    assert (await catalog.get_checkpoint(RUN, pending)).status == "aborted"
+    stale_calls: list[Callable[[], Awaitable[Any]]] = [
+        lambda: catalog.begin_checkpoint(RUN, epoch),
+        lambda: catalog.mark_checkpoint(RUN, pending, epoch, {0: 1}),
+        lambda: catalog.commit_checkpoint(RUN, pending, epoch, make_offsets(), []),
+        lambda: catalog.abort_checkpoint(RUN, pending, epoch, "stale"),
+        lambda: catalog.commit_restore(RUN, epoch, committed, []),
+        lambda: catalog.begin_checkpoint(RUN, 0),
+    ]
+    for call in stale_calls:
+        with pytest.raises(StaleController) as raised:
+            await call()
+        assert raised.value.code == "stale_controller"
+        assert raised.value.details["current_epoch"] == new_epoch
+    assert await catalog.begin_checkpoint(RUN, new_epoch) == pending + 1
+
+
+async def test_no_checkpoint_before_a_controller_takes_over(catalog: Catalog) -> None:
+    await catalog.create_run(RUN)
+    with pytest.raises(StaleController):
+        await catalog.begin_checkpoint(RUN, 0)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+async def test_one_pending_checkpoint_per_run_and_ids_increase(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    await catalog.create_run("other")
+    other_epoch = await catalog.take_over_controller("other")
+    first = await catalog.begin_checkpoint(RUN, epoch, trigger="timer", deadline_s=5)
+    with pytest.raises(CheckpointInProgress) as raised:
+        await catalog.begin_checkpoint(RUN, epoch)
+    assert raised.value.details["checkpoint_id"] == first
+    assert raised.value.retriable
+    assert await catalog.begin_checkpoint("other", other_epoch) == 1
+    await catalog.abort_checkpoint(RUN, first, epoch, "deadline passed")
+    second = await catalog.begin_checkpoint(RUN, epoch)
+    await catalog.commit_checkpoint(RUN, second, epoch, make_offsets(), make_entries(3))
+    third = await catalog.begin_checkpoint(RUN, epoch)
+    assert first < second < third
+    pending = await catalog.get_checkpoint(RUN, first)
+    assert (pending.status, pending.trigger, pending.deadline_s) == ("aborted", "timer", 5)
+    assert pending.reason == "deadline passed"
+
+
+async def test_concurrent_begins_exactly_one_pending(catalog_factory: CatalogFactory) -> None:
+    first, second = await catalog_factory(), await catalog_factory()
+    epoch = await controlled_run(first)
+    outcomes = await asyncio.gather(
+        first.begin_checkpoint(RUN, epoch),
+        second.begin_checkpoint(RUN, epoch),
+        first.begin_checkpoint(RUN, epoch),
+        return_exceptions=True,
+    )
+    assert len([o for o in outcomes if isinstance(o, int)]) == 1, outcomes
+    assert len([o for o in outcomes if isinstance(o, CheckpointInProgress)]) == 2, outcomes
+
+
+async def test_commit_writes_offsets_manifest_counts_and_latest(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    entries = make_entries(50, finished_every=10)
+    checkpoint_id = await catalog.begin_checkpoint(RUN, epoch)
+    await catalog.mark_checkpoint(RUN, checkpoint_id, epoch, {p: 1000 + p for p in range(P)})
+    marked = await catalog.get_checkpoint(RUN, checkpoint_id)
+    assert marked.status == "pending" and marked.marked_at is not None
+    assert [(o.partition, o.marker, o.replay_from) for o in marked.offsets] == [
+        (p, 1000 + p, None) for p in range(P)
+    ]
+    with pytest.raises(UnknownCheckpoint):
+        await catalog.latest_checkpoint(RUN)
+    result = await catalog.commit_checkpoint(
+        RUN, checkpoint_id, epoch, make_offsets(), entries, timings_ms={"marker": 1.5}
+    )
+    finished = sum(e.action == "finished" for e in entries)
+    restart = sum(e.action == "restart" for e in entries)
+    assert result.counts == {
+        "continue": len(entries) - finished - restart,
+        "restart": restart,
+        "finished": finished,
+    }
+    stored = await catalog.latest_checkpoint(RUN)
+    assert stored == result
+    assert stored.status == "committed" and stored.committed_at is not None
+    assert stored.marked_at == marked.marked_at
+    assert stored.entry_count == 50 and stored.size_bytes == sum(e.size_bytes for e in entries)
+    assert stored.timings_ms == {"marker": 1.5}
+    assert stored.offsets == tuple(make_offsets())
+    assert (await catalog.get_run(RUN)).latest_checkpoint_id == checkpoint_id
+    assert await catalog.load_manifest(RUN, checkpoint_id) == sorted(entries)
+    assert await catalog.staging_keys(RUN) == {k for e in entries for k in e.staging_keys}
+    finished_episodes = await catalog.list_episodes(RUN, status="finished")
+    assert [e.episode for e in finished_episodes] == [
+        e.episode for e in entries if e.action == "finished"
+    ]
+
+
+async def test_an_empty_manifest_commits(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    checkpoint_id = await commit(catalog, epoch, [])
+    assert (await catalog.latest_checkpoint(RUN)).entry_count == 0
+    assert await catalog.load_manifest(RUN, checkpoint_id) == []
+
+
+@pytest.mark.parametrize(
+    "problem",
+    ["offsets", "duplicate", "action", "partition", "capture-key-id", "negative", "keys"],
+)
+async def test_an_invalid_commit_writes_nothing(catalog: Catalog, problem: str) -> None:
+    epoch = await controlled_run(catalog)
+    checkpoint_id = await catalog.begin_checkpoint(RUN, epoch)
+    entries = make_entries(20)
+    offsets = make_offsets()
+    bad = entries[5]
+    if problem == "offsets":
+        offsets = offsets[:-1]
+    elif problem == "duplicate":
+        entries.append(entries[0]._replace(attempt=1))
+    elif problem == "action":
+        entries[5] = bad._replace(action="excluded")
+    elif problem == "partition":
+        entries[5] = bad._replace(cut_partition=P)
+    elif problem == "capture-key-id":
+        entries[5] = bad._replace(episode="r17-a2")
+    elif problem == "negative":
+        entries[5] = bad._replace(cut_offset=-1)
+    elif problem == "keys":
+        entries[5] = bad._replace(staging_keys=(1,))
+    with pytest.raises(InvalidRequest):
+        await catalog.commit_checkpoint(RUN, checkpoint_id, epoch, offsets, entries)
+    assert (await catalog.get_checkpoint(RUN, checkpoint_id)).status == "pending"
+    assert (await catalog.get_run(RUN)).latest_checkpoint_id is None
+    await catalog.commit_checkpoint(RUN, checkpoint_id, epoch, make_offsets(), make_entries(20))
+
+
+async def test_only_a_pending_checkpoint_commits_or_aborts(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    committed = await commit(catalog, epoch, make_entries(3))
+    with pytest.raises(CheckpointNotPending) as raised:
+        await catalog.commit_checkpoint(RUN, committed, epoch, make_offsets(), make_entries(3))
+    assert raised.value.details["status"] == "committed"
+    with pytest.raises(CheckpointNotPending):
+        await catalog.abort_checkpoint(RUN, committed, epoch, "too late")
+    aborted = await catalog.begin_checkpoint(RUN, epoch)
+    await catalog.abort_checkpoint(RUN, aborted, epoch, "operator")
+    await catalog.abort_checkpoint(RUN, aborted, epoch, "again")
+    assert (await catalog.get_checkpoint(RUN, aborted)).reason == "operator"
+    with pytest.raises(CheckpointNotPending):
+        await catalog.commit_checkpoint(RUN, aborted, epoch, make_offsets(), [])
+    with pytest.raises(CheckpointNotPending):
+        await catalog.mark_checkpoint(RUN, aborted, epoch, {0: 1})
+    with pytest.raises(UnknownCheckpoint):
+        await catalog.commit_checkpoint(RUN, 99, epoch, make_offsets(), [])
+    with pytest.raises(UnknownCheckpoint):
+        await catalog.abort_checkpoint(RUN, 99, epoch, "none")
+    with pytest.raises(UnknownCheckpoint):
+        await catalog.get_checkpoint(RUN, 99)
+    with pytest.raises(UnknownCheckpoint):
+        await catalog.load_manifest(RUN, aborted)
+    assert (await catalog.latest_checkpoint(RUN)).checkpoint_id == committed
+
+
+async def test_retention_keeps_the_newest_committed_and_drops_older_manifests(
+    catalog: Catalog, catalog_url: str
+) -> None:
+    epoch = await controlled_run(catalog)
+    ids = [await commit(catalog, epoch, make_entries(30 + n)) for n in range(4)]
+    aborted = await catalog.begin_checkpoint(RUN, epoch)
+    await catalog.abort_checkpoint(RUN, aborted, epoch, "test")
+    statuses = {c.checkpoint_id: c.status for c in await catalog.list_checkpoints(RUN)}
+    assert statuses == {
+        ids[0]: "expired",
+        ids[1]: "expired",
+        ids[2]: "committed",
+        ids[3]: "committed",
+        aborted: "aborted",
+    }
+    for old in ids[:2]:
+        with pytest.raises(UnknownCheckpoint) as raised:
+            await catalog.load_manifest(RUN, old)
+        assert raised.value.details["status"] == "expired"
+        assert await manifest_rows(catalog_url, old) == 0
+        expired = await catalog.get_checkpoint(RUN, old)
+        assert expired.ended_at is not None and expired.entry_count == 30 + ids.index(old)
+    assert len(await catalog.load_manifest(RUN, ids[2])) == 32
+    assert len(await catalog.load_manifest(RUN, ids[3])) == 33
+    assert (await catalog.latest_checkpoint(RUN)).checkpoint_id == ids[3]
+    committed = await catalog.list_checkpoints(RUN, status="committed")
+    assert [c.checkpoint_id for c in committed] == [ids[3], ids[2]]
+    page = await catalog.list_checkpoints(RUN, before=ids[3], limit=2)
+    assert [c.checkpoint_id for c in page] == [ids[2], ids[1]]
+
+
+async def test_retention_is_configurable(catalog_factory: CatalogFactory) -> None:
+    catalog = await catalog_factory(keep_committed=3)
+    epoch = await controlled_run(catalog)
+    for _ in range(5):
+        await commit(catalog, epoch, make_entries(5))
+    counts = (await catalog.run_stats(RUN)).checkpoint_counts
+    assert counts == {"committed": 3, "expired": 2}
+
+
+async def test_manifest_pages_and_stream(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    entries = make_entries(95, finished_every=9)
+    checkpoint_id = await commit(catalog, epoch, entries)
+    pages: list[ManifestEntry] = []
+    after = None
+    while True:
+        page = await catalog.manifest_page(RUN, checkpoint_id, after=after, limit=10)
+        pages.extend(page)
+        if len(page) < 10:
+            break
+        after = page[-1].episode
+    assert pages == sorted(entries)
+    streamed = [e async for e in catalog.stream_manifest(RUN, checkpoint_id, batch_size=7)]
+    assert streamed == sorted(entries)
+    finished = await catalog.manifest_page(RUN, checkpoint_id, action="finished")
+    assert finished == sorted(e for e in entries if e.action == "finished")
+    assert finished[0].capture_key == finished[0].episode
+
+
+async def test_a_stream_fails_when_its_checkpoint_expires_midway(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    checkpoint_id = await commit(catalog, epoch, make_entries(40))
+    stream = catalog.stream_manifest(RUN, checkpoint_id, batch_size=10)
+    got = [await anext(stream) for _ in range(10)]
+    assert len(got) == 10
+    for _ in range(2):
+        await commit(catalog, epoch, make_entries(3))
+    with pytest.raises(UnknownCheckpoint):
+        async for _ in stream:
+            pass
+
+
+# -- restores ------------------------------------------------------------------------------------
+
+
+async def test_restore_commits_plan_and_new_current_attempts(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    entries = make_entries(30, finished_every=6)
+    checkpoint_id = await commit(catalog, epoch, entries)
+    plan = restore_plan(entries)
+    plan[0] = plan[0]._replace(action="excluded", reason="trainer has the result")
+    plan[1] = plan[1]._replace(action="restart", reason="ledger digest mismatch")
+    plan.append(RestoreEntry(entries[0].episode, 0, 1, "excluded"))  # a finished one, retired
+    restore = await catalog.commit_restore(
+        RUN, epoch, checkpoint_id, plan, timings_ms={"replay": 2.0}
+    )
+    assert restore.restore_id == 1 and restore.checkpoint_id == checkpoint_id
+    assert restore.counts == {
+        "continue": sum(e.action == "continue" for e in plan),
+        "restart": sum(e.action == "restart" for e in plan),
+        "excluded": 2,
+    }
+    assert await catalog.get_restore(RUN, 1) == restore
+    assert await catalog.restore_episodes(RUN, 1, limit=None) == sorted(plan)
+    stored = {e.episode: e for e in await catalog.restore_episodes(RUN, 1, limit=None)}
+    assert stored["r00001"].capture_key == "r00001-a1"
+    assert stored[plan[1].episode].reason == "ledger digest mismatch"
+    excluded = await catalog.restore_episodes(RUN, 1, action="excluded")
+    assert {e.episode for e in excluded} == {plan[0].episode, entries[0].episode}
+    attempts = await catalog.current_attempts(RUN)
+    assert all(attempts[e.episode] == 1 for e in plan)
+    episode = await catalog.get_episode(RUN, plan[2].episode)
+    assert (episode.current_attempt, episode.status, episode.capture_key) == (
+        1,
+        "running",
+        f"{plan[2].episode}-a1",
+    )
+    assert (await catalog.get_episode(RUN, plan[0].episode)).status == "excluded"
+
+    again = await catalog.commit_restore(RUN, epoch, checkpoint_id, restore_plan(entries, 1))
+    assert again.restore_id == 2
+    assert [r.restore_id for r in await catalog.list_restores(RUN)] == [2, 1]
+    attempts = await catalog.current_attempts(RUN)
+    assert {attempts[e.episode] for e in restore_plan(entries)} == {2}
+    assert attempts[entries[0].episode] == 1  # finished, retired by the first restore
+    assert attempts[entries[6].episode] == 0  # finished, never restored
+
+
+async def test_restoring_a_checkpoint_that_is_not_committed_is_refused(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    old = await commit(catalog, epoch, make_entries(4))
+    for _ in range(2):
+        await commit(catalog, epoch, make_entries(4))
+    aborted = await catalog.begin_checkpoint(RUN, epoch)
+    await catalog.abort_checkpoint(RUN, aborted, epoch, "test")
+    pending = await catalog.begin_checkpoint(RUN, epoch)
+    for checkpoint_id, status in ((old, "expired"), (aborted, "aborted"), (pending, "pending")):
+        with pytest.raises(UnknownCheckpoint) as raised:
+            await catalog.commit_restore(RUN, epoch, checkpoint_id, [])
+        assert raised.value.details["status"] == status
+    with pytest.raises(UnknownCheckpoint):
+        await catalog.commit_restore(RUN, epoch, 999, [])
+    assert await catalog.list_restores(RUN) == []
+
+
+@pytest.mark.parametrize(
+    "problem", ["missing", "unknown", "finished-continued", "restart-continued", "stale", "twice"]
+)
+async def test_an_invalid_restore_commits_nothing(catalog: Catalog, problem: str) -> None:
+    epoch = await controlled_run(catalog)
+    entries = make_entries(20, finished_every=5)
+    checkpoint_id = await commit(catalog, epoch, entries)
+    plan = restore_plan(entries)
+    expected: type[Exception] = InvalidRequest
+    if problem == "missing":
+        plan.pop()
+    elif problem == "unknown":
+        plan.append(RestoreEntry("r99999", 0, 1, "continue"))
+        expected = UnknownEpisode
+    elif problem == "finished-continued":
+        plan.append(RestoreEntry(entries[0].episode, 0, 1, "continue"))
+    elif problem == "restart-continued":
+        index = next(i for i, e in enumerate(plan) if e.action == "restart")
+        plan[index] = plan[index]._replace(action="continue")
+    elif problem == "stale":
+        plan[3] = plan[3]._replace(previous_attempt=1, attempt=2)
+    elif problem == "twice":
+        plan.append(plan[0])
+    with pytest.raises(expected):
+        await catalog.commit_restore(RUN, epoch, checkpoint_id, plan)
+    assert await catalog.list_restores(RUN) == []
+    assert await catalog.current_attempts(RUN) == {e.episode: 0 for e in entries[::5]}
+    with pytest.raises(UnknownRestore):
+        await catalog.get_restore(RUN, 1)
+    restore = await catalog.commit_restore(RUN, epoch, checkpoint_id, restore_plan(entries))
+    assert restore.restore_id == 1
+
+
+async def test_attempts_must_move_forward(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    checkpoint_id = await commit(catalog, epoch, make_entries(2))
+    with pytest.raises(InvalidRequest):
+        await catalog.commit_restore(
+            RUN, epoch, checkpoint_id, [RestoreEntry("r00000", 0, 0, "continue")]
+        )
+
+
+# -- queries for analysts ------------------------------------------------------------------------
+
+
+async def test_runs_with_counts_and_stats(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    await catalog.create_run("idle", partitions=2)
+    await catalog.register_participant(RUN, "env-0", "environment")
+    await catalog.register_participant(RUN, "policy-0", "policy")
+    entries = make_entries(12, finished_every=4)
+    checkpoint_id = await commit(catalog, epoch, entries)
+    await catalog.commit_restore(RUN, epoch, checkpoint_id, restore_plan(entries))
+    summaries = {s.run.run: s for s in await catalog.list_runs()}
+    assert set(summaries) == {RUN, "idle"}
+    busy = summaries[RUN]
+    assert (busy.participant_count, busy.restore_count, busy.episode_count) == (2, 1, 12)
+    assert busy.checkpoint_counts == {"committed": 1}
+    assert summaries["idle"].checkpoint_counts == {} and summaries["idle"].episode_count == 0
+    assert await catalog.run_summary(RUN) == busy
+    assert [s.run.run for s in await catalog.list_runs(after=RUN)] == []
+    assert [s.run.run for s in await catalog.list_runs(limit=1)] == ["idle"]
+    stats = await catalog.run_stats(RUN)
+    assert stats.participant_count == 2 and stats.restore_count == 1
+    assert stats.episode_counts == {"finished": 3, "running": 9}
+    assert stats.latest_checkpoint_id == checkpoint_id and stats.latest_entry_count == 12
+    assert stats.checkpoint_duration_ms_last is not None and stats.checkpoint_duration_ms_last >= 0
+    assert stats.last_restore_at is not None
+    idle = await catalog.run_stats("idle")
+    assert idle.latest_checkpoint_id is None and idle.checkpoint_duration_ms_mean is None
+
+
+async def test_episodes_by_status_paged_and_recorded_starts(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    await catalog.record_episodes(
+        RUN, [EpisodeStart(f"r{i:05d}", i % P, 100 + i, 1000.0 + i) for i in range(10)]
+    )
+    await catalog.record_episodes(RUN, [EpisodeStart("r00000", 3, 999, 5.0)])
+    first = await catalog.get_episode(RUN, "r00000")
+    assert (first.first_partition, first.first_offset, first.started_at) == (0, 100, 1000.0)
+    assert (first.status, first.current_attempt) == ("running", 0)
+    await commit(catalog, epoch, make_entries(10, finished_every=3))
+    running = await catalog.list_episodes(RUN, status="running", limit=3)
+    assert [e.episode for e in running] == ["r00001", "r00002", "r00004"]
+    more = await catalog.list_episodes(RUN, status="running", after="r00004", limit=100)
+    assert [e.episode for e in more] == ["r00005", "r00007", "r00008"]
+    finished = await catalog.get_episode(RUN, "r00003")
+    assert finished.status == "finished" and finished.finished_at is not None
+    assert finished.first_offset == 103
+    with pytest.raises(UnknownEpisode):
+        await catalog.get_episode(RUN, "r77777")
+    with pytest.raises(InvalidRequest):
+        await catalog.record_episodes(RUN, [EpisodeStart("r1-a3", 0, 1, 1.0)])
+
+
+# -- crash safety --------------------------------------------------------------------------------
+
+
+async def _kill_during_commit(url: str, mode: str, delay: float) -> tuple[str, int]:
+    """Run the helper until it reports ``mode``'s moment, SIGKILL it; return (state, id)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(HELPER),
+        url,
+        mode,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(HELPER.parent.parent.parent)},
+    )
+    assert proc.stdout is not None
+    checkpoint_id = 0
+    state = "started"
+    try:
+        while True:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().split()
+            assert line, "the helper exited before committing"
+            if line[0] == "COMMITTING":
+                checkpoint_id = int(line[1])
+                if mode == "racing":
+                    await asyncio.sleep(delay)
+                    break
+            elif line[0] in ("INSIDE", "COMMITTED"):
+                state = line[0]
+                break
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+        await proc.stdout.read()
+    return state, checkpoint_id
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "delay"), [("inside", 0.0), ("racing", 0.0), ("racing", 0.05), ("racing", 0.3)]
+)
+async def test_a_commit_killed_midway_leaves_nothing_or_everything(
+    catalog_url: str, mode: str, delay: float
+) -> None:
+    state, checkpoint_id = await _kill_during_commit(catalog_url, mode, delay)
+    assert checkpoint_id > 0
+    async with open_catalog(catalog_url) as catalog:
+        checkpoint = await catalog.get_checkpoint("crash", checkpoint_id)
+        rows = await manifest_rows(catalog_url, checkpoint_id, run="crash")
+        if mode == "inside":
+            # Killed after every manifest row was written, before the transaction committed.
+            assert state == "INSIDE"
+            assert checkpoint.status == "aborted"
+        if checkpoint.status == "committed":
+            assert checkpoint.entry_count == rows == 20_000
+            assert len(await catalog.load_manifest("crash", checkpoint_id)) == 20_000
+            assert (await catalog.get_run("crash")).latest_checkpoint_id == checkpoint_id
+        else:
+            assert checkpoint.status == "aborted"
+            assert rows == 0
+            assert (await catalog.get_run("crash")).latest_checkpoint_id == checkpoint_id - 1
+        # The checkpoint committed before the crash is intact either way.
+        assert len(await catalog.load_manifest("crash", checkpoint_id - 1)) == 10
