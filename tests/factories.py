@@ -73,6 +73,7 @@ def ledger_row(
     call_id: str = "c1",
     token_ids: list[int] | None = None,
     parent: dict[str, Any] | None = None,
+    policy_version: int = 1,
     **kw: Any,
 ) -> Event:
     tokens = list(range(512)) if token_ids is None else token_ids
@@ -82,7 +83,7 @@ def ledger_row(
         "parent_call_id": parent["call_id"] if parent else None,
         "fingerprint": hashlib.sha256(call_id.encode()).hexdigest(),
         "context_digest": hashlib.sha256(episode.encode()).hexdigest(),
-        "policy_version": 1,
+        "policy_version": policy_version,
         "prev_len": prev_len,
         "token_ids": tokens,
         "cum_len": prev_len + len(tokens),
@@ -119,3 +120,15 @@ def finished(episode: str, reward: float = 1.0, result: Any = None, **kw: Any) -
     if result is not None:
         data["result"] = result
     return validate_event(envelope("episode.finished", episode, data, **kw))
+
+
+def session_started(
+    episode: str,
+    session_id: str = "s1",
+    mode: str = "restart_only",
+    verify: str = "replay",
+    **kw: Any,
+) -> Event:
+    data = {"session_id": session_id, "mode": mode, "verify": verify}
+    who = kw.pop("who", participant("resources", "res-0"))
+    return validate_event(envelope("session.started", episode, data, who=who, **kw))

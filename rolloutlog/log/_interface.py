@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import asyncio
 import importlib
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -98,6 +99,24 @@ class Log(abc.ABC):
     @abc.abstractmethod
     async def end_offsets(self, run: str) -> list[int]:
         """The next offset of every partition, as far as this log instance knows it."""
+
+    async def follow(
+        self, run: str, partition: int, start: int, *, poll_s: float = 0.05
+    ) -> AsyncIterator[list[tuple[int, bytes]]]:
+        """Pages of ``partition``'s records from ``start`` on, waiting for new ones as they are
+        appended; it never ends by itself (cancel the consuming task to stop).
+
+        This default polls ``end_offsets``; backends override it with something better.
+        """
+        next_offset = start
+        while True:
+            end = (await self.end_offsets(run))[partition]
+            page = [item async for item in self.read_records(run, partition, next_offset, end)]
+            if page:
+                next_offset = page[-1][0] + 1
+                yield page
+            else:
+                await asyncio.sleep(poll_s)
 
     async def ping(self) -> None:  # noqa: B027 - optional hook: most backends need no probe
         """Raise ``BackendUnavailable`` when the backend cannot be reached."""

@@ -135,6 +135,9 @@ class _RunFile:
     requests: queue.SimpleQueue[object] = field(default_factory=queue.SimpleQueue)
     thread: threading.Thread | None = None
     conn: sqlite3.Connection | None = None
+    #: Followers waiting for the next commit: (their loop, their event).
+    waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=set)
+    waiters_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def open(self) -> None:
         conn = _connect(self.path, self.synchronous)
@@ -242,6 +245,14 @@ class _RunFile:
             by_loop.setdefault(request.loop, []).append((request.future, positions))
         for loop, done in by_loop.items():
             loop.call_soon_threadsafe(_resolve_all, done)
+        self.wake_followers()
+
+    def wake_followers(self) -> None:
+        with self.waiters_lock:
+            waiters, self.waiters = self.waiters, set()
+        for loop, event in waiters:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(event.set)
 
     def _run_call(self, call: _Call) -> None:
         assert self.conn is not None
@@ -416,6 +427,36 @@ class EmbeddedLog(Log):
         finally:
             conn.close()
 
+    async def follow(
+        self, run: str, partition: int, start: int, *, poll_s: float = 0.05
+    ) -> AsyncIterator[list[tuple[int, bytes]]]:
+        """Pages from ``start`` on; woken by each commit (``poll_s`` is unused here)."""
+        run_file = await self._run(run)
+        if not 0 <= partition < run_file.partitions:
+            raise InvalidRequest(f"partition {partition} out of range", run=run)
+        loop = asyncio.get_running_loop()
+        conn = await asyncio.to_thread(_connect, run_file.path, run_file.synchronous)
+        next_offset = max(start, run_file.start_offsets[partition])
+        try:
+            while True:
+                woken = asyncio.Event()
+                with run_file.waiters_lock:
+                    run_file.waiters.add((loop, woken))
+                end = run_file.next_offsets[partition]
+                if end <= next_offset:
+                    await woken.wait()
+                    continue
+                with run_file.waiters_lock:
+                    run_file.waiters.discard((loop, woken))
+                page = await asyncio.to_thread(_read_range, conn, partition, next_offset, end)
+                if page:
+                    next_offset = page[-1][0] + 1
+                    yield page
+        except sqlite3.Error as e:
+            raise _translate(e, run_file.path) from e
+        finally:
+            conn.close()
+
     async def trim(self, run: str, partition: int, before: int) -> bool:
         run_file = await self._run(run)
 
@@ -465,6 +506,13 @@ def _open_range(conn: sqlite3.Connection, partition: int, start: int, end: int) 
         "SELECT id, count, value FROM segments WHERE id >= ? AND id < ? ORDER BY id",
         (first, _row_id(partition, end)),
     )
+
+
+def _read_range(
+    conn: sqlite3.Connection, partition: int, start: int, end: int
+) -> list[tuple[int, bytes]]:
+    """The first page of ``[start, end)`` (a follower's step)."""
+    return _fetch_page(_open_range(conn, partition, start, end), start, end)
 
 
 def _fetch_page(cursor: sqlite3.Cursor, start: int, end: int) -> list[tuple[int, bytes]]:

@@ -1,5 +1,6 @@
 """Projections: the pure fold of an episode's events, the projector, checkpoints and restores."""
 
+from rolloutlog.projections._coordinator import CheckpointResult, Coordinator, RestoreResult
 from rolloutlog.projections._fold import (
     EpisodeFold,
     RecordView,
@@ -20,6 +21,9 @@ from rolloutlog.projections._model import (
 
 __all__ = [
     "BoundaryView",
+    "CheckpointResult",
+    "Coordinator",
+    "RestoreResult",
     "EpisodeFold",
     "EpisodeProjection",
     "EpisodeStatus",

@@ -76,7 +76,7 @@ class _Filters:
 
 
 def select_records(
-    records: Iterable[RecordView], cut: int, committed_restores: Container[int] | None = None
+    records: Iterable[RecordView], cut: float, committed_restores: Container[int] | None = None
 ) -> tuple[list[RecordView], int]:
     """The records of one episode that the projection at ``cut`` folds, and the current attempt."""
     kept: list[RecordView] = []

@@ -1,0 +1,640 @@
+"""The coordinator: drives checkpoints and restores over the log, the projector and the catalog.
+
+Checkpoint (DESIGN.md §6): controller epoch check and a ``pending`` row → markers into every
+partition → the projector reaches each marker (the manifest of each partition is taken right
+there) → episodes with an open wait step extend their cut to that step's boundary, or restart at
+the deadline → one manifest-last catalog transaction. Participants never pause.
+
+Restore: the checkpoint's manifest → replay each partition's range up to the cuts (partitions in
+parallel) → fold, verify and apply the policy rule to every ``continue`` episode →
+``attempt.started`` records → one catalog transaction for the plan. A failure anywhere commits
+nothing: the projector discards the restore and the old attempts stay current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from rolloutlog.catalog import (
+    Catalog,
+    Checkpoint,
+    ManifestEntry,
+    PartitionOffset,
+    Restore,
+    RestoreEntry,
+)
+from rolloutlog.errors import (
+    InvalidRequest,
+    StaleController,
+    UnknownCheckpoint,
+    UnknownEpisode,
+    UnknownRestore,
+)
+from rolloutlog.log import Log, Record, partition_for
+from rolloutlog.log._events import SERVICE_PARTICIPANT_ID
+from rolloutlog.projections._fold import RecordView, project_episode
+from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.projections._projector import (
+    CheckpointCapture,
+    ManifestItem,
+    Projector,
+    RestoreReset,
+)
+from rolloutlog.projections._verify import apply_policy, verify_projection
+
+logger = logging.getLogger(__name__)
+
+#: How long a checkpoint waits for open wait steps when the request names no deadline.
+DEFAULT_WAIT_DEADLINE_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointResult:
+    checkpoint: Checkpoint
+    staging_keys: tuple[str, ...]
+    timings_ms: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    restore: Restore
+    entries: tuple[RestoreEntry, ...]
+    timings_ms: Mapping[str, float]
+
+
+@dataclass
+class _Timer:
+    started: float = field(default_factory=time.perf_counter)
+    last: float = field(default_factory=time.perf_counter)
+    stages: dict[str, float] = field(default_factory=dict)
+
+    def stage(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stages[name] = round((now - self.last) * 1000, 3)
+        self.last = now
+
+    def total(self) -> dict[str, float]:
+        return {**self.stages, "total": round((time.perf_counter() - self.started) * 1000, 3)}
+
+
+class Coordinator:
+    """One per service: owns a projector per run and runs checkpoints and restores."""
+
+    def __init__(self, log: Log, catalog: Catalog, *, projection_cache_bytes: int = 512 << 20):
+        self.log = log
+        self.catalog = catalog
+        self.projectors: dict[str, Projector] = {}
+        self._run_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._start_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._restore_cache: dict[tuple[str, int], dict[str, EpisodeProjection]] = {}
+        self._cache_budget = projection_cache_bytes
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start a projector for every run in the catalog (each rebuilds itself from the log)."""
+        after: str | None = None
+        while True:
+            page = await self.catalog.list_runs(after=after, limit=100)
+            for summary in page:
+                await self.projector(summary.run.run)
+            if len(page) < 100:
+                return
+            after = page[-1].run.run
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        for task in list(self._background):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for projector in self.projectors.values():
+            await projector.stop()
+        self.projectors.clear()
+
+    async def create_run(self, run: str, partitions: int | None = None) -> int:
+        """Create (or find, with the same settings) a run in the catalog and its log topic."""
+        created = await self.catalog.create_run(run, partitions=partitions, log_url=self.log.url)
+        actual = await self.log.ensure_run(run, created.partitions)
+        await self.projector(run)
+        return actual
+
+    async def projector(self, run: str) -> Projector:
+        projector = self.projectors.get(run)
+        if projector is not None:
+            return projector
+        async with self._start_lock:
+            if run in self.projectors:
+                return self.projectors[run]
+            projector = await self._start_projector(run)
+            self.projectors[run] = projector
+            return projector
+
+    async def _start_projector(self, run: str) -> Projector:
+        info = await self.catalog.get_run(run)
+        partitions = await self.log.ensure_run(run, info.partitions)
+        start = [0] * partitions
+        if info.latest_checkpoint_id is not None:
+            latest = await self.catalog.get_checkpoint(run, info.latest_checkpoint_id)
+            for offset in latest.offsets:
+                start[offset.partition] = (
+                    offset.replay_from if offset.replay_from is not None else offset.marker
+                )
+        restores = await _all_restores(self.catalog, run)
+        continued: set[str] = set()
+        for restore in restores:
+            entries = await self.catalog.restore_episodes(
+                run, restore.restore_id, action="continue", limit=None
+            )
+            continued.update(entry.episode for entry in entries)
+        retired = {
+            episode.episode
+            for status in ("finished", "excluded")
+            for episode in await _all_episodes(self.catalog, run, status)
+        }
+        projector = Projector(self.log, run, partitions)
+        await projector.start(
+            start,
+            committed_restores=[r.restore_id for r in restores],
+            retired=retired,
+            refold=continued - retired,
+        )
+        return projector
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    async def checkpoint(
+        self,
+        run: str,
+        controller_epoch: int,
+        *,
+        deadline_s: float | None = None,
+        wait: bool = True,
+        trigger: str = "request",
+    ) -> CheckpointResult | int:
+        """Take a checkpoint. Returns the committed result, or (``wait=False`` while wait steps
+        are still open) the id of the checkpoint that stays ``pending`` and commits later."""
+        projector = await self.projector(run)
+        timer = _Timer()
+        checkpoint_id = await self.catalog.begin_checkpoint(
+            run, controller_epoch, trigger=trigger, deadline_s=deadline_s
+        )
+        timer.stage("begin")
+        capture = projector.begin_capture(checkpoint_id)
+        try:
+            markers = await self.log.write_markers(run, checkpoint_id, controller_epoch)
+            marked_at = time.time()
+            timer.stage("markers")
+            await projector.wait_until({p: o + 1 for p, o in enumerate(markers)})
+            await capture.reached.wait()
+            timer.stage("projector")
+        except BaseException:
+            await self._abort(run, checkpoint_id, controller_epoch, capture, "marking failed")
+            raise
+        if capture.waiting and not wait:
+            self._spawn(
+                self._finish_checkpoint(
+                    run, controller_epoch, capture, timer, deadline_s, marked_at
+                )
+            )
+            return checkpoint_id
+        return await self._finish_checkpoint(
+            run, controller_epoch, capture, timer, deadline_s, marked_at
+        )
+
+    async def _finish_checkpoint(
+        self,
+        run: str,
+        controller_epoch: int,
+        capture: CheckpointCapture,
+        timer: _Timer,
+        deadline_s: float | None,
+        marked_at: float,
+    ) -> CheckpointResult:
+        projector = self.projectors[run]
+        checkpoint_id = capture.checkpoint_id
+        try:
+            if capture.waiting:
+                deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
+                try:
+                    async with asyncio.timeout(deadline):
+                        await capture.resolved.wait()
+                except TimeoutError:
+                    capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
+            timer.stage("waits")
+            offsets, entries = _manifest(capture)
+            staging = sorted({key for item in capture.items.values() for key in item.staging_keys})
+            timer.stage("manifest")
+            timings = timer.total()
+            committed = await self.catalog.commit_checkpoint(
+                run,
+                checkpoint_id,
+                controller_epoch,
+                offsets,
+                entries,
+                timings_ms=timings,
+                marked_at=marked_at,
+            )
+            timer.stage("commit")
+        except BaseException:
+            await self._abort(run, checkpoint_id, controller_epoch, capture, "commit failed")
+            raise
+        projector.end_capture(capture, committed=True)
+        self._spawn(self._trim(run))
+        return CheckpointResult(committed, tuple(staging), timer.total())
+
+    async def _abort(
+        self,
+        run: str,
+        checkpoint_id: int,
+        controller_epoch: int,
+        capture: CheckpointCapture,
+        reason: str,
+    ) -> None:
+        self.projectors[run].end_capture(capture, committed=False)
+        try:
+            await self.catalog.abort_checkpoint(run, checkpoint_id, controller_epoch, reason)
+        except Exception:  # the original failure matters more; start-up aborts it otherwise
+            logger.exception("could not abort checkpoint %d of run %s", checkpoint_id, run)
+
+    async def _trim(self, run: str) -> None:
+        """Drop log records no retained checkpoint needs (where the backend can)."""
+        retained = await self.catalog.list_checkpoints(run, status="committed", limit=100)
+        if not retained:
+            return
+        floor: dict[int, int] = {}
+        for checkpoint in retained:
+            full = await self.catalog.get_checkpoint(run, checkpoint.checkpoint_id)
+            for offset in full.offsets:
+                needed = offset.replay_from if offset.replay_from is not None else offset.marker
+                floor[offset.partition] = min(floor.get(offset.partition, needed), needed)
+        for partition, before in floor.items():
+            if before > 0 and not await self.log.trim(run, partition, before):
+                return
+
+    # -- restores --------------------------------------------------------------------------
+
+    async def restore(
+        self,
+        run: str,
+        controller_epoch: int,
+        checkpoint_id: int | str = "latest",
+        *,
+        exclude: Iterable[str] = (),
+        policy_version: int | None = None,
+        max_policy_lag: int | None = None,
+    ) -> RestoreResult:
+        """Plan and commit a restore from a committed checkpoint, all or nothing."""
+        projector = await self.projector(run)
+        async with self._run_locks[run]:
+            timer = _Timer()
+            info = await self.catalog.get_run(run)
+            if info.controller_epoch != controller_epoch:
+                raise StaleController(
+                    f"controller epoch {controller_epoch} is stale; run {run!r} is at "
+                    f"{info.controller_epoch}",
+                    run=run,
+                    controller_epoch=controller_epoch,
+                    current=info.controller_epoch,
+                )
+            checkpoint = await self._committed_checkpoint(run, checkpoint_id)
+            manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
+            current = await self.catalog.current_attempts(run)
+            excluded = set(exclude)
+            known = {entry.episode for entry in manifest}
+            unknown = sorted(excluded - known)
+            if unknown:
+                raise UnknownEpisode(
+                    f"{len(unknown)} excluded episode(s) are not in checkpoint "
+                    f"{checkpoint.checkpoint_id}: {unknown[:5]}",
+                    episodes=unknown[:100],
+                )
+            timer.stage("manifest")
+            to_continue = [
+                e for e in manifest if e.action == "continue" and e.episode not in excluded
+            ]
+            replay_from = {
+                o.partition: o.replay_from if o.replay_from is not None else o.marker
+                for o in checkpoint.offsets
+            }
+            restores = {r.restore_id for r in await _all_restores(self.catalog, run)}
+            projections = await self.replay(run, to_continue, replay_from, restores)
+            timer.stage("replay")
+            plan: list[RestoreEntry] = []
+            resets: dict[str, RestoreReset] = {}
+            cuts: dict[str, int] = {}
+            for entry in manifest:
+                previous = current.get(entry.episode, entry.attempt)
+                attempt = previous + 1
+                if entry.episode in excluded:
+                    plan.append(RestoreEntry(entry.episode, previous, attempt, "excluded"))
+                    resets[entry.episode] = RestoreReset("excluded", attempt)
+                    cuts[entry.episode] = 0
+                    continue
+                if entry.action == "finished":
+                    continue
+                reason = (
+                    "the checkpoint's manifest says restart" if entry.action == "restart" else None
+                )
+                projection = projections.get(entry.episode)
+                if entry.action == "continue":
+                    if projection is None:
+                        reason = "no events before the cut"
+                    else:
+                        reason = verify_projection(projection)
+                        if reason is None:
+                            projection, reason = apply_policy(
+                                projection, policy_version, max_policy_lag
+                            )
+                if reason is None and projection is not None:
+                    projections[entry.episode] = projection
+                    plan.append(RestoreEntry(entry.episode, previous, attempt, "continue"))
+                    resets[entry.episode] = RestoreReset("continue", attempt, projection)
+                    cuts[entry.episode] = entry.cut_offset
+                else:
+                    projections.pop(entry.episode, None)
+                    plan.append(RestoreEntry(entry.episode, previous, attempt, "restart", reason))
+                    resets[entry.episode] = RestoreReset("restart", attempt)
+                    cuts[entry.episode] = 0
+            timer.stage("verify")
+            latest = await self.catalog.list_restores(run, limit=1)
+            restore_id = latest[0].restore_id + 1 if latest else 1
+            projector.begin_restore(restore_id, resets)
+            committed = False
+            try:
+                await self._write_attempts(
+                    run,
+                    info.partitions,
+                    restore_id,
+                    checkpoint.checkpoint_id,
+                    plan,
+                    cuts,
+                    controller_epoch,
+                )
+                timer.stage("attempts")
+                restore = await self.catalog.commit_restore(
+                    run,
+                    controller_epoch,
+                    checkpoint.checkpoint_id,
+                    plan,
+                    timings_ms=timer.total(),
+                )
+                if restore.restore_id != restore_id:
+                    raise RuntimeError("restore ids raced")  # TODO: catalog-side expected id
+                committed = True
+                timer.stage("commit")
+            finally:
+                projector.end_restore(restore_id, committed)
+            for episode, projection in projections.items():
+                projections[episode] = _with_attempt(projection, resets[episode].attempt)
+            self._cache(run, restore_id, projections)
+            return RestoreResult(restore, tuple(plan), timer.total())
+
+    async def _committed_checkpoint(self, run: str, checkpoint_id: int | str) -> Checkpoint:
+        if checkpoint_id == "latest":
+            checkpoint = await self.catalog.latest_checkpoint(run)
+        elif isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool):
+            checkpoint = await self.catalog.get_checkpoint(run, checkpoint_id)
+        else:
+            raise InvalidRequest(
+                'checkpoint_id must be an integer or "latest"', field="checkpoint_id"
+            )
+        if checkpoint.status != "committed":
+            raise UnknownCheckpoint(
+                f"checkpoint {checkpoint.checkpoint_id} of run {run!r} is {checkpoint.status}: "
+                "only a committed checkpoint can be restored",
+                run=run,
+                checkpoint_id=checkpoint.checkpoint_id,
+                status=checkpoint.status,
+            )
+        return checkpoint
+
+    async def replay(
+        self,
+        run: str,
+        entries: Sequence[ManifestEntry],
+        replay_from: Mapping[int, int],
+        committed_restores: set[int],
+    ) -> dict[str, EpisodeProjection]:
+        """Fold every named episode at its cut; partitions are read in parallel."""
+        by_partition: dict[int, dict[str, int]] = defaultdict(dict)
+        for entry in entries:
+            by_partition[entry.cut_partition][entry.episode] = entry.cut_offset
+
+        async def one(partition: int, cuts: dict[str, int]) -> dict[str, EpisodeProjection]:
+            records: dict[str, list[RecordView]] = {episode: [] for episode in cuts}
+            end = max(cuts.values())
+            start = replay_from.get(partition, 0)
+            async for offset, record in self.log.read_records(run, partition, start, end):
+                split = record.find(b"\n")
+                head = record if split < 0 else record[:split]
+                meta = orjson.loads(head)
+                wanted = records.get(meta.get("episode"))
+                if wanted is not None:
+                    wanted.append((offset, meta, None if split < 0 else record[split + 1 :]))
+            return {
+                episode: project_episode(
+                    episode, records[episode], cuts[episode], committed_restores
+                )
+                for episode in cuts
+                if records[episode]
+            }
+
+        results = await asyncio.gather(*(one(p, cuts) for p, cuts in by_partition.items()))
+        merged: dict[str, EpisodeProjection] = {}
+        for result in results:
+            merged.update(result)
+        return merged
+
+    async def _write_attempts(
+        self,
+        run: str,
+        partitions: int,
+        restore_id: int,
+        checkpoint_id: int,
+        plan: Sequence[RestoreEntry],
+        cuts: Mapping[str, int],
+        controller_epoch: int,
+    ) -> None:
+        """One ``attempt.started`` per planned episode, encoded directly (the service's own
+        records, built from validated values: no per-event model validation)."""
+        now = time.time()
+        writer = {"id": SERVICE_PARTICIPANT_ID, "kind": "service", "epoch": controller_epoch}
+        records = []
+        for index, entry in enumerate(plan):
+            meta = {
+                "v": 1,
+                "episode": entry.episode,
+                "attempt": entry.attempt,
+                "step": None,
+                "participant": writer,
+                "seq": restore_id * 10_000_000 + index,
+                "ts": now,
+                "type": "attempt.started",
+                "data": {
+                    "restore_id": restore_id,
+                    "checkpoint_id": checkpoint_id,
+                    "previous_attempt": entry.previous_attempt,
+                    "cut": cuts[entry.episode],
+                },
+            }
+            records.append(
+                Record(
+                    partition_for(entry.episode, partitions),
+                    entry.episode.encode(),
+                    orjson.dumps(meta),
+                )
+            )
+        for start in range(0, len(records), 4096):
+            await self.log.append_records(run, records[start : start + 4096])
+
+    def _cache(self, run: str, restore_id: int, projections: dict[str, EpisodeProjection]) -> None:
+        self._restore_cache[(run, restore_id)] = projections
+        total = 0
+        for key in sorted(self._restore_cache, key=lambda k: -k[1]):
+            size = sum(p.payload_bytes for p in self._restore_cache[key].values())
+            total += size
+            if total > self._cache_budget and key != (run, restore_id):
+                del self._restore_cache[key]
+
+    # -- serving projections ---------------------------------------------------------------
+
+    async def restore_projections(self, run: str, restore_id: int) -> dict[str, EpisodeProjection]:
+        """Every continued episode's projection of a committed restore (recomputed after a
+        service restart: deterministic from the log and the catalog)."""
+        cached = self._restore_cache.get((run, restore_id))
+        if cached is not None:
+            return cached
+        restore = await self.catalog.get_restore(run, restore_id)
+        entries = await self.catalog.restore_episodes(
+            run, restore_id, action="continue", limit=None
+        )
+        checkpoint = await self.catalog.get_checkpoint(run, restore.checkpoint_id)
+        if checkpoint.status != "committed":
+            raise UnknownRestore(
+                f"restore {restore_id} of run {run!r} came from checkpoint "
+                f"{restore.checkpoint_id}, which is {checkpoint.status}: its projections are gone",
+                run=run,
+                restore_id=restore_id,
+            )
+        manifest = {
+            e.episode: e for e in await self.catalog.load_manifest(run, restore.checkpoint_id)
+        }
+        wanted = [manifest[e.episode] for e in entries if e.episode in manifest]
+        replay_from = {
+            o.partition: o.replay_from if o.replay_from is not None else o.marker
+            for o in checkpoint.offsets
+        }
+        restores = {
+            r.restore_id
+            for r in await _all_restores(self.catalog, run)
+            if r.restore_id < restore_id
+        }
+        projections = await self.replay(run, wanted, replay_from, restores)
+        attempts = {e.episode: e.attempt for e in entries}
+        result = {
+            episode: _with_attempt(projection, attempts[episode])
+            for episode, projection in projections.items()
+        }
+        self._cache(run, restore_id, result)
+        return result
+
+    async def checkpoint_projection(
+        self, run: str, checkpoint_id: int, episode: str
+    ) -> EpisodeProjection:
+        """One episode's projection at a committed checkpoint's cut (no restore needed)."""
+        checkpoint = await self._committed_checkpoint(run, checkpoint_id)
+        manifest = {
+            e.episode: e for e in await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
+        }
+        entry = manifest.get(episode)
+        if entry is None:
+            raise UnknownEpisode(
+                f"episode {episode!r} is not in checkpoint {checkpoint.checkpoint_id}",
+                run=run,
+                episode=episode,
+            )
+        replay_from = {
+            o.partition: o.replay_from if o.replay_from is not None else o.marker
+            for o in checkpoint.offsets
+        }
+        restores = {r.restore_id for r in await _all_restores(self.catalog, run)}
+        projections = await self.replay(run, [entry], replay_from, restores)
+        projection = projections.get(episode)
+        if projection is None:
+            raise UnknownEpisode(
+                f"episode {episode!r} has no events before its cut", episode=episode
+            )
+        return projection
+
+
+def _with_attempt(projection: EpisodeProjection, attempt: int) -> EpisodeProjection:
+    from dataclasses import replace
+
+    return replace(projection, attempt=attempt)
+
+
+def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[ManifestEntry]]:
+    needed: dict[int, int] = {}
+    entries: list[ManifestEntry] = []
+    for item in capture.items.values():
+        entries.append(_entry(item))
+        if item.action != "finished" and item.first_offset is not None:
+            needed[item.partition] = min(
+                needed.get(item.partition, item.first_offset), item.first_offset
+            )
+    offsets = [
+        PartitionOffset(partition, marker, min(needed.get(partition, marker), marker))
+        for partition, marker in sorted(capture.markers.items())
+    ]
+    return offsets, entries
+
+
+def _entry(item: ManifestItem) -> ManifestEntry:
+    return ManifestEntry(
+        episode=item.episode,
+        attempt=item.attempt,
+        action=item.action,  # type: ignore[arg-type]
+        cut_partition=item.partition,
+        cut_offset=item.cut,
+        last_stage=item.last_stage,
+        staging_keys=item.staging_keys,
+        size_bytes=item.size_bytes,
+    )
+
+
+async def _all_restores(catalog: Catalog, run: str) -> list[Restore]:
+    out: list[Restore] = []
+    before: int | None = None
+    while True:
+        page = await catalog.list_restores(run, before=before, limit=500)
+        out.extend(page)
+        if len(page) < 500:
+            return out
+        before = page[-1].restore_id
+
+
+async def _all_episodes(catalog: Catalog, run: str, status: Any) -> list[Any]:
+    out: list[Any] = []
+    after: str | None = None
+    while True:
+        page = await catalog.list_episodes(run, status=status, after=after, limit=5000)
+        out.extend(page)
+        if len(page) < 5000:
+            return out
+        after = page[-1].episode

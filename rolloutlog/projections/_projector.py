@@ -1,0 +1,381 @@
+"""The projector: follows every partition of a run and keeps what a manifest needs per episode.
+
+It reads records as metadata only (the payload stays in the record, counted by size), applies the
+fold's rules through ``EpisodeTracker``, and answers two questions of the coordinator:
+
+- at a ``checkpoint.marker``: the manifest entries of the partition's episodes at that exact
+  position in the partition's order (participants never pause; later events are simply after it);
+- at an ``attempt.started``: whether its restore committed (the coordinator says so; the record
+  is written before the catalog commit, so the partition waits for the verdict).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from rolloutlog.log import Log, partition_for
+from rolloutlog.projections._fold import _Filters, select_records
+from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.projections._tracker import EpisodeTracker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointCapture", "ManifestItem", "Projector", "RestoreReset"]
+
+
+def record_meta(record: bytes) -> dict[str, Any]:
+    """Decode a record's metadata only (the payload after the first newline stays untouched)."""
+    cut = record.find(b"\n")
+    meta: dict[str, Any] = orjson.loads(record if cut < 0 else record[:cut])
+    return meta
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestItem:
+    """One episode's line of a checkpoint manifest, as the projector decided it."""
+
+    episode: str
+    attempt: int
+    action: str  # continue | restart | finished
+    partition: int
+    cut: int
+    first_offset: int | None
+    last_stage: str | None
+    staging_keys: tuple[str, ...]
+    size_bytes: int
+    reason: str | None = None
+
+
+@dataclass
+class CheckpointCapture:
+    """The projector's half of one checkpoint: filled in as each partition reaches its marker."""
+
+    checkpoint_id: int
+    partitions: int
+    markers: dict[int, int] = field(default_factory=dict)
+    items: dict[str, ManifestItem] = field(default_factory=dict)
+    #: Episodes whose cut waits for a boundary: episode → (owners awaited, marker offset).
+    waiting: dict[str, tuple[set[str], int]] = field(default_factory=dict)
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+    resolved: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def _check(self) -> None:
+        if len(self.markers) == self.partitions:
+            self.reached.set()
+            if not self.waiting:
+                self.resolved.set()
+
+    def expire_waits(self, reason: str) -> None:
+        """The deadline passed: every episode still waiting for its boundary restarts."""
+        for episode, (_, marker) in list(self.waiting.items()):
+            old = self.items.get(episode)
+            if old is not None:
+                self.items[episode] = ManifestItem(
+                    episode,
+                    old.attempt,
+                    "restart",
+                    old.partition,
+                    marker,
+                    old.first_offset,
+                    old.last_stage,
+                    (),
+                    old.size_bytes,
+                    reason,
+                )
+        self.waiting.clear()
+        self.resolved.set()
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreReset:
+    """What a committed restore does to one episode's tracker."""
+
+    action: str  # continue | restart | excluded
+    attempt: int
+    projection: EpisodeProjection | None = None
+
+
+class Projector:
+    """Follows one run's partitions; one instance per run per service."""
+
+    def __init__(self, log: Log, run: str, partitions: int) -> None:
+        self.log = log
+        self.run = run
+        self.partitions = partitions
+        self.trackers: dict[str, EpisodeTracker] = {}
+        self.by_partition: list[dict[str, EpisodeTracker]] = [{} for _ in range(partitions)]
+        self.applied: list[int] = [0] * partitions
+        #: Episodes that need no tracking any more (reported finished, or excluded).
+        self.retired: set[str] = set()
+        self.committed_restores: set[int] = set()
+        self._inflight_restores: dict[int, asyncio.Future[bool]] = {}
+        self._restore_resets: dict[int, Mapping[str, RestoreReset]] = {}
+        self._capture: CheckpointCapture | None = None
+        self._progress = asyncio.Condition()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._failure: BaseException | None = None
+        self.events_applied = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(
+        self,
+        start_offsets: list[int],
+        *,
+        committed_restores: Iterable[int] = (),
+        retired: Iterable[str] = (),
+        refold: Iterable[str] = (),
+    ) -> None:
+        """Catch up from ``start_offsets`` to the current end, then follow in the background.
+
+        ``refold`` names episodes continued by a committed restore: their trackers are rebuilt
+        from their records with the fold's selection (the cut truncation needs their history).
+        """
+        self.committed_restores.update(committed_restores)
+        self.retired.update(retired)
+        self.applied = list(start_offsets)
+        ends = await self.log.end_offsets(self.run)
+        refolding = set(refold)
+        buffered: dict[str, list[tuple[int, dict[str, Any], bytes | None]]] = {}
+        sizes: dict[tuple[str, int], int] = {}
+        for partition in range(self.partitions):
+            async for offset, record in self.log.read_records(
+                self.run, partition, start_offsets[partition], ends[partition]
+            ):
+                meta = record_meta(record)
+                episode = meta.get("episode")
+                if episode in refolding:
+                    buffered.setdefault(episode, []).append((offset, meta, None))
+                    sizes[(episode, offset)] = len(record)
+                else:
+                    await self._apply(partition, offset, meta, len(record), catching_up=True)
+                self.applied[partition] = offset + 1
+            self.applied[partition] = max(self.applied[partition], ends[partition])
+        for episode, records in buffered.items():
+            kept, attempt = select_records(records, math.inf, self.committed_restores)
+            tracker = self._tracker(episode, partition_for(episode, self.partitions))
+            tracker.filters = _refold_filters(records, attempt)
+            for offset, meta, _ in kept:
+                tracker.apply(offset, meta, sizes[(episode, offset)])
+            tracker.attempt = attempt
+        for partition in range(self.partitions):
+            self._tasks.append(asyncio.create_task(self._follow(partition)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    async def _follow(self, partition: int) -> None:
+        try:
+            async for page in self.log.follow(self.run, partition, self.applied[partition]):
+                for offset, record in page:
+                    if offset < self.applied[partition]:
+                        continue
+                    await self._apply(partition, offset, record_meta(record), len(record))
+                    self.applied[partition] = offset + 1
+                async with self._progress:
+                    self._progress.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # keep the reason for whoever waits on the projector
+            logger.exception("projector of run %s, partition %d failed", self.run, partition)
+            self._failure = e
+            if self._capture is not None:
+                self._capture.reached.set()
+                self._capture.resolved.set()
+            raise
+
+    async def wait_until(self, offsets: Mapping[int, int]) -> None:
+        """Wait until every partition has applied everything below the given offsets."""
+
+        def reached() -> bool:
+            return all(self.applied[p] >= o for p, o in offsets.items())
+
+        async with self._progress:
+            await self._progress.wait_for(lambda: reached() or self._failure is not None)
+        if self._failure is not None:
+            raise self._failure
+
+    # -- applying records ------------------------------------------------------------------
+
+    def _tracker(self, episode: str, partition: int) -> EpisodeTracker:
+        tracker = self.trackers.get(episode)
+        if tracker is None:
+            tracker = EpisodeTracker(episode, partition)
+            self.trackers[episode] = tracker
+            self.by_partition[partition][episode] = tracker
+        return tracker
+
+    async def _apply(
+        self,
+        partition: int,
+        offset: int,
+        meta: dict[str, Any],
+        size: int,
+        catching_up: bool = False,
+    ) -> None:
+        self.events_applied += 1
+        kind = meta["type"]
+        if kind == "checkpoint.marker":
+            if not catching_up:
+                self._on_marker(partition, offset, meta["data"]["checkpoint_id"])
+            return
+        episode = meta["episode"]
+        if episode in self.retired:
+            return
+        if kind == "attempt.started":
+            await self._on_attempt_started(partition, meta)
+            return
+        tracker = self._tracker(episode, partition)
+        tracker.observe(offset, meta, size)
+        capture = self._capture
+        if capture is not None and episode in capture.waiting:
+            self._check_wait(capture, tracker, offset)
+
+    async def _on_attempt_started(self, partition: int, meta: dict[str, Any]) -> None:
+        data = meta["data"]
+        restore_id = data["restore_id"]
+        committed = restore_id in self.committed_restores
+        if not committed and restore_id in self._inflight_restores:
+            committed = await self._inflight_restores[restore_id]
+        if not committed:
+            return  # a restore that never committed changes nothing
+        reset = self._restore_resets.get(restore_id, {}).get(meta["episode"])
+        episode = meta["episode"]
+        tracker = self._tracker(episode, partition)
+        if reset is None:
+            # Seen while catching up (the service restarted): the start-up refold handles it.
+            tracker.filters.attempt = max(tracker.filters.attempt, meta["attempt"])
+            tracker.attempt = tracker.filters.attempt
+            return
+        if reset.action == "excluded":
+            self._forget(episode)
+            self.retired.add(episode)
+        elif reset.action == "continue" and reset.projection is not None:
+            tracker.continue_from(reset.projection, reset.attempt)
+        else:
+            tracker.restart(reset.attempt)
+
+    def _forget(self, episode: str) -> None:
+        tracker = self.trackers.pop(episode, None)
+        if tracker is not None:
+            self.by_partition[tracker.partition].pop(episode, None)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def begin_capture(self, checkpoint_id: int) -> CheckpointCapture:
+        """Register the checkpoint whose markers are about to be written."""
+        capture = CheckpointCapture(checkpoint_id, self.partitions)
+        self._capture = capture
+        return capture
+
+    def end_capture(self, capture: CheckpointCapture, committed: bool) -> None:
+        """The checkpoint committed (finished episodes are reported: stop tracking them) or not."""
+        if self._capture is capture:
+            self._capture = None
+        if committed:
+            for item in capture.items.values():
+                if item.action == "finished":
+                    self._forget(item.episode)
+                    self.retired.add(item.episode)
+
+    def _on_marker(self, partition: int, offset: int, checkpoint_id: int) -> None:
+        capture = self._capture
+        if capture is None or capture.checkpoint_id != checkpoint_id:
+            return  # a marker of a checkpoint this service is not taking (aborted, or stale)
+        capture.markers[partition] = offset
+        for episode, tracker in self.by_partition[partition].items():
+            if tracker.first_offset is None and not tracker.attempt:
+                continue
+            if tracker.finished:
+                capture.items[episode] = self._item(tracker, "finished", offset)
+            elif tracker.open_waits:
+                capture.items[episode] = self._item(tracker, "continue", offset)
+                capture.waiting[episode] = (set(tracker.open_waits), offset)
+            elif tracker.restart_only():
+                capture.items[episode] = self._item(
+                    tracker, "restart", offset, "a restart_only session is open at the cut"
+                )
+            elif tracker.first_offset is None:
+                capture.items[episode] = self._item(
+                    tracker, "restart", offset, "the attempt has recorded nothing yet"
+                )
+            else:
+                capture.items[episode] = self._item(tracker, "continue", offset)
+        capture._check()
+
+    def _check_wait(self, capture: CheckpointCapture, tracker: EpisodeTracker, offset: int) -> None:
+        owners, _ = capture.waiting[tracker.episode]
+        if owners & set(tracker.open_waits):
+            return
+        del capture.waiting[tracker.episode]
+        if tracker.finished:
+            action, reason = "finished", None
+        elif tracker.restart_only():
+            action, reason = "restart", "a restart_only session is open at the cut"
+        else:
+            action, reason = "continue", None
+        capture.items[tracker.episode] = self._item(tracker, action, offset + 1, reason)
+        if not capture.waiting and len(capture.markers) == capture.partitions:
+            capture.resolved.set()
+
+    @staticmethod
+    def _item(
+        tracker: EpisodeTracker, action: str, cut: int, reason: str | None = None
+    ) -> ManifestItem:
+        return ManifestItem(
+            episode=tracker.episode,
+            attempt=tracker.attempt,
+            action=action,
+            partition=tracker.partition,
+            cut=cut,
+            first_offset=tracker.first_offset,
+            last_stage=tracker.last_stage,
+            staging_keys=tracker.referenced_staging_keys() if action != "finished" else (),
+            size_bytes=tracker.size_bytes,
+            reason=reason,
+        )
+
+    # -- restores --------------------------------------------------------------------------
+
+    def begin_restore(self, restore_id: int, resets: Mapping[str, RestoreReset]) -> None:
+        """Register a restore before its ``attempt.started`` records are written."""
+        self._inflight_restores[restore_id] = asyncio.get_running_loop().create_future()
+        self._restore_resets[restore_id] = resets
+
+    def end_restore(self, restore_id: int, committed: bool) -> None:
+        """The restore's catalog transaction committed (or failed): release waiting partitions."""
+        future = self._inflight_restores.pop(restore_id, None)
+        if committed:
+            self.committed_restores.add(restore_id)
+        else:
+            self._restore_resets.pop(restore_id, None)
+        if future is not None and not future.done():
+            future.set_result(committed)
+
+    def live_episodes(self) -> int:
+        return sum(1 for tracker in self.trackers.values() if not tracker.finished)
+
+
+def _refold_filters(
+    records: list[tuple[int, dict[str, Any], bytes | None]], attempt: int
+) -> _Filters:
+    """The filter state after a whole history (so later zombies and duplicates stay filtered)."""
+    filters = _Filters()
+    for _, meta, _ in records:
+        if meta["type"] not in ("attempt.started", "checkpoint.marker"):
+            filters.admits(meta)
+    filters.attempt = attempt
+    return filters

@@ -1,0 +1,123 @@
+"""What the projector keeps per live episode: just enough for a manifest, never the states.
+
+``EpisodeTracker`` applies the fold's rules (``_fold``) to metadata, incrementally: the filters
+are the fold's own, and the committed-prefix/tail split works the same way, but it keeps session
+modes, staging keys, offsets and sizes instead of states, ledgers and token arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolloutlog.projections._fold import _Filters
+from rolloutlog.projections._model import EpisodeProjection
+
+
+@dataclass(slots=True)
+class EpisodeTracker:
+    episode: str
+    partition: int
+    attempt: int = 0
+    first_offset: int | None = None
+    first_ts: float | None = None
+    finished: bool = False
+    finished_offset: int | None = None
+    last_boundary_offset: int | None = None
+    last_stage: str | None = None
+    size_bytes: int = 0
+    open_waits: dict[str, int] = field(default_factory=dict)
+    sessions: dict[str, str] = field(default_factory=dict)  # session id → mode
+    staging_keys: list[str] = field(default_factory=list)
+    filters: _Filters = field(default_factory=_Filters)
+    _pending_sessions: list[tuple[str, str, str]] = field(default_factory=list)
+    _pending_staging: list[str] = field(default_factory=list)
+    _tail_staging: str | None = None
+
+    def observe(self, offset: int, meta: dict[str, Any], size: int) -> None:
+        """Filter (zombies, duplicates, fenced attempts) and apply one record of this episode;
+        markers and ``attempt.started`` are the projector's to handle."""
+        if self.filters.admits(meta):
+            self.apply(offset, meta, size)
+
+    def apply(self, offset: int, meta: dict[str, Any], size: int) -> None:
+        """Apply a record the filters already admitted."""
+        if self.first_offset is None:
+            self.first_offset = offset
+            self.first_ts = meta.get("ts")
+        self.size_bytes += size
+        kind = meta["type"]
+        data = meta["data"]
+        if kind == "step.boundary":
+            owner = data["owner"]
+            self.open_waits.pop(owner, None)
+            self._commit(offset)
+            if owner == "environment":
+                self.last_stage = data["stage"]
+        elif kind == "step.started":
+            if data.get("mode", "wait") == "wait":
+                self.open_waits[data["owner"]] = offset
+            else:
+                self.open_waits.pop(data["owner"], None)
+        elif kind == "session.started":
+            self._pending_sessions.append(
+                ("start", data["session_id"], data.get("mode", "restart_only"))
+            )
+        elif kind == "session.ended":
+            self._pending_sessions.append(("end", data["session_id"], ""))
+        elif kind == "session.state":
+            self._pending_sessions.append(("state", data["session_id"], "restart_only"))
+        elif kind == "ledger.row":
+            if data.get("staging_key"):
+                self._pending_staging.append(data["staging_key"])
+        elif kind == "generation.chunk":
+            self._tail_staging = data.get("staging_key")
+        elif kind == "episode.started":
+            self._commit(offset)
+        elif kind == "episode.finished":
+            self.finished = True
+            self.finished_offset = offset
+
+    def _commit(self, offset: int) -> None:
+        for op, sid, mode in self._pending_sessions:
+            if op == "start":
+                self.sessions[sid] = mode
+            elif op == "end":
+                self.sessions.pop(sid, None)
+            else:
+                self.sessions.setdefault(sid, mode)
+        self._pending_sessions.clear()
+        self.staging_keys.extend(self._pending_staging)
+        self._pending_staging.clear()
+        self._tail_staging = None
+        self.last_boundary_offset = offset
+
+    def restart_only(self) -> bool:
+        return any(mode == "restart_only" for mode in self.sessions.values())
+
+    def referenced_staging_keys(self) -> tuple[str, ...]:
+        keys = list(self.staging_keys)
+        if self._tail_staging:
+            keys.append(self._tail_staging)
+        return tuple(dict.fromkeys(keys))
+
+    def restart(self, attempt: int) -> None:
+        """A restore started this episode over as ``attempt``: nothing carries on."""
+        filters = self.filters
+        filters.attempt = attempt
+        fresh = EpisodeTracker(self.episode, self.partition, attempt=attempt, filters=filters)
+        for name in self.__slots__:
+            setattr(self, name, getattr(fresh, name))
+
+    def continue_from(self, projection: EpisodeProjection, attempt: int) -> None:
+        """A restore continues this episode as ``attempt`` from ``projection`` (its cut)."""
+        self.restart(attempt)
+        self.first_offset = projection.first_offset
+        self.last_boundary_offset = projection.committed_through
+        self.last_stage = projection.last_stage
+        self.open_waits = dict(projection.open_waits)
+        self.sessions = {sid: s.mode for sid, s in projection.sessions.items()}
+        self.staging_keys = [row.staging_key for row in projection.ledger if row.staging_key]
+        cut = projection.generation_cut
+        self._tail_staging = cut.staging_key if cut is not None else None
+        self.size_bytes = projection.payload_bytes
