@@ -45,11 +45,18 @@ class Backend:
         self,
         conn: AsyncConnection,
         table: Table,
-        columns: Sequence[str],
-        rows: list[tuple[Any, ...]],
+        names: Sequence[str],
+        columns: Sequence[Sequence[Any]],
     ) -> None:
-        """Insert ``rows`` (tuples in ``columns`` order) inside ``conn``'s open transaction."""
+        """Insert rows given column-wise (``columns[i]`` holds column ``names[i]`` of every row)
+        inside ``conn``'s open transaction."""
         raise NotImplementedError
+
+    def after_bulk_commit(self, engine: AsyncEngine) -> None:
+        """Called after a large write committed: room for maintenance kept off its latency."""
+
+    async def close(self) -> None:
+        """Finish background work; called before the engine is disposed."""
 
     async def lock_migrations(self, conn: AsyncConnection) -> None:
         """Serialize concurrent starts that migrate the same catalog (no-op where writes serialize)."""

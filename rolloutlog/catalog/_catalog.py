@@ -165,7 +165,14 @@ class Catalog:
         """Close every connection; the catalog can be started again."""
         engine, self._engine, self._reader = self._engine, None, None
         if engine is not None:
-            await engine.dispose()
+            try:
+                await self._backend.close()
+            finally:
+                await engine.dispose()
+
+    def _after_bulk_commit(self) -> None:
+        if self._engine is not None:
+            self._backend.after_bulk_commit(self._engine)
 
     async def __aenter__(self) -> Catalog:
         await self.start()
@@ -458,7 +465,7 @@ class Catalog:
         """
         check_timings(timings_ms)
         async with self._write() as conn:
-            return await commit_checkpoint_rows(
+            committed = await commit_checkpoint_rows(
                 conn,
                 self._backend,
                 run=run,
@@ -471,6 +478,8 @@ class Catalog:
                 now=self._clock(),
                 keep_committed=self._keep_committed,
             )
+        self._after_bulk_commit()
+        return committed
 
     async def abort_checkpoint(
         self, run: str, checkpoint_id: int, controller_epoch: int, reason: str
@@ -610,7 +619,7 @@ class Catalog:
             check_count(entry.previous_attempt, "previous_attempt")
             check_count(entry.attempt, "attempt", minimum=entry.previous_attempt + 1)
         async with self._write() as conn:
-            return await commit_restore_rows(
+            restore = await commit_restore_rows(
                 conn,
                 self._backend,
                 run=run,
@@ -620,6 +629,8 @@ class Catalog:
                 timings_ms=dict(timings_ms or {}),
                 now=self._clock(),
             )
+        self._after_bulk_commit()
+        return restore
 
     async def get_restore(self, run: str, restore_id: int) -> Restore:
         return await self._query(lambda conn: _reads.get_restore(conn, run, restore_id))

@@ -68,17 +68,19 @@ class PostgresBackend(Backend):
         self,
         conn: AsyncConnection,
         table: Table,
-        columns: Sequence[str],
-        rows: list[tuple[Any, ...]],
+        names: Sequence[str],
+        columns: Sequence[Sequence[Any]],
     ) -> None:
-        if not rows:
+        if not columns[0]:
             return
         raw = await conn.get_raw_connection()
         driver: Any = raw.driver_connection
         if not driver.is_in_transaction():
             # COPY outside the transaction would commit on its own: manifest-last needs it inside.
             raise CatalogError("bulk insert outside a transaction", table=table.name)
-        await driver.copy_records_to_table(table.name, records=rows, columns=list(columns))
+        await driver.copy_records_to_table(
+            table.name, records=zip(*columns, strict=True), columns=list(names)
+        )
 
     async def lock_migrations(self, conn: AsyncConnection) -> None:
         await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})

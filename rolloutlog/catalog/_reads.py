@@ -35,6 +35,7 @@ from rolloutlog.catalog._values import (
     Run,
     RunStats,
     RunSummary,
+    no_gc_pauses,
 )
 from rolloutlog.errors import UnknownCheckpoint, UnknownEpisode, UnknownRestore, UnknownRun
 
@@ -85,20 +86,6 @@ def checkpoint_from_row(row: Row[Any], offsets: Sequence[PartitionOffset]) -> Ch
         reason=row.reason,
         timings_ms=decode_json_map(row.timings_ms),
         offsets=tuple(offsets),
-    )
-
-
-def manifest_entry_from_row(row: Sequence[Any]) -> ManifestEntry:
-    episode, attempt, action, cut_partition, cut_offset, last_stage, keys, size_bytes = row
-    return ManifestEntry(
-        episode,
-        attempt,
-        action,
-        cut_partition,
-        cut_offset,
-        last_stage,
-        tuple(orjson.loads(keys)) if keys else (),
-        size_bytes,
     )
 
 
@@ -314,7 +301,35 @@ async def manifest_page(
     if limit is not None:
         query = query.limit(limit)
     result = await conn.execute(query)
-    return [manifest_entry_from_row(row) for row in result]
+    with no_gc_pauses():
+        return manifest_entries_from_rows(result.all())
+
+
+def manifest_entries_from_rows(rows: Sequence[Sequence[Any]]) -> list[ManifestEntry]:
+    """Rows of ``_MANIFEST_COLUMNS`` as entries, built for speed (16,000 of them per read).
+
+    All staging-key JSON arrays are decoded by one ``orjson.loads`` of their concatenation, and
+    entries are made by ``tuple.__new__`` rather than the NamedTuple's Python-level ``__new__``.
+    """
+    encoded = [row[6] for row in rows if row[6] is not None]
+    decoded = iter(orjson.loads(f"[{','.join(encoded)}]") if encoded else ())
+    new = tuple.__new__
+    return [
+        new(
+            ManifestEntry,
+            (
+                episode,
+                attempt,
+                action,
+                cut_partition,
+                cut_offset,
+                last_stage,
+                () if keys is None else tuple(next(decoded)),
+                size_bytes,
+            ),
+        )
+        for episode, attempt, action, cut_partition, cut_offset, last_stage, keys, size_bytes in rows
+    ]
 
 
 async def staging_keys(conn: AsyncConnection, run: str) -> frozenset[str]:

@@ -42,9 +42,9 @@ async def main(url: str, mode: str) -> None:
         bulk_insert = backend.bulk_insert
 
         async def hooked(
-            conn: AsyncConnection, table: Table, columns: Sequence[str], rows: list[Any]
+            conn: AsyncConnection, table: Table, names: Sequence[str], columns: Any
         ) -> None:
-            await bulk_insert(conn, table, columns, rows)
+            await bulk_insert(conn, table, names, columns)
             if table.name == "manifest_entries":
                 print("INSIDE", flush=True)
                 await asyncio.sleep(3600)

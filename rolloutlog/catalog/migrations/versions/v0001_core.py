@@ -18,10 +18,15 @@ depends_on: str | None = None
 NAME = 200
 
 
+def name() -> sa.types.TypeEngine[str]:
+    """A name column's type: bytewise comparison on PostgreSQL, as SQLite's default."""
+    return sa.String(NAME).with_variant(sa.String(NAME, collation="C"), "postgresql")
+
+
 def upgrade() -> None:
     op.create_table(
         "runs",
-        sa.Column("run", sa.String(NAME), nullable=False),
+        sa.Column("run", name(), nullable=False),
         sa.Column("partitions", sa.Integer(), nullable=False),
         sa.Column("log_url", sa.Text(), nullable=True),
         sa.Column("controller_epoch", sa.BigInteger(), server_default=sa.text("0"), nullable=False),
@@ -35,8 +40,8 @@ def upgrade() -> None:
     )
     op.create_table(
         "participants",
-        sa.Column("run", sa.String(NAME), nullable=False),
-        sa.Column("participant_id", sa.String(NAME), nullable=False),
+        sa.Column("run", name(), nullable=False),
+        sa.Column("participant_id", name(), nullable=False),
         sa.Column("kind", sa.String(16), nullable=False),
         sa.Column("epoch", sa.BigInteger(), nullable=False),
         sa.Column("registered_at", sa.Double(), nullable=False),
@@ -50,7 +55,7 @@ def upgrade() -> None:
     )
     op.create_table(
         "checkpoints",
-        sa.Column("run", sa.String(NAME), nullable=False),
+        sa.Column("run", name(), nullable=False),
         sa.Column("checkpoint_id", sa.BigInteger(), nullable=False),
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("trigger", sa.String(64), nullable=False),
@@ -84,7 +89,7 @@ def upgrade() -> None:
     )
     op.create_table(
         "checkpoint_offsets",
-        sa.Column("run", sa.String(NAME), nullable=False),
+        sa.Column("run", name(), nullable=False),
         sa.Column("checkpoint_id", sa.BigInteger(), nullable=False),
         sa.Column("partition", sa.Integer(), nullable=False),
         sa.Column("marker_offset", sa.BigInteger(), nullable=False),
@@ -100,9 +105,9 @@ def upgrade() -> None:
     )
     op.create_table(
         "manifest_entries",
-        sa.Column("run", sa.String(NAME), nullable=False),
+        sa.Column("run", name(), nullable=False),
         sa.Column("checkpoint_id", sa.BigInteger(), nullable=False),
-        sa.Column("episode", sa.String(NAME), nullable=False),
+        sa.Column("episode", name(), nullable=False),
         sa.Column("attempt", sa.Integer(), nullable=False),
         sa.Column("action", sa.String(16), nullable=False),
         sa.Column("cut_partition", sa.Integer(), nullable=False),
@@ -113,11 +118,6 @@ def upgrade() -> None:
         sa.CheckConstraint(
             "action IN ('continue', 'restart', 'finished')",
             name=op.f("ck_manifest_entries_action_known"),
-        ),
-        sa.ForeignKeyConstraint(
-            ["run", "checkpoint_id"],
-            ["checkpoints.run", "checkpoints.checkpoint_id"],
-            name=op.f("fk_manifest_entries_checkpoints"),
         ),
         sa.PrimaryKeyConstraint(
             "run", "checkpoint_id", "episode", name=op.f("pk_manifest_entries")

@@ -18,6 +18,11 @@ depends_on: str | None = None
 NAME = 200
 
 
+def name() -> sa.types.TypeEngine[str]:
+    """A name column's type: bytewise comparison on PostgreSQL, as SQLite's default."""
+    return sa.String(NAME).with_variant(sa.String(NAME, collation="C"), "postgresql")
+
+
 def upgrade() -> None:
     op.add_column(
         "runs",
@@ -25,7 +30,7 @@ def upgrade() -> None:
     )
     op.create_table(
         "restores",
-        sa.Column("run", sa.String(NAME), nullable=False),
+        sa.Column("run", name(), nullable=False),
         sa.Column("restore_id", sa.BigInteger(), nullable=False),
         sa.Column("checkpoint_id", sa.BigInteger(), nullable=False),
         sa.Column("controller_epoch", sa.BigInteger(), nullable=False),
@@ -43,9 +48,9 @@ def upgrade() -> None:
     )
     op.create_table(
         "restore_episodes",
-        sa.Column("run", sa.String(NAME), nullable=False),
+        sa.Column("run", name(), nullable=False),
         sa.Column("restore_id", sa.BigInteger(), nullable=False),
-        sa.Column("episode", sa.String(NAME), nullable=False),
+        sa.Column("episode", name(), nullable=False),
         sa.Column("previous_attempt", sa.Integer(), nullable=False),
         sa.Column("attempt", sa.Integer(), nullable=False),
         sa.Column("capture_key", sa.String(NAME + 16), nullable=False),
@@ -55,18 +60,13 @@ def upgrade() -> None:
             "action IN ('continue', 'restart', 'excluded')",
             name=op.f("ck_restore_episodes_action_known"),
         ),
-        sa.ForeignKeyConstraint(
-            ["run", "restore_id"],
-            ["restores.run", "restores.restore_id"],
-            name=op.f("fk_restore_episodes_restores"),
-        ),
         sa.PrimaryKeyConstraint("run", "restore_id", "episode", name=op.f("pk_restore_episodes")),
         sqlite_with_rowid=False,
     )
     op.create_table(
         "episodes",
-        sa.Column("run", sa.String(NAME), nullable=False),
-        sa.Column("episode", sa.String(NAME), nullable=False),
+        sa.Column("run", name(), nullable=False),
+        sa.Column("episode", name(), nullable=False),
         sa.Column("current_attempt", sa.Integer(), nullable=False),
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("first_partition", sa.Integer(), nullable=True),

@@ -1,0 +1,186 @@
+"""Backend-specific catalog cases: URL handling, error translation, the public surface."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rolloutlog.catalog as catalog_package
+from rolloutlog.catalog import ManifestEntry, PartitionOffset, capture_key, open_catalog
+from rolloutlog.catalog._backend import backend_for
+from rolloutlog.catalog._postgres import PostgresBackend
+from rolloutlog.errors import BackendUnavailable, CatalogError, InvalidRequest
+
+
+def test_public_surface_is_pinned() -> None:
+    assert sorted(catalog_package.__all__) == sorted(
+        [
+            "DEFAULT_KEEP_COMMITTED",
+            "DEFAULT_PARTITIONS",
+            "Catalog",
+            "Checkpoint",
+            "CheckpointStatus",
+            "Episode",
+            "EpisodeStart",
+            "EpisodeStatus",
+            "ManifestAction",
+            "ManifestEntry",
+            "Participant",
+            "ParticipantKind",
+            "PartitionOffset",
+            "Restore",
+            "RestoreAction",
+            "RestoreEntry",
+            "Run",
+            "RunStats",
+            "RunSummary",
+            "capture_key",
+            "head_revision",
+            "open_catalog",
+        ]
+    )
+    for name in catalog_package.__all__:
+        assert hasattr(catalog_package, name), name
+
+
+def test_capture_keys() -> None:
+    assert capture_key("r17", 0) == "r17"
+    assert capture_key("r17", 2) == "r17-a2"
+    assert ManifestEntry("r17", 3, "continue", 0, 1).capture_key == "r17-a3"
+
+
+@pytest.mark.parametrize(
+    "url", ["mysql+aiomysql://x/y", "sqlite:///plain-sync.db", "postgresql://sync/driver"]
+)
+def test_unsupported_urls_are_refused(url: str) -> None:
+    with pytest.raises(CatalogError, match="unsupported catalog URL"):
+        open_catalog(url)
+
+
+@pytest.mark.parametrize("url", ["sqlite+aiosqlite://", "sqlite+aiosqlite:///:memory:"])
+async def test_in_memory_sqlite_is_refused(url: str) -> None:
+    catalog = open_catalog(url)
+    with pytest.raises(CatalogError, match="in-memory"):
+        await catalog.start()
+
+
+def test_keep_committed_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest):
+        open_catalog(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}", keep_committed=0)
+
+
+async def test_sqlite_creates_the_data_directory(tmp_path: Path) -> None:
+    path = tmp_path / "nested" / "dir" / "catalog.db"
+    async with open_catalog(f"sqlite+aiosqlite:///{path}") as catalog:
+        await catalog.create_run("r")
+        assert catalog.backend == "sqlite"
+    assert path.exists()
+
+
+async def test_sqlite_a_directory_in_place_of_the_file_is_unavailable(tmp_path: Path) -> None:
+    (tmp_path / "catalog.db").mkdir()
+    with pytest.raises(BackendUnavailable) as raised:
+        await open_catalog(f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}").start()
+    assert raised.value.retriable
+    assert raised.value.__cause__ is not None
+
+
+async def test_sqlite_a_file_that_is_not_a_database_is_a_catalog_error(tmp_path: Path) -> None:
+    path = tmp_path / "catalog.db"
+    path.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(CatalogError) as raised:
+        await open_catalog(f"sqlite+aiosqlite:///{path}").start()
+    assert raised.value.__cause__ is not None
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_postgres_unreachable_is_unavailable() -> None:
+    catalog = open_catalog(f"postgresql+asyncpg://postgres@127.0.0.1:{_closed_port()}/test")
+    with pytest.raises(BackendUnavailable) as raised:
+        await catalog.start()
+    assert raised.value.code == "unavailable" and raised.value.http_status == 503
+    assert raised.value.__cause__ is not None
+
+
+@pytest.mark.postgres
+async def test_postgres_server_settings_travel_in_the_url(postgres_schema: str) -> None:
+    async with open_catalog(postgres_schema + "&statement_timeout=12345") as catalog:
+        await catalog.create_run("r")
+    engine = PostgresBackend(postgres_schema + "&statement_timeout=12345").create_engine()
+    try:
+        async with engine.connect() as conn:
+            result = await conn.exec_driver_sql("SHOW statement_timeout")
+            assert result.scalar_one() == "12345ms"
+            result = await conn.exec_driver_sql("SELECT count(*) FROM runs")
+            assert result.scalar_one() == 1
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.postgres
+async def test_postgres_lost_connection_is_unavailable(postgres_schema: str) -> None:
+    async with open_catalog(postgres_schema) as catalog:
+        await catalog.create_run("r")
+        # Kill every server backend of this catalog's pool, as a server restart would.
+        admin = backend_for(postgres_schema).create_engine()
+        try:
+            async with admin.connect() as conn:
+                await conn.exec_driver_sql(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = 'rolloutlog-catalog' AND pid <> pg_backend_pid()"
+                )
+        finally:
+            await admin.dispose()
+        with pytest.raises(BackendUnavailable):
+            await catalog.get_run("r")
+        # The pool recovers on the next call.
+        assert (await catalog.get_run("r")).run == "r"
+
+
+_episode_ids = st.text(
+    alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=40
+).filter(lambda e: not (e.rsplit("-a", 1)[-1].isdigit() and "-a" in e))
+_entries = st.lists(
+    st.builds(
+        ManifestEntry,
+        episode=_episode_ids,
+        attempt=st.integers(0, 2**31 - 1),
+        action=st.sampled_from(["continue", "restart", "finished"]),
+        cut_partition=st.integers(0, 3),
+        cut_offset=st.integers(0, 2**62),
+        last_stage=st.none() | st.text(max_size=20),
+        staging_keys=st.lists(st.text(max_size=12), max_size=3).map(tuple),
+        size_bytes=st.integers(0, 2**40),
+    ),
+    max_size=30,
+    unique_by=lambda entry: entry.episode,
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(entries=_entries)
+def test_any_manifest_reads_back_exactly(tmp_path: Path, entries: list[ManifestEntry]) -> None:
+    async def roundtrip() -> list[ManifestEntry]:
+        async with open_catalog(f"sqlite+aiosqlite:///{tmp_path / 'prop.db'}") as catalog:
+            await catalog.create_run("prop", partitions=4)
+            epoch = await catalog.take_over_controller("prop")
+            checkpoint_id = await catalog.begin_checkpoint("prop", epoch)
+            offsets = [PartitionOffset(p, 10) for p in range(4)]
+            await catalog.commit_checkpoint("prop", checkpoint_id, epoch, offsets, entries)
+            return await catalog.load_manifest("prop", checkpoint_id)
+
+    # SQLite orders text by bytes, as UTF-8 encoding does.
+    expected = sorted(entries, key=lambda entry: entry.episode.encode())
+    assert asyncio.run(roundtrip()) == expected
