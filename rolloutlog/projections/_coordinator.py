@@ -45,7 +45,6 @@ from rolloutlog.projections._fold import RecordView, project_episode
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._projector import (
     CheckpointCapture,
-    ManifestItem,
     Projector,
     RestoreReset,
 )
@@ -238,7 +237,7 @@ class Coordinator:
                     capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
             timer.stage("waits")
             offsets, entries = _manifest(capture)
-            staging = sorted({key for item in capture.items.values() for key in item.staging_keys})
+            staging = sorted({key for entry in entries for key in entry.staging_keys})
             timer.stage("manifest")
             timings = timer.total()
             committed = await self.catalog.commit_checkpoint(
@@ -333,7 +332,8 @@ class Coordinator:
                 for o in checkpoint.offsets
             }
             restores = {r.restore_id for r in await _all_restores(self.catalog, run)}
-            projections = await self.replay(run, to_continue, replay_from, restores)
+            new_attempts = {e.episode: current.get(e.episode, e.attempt) + 1 for e in to_continue}
+            projections = await self.replay(run, to_continue, replay_from, restores, new_attempts)
             timer.stage("replay")
             plan: list[RestoreEntry] = []
             resets: dict[str, RestoreReset] = {}
@@ -400,8 +400,6 @@ class Coordinator:
                 timer.stage("commit")
             finally:
                 projector.end_restore(restore_id, committed)
-            for episode, projection in projections.items():
-                projections[episode] = _with_attempt(projection, resets[episode].attempt)
             self._cache(run, restore_id, projections)
             return RestoreResult(restore, tuple(plan), timer.total())
 
@@ -430,26 +428,39 @@ class Coordinator:
         entries: Sequence[ManifestEntry],
         replay_from: Mapping[int, int],
         committed_restores: set[int],
+        attempts: Mapping[str, int] | None = None,
     ) -> dict[str, EpisodeProjection]:
-        """Fold every named episode at its cut; partitions are read in parallel."""
+        """Fold every named episode at its cut; partitions are read in parallel. ``attempts``
+        labels each projection with the attempt that continues it."""
         by_partition: dict[int, dict[str, int]] = defaultdict(dict)
         for entry in entries:
             by_partition[entry.cut_partition][entry.episode] = entry.cut_offset
+        loads = orjson.loads
 
         async def one(partition: int, cuts: dict[str, int]) -> dict[str, EpisodeProjection]:
             records: dict[str, list[RecordView]] = {episode: [] for episode in cuts}
             end = max(cuts.values())
             start = replay_from.get(partition, 0)
-            async for offset, record in self.log.read_records(run, partition, start, end):
-                split = record.find(b"\n")
-                head = record if split < 0 else record[:split]
-                meta = orjson.loads(head)
-                wanted = records.get(meta.get("episode"))
-                if wanted is not None:
-                    wanted.append((offset, meta, None if split < 0 else record[split + 1 :]))
+            async for page in self.log.read_pages(run, partition, start, end):
+                for offset, record in page:
+                    split = record.find(b"\n")
+                    if split < 0:
+                        meta = loads(record)
+                        wanted = records.get(meta.get("episode"))
+                        if wanted is not None:
+                            wanted.append((offset, meta, None))
+                    else:
+                        meta = loads(record[:split])
+                        wanted = records.get(meta.get("episode"))
+                        if wanted is not None:
+                            wanted.append((offset, meta, record[split + 1 :]))
             return {
                 episode: project_episode(
-                    episode, records[episode], cuts[episode], committed_restores
+                    episode,
+                    records[episode],
+                    cuts[episode],
+                    committed_restores,
+                    as_attempt=None if attempts is None else attempts.get(episode),
                 )
                 for episode in cuts
                 if records[episode]
@@ -545,12 +556,8 @@ class Coordinator:
             for r in await _all_restores(self.catalog, run)
             if r.restore_id < restore_id
         }
-        projections = await self.replay(run, wanted, replay_from, restores)
         attempts = {e.episode: e.attempt for e in entries}
-        result = {
-            episode: _with_attempt(projection, attempts[episode])
-            for episode, projection in projections.items()
-        }
+        result = await self.replay(run, wanted, replay_from, restores, attempts)
         self._cache(run, restore_id, result)
         return result
 
@@ -583,39 +590,12 @@ class Coordinator:
         return projection
 
 
-def _with_attempt(projection: EpisodeProjection, attempt: int) -> EpisodeProjection:
-    from dataclasses import replace
-
-    return replace(projection, attempt=attempt)
-
-
 def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[ManifestEntry]]:
-    needed: dict[int, int] = {}
-    entries: list[ManifestEntry] = []
-    for item in capture.items.values():
-        entries.append(_entry(item))
-        if item.action != "finished" and item.first_offset is not None:
-            needed[item.partition] = min(
-                needed.get(item.partition, item.first_offset), item.first_offset
-            )
     offsets = [
-        PartitionOffset(partition, marker, min(needed.get(partition, marker), marker))
+        PartitionOffset(partition, marker, min(capture.needed.get(partition, marker), marker))
         for partition, marker in sorted(capture.markers.items())
     ]
-    return offsets, entries
-
-
-def _entry(item: ManifestItem) -> ManifestEntry:
-    return ManifestEntry(
-        episode=item.episode,
-        attempt=item.attempt,
-        action=item.action,  # type: ignore[arg-type]
-        cut_partition=item.partition,
-        cut_offset=item.cut,
-        last_stage=item.last_stage,
-        staging_keys=item.staging_keys,
-        size_bytes=item.size_bytes,
-    )
+    return offsets, list(capture.entries.values())
 
 
 async def _all_restores(catalog: Catalog, run: str) -> list[Restore]:

@@ -314,10 +314,15 @@ def project_episode(
     records: Iterable[RecordView],
     cut: int,
     committed_restores: Container[int] | None = None,
+    *,
+    as_attempt: int | None = None,
 ) -> EpisodeProjection:
-    """The projection of ``episode`` at ``cut`` from its records in partition order."""
+    """The projection of ``episode`` at ``cut`` from its records in partition order.
+
+    ``as_attempt`` labels it as the attempt that will continue it (a restore's new attempt).
+    """
     kept, attempt = select_records(records, cut, committed_restores)
-    fold = EpisodeFold(episode, attempt)
+    fold = EpisodeFold(episode, attempt if as_attempt is None else as_attempt)
     for offset, meta, payload in kept:
         fold.apply(offset, meta, payload)
     return fold.projection(cut)

@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from rolloutlog.catalog import ManifestEntry
 from rolloutlog.log import Log, partition_for
 from rolloutlog.projections._fold import _Filters, select_records
 from rolloutlog.projections._model import EpisodeProjection
@@ -28,7 +29,7 @@ from rolloutlog.projections._tracker import EpisodeTracker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointCapture", "ManifestItem", "Projector", "RestoreReset"]
+__all__ = ["CheckpointCapture", "Projector", "RestoreReset"]
 
 
 def record_meta(record: bytes) -> dict[str, Any]:
@@ -38,22 +39,6 @@ def record_meta(record: bytes) -> dict[str, Any]:
     return meta
 
 
-@dataclass(frozen=True, slots=True)
-class ManifestItem:
-    """One episode's line of a checkpoint manifest, as the projector decided it."""
-
-    episode: str
-    attempt: int
-    action: str  # continue | restart | finished
-    partition: int
-    cut: int
-    first_offset: int | None
-    last_stage: str | None
-    staging_keys: tuple[str, ...]
-    size_bytes: int
-    reason: str | None = None
-
-
 @dataclass
 class CheckpointCapture:
     """The projector's half of one checkpoint: filled in as each partition reaches its marker."""
@@ -61,7 +46,11 @@ class CheckpointCapture:
     checkpoint_id: int
     partitions: int
     markers: dict[int, int] = field(default_factory=dict)
-    items: dict[str, ManifestItem] = field(default_factory=dict)
+    entries: dict[str, ManifestEntry] = field(default_factory=dict)
+    #: Per partition, the earliest offset a live (continue or restart) episode needs.
+    needed: dict[int, int] = field(default_factory=dict)
+    #: Why an episode restarts, for those that do.
+    reasons: dict[str, str] = field(default_factory=dict)
     #: Episodes whose cut waits for a boundary: episode → (owners awaited, marker offset).
     waiting: dict[str, tuple[set[str], int]] = field(default_factory=dict)
     reached: asyncio.Event = field(default_factory=asyncio.Event)
@@ -76,20 +65,12 @@ class CheckpointCapture:
     def expire_waits(self, reason: str) -> None:
         """The deadline passed: every episode still waiting for its boundary restarts."""
         for episode, (_, marker) in list(self.waiting.items()):
-            old = self.items.get(episode)
+            old = self.entries.get(episode)
             if old is not None:
-                self.items[episode] = ManifestItem(
-                    episode,
-                    old.attempt,
-                    "restart",
-                    old.partition,
-                    marker,
-                    old.first_offset,
-                    old.last_stage,
-                    (),
-                    old.size_bytes,
-                    reason,
+                self.entries[episode] = old._replace(
+                    action="restart", cut_offset=marker, staging_keys=()
                 )
+                self.reasons[episode] = reason
         self.waiting.clear()
         self.resolved.set()
 
@@ -286,34 +267,39 @@ class Projector:
         if self._capture is capture:
             self._capture = None
         if committed:
-            for item in capture.items.values():
-                if item.action == "finished":
-                    self._forget(item.episode)
-                    self.retired.add(item.episode)
+            for entry in capture.entries.values():
+                if entry.action == "finished":
+                    self._forget(entry.episode)
+                    self.retired.add(entry.episode)
 
     def _on_marker(self, partition: int, offset: int, checkpoint_id: int) -> None:
         capture = self._capture
         if capture is None or capture.checkpoint_id != checkpoint_id:
             return  # a marker of a checkpoint this service is not taking (aborted, or stale)
         capture.markers[partition] = offset
+        entries = capture.entries
+        needed = offset
         for episode, tracker in self.by_partition[partition].items():
-            if tracker.first_offset is None and not tracker.attempt:
+            first = tracker.first_offset
+            if first is None and not tracker.attempt:
                 continue
             if tracker.finished:
-                capture.items[episode] = self._item(tracker, "finished", offset)
-            elif tracker.open_waits:
-                capture.items[episode] = self._item(tracker, "continue", offset)
+                entries[episode] = _entry(tracker, "finished", offset)
+                continue
+            if first is not None and first < needed:
+                needed = first
+            if tracker.open_waits:
+                entries[episode] = _entry(tracker, "continue", offset)
                 capture.waiting[episode] = (set(tracker.open_waits), offset)
-            elif tracker.restart_only():
-                capture.items[episode] = self._item(
-                    tracker, "restart", offset, "a restart_only session is open at the cut"
-                )
-            elif tracker.first_offset is None:
-                capture.items[episode] = self._item(
-                    tracker, "restart", offset, "the attempt has recorded nothing yet"
-                )
+            elif tracker.sessions and tracker.restart_only():
+                entries[episode] = _entry(tracker, "restart", offset)
+                capture.reasons[episode] = "a restart_only session is open at the cut"
+            elif first is None:
+                entries[episode] = _entry(tracker, "restart", offset)
+                capture.reasons[episode] = "the attempt has recorded nothing yet"
             else:
-                capture.items[episode] = self._item(tracker, "continue", offset)
+                entries[episode] = _entry(tracker, "continue", offset)
+        capture.needed[partition] = needed
         capture._check()
 
     def _check_wait(self, capture: CheckpointCapture, tracker: EpisodeTracker, offset: int) -> None:
@@ -322,31 +308,15 @@ class Projector:
             return
         del capture.waiting[tracker.episode]
         if tracker.finished:
-            action, reason = "finished", None
+            action = "finished"
         elif tracker.restart_only():
-            action, reason = "restart", "a restart_only session is open at the cut"
+            action = "restart"
+            capture.reasons[tracker.episode] = "a restart_only session is open at the cut"
         else:
-            action, reason = "continue", None
-        capture.items[tracker.episode] = self._item(tracker, action, offset + 1, reason)
+            action = "continue"
+        capture.entries[tracker.episode] = _entry(tracker, action, offset + 1)
         if not capture.waiting and len(capture.markers) == capture.partitions:
             capture.resolved.set()
-
-    @staticmethod
-    def _item(
-        tracker: EpisodeTracker, action: str, cut: int, reason: str | None = None
-    ) -> ManifestItem:
-        return ManifestItem(
-            episode=tracker.episode,
-            attempt=tracker.attempt,
-            action=action,
-            partition=tracker.partition,
-            cut=cut,
-            first_offset=tracker.first_offset,
-            last_stage=tracker.last_stage,
-            staging_keys=tracker.referenced_staging_keys() if action != "finished" else (),
-            size_bytes=tracker.size_bytes,
-            reason=reason,
-        )
 
     # -- restores --------------------------------------------------------------------------
 
@@ -367,6 +337,19 @@ class Projector:
 
     def live_episodes(self) -> int:
         return sum(1 for tracker in self.trackers.values() if not tracker.finished)
+
+
+def _entry(tracker: EpisodeTracker, action: str, cut: int) -> ManifestEntry:
+    return ManifestEntry(
+        tracker.episode,
+        tracker.attempt,
+        action,  # type: ignore[arg-type]
+        tracker.partition,
+        cut,
+        tracker.last_stage,
+        tracker.referenced_staging_keys() if action != "finished" else (),
+        tracker.size_bytes,
+    )
 
 
 def _refold_filters(
