@@ -51,7 +51,7 @@ def _env(kind: str, pid: str) -> dict[str, Any]:
 
 
 def s1_episode(index: int) -> list[Event]:
-    """~10 events: start, session, 2 × (ledger row of 512 tokens, session state, boundary), a step
+    """~10 events: start, session, 2 x (ledger row of 512 tokens, session state, boundary), a step
     in flight with a generation chunk."""
     episode = f"r{index}"
     task = {"prompt": f"solve task {index}", "id": index}
