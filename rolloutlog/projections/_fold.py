@@ -321,10 +321,23 @@ def project_episode(
 
     ``as_attempt`` labels it as the attempt that will continue it (a restore's new attempt).
     """
-    kept, attempt = select_records(records, cut, committed_restores)
-    fold = EpisodeFold(episode, attempt if as_attempt is None else as_attempt)
-    for offset, meta, payload in kept:
-        fold.apply(offset, meta, payload)
+    listed = records if isinstance(records, list) else list(records)
+    if any(meta["type"] == "attempt.started" for _, meta, _ in listed):
+        # Restores truncate what earlier attempts contributed: select first, then fold.
+        kept, attempt = select_records(listed, cut, committed_restores)
+        fold = EpisodeFold(episode, attempt if as_attempt is None else as_attempt)
+        for offset, meta, payload in kept:
+            fold.apply(offset, meta, payload)
+        return fold.projection(cut)
+    # The common case, in one pass: filter and fold as the records come.
+    fold = EpisodeFold(episode, 0 if as_attempt is None else as_attempt)
+    admits = _Filters().admits
+    apply = fold.apply
+    for offset, meta, payload in listed:
+        if offset >= cut:
+            break
+        if admits(meta):
+            apply(offset, meta, payload)
     return fold.projection(cut)
 
 

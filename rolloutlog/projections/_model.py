@@ -1,10 +1,14 @@
-"""What a fold produces: an episode's projection and its parts (immutable values)."""
+"""What a fold produces: an episode's projection and its parts (immutable values).
+
+The parts a fold builds by the thousand (boundaries, sessions, ledger rows) are ``NamedTuple``s:
+one C-level tuple allocation each, where a frozen dataclass pays a Python ``__setattr__`` per field.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import orjson
 
@@ -13,8 +17,7 @@ from rolloutlog.log import Opaque, capture_key
 EpisodeStatus = Literal["live", "finished"]
 
 
-@dataclass(frozen=True, slots=True)
-class BoundaryView:
+class BoundaryView(NamedTuple):
     """The latest boundary of one owner (the environment, or an agent session)."""
 
     stage: str
@@ -24,8 +27,7 @@ class BoundaryView:
     offset: int
 
 
-@dataclass(frozen=True, slots=True)
-class SessionView:
+class SessionView(NamedTuple):
     """An open resources or agent session at the cut, with its latest recorded state."""
 
     session_id: str
@@ -36,8 +38,7 @@ class SessionView:
     state: Opaque | None
 
 
-@dataclass(frozen=True, slots=True)
-class LedgerEntry:
+class LedgerEntry(NamedTuple):
     """One committed token-capture row; its token ids stay the raw JSON array they were logged as."""
 
     call_id: str
