@@ -1,0 +1,289 @@
+"""The app factory: routes, the one error handler, the body limit, the lifespan, operations."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+
+from rolloutlog.api import _append, _checkpoints, _runs
+from rolloutlog.api._auth import Role, public
+from rolloutlog.api._http import dumps, json_response
+from rolloutlog.api._models import Health
+from rolloutlog.api._service import Service
+from rolloutlog.api._settings import Settings
+from rolloutlog.errors import PayloadTooLarge, RolloutlogError
+
+__all__ = ["PUBLIC_PATHS", "create_app", "route_roles"]
+
+logger = logging.getLogger("rolloutlog.api")
+
+#: Routes FastAPI adds itself: the schema and its viewer, open like the health checks.
+PUBLIC_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect"})
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_HTTP_CODES = {
+    400: "invalid_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+}
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised from ``receive``: an ``HTTPException`` so that FastAPI's body parsing lets it
+    through (it turns other exceptions into a generic 400)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body exceeds {limit} bytes")
+        self.limit = limit
+
+
+class BodyLimit:
+    """Bounds every request body without buffering it: a declared ``Content-Length`` over the
+    limit is refused before anything is read, and a streamed body is cut off at the limit."""
+
+    def __init__(self, app: ASGIApp, events_limit: int, other_limit: int) -> None:
+        self.app = app
+        self.events_limit = events_limit
+        self.other_limit = other_limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        limit = self.events_limit if path.endswith("/events") else self.other_limit
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+                if declared > limit or declared < 0:
+                    error = PayloadTooLarge(
+                        f"the request body is {value.decode(errors='replace')} bytes; this route "
+                        f"accepts at most {limit}",
+                        max_bytes=limit,
+                    )
+                    service = getattr(getattr(scope.get("app"), "state", None), "service", None)
+                    if service is not None:
+                        service.metrics.refusals.inc(labels=(error.code,))
+                    await _send_error(send, error, close=True)
+                    return
+                break
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def _send_error(send: Send, error: RolloutlogError, close: bool) -> None:
+    body = dumps(error.to_dict())
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.http_status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _error_response(request: Request, error: RolloutlogError) -> Response:
+    service: Service | None = getattr(request.app.state, "service", None)
+    if service is not None:
+        service.metrics.refusals.inc(labels=(error.code,))
+    if error.http_status >= 500:
+        logger.error("request failed: %s", error.message, extra={"code": error.code})
+    headers = {"WWW-Authenticate": "Bearer"} if error.http_status == 401 else None
+    return json_response(error.to_dict(), error.http_status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def rolloutlog_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RolloutlogError)
+        return _error_response(request, exc)
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        problems = [
+            {
+                "field": ".".join(str(part) for part in error.get("loc", ())),
+                "reason": str(error.get("msg", "")),
+                "type": str(error.get("type", "")),
+            }
+            for error in exc.errors()
+        ]
+        first = problems[0] if problems else {"field": "(request)", "reason": "invalid"}
+        error = _StatusError(
+            400,
+            "invalid_request",
+            f"invalid {first['field']}: {first['reason']}",
+            field=first["field"],
+            problems=problems[:20],
+        )
+        return _error_response(request, error)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if isinstance(exc, _BodyTooLarge):
+            error: RolloutlogError = PayloadTooLarge(
+                f"the request body exceeds {exc.limit} bytes", max_bytes=exc.limit
+            )
+        else:
+            code = _HTTP_CODES.get(exc.status_code, "invalid_request")
+            message = str(exc.detail) if exc.detail else code
+            if exc.status_code == 404:
+                message = f"no route {request.method} {request.url.path}"
+            error = _StatusError(exc.status_code, code, message)
+        return _error_response(request, error)
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        error = _StatusError(500, "internal", "internal error (see the service's log)")
+        return _error_response(request, error)
+
+    app.add_exception_handler(RolloutlogError, rolloutlog_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+class _StatusError(RolloutlogError):
+    """An error whose code and status are decided at run time (HTTP-level refusals)."""
+
+    def __init__(self, status: int, code: str, message: str, **details: Any) -> None:
+        super().__init__(message, **details)
+        self.http_status = status  # type: ignore[misc]
+        self.code = code  # type: ignore[misc]
+
+
+def _ops_routes(app: FastAPI) -> None:
+    open_route = [Depends(public)]
+
+    @app.get("/healthz", summary="Liveness", response_model=Health, dependencies=open_route)
+    async def healthz() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get(
+        "/readyz",
+        summary="Readiness: the log and the catalog are reachable",
+        response_model=Health,
+        dependencies=open_route,
+        responses={503: {"model": Health}},
+    )
+    async def readyz(request: Request) -> Response:
+        service: Service = request.app.state.service
+        checks: dict[str, str] = {}
+        try:
+            await service.log.ping()
+            checks["log"] = "ok"
+        except Exception as e:  # any failure means "not ready"; the reason is reported
+            checks["log"] = f"{type(e).__name__}: {e}"
+        try:
+            await service.catalog.list_runs(limit=1)
+            checks["catalog"] = "ok"
+        except Exception as e:  # as above
+            checks["catalog"] = f"{type(e).__name__}: {e}"
+        if service.draining:
+            checks["service"] = "shutting down"
+        ready = all(value == "ok" for value in checks.values())
+        return json_response(
+            {"status": "ready" if ready else "unavailable", "checks": checks},
+            200 if ready else 503,
+        )
+
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics",
+        dependencies=open_route,
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}}},
+    )
+    async def metrics(request: Request) -> Response:
+        service: Service = request.app.state.service
+        return Response(
+            service.metrics.registry.exposition(),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The rolloutlog service as an ASGI app; its lifespan opens and closes the backends."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service = Service(settings)
+        await service.start()
+        app.state.service = service
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(
+        title="rolloutlog",
+        version="0.1.0",
+        summary="Event-sourced checkpoint log for reinforcement-learning rollouts",
+        lifespan=lifespan,
+        redoc_url=None,
+    )
+    app.state.tokens = settings.tokens
+    app.state.settings = settings
+    _install_error_handlers(app)
+    _ops_routes(app)
+    # The routers' routes join the app's own table as they are (no prefix, no extra
+    # dependencies), so that ``app.routes`` lists every route for ``route_roles``.
+    for module in (_runs, _append, _checkpoints):
+        app.router.routes.extend(module.router.routes)
+    app.add_middleware(
+        BodyLimit,
+        events_limit=settings.max_events_bytes,
+        other_limit=settings.max_request_bytes,
+    )
+    return app
+
+
+def route_roles(app: FastAPI) -> dict[tuple[str, str], Role | None]:
+    """(method, path) → the role each API route declares (``None``: public).
+
+    Raises ``LookupError`` for a route that declares no role, or more than one.
+    """
+    table: dict[tuple[str, str], Role | None] = {}
+    for route in app.routes:
+        if not isinstance(route, APIRoute):
+            continue
+        declared = [
+            dep.call.role  # type: ignore[union-attr]
+            for dep in route.dependant.dependencies
+            if hasattr(dep.call, "role")
+        ]
+        if len(declared) != 1:
+            raise LookupError(f"route {route.path} declares {len(declared)} roles, not one")
+        for method in route.methods or ():
+            table[(method, route.path)] = declared[0]
+    return table

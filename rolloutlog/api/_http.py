@@ -1,0 +1,129 @@
+"""Response helpers: orjson bodies (opaque payloads embedded raw) and streamed NDJSON / JSON."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from rolloutlog.errors import RolloutlogError
+from rolloutlog.log import Opaque
+
+__all__ = [
+    "NDJSON",
+    "dumps",
+    "json_response",
+    "stream_json_object",
+    "stream_ndjson",
+    "wants_ndjson",
+]
+
+logger = logging.getLogger(__name__)
+
+NDJSON = "application/x-ndjson"
+JSON = "application/json"
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, Opaque):
+        return orjson.Fragment(value.raw)
+    if isinstance(value, frozenset | set | tuple):
+        return list(value)
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def dumps(value: Any) -> bytes:
+    """orjson, with ``Opaque`` payloads written as their raw bytes (never decoded)."""
+    return orjson.dumps(value, default=_default)
+
+
+def json_response(
+    content: Any, status_code: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    return Response(dumps(content), status_code, headers=headers, media_type=JSON)
+
+
+def wants_ndjson(request: Request) -> bool:
+    """True when the client asks for NDJSON (``Accept: application/x-ndjson``)."""
+    return NDJSON in request.headers.get("accept", "")
+
+
+def _error_line(error: BaseException) -> bytes:
+    """A stream cannot change its status once started: a failure becomes a last error line."""
+    if isinstance(error, RolloutlogError):
+        body = error.to_dict()
+    else:
+        logger.exception("stream failed", exc_info=error)
+        body = {"error": {"code": "internal", "message": "the stream failed", "details": {}}}
+    return dumps(body) + b"\n"
+
+
+def stream_ndjson(
+    items: AsyncIterator[Any],
+    encode: Callable[[Any], Any] = lambda item: item,
+    status_code: int = 200,
+    on_close: Callable[[], None] | None = None,
+) -> StreamingResponse:
+    """One JSON value per line; a failure mid-stream ends it with an ``{"error": …}`` line."""
+
+    async def body() -> AsyncIterator[bytes]:
+        buffer: list[bytes] = []
+        size = 0
+        try:
+            async for item in items:
+                line = dumps(encode(item)) + b"\n"
+                buffer.append(line)
+                size += len(line)
+                if size >= 64 * 1024:
+                    yield b"".join(buffer)
+                    buffer.clear()
+                    size = 0
+            if buffer:
+                yield b"".join(buffer)
+        except Exception as e:  # reported in-band: the status line has gone already
+            if buffer:
+                yield b"".join(buffer)
+            yield _error_line(e)
+        finally:
+            if on_close is not None:
+                on_close()
+
+    return StreamingResponse(body(), status_code=status_code, media_type=NDJSON)
+
+
+def stream_json_object(
+    head: Mapping[str, Any],
+    key: str,
+    items: AsyncIterator[Any],
+    encode: Callable[[Any], Any] = lambda item: item,
+    status_code: int = 200,
+) -> StreamingResponse:
+    """``{**head, key: [items…]}`` written as it is produced (constant memory).
+
+    A failure mid-stream truncates the document, so the client's JSON parser fails rather than
+    reading a partial list as a whole one.
+    """
+
+    async def body() -> AsyncIterator[bytes]:
+        opening = dumps({**head, key: []})
+        yield opening[:-2]  # drop the closing "]}"
+        first = True
+        buffer: list[bytes] = []
+        size = 0
+        async for item in items:
+            piece = dumps(encode(item))
+            buffer.append(piece if first else b"," + piece)
+            first = False
+            size += len(piece)
+            if size >= 64 * 1024:
+                yield b"".join(buffer)
+                buffer.clear()
+                size = 0
+        buffer.append(b"]}")
+        yield b"".join(buffer)
+
+    return StreamingResponse(body(), status_code=status_code, media_type=JSON)

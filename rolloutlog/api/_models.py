@@ -1,0 +1,291 @@
+"""Request and response bodies of the REST contract (DESIGN.md §8), as documented in OpenAPI.
+
+Requests are validated strictly (no type coercion, no unknown fields, no NaN). Responses are
+built as dicts and encoded with orjson; the response models here document their shape.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import Path
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "AppendOut",
+    "CheckpointList",
+    "CheckpointOut",
+    "CheckpointRequest",
+    "ControllerOut",
+    "ControllerRequest",
+    "CreateRun",
+    "EpisodeList",
+    "EpisodeOut",
+    "ErrorOut",
+    "ManifestOut",
+    "ParticipantList",
+    "ParticipantOut",
+    "ProjectionOut",
+    "RegisterParticipant",
+    "Responses",
+    "RestoreDetail",
+    "RestoreEpisodes",
+    "RestoreList",
+    "RestoreOut",
+    "RestoreRequest",
+    "RunList",
+    "RunOut",
+    "StatsOut",
+]
+
+RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
+RunName = Annotated[str, Field(pattern=RUN_PATTERN, examples=["run-1"])]
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+Count = Annotated[int, Field(ge=0, le=2**62)]
+ParticipantKind = Literal["environment", "policy", "agent", "resources"]
+#: The ``responses=`` of a route decorator (documented error replies).
+Responses = dict[int | str, dict[str, Any]]
+RunPath = Annotated[str, Path(pattern=RUN_PATTERN, description="The run's name.")]
+EpisodePath = Annotated[str, Path(pattern=NAME_PATTERN, description="An episode id.")]
+IdPath = Annotated[int, Path(ge=0, le=2**62)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+class CreateRun(_Request):
+    run: RunName
+    partitions: Annotated[int, Field(ge=1, le=10_000)] | None = None
+
+
+class RegisterParticipant(_Request):
+    id: Name
+    kind: ParticipantKind
+
+
+class ControllerRequest(_Request):
+    """Take over the run's controller; with ``expected_epoch`` only if it is still current."""
+
+    expected_epoch: Count | None = None
+
+
+class CheckpointRequest(_Request):
+    controller_epoch: Count
+    deadline_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
+    wait: bool = True
+    trigger: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_.-]{0,63}$")] = "request"
+
+
+class RestoreRequest(_Request):
+    controller_epoch: Count
+    checkpoint_id: Count | Literal["latest"]
+    exclude: Annotated[list[Name], Field(max_length=1_000_000)] = []
+    policy_version: Count | None = None
+    max_policy_lag: Count | None = None
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class ErrorBody(_Response):
+    code: str
+    message: str
+    details: dict[str, Any]
+
+
+class ErrorOut(_Response):
+    error: ErrorBody
+
+
+class RunOut(_Response):
+    run: str
+    partitions: int
+    log_url: str | None = None
+    controller_epoch: int = 0
+    latest_checkpoint_id: int | None = None
+    created_at: float | None = None
+    counts: dict[str, Any] = {}
+
+
+class RunList(_Response):
+    runs: list[RunOut]
+    next_after: str | None = None
+
+
+class ParticipantOut(_Response):
+    id: str
+    kind: ParticipantKind
+    epoch: int
+
+
+class ParticipantList(_Response):
+    participants: list[ParticipantOut]
+
+
+class Position(_Response):
+    partition: int
+    offset: int
+
+
+class AppendOut(_Response):
+    offsets: list[Position]
+
+
+class ControllerOut(_Response):
+    controller_epoch: int
+
+
+class CheckpointCounts(_Response):
+    continue_: int = Field(alias="continue")
+    restart: int
+    finished: int
+
+
+class CheckpointOffset(_Response):
+    partition: int
+    marker: int
+    replay_from: int | None
+
+
+class CheckpointOut(_Response):
+    checkpoint_id: int
+    status: Literal["pending", "committed", "aborted", "expired"]
+    counts: CheckpointCounts
+    offsets: list[CheckpointOffset]
+    staging_keys: list[str] | None = None
+    timings_ms: dict[str, float]
+    trigger: str | None = None
+    controller_epoch: int | None = None
+    requested_at: float | None = None
+    committed_at: float | None = None
+    reason: str | None = None
+
+
+class CheckpointList(_Response):
+    checkpoints: list[CheckpointOut]
+
+
+class Cut(_Response):
+    partition: int
+    offset: int
+
+
+class ManifestEntryOut(_Response):
+    episode: str
+    attempt: int
+    capture_key: str
+    action: Literal["continue", "restart", "finished"]
+    cut: Cut
+    last_stage: str | None = None
+
+
+class ManifestOut(_Response):
+    checkpoint_id: int
+    episodes: list[ManifestEntryOut]
+
+
+class RestoreCounts(_Response):
+    continue_: int = Field(alias="continue")
+    restart: int
+    excluded: int
+
+
+class RestoreOut(_Response):
+    restore_id: int
+    checkpoint_id: int
+    counts: RestoreCounts
+    controller_epoch: int | None = None
+    committed_at: float | None = None
+    timings_ms: dict[str, float] = {}
+
+
+class RestoreEpisodeOut(_Response):
+    episode: str
+    previous_attempt: int
+    attempt: int
+    capture_key: str
+    action: Literal["continue", "restart", "excluded"]
+    reason: str | None = None
+
+
+class RestoreDetail(RestoreOut):
+    episodes: list[RestoreEpisodeOut]
+
+
+class RestoreEpisodes(_Response):
+    episodes: list[RestoreEpisodeOut]
+
+
+class RestoreList(_Response):
+    restores: list[RestoreOut]
+
+
+class EpisodeOut(_Response):
+    episode: str
+    current_attempt: int
+    capture_key: str
+    status: Literal["running", "finished", "excluded"]
+    live: bool
+    first_partition: int | None = None
+    first_offset: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    updated_at: float | None = None
+
+
+class EpisodeList(_Response):
+    episodes: list[EpisodeOut]
+    next_after: str | None = None
+
+
+class BoundaryOut(_Response):
+    stage: str
+    next: str | None
+    state: Any
+    step: int | None
+
+
+class SessionOut(_Response):
+    kind: str
+    participant: str
+    mode: str
+    verify: str
+    state: Any
+
+
+class ProjectionOut(_Response):
+    """One episode's projection at its cut (opaque states are passed through as logged)."""
+
+    episode: str
+    attempt: int
+    capture_key: str
+    status: str | None = None
+    task: Any
+    task_digest: str | None
+    boundaries: dict[str, BoundaryOut]
+    sessions: dict[str, SessionOut]
+    ledger: list[dict[str, Any]]
+    generation_cut: dict[str, Any] | None
+
+
+class StatsOut(_Response):
+    run: str
+    events: dict[str, Any]
+    episodes: dict[str, Any]
+    checkpoints: dict[str, Any]
+    restores: dict[str, Any]
+    participants: int
+
+
+class Health(_Response):
+    status: str
+    checks: dict[str, str] = {}

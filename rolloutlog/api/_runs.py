@@ -1,0 +1,240 @@
+"""Routes of runs, participants, the controller, episodes and statistics."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Body, Depends, Query, Request
+from fastapi.responses import Response
+
+from rolloutlog.api._auth import Role, require
+from rolloutlog.api._http import json_response, stream_ndjson, wants_ndjson
+from rolloutlog.api._models import (
+    ControllerOut,
+    ControllerRequest,
+    CreateRun,
+    EpisodeList,
+    ErrorOut,
+    ParticipantList,
+    ParticipantOut,
+    RegisterParticipant,
+    Responses,
+    RunList,
+    RunOut,
+    RunPath,
+    StatsOut,
+)
+from rolloutlog.api._service import Service
+from rolloutlog.api._views import episode_view, participant_view, run_view
+from rolloutlog.catalog import Episode
+from rolloutlog.errors import UnknownRun
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+TRAINER = [Depends(require(Role.TRAINER))]
+ANALYST = [Depends(require(Role.ANALYST))]
+PARTICIPANT = [Depends(require(Role.PARTICIPANT))]
+NOT_FOUND: Responses = {404: {"model": ErrorOut, "description": "unknown_run"}}
+Limit = Annotated[int, Query(ge=1, le=10_000)]
+After = Annotated[str | None, Query(max_length=200)]
+
+
+def _service(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service
+
+
+def _live(service: Service, run: str) -> int | None:
+    projector = service.coordinator.projectors.get(run)
+    return projector.live_episodes() if projector is not None else None
+
+
+@router.post(
+    "/v1/runs",
+    summary="Create a run (idempotent with the same settings)",
+    status_code=201,
+    response_model=RunOut,
+    dependencies=TRAINER,
+    responses={
+        200: {"model": RunOut, "description": "the run existed with the same settings"},
+        409: {"model": ErrorOut, "description": "run_exists (other settings)"},
+    },
+)
+async def create_run(request: Request, body: CreateRun) -> Response:
+    service = _service(request)
+    try:
+        await service.catalog.get_run(body.run)
+        existed = True
+    except UnknownRun:
+        existed = False
+    partitions = await service.coordinator.create_run(body.run, body.partitions)
+    return json_response({"run": body.run, "partitions": partitions}, 200 if existed else 201)
+
+
+@router.get("/v1/runs", summary="Runs with counts", response_model=RunList, dependencies=ANALYST)
+async def list_runs(request: Request, after: After = None, limit: Limit = 100) -> Response:
+    service = _service(request)
+    summaries = await service.catalog.list_runs(after=after, limit=limit)
+    return json_response(
+        {
+            "runs": [run_view(s, _live(service, s.run.run)) for s in summaries],
+            "next_after": summaries[-1].run.run if len(summaries) == limit else None,
+        }
+    )
+
+
+@router.get(
+    "/v1/runs/{run}",
+    summary="One run with counts",
+    response_model=RunOut,
+    dependencies=ANALYST,
+    responses=NOT_FOUND,
+)
+async def get_run(request: Request, run: RunPath) -> Response:
+    service = _service(request)
+    return json_response(run_view(await service.catalog.run_summary(run), _live(service, run)))
+
+
+@router.post(
+    "/v1/runs/{run}/participants",
+    summary="Register a participant (returns its new epoch)",
+    status_code=201,
+    response_model=ParticipantOut,
+    dependencies=PARTICIPANT,
+    responses=NOT_FOUND,
+)
+async def register_participant(
+    request: Request, run: RunPath, body: RegisterParticipant
+) -> Response:
+    service = _service(request)
+    epoch = await service.catalog.register_participant(run, body.id, body.kind)
+    service.note_epoch(run, body.id, epoch)
+    return json_response({"id": body.id, "kind": body.kind, "epoch": epoch}, 201)
+
+
+@router.get(
+    "/v1/runs/{run}/participants",
+    summary="Registered participants",
+    response_model=ParticipantList,
+    dependencies=ANALYST,
+    responses=NOT_FOUND,
+)
+async def list_participants(request: Request, run: RunPath) -> Response:
+    participants = await _service(request).catalog.list_participants(run)
+    return json_response({"participants": [participant_view(p) for p in participants]})
+
+
+@router.post(
+    "/v1/runs/{run}/controller",
+    summary="Take over the run's controller (older epochs become stale)",
+    response_model=ControllerOut,
+    dependencies=TRAINER,
+    responses={
+        **NOT_FOUND,
+        409: {"model": ErrorOut, "description": "stale_controller (expected_epoch)"},
+    },
+)
+async def take_over_controller(
+    request: Request, run: RunPath, body: Annotated[ControllerRequest | None, Body()] = None
+) -> Response:
+    expected = body.expected_epoch if body is not None else None
+    epoch = await _service(request).catalog.take_over_controller(run, expected_epoch=expected)
+    return json_response({"controller_epoch": epoch})
+
+
+async def _episodes(
+    service: Service, run: str, status: Any, after: str | None, limit: int | None
+) -> AsyncIterator[Episode]:
+    """Catalog episodes in id order, page by page (``limit=None``: all of them)."""
+    remaining = limit
+    while True:
+        page_size = 2000 if remaining is None else min(remaining, 2000)
+        page = await service.catalog.list_episodes(run, status=status, after=after, limit=page_size)
+        for episode in page:
+            yield episode
+        if remaining is not None:
+            remaining -= len(page)
+            if remaining <= 0:
+                return
+        if len(page) < page_size:
+            return
+        after = page[-1].episode
+
+
+@router.get(
+    "/v1/runs/{run}/episodes",
+    summary="Episodes with status (paged JSON, or all as NDJSON)",
+    response_model=EpisodeList,
+    dependencies=ANALYST,
+    responses={
+        **NOT_FOUND,
+        200: {"content": {"application/x-ndjson": {}}, "description": "EpisodeOut per line"},
+    },
+)
+async def list_episodes(
+    request: Request,
+    run: RunPath,
+    status: Literal["running", "finished", "excluded"] | None = None,
+    after: After = None,
+    limit: Limit = 1000,
+) -> Response:
+    service = _service(request)
+    await service.catalog.get_run(run)
+    projector = service.coordinator.projectors.get(run)
+    trackers = projector.trackers if projector is not None else {}
+
+    def view(episode: Episode) -> dict[str, Any]:
+        tracker = trackers.get(episode.episode)
+        return episode_view(episode, tracker is not None and not tracker.finished)
+
+    if wants_ndjson(request):
+        return stream_ndjson(_episodes(service, run, status, after, None), view)
+    page = [view(e) async for e in _episodes(service, run, status, after, limit)]
+    next_after = page[-1]["episode"] if len(page) == limit else None
+    return json_response({"episodes": page, "next_after": next_after})
+
+
+@router.get(
+    "/v1/runs/{run}/stats",
+    summary="Event counts, bytes, checkpoint and restore timings",
+    response_model=StatsOut,
+    dependencies=ANALYST,
+    responses=NOT_FOUND,
+)
+async def run_stats(request: Request, run: RunPath) -> Response:
+    service = _service(request)
+    stats = await service.catalog.run_stats(run)
+    projector = await service.coordinator.projector(run)
+    ends = await service.log.end_offsets(run)
+    live = [t for t in projector.trackers.values() if not t.finished]
+    restores = await service.catalog.list_restores(run, limit=1)
+    return json_response(
+        {
+            "run": run,
+            "participants": stats.participant_count,
+            "events": {
+                "log_records": sum(ends),
+                "log_end_offsets": ends,
+                "projector_applied": projector.events_applied,
+                "tracked_bytes": sum(t.size_bytes for t in live),
+            },
+            "episodes": {**stats.episode_counts, "live": len(live)},
+            "checkpoints": {
+                "counts": dict(stats.checkpoint_counts),
+                "latest_checkpoint_id": stats.latest_checkpoint_id,
+                "latest_entry_count": stats.latest_entry_count,
+                "latest_size_bytes": stats.latest_size_bytes,
+                "duration_ms_mean": stats.checkpoint_duration_ms_mean,
+                "duration_ms_max": stats.checkpoint_duration_ms_max,
+                "duration_ms_last": stats.checkpoint_duration_ms_last,
+            },
+            "restores": {
+                "count": stats.restore_count,
+                "last_restore_at": stats.last_restore_at,
+                "last_timings_ms": dict(restores[0].timings_ms) if restores else None,
+            },
+        }
+    )

@@ -1,0 +1,43 @@
+"""The service's settings: where the log and catalog live, tokens, limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rolloutlog.api._auth import Tokens
+
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Settings"]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8750
+DEFAULT_DATA_DIR = Path("rolloutlog-data")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ``create_app`` needs. ``log_url``/``catalog_url`` default to the embedded
+    log and a SQLite catalog under ``data_dir``."""
+
+    data_dir: Path = DEFAULT_DATA_DIR
+    log_url: str | None = None
+    catalog_url: str | None = None
+    tokens: Tokens = field(default_factory=Tokens)
+    #: Largest body ``POST …/events`` accepts (streamed; refused at the limit with 413).
+    max_events_bytes: int = 32 * 1024 * 1024
+    #: Largest body any other route accepts.
+    max_request_bytes: int = 4 * 1024 * 1024
+    #: Committed checkpoints kept per run (older ones expire).
+    keep_committed: int = 2
+    #: Longest a graceful shutdown waits for in-flight appends.
+    drain_timeout_s: float = 30.0
+
+    @property
+    def resolved_log_url(self) -> str:
+        return self.log_url or f"embedded://{Path(self.data_dir).resolve()}"
+
+    @property
+    def resolved_catalog_url(self) -> str:
+        if self.catalog_url:
+            return self.catalog_url
+        return f"sqlite+aiosqlite:///{Path(self.data_dir).resolve() / 'catalog.sqlite3'}"
