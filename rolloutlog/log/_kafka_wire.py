@@ -1,0 +1,292 @@
+"""Kafka protocol helpers of the Kafka log backend: error translation, raw Fetch and ListOffsets,
+record-set parsing, and the producer's byte budget and the readers' connection pool.
+
+Reads use raw Fetch requests instead of ``AIOKafkaConsumer``: a bounded range read needs no
+background prefetcher, no offset reset policy and no per-record ``ConsumerRecord``; parsing the
+record set directly is several times faster (measured on Tansu: ~700,000 against ~100,000 records/s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiokafka.errors as kafka_errors
+from aiokafka.protocol.fetch import FetchRequest
+from aiokafka.protocol.offset import OffsetRequest
+from aiokafka.record.memory_records import MemoryRecords
+
+from rolloutlog.errors import (
+    BackendUnavailable,
+    LogError,
+    PayloadTooLarge,
+    RolloutlogError,
+    UnknownRun,
+)
+
+__all__ = [
+    "EARLIEST",
+    "LATEST",
+    "Answer",
+    "ByteBudget",
+    "ClientPool",
+    "chained",
+    "describe",
+    "fetch",
+    "list_offsets",
+    "parse_records",
+    "translate",
+]
+
+#: ``ListOffsets`` timestamps meaning "the log end" and "the log start".
+LATEST, EARLIEST = -1, -2
+_READ_UNCOMMITTED = 0
+#: How long the broker may hold a Fetch that finds nothing. Reads never wait for new records,
+#: but Tansu answers a Fetch with max_wait 0 with no partitions at all; a few milliseconds is
+#: what an empty read (or a read past the end) costs.
+FETCH_WAIT_MS = 10
+
+_UNAVAILABLE = (
+    kafka_errors.KafkaConnectionError,
+    kafka_errors.NodeNotReadyError,
+    kafka_errors.RequestTimedOutError,
+    kafka_errors.KafkaTimeoutError,
+    kafka_errors.NoBrokersAvailable,
+    kafka_errors.ProducerClosed,
+    TimeoutError,
+    OSError,
+)
+_TOO_LARGE = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+    kafka_errors.RecordTooLargeError,
+)
+#: What a request to a broker may raise.
+REQUEST_ERRORS = (kafka_errors.KafkaError, OSError, TimeoutError)
+
+
+def translate(error: BaseException, what: str, **details: Any) -> RolloutlogError:
+    """rolloutlog's error for a driver error; raise it ``from`` the original."""
+    if isinstance(error, RolloutlogError):
+        return error
+    # KafkaError's text starts with its class name already.
+    text = str(error) if isinstance(error, kafka_errors.KafkaError) else repr(error)
+    reason = f"{what}: {text}"
+    if isinstance(error, _TOO_LARGE):
+        return PayloadTooLarge(reason, **details)
+    if isinstance(error, kafka_errors.UnknownTopicOrPartitionError):
+        return UnknownRun(reason, **details)
+    if isinstance(error, _UNAVAILABLE) or getattr(error, "retriable", False):
+        return BackendUnavailable(reason, **details)
+    return LogError(reason, **details)
+
+
+def chained(error: BaseException, what: str, **details: Any) -> RolloutlogError:
+    """``translate`` for an error handed to a future instead of raised: keeps the cause."""
+    translated = translate(error, what, **details)
+    if translated is not error:
+        translated.__cause__ = error
+    return translated
+
+
+class ByteBudget:
+    """Bounds the bytes handed to the producer and not yet acknowledged.
+
+    aiokafka puts one ready batch of every partition into a broker's next produce request, so
+    without a bound, concurrent large appends could build a request past the broker's
+    ``socket.request.max.bytes`` (100 MiB by default). A batch larger than the whole budget
+    goes alone.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(limit, 1)
+        self.used = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    async def acquire(self, size: int) -> int:
+        size = min(size, self.limit)
+        while self.used + size > self.limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+        self.used += size
+        return size
+
+    def release(self, size: int) -> None:
+        self.used -= size
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class ClientPool:
+    """Bootstrapped ``AIOKafkaClient``s for reads: one per concurrent read, ``keep`` kept idle.
+
+    A broker answers one connection's requests in order, so concurrent reads each take their own
+    client (a connection per broker). The pool never makes a read wait for another one to end:
+    a caller may hold several reads open at once, or nest them.
+    """
+
+    def __init__(self, make: Callable[[], Any], keep: int) -> None:
+        self._make = make
+        self._keep = keep
+        self._idle: list[Any] = []
+        self._lent: set[Any] = set()
+        self._closed = False
+
+    async def acquire(self) -> Any:
+        if self._closed:
+            raise LogError("the kafka log is closed")
+        if self._idle:
+            client = self._idle.pop()
+        else:
+            client = self._make()
+            try:
+                await client.bootstrap()
+            except BaseException as e:
+                await client.close()
+                if isinstance(e, Exception):
+                    raise translate(e, "connect a reader") from e
+                raise
+        self._lent.add(client)
+        return client
+
+    async def release(self, client: Any) -> None:
+        self._lent.discard(client)
+        if self._closed or len(self._idle) >= self._keep:
+            await client.close()
+        else:
+            self._idle.append(client)
+
+    async def close(self) -> None:
+        """Close every client, those still lent to unfinished reads too."""
+        self._closed = True
+        clients = [*self._idle, *self._lent]
+        self._idle, self._lent = [], set()
+        for client in clients:
+            await client.close()
+
+
+def describe(response: Any, topic: str) -> tuple[int, list[int]] | None:
+    """Partition count and leader per partition of ``topic`` in a Metadata response; None when
+    the topic does not exist, ``(0, [])`` while the broker is still creating it."""
+    for entry in response.to_object()["topics"]:
+        if entry["topic"] != topic:
+            continue
+        error = kafka_errors.for_code(entry["error_code"])
+        if error is kafka_errors.UnknownTopicOrPartitionError:
+            return None
+        partitions = entry["partitions"]
+        if error is not kafka_errors.NoError or not partitions:
+            return 0, []
+        leaders = [-1] * len(partitions)
+        for partition in partitions:
+            if 0 <= partition["partition"] < len(leaders):
+                leaders[partition["partition"]] = partition["leader"]
+        return len(partitions), leaders
+    return None
+
+
+@dataclass(slots=True)
+class Answer:
+    """One partition's part of a Fetch response."""
+
+    error: type[kafka_errors.KafkaError]
+    highwater: int
+    data: bytes | None
+
+
+def _by_leader(leaders: Sequence[int], partitions: Sequence[int]) -> dict[int, list[int]]:
+    grouped: dict[int, list[int]] = {}
+    for partition in partitions:
+        grouped.setdefault(leaders[partition], []).append(partition)
+    return grouped
+
+
+async def fetch(
+    client: Any,
+    topic: str,
+    leaders: Sequence[int],
+    offsets: Mapping[int, int],
+    page_bytes: int,
+) -> dict[int, Answer]:
+    """One Fetch per leader for ``offsets`` (partition → offset), at most ``page_bytes`` per
+    partition. A partition the broker left out of its answer is missing from the result."""
+
+    async def one(leader: int, partitions: list[int]) -> Any:
+        request = FetchRequest(
+            FETCH_WAIT_MS,
+            1,
+            page_bytes * len(partitions),
+            _READ_UNCOMMITTED,
+            [(topic, [(partition, offsets[partition], page_bytes) for partition in partitions])],
+        )
+        return await client.send(leader, request)
+
+    grouped = _by_leader(leaders, list(offsets))
+    responses = await asyncio.gather(*(one(leader, led) for leader, led in grouped.items()))
+    answers: dict[int, Answer] = {}
+    for response in responses:
+        for name, partitions in response.topics:
+            if name != topic:
+                continue
+            for partition, code, highwater, *rest in partitions:
+                if partition in offsets:
+                    answers[partition] = Answer(kafka_errors.for_code(code), highwater, rest[-1])
+    return answers
+
+
+async def list_offsets(
+    client: Any, topic: str, leaders: Sequence[int], partitions: Sequence[int], which: int
+) -> dict[int, int]:
+    """``ListOffsets`` (``EARLIEST`` or ``LATEST``) per partition. On Tansu LATEST can fall
+    short of the end (it reports the last batch's base offset + 1): use it as a lower bound."""
+    found: dict[int, int] = {}
+    for leader, led in _by_leader(leaders, partitions).items():
+        request = OffsetRequest(-1, _READ_UNCOMMITTED, [(topic, [(p, which) for p in led])])
+        response = await client.send(leader, request)
+        for _, answers in response.topics:
+            for partition, code, *info in answers:
+                error = kafka_errors.for_code(code)
+                if error is not kafka_errors.NoError:
+                    raise error(f"ListOffsets {topic}[{partition}]")
+                if response.API_VERSION == 0:
+                    found[partition] = info[0][0] if info[0] else 0
+                else:
+                    found[partition] = info[1]
+    return found
+
+
+def parse_records(data: bytes | None, offset: int, end: int) -> tuple[list[tuple[int, bytes]], int]:
+    """``(offset, value)`` of the records of a fetched record set with ``offset <= o < end``,
+    and the offset to fetch next (past whole batches: compaction gaps and control batches are
+    stepped over). A truncated last batch is left for the next fetch."""
+    records: list[tuple[int, bytes]] = []
+    following = offset
+    if not data:
+        return records, following
+    batches = MemoryRecords(data)
+    append = records.append
+    while batches.has_next():
+        batch = batches.next_batch()
+        if batch is None:
+            break
+        if not batch.validate_crc():
+            raise LogError(f"corrupt record batch at offset {batch.base_offset}")
+        if not batch.is_control_batch:
+            for record in batch:
+                position = record.offset
+                if position < offset:
+                    continue
+                if position >= end:
+                    break
+                value = record.value
+                if value is not None:
+                    append((position, value))
+        following = batch.next_offset
+        if following >= end:
+            break
+    return records, following

