@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import ipaddress
 import os
 import tomllib
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -26,7 +27,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from rolloutlog.errors import Forbidden, InvalidRequest, Unauthorized
 
-__all__ = ["AuthDependency", "Role", "Tokens", "public", "require"]
+__all__ = ["AuthDependency", "Role", "Tokens", "is_loopback_host", "public", "require"]
 
 #: Tokens shorter than this are refused at start-up: a guessable token is no protection.
 MIN_TOKEN_LENGTH = 16
@@ -126,6 +127,20 @@ class Tokens:
         return cls.from_file(path).merged(tokens) if path is not None else tokens
 
 
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", "testclient"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for an address only this machine can reach (``serve`` without tokens needs one)."""
+    return _is_loopback(host.strip("[]"))
+
+
 _bearer = HTTPBearer(auto_error=False, description="A token of the route's role (or admin).")
 
 AuthDependency = Callable[..., Awaitable[None]]
@@ -140,6 +155,14 @@ def require(role: Role) -> AuthDependency:
     ) -> None:
         tokens: Tokens = request.app.state.tokens
         if not tokens.enabled:
+            # No tokens: ``serve`` listens on loopback only; refuse anyone else regardless
+            # (say, an ASGI server started by hand on another address).
+            client = request.client.host if request.client is not None else ""
+            if not _is_loopback(client):
+                raise Forbidden(
+                    "no tokens are configured: only loopback clients are served",
+                    role=role.value,
+                )
             return
         if credentials is None or not credentials.credentials:
             raise Unauthorized("a bearer token is required", role=role.value)

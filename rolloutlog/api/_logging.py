@@ -12,7 +12,8 @@ import orjson
 __all__ = ["JsonFormatter", "configure_logging", "uvicorn_log_config"]
 
 _STANDARD = frozenset(
-    logging.LogRecord("", 0, "", 0, "", (), None).__dict__.keys() | {"message", "asctime"}
+    logging.LogRecord("", 0, "", 0, "", (), None).__dict__.keys()
+    | {"message", "asctime", "color_message"}
 )
 
 

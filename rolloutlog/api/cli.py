@@ -1,0 +1,192 @@
+"""The ``rolloutlog`` command: ``serve`` the service, or talk to one (``runs``, ``checkpoint``,
+``restore``, ``checkpoints``, ``episodes``).
+
+    rolloutlog serve [--data-dir DIR] [--host H] [--port P] [--log URL] [--catalog URL]
+                     [--tokens FILE]
+    rolloutlog runs [--url URL] [--token TOKEN] [--json]
+    rolloutlog checkpoint RUN [--deadline S] [--no-wait] [--take-over | --epoch N]
+    rolloutlog restore RUN [--checkpoint ID|latest] [--exclude EPISODE]... [--episodes]
+    rolloutlog checkpoints RUN [--status S]
+    rolloutlog episodes RUN [--status S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from rolloutlog.api._auth import ENV_PREFIX, MIN_TOKEN_LENGTH, Role, Tokens, is_loopback_host
+from rolloutlog.api._commands import COMMANDS
+from rolloutlog.api._settings import DEFAULT_DATA_DIR, DEFAULT_HOST, DEFAULT_PORT, Settings
+from rolloutlog.errors import RolloutlogError
+from rolloutlog.trainer import TrainerClient
+
+__all__ = ["main", "parser"]
+
+
+def no_tokens_message(host: str) -> str:
+    env = ", ".join(ENV_PREFIX + role.value.upper() for role in Role)
+    return (
+        f"rolloutlog serve: refusing to listen on {host} without tokens: anyone who can reach "
+        "that address could append events, take over runs and restore them.\n"
+        "Configure bearer tokens (at least "
+        f"{MIN_TOKEN_LENGTH} characters each), either\n"
+        "  --tokens FILE  with FILE a JSON (.json) or TOML file mapping roles to tokens, e.g.\n"
+        '                 {"participant": ["…"], "trainer": "…", "analyst": "…", "admin": "…"}\n'
+        f"  or the environment variables {env}\n"
+        "     (comma-separated for several tokens per role),\n"
+        f"or listen on a loopback address (--host {DEFAULT_HOST})."
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="rolloutlog", description="Event-sourced checkpoint log for RL rollouts."
+    )
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the service")
+    serve.add_argument(
+        "--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="default: %(default)s"
+    )
+    serve.add_argument("--host", default=DEFAULT_HOST, help="default: %(default)s")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="default: %(default)s")
+    serve.add_argument("--log", dest="log_url", help="log URL (default: embedded under DIR)")
+    serve.add_argument(
+        "--catalog", dest="catalog_url", help="catalog URL (default: SQLite under DIR)"
+    )
+    serve.add_argument("--tokens", type=Path, help="JSON or TOML file of bearer tokens per role")
+    serve.add_argument("--keep-committed", type=_positive_int, default=2, help="checkpoints kept")
+    serve.add_argument(
+        "--max-body-mb", type=_positive_int, default=32, help="largest append body (MiB)"
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--access-log", action="store_true", help="log every request")
+    serve.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests"
+    )
+
+    def client_options(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--url",
+            default=os.environ.get("ROLLOUTLOG_URL", f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"),
+            help="service URL (env ROLLOUTLOG_URL; default: %(default)s)",
+        )
+        sub.add_argument(
+            "--token",
+            default=os.environ.get("ROLLOUTLOG_TOKEN"),
+            help="bearer token (env ROLLOUTLOG_TOKEN)",
+        )
+        sub.add_argument("--json", action="store_true", help="machine-readable output")
+
+    def controller_options(sub: argparse.ArgumentParser) -> None:
+        group = sub.add_mutually_exclusive_group()
+        group.add_argument("--take-over", action="store_true", help="take over the controller")
+        group.add_argument("--epoch", type=int, help="controller epoch (default: the current one)")
+
+    runs = commands.add_parser("runs", help="list runs")
+    client_options(runs)
+
+    checkpoint = commands.add_parser("checkpoint", help="take a checkpoint")
+    checkpoint.add_argument("run")
+    checkpoint.add_argument("--deadline", type=float, help="seconds to wait for open wait steps")
+    checkpoint.add_argument("--no-wait", action="store_true", help="return while still pending")
+    checkpoint.add_argument(
+        "--no-wait-for-commit", action="store_true", help="do not poll a pending checkpoint"
+    )
+    controller_options(checkpoint)
+    client_options(checkpoint)
+
+    restore = commands.add_parser("restore", help="restore a run from a checkpoint")
+    restore.add_argument("run")
+    restore.add_argument("--checkpoint", default="latest", help="checkpoint id or 'latest'")
+    restore.add_argument("--exclude", action="append", help="episode whose result you hold")
+    restore.add_argument("--exclude-file", help="file of episode ids to exclude, one per line")
+    restore.add_argument("--policy-version", type=int)
+    restore.add_argument("--max-policy-lag", type=int)
+    restore.add_argument("--episodes", action="store_true", help="list the restored episodes")
+    controller_options(restore)
+    client_options(restore)
+
+    checkpoints = commands.add_parser("checkpoints", help="list a run's checkpoints")
+    checkpoints.add_argument("run")
+    checkpoints.add_argument("--status", choices=["pending", "committed", "aborted", "expired"])
+    checkpoints.add_argument("--limit", type=_positive_int, default=100)
+    client_options(checkpoints)
+
+    episodes = commands.add_parser("episodes", help="list a run's episodes")
+    episodes.add_argument("run")
+    episodes.add_argument("--status", choices=["running", "finished", "excluded"])
+    client_options(episodes)
+    return top
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from rolloutlog.api._app import create_app
+    from rolloutlog.api._logging import configure_logging, uvicorn_log_config
+
+    try:
+        tokens = Tokens.load(args.tokens)
+    except RolloutlogError as e:
+        print(f"rolloutlog serve: {e.message}", file=sys.stderr)
+        return 2
+    if not tokens.enabled and not is_loopback_host(args.host):
+        print(no_tokens_message(args.host), file=sys.stderr)
+        return 2
+    configure_logging(args.log_level)
+    settings = Settings(
+        data_dir=args.data_dir,
+        log_url=args.log_url,
+        catalog_url=args.catalog_url,
+        tokens=tokens,
+        keep_committed=args.keep_committed,
+        max_events_bytes=args.max_body_mb * 1024 * 1024,
+        drain_timeout_s=args.shutdown_timeout,
+    )
+    config = uvicorn.Config(
+        create_app(settings),
+        host=args.host,
+        port=args.port,
+        log_config=uvicorn_log_config(args.log_level, args.access_log),
+        access_log=args.access_log,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        lifespan="on",
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    command = COMMANDS[args.command]
+    try:
+        with TrainerClient(args.url, token=args.token) as client:
+            return command(client, args, sys.stdout)
+    except RolloutlogError as e:
+        print(f"rolloutlog {args.command}: {e.code}: {e.message}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as e:
+        print(f"rolloutlog {args.command}: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""The trainer side of rolloutlog: REST clients, the checkpoint schedule, resuming a run."""
+
+from rolloutlog.trainer._client import DEFAULT_URL, AsyncTrainerClient, TrainerClient
+from rolloutlog.trainer._resume import Dispatch, ResumePlan, resume_run, resume_run_sync
+from rolloutlog.trainer._scheduler import CheckpointScheduler
+from rolloutlog.trainer._types import CheckpointInfo, RestoreEpisode, RestoreInfo, ServiceError
+
+__all__ = [
+    "DEFAULT_URL",
+    "AsyncTrainerClient",
+    "CheckpointInfo",
+    "CheckpointScheduler",
+    "Dispatch",
+    "RestoreEpisode",
+    "RestoreInfo",
+    "ResumePlan",
+    "ServiceError",
+    "TrainerClient",
+    "resume_run",
+    "resume_run_sync",
+]

@@ -1,0 +1,535 @@
+"""Trainer-side REST clients of the service: ``AsyncTrainerClient`` and ``TrainerClient`` (sync).
+
+Both take an optional ``httpx`` client, so tests can run them against the app in process
+(``httpx.ASGITransport``) as well as against a real server. The URL and token default to
+``ROLLOUTLOG_URL`` and ``ROLLOUTLOG_TOKEN``. Error replies are raised as rolloutlog's own errors
+(``StaleController``, ``UnknownCheckpoint``…), so callers catch the same classes in process and
+over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import httpx
+import orjson
+
+from rolloutlog.errors import InvalidRequest
+from rolloutlog.trainer._types import (
+    CheckpointInfo,
+    RestoreEpisode,
+    RestoreInfo,
+    error_from_body,
+    error_from_response,
+)
+
+__all__ = ["DEFAULT_URL", "AsyncTrainerClient", "TrainerClient"]
+
+DEFAULT_URL = "http://127.0.0.1:8750"
+NDJSON = "application/x-ndjson"
+CheckpointRef = int | Literal["latest"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    method: str
+    path: str
+    params: Mapping[str, Any] | None = None
+    json: Any = None
+    ndjson: bool = False
+
+
+def _params(**values: Any) -> dict[str, Any]:
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def _line(raw: bytes | str) -> Any:
+    """One NDJSON line; an in-band ``{"error": …}`` line is raised."""
+    value = orjson.loads(raw)
+    if isinstance(value, dict) and set(value) == {"error"}:
+        raise error_from_body(200, value)
+    return value
+
+
+class _Calls:
+    """The requests both clients send (built here once)."""
+
+    controller_epochs: dict[str, int]
+
+    def _epoch(self, run: str, controller_epoch: int | None) -> int:
+        if controller_epoch is not None:
+            return controller_epoch
+        try:
+            return self.controller_epochs[run]
+        except KeyError:
+            raise InvalidRequest(
+                f"no controller epoch for run {run!r}: call take_over() first or pass one",
+                run=run,
+            ) from None
+
+    @staticmethod
+    def _checkpoint_call(
+        run: str, epoch: int, deadline_s: float | None, wait: bool, trigger: str
+    ) -> _Call:
+        body: dict[str, Any] = {"controller_epoch": epoch, "wait": wait, "trigger": trigger}
+        if deadline_s is not None:
+            body["deadline_s"] = deadline_s
+        return _Call("POST", f"/v1/runs/{run}/checkpoints", json=body)
+
+    @staticmethod
+    def _restore_call(
+        run: str,
+        epoch: int,
+        checkpoint_id: CheckpointRef,
+        exclude: Iterable[str],
+        policy_version: int | None,
+        max_policy_lag: int | None,
+    ) -> _Call:
+        body: dict[str, Any] = {
+            "controller_epoch": epoch,
+            "checkpoint_id": checkpoint_id,
+            "exclude": list(exclude),
+        }
+        if policy_version is not None:
+            body["policy_version"] = policy_version
+        if max_policy_lag is not None:
+            body["max_policy_lag"] = max_policy_lag
+        return _Call("POST", f"/v1/runs/{run}/restores", json=body)
+
+    @staticmethod
+    def _checkpoint_path(run: str, checkpoint_id: CheckpointRef) -> str:
+        return f"/v1/runs/{run}/checkpoints/{checkpoint_id}"
+
+    @staticmethod
+    def _projection_call(
+        run: str, episode: str, restore: CheckpointRef | None, checkpoint: int | None
+    ) -> _Call:
+        return _Call(
+            "GET",
+            f"/v1/runs/{run}/episodes/{episode}/projection",
+            _params(restore=restore, checkpoint=checkpoint),
+        )
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    token = token if token is not None else os.environ.get("ROLLOUTLOG_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+class AsyncTrainerClient(_Calls):
+    """Runs, controller takeover, checkpoints, restores, manifests and projections (async)."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        client: httpx.AsyncClient | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.url = (url or os.environ.get("ROLLOUTLOG_URL") or DEFAULT_URL).rstrip("/")
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
+        self._prefix = "" if client is None or url is None else self.url
+        self._headers = _headers(token)
+        self.controller_epochs: dict[str, int] = {}
+
+    async def start(self) -> None:
+        """Nothing to open (httpx connects lazily); here for the lifecycle's symmetry."""
+
+    async def stop(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def _send(self, call: _Call) -> Any:
+        response = await self._client.request(
+            call.method,
+            self._prefix + call.path,
+            params=call.params,
+            json=call.json,
+            headers=self._headers,
+        )
+        if response.is_error:
+            raise error_from_response(response)
+        return orjson.loads(response.content)
+
+    async def _lines(self, call: _Call) -> AsyncIterator[Any]:
+        headers = {**self._headers, "Accept": NDJSON}
+        async with self._client.stream(
+            call.method, self._prefix + call.path, params=call.params, headers=headers
+        ) as response:
+            if response.is_error:
+                await response.aread()
+                raise error_from_response(response)
+            async for line in response.aiter_lines():
+                if line.strip():
+                    yield _line(line)
+
+    # -- runs ------------------------------------------------------------------------------
+
+    async def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send(_Call("GET", "/readyz"))
+        return result
+
+    async def create_run(self, run: str, partitions: int | None = None) -> dict[str, Any]:
+        body = _params(run=run, partitions=partitions)
+        result: dict[str, Any] = await self._send(_Call("POST", "/v1/runs", json=body))
+        return result
+
+    async def get_run(self, run: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send(_Call("GET", f"/v1/runs/{run}"))
+        return result
+
+    async def list_runs(self) -> list[dict[str, Any]]:
+        runs: list[dict[str, Any]] = []
+        after: str | None = None
+        while True:
+            page = await self._send(_Call("GET", "/v1/runs", _params(after=after, limit=500)))
+            runs.extend(page["runs"])
+            after = page.get("next_after")
+            if after is None:
+                return runs
+
+    async def register_participant(self, run: str, participant_id: str, kind: str) -> int:
+        body = {"id": participant_id, "kind": kind}
+        result = await self._send(_Call("POST", f"/v1/runs/{run}/participants", json=body))
+        return int(result["epoch"])
+
+    async def take_over(self, run: str, *, expected_epoch: int | None = None) -> int:
+        """Become the run's controller; later calls of this client use the new epoch."""
+        body = _params(expected_epoch=expected_epoch)
+        result = await self._send(_Call("POST", f"/v1/runs/{run}/controller", json=body))
+        epoch = int(result["controller_epoch"])
+        self.controller_epochs[run] = epoch
+        return epoch
+
+    async def stats(self, run: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send(_Call("GET", f"/v1/runs/{run}/stats"))
+        return result
+
+    async def episodes(self, run: str, *, status: str | None = None) -> AsyncIterator[Any]:
+        """Every episode of the run (streamed)."""
+        async for item in self._lines(
+            _Call("GET", f"/v1/runs/{run}/episodes", _params(status=status))
+        ):
+            yield item
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    async def checkpoint(
+        self,
+        run: str,
+        *,
+        controller_epoch: int | None = None,
+        deadline_s: float | None = None,
+        wait: bool = True,
+        trigger: str = "request",
+    ) -> CheckpointInfo:
+        """Take a checkpoint; ``status`` is ``pending`` when ``wait=False`` left it open."""
+        call = self._checkpoint_call(
+            run, self._epoch(run, controller_epoch), deadline_s, wait, trigger
+        )
+        return CheckpointInfo.from_json(await self._send(call))
+
+    async def get_checkpoint(self, run: str, checkpoint_id: CheckpointRef) -> CheckpointInfo:
+        path = self._checkpoint_path(run, checkpoint_id)
+        return CheckpointInfo.from_json(await self._send(_Call("GET", path)))
+
+    async def wait_for_checkpoint(
+        self, run: str, checkpoint_id: int, *, poll_s: float = 0.25, timeout_s: float | None = None
+    ) -> CheckpointInfo:
+        """Poll a pending checkpoint until it commits or aborts."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            info = await self.get_checkpoint(run, checkpoint_id)
+            if info.status != "pending" or (deadline is not None and time.monotonic() > deadline):
+                return info
+            await asyncio.sleep(poll_s)
+
+    async def list_checkpoints(
+        self, run: str, *, status: str | None = None, limit: int = 100
+    ) -> list[CheckpointInfo]:
+        call = _Call("GET", f"/v1/runs/{run}/checkpoints", _params(status=status, limit=limit))
+        return [CheckpointInfo.from_json(c) for c in (await self._send(call))["checkpoints"]]
+
+    async def manifest(self, run: str, checkpoint_id: int) -> AsyncIterator[Any]:
+        """The checkpoint's manifest entries (streamed NDJSON)."""
+        async for item in self._lines(
+            _Call("GET", self._checkpoint_path(run, checkpoint_id) + "/manifest")
+        ):
+            yield item
+
+    # -- restores --------------------------------------------------------------------------
+
+    async def restore(
+        self,
+        run: str,
+        *,
+        checkpoint_id: CheckpointRef = "latest",
+        exclude: Iterable[str] = (),
+        policy_version: int | None = None,
+        max_policy_lag: int | None = None,
+        controller_epoch: int | None = None,
+    ) -> RestoreInfo:
+        call = self._restore_call(
+            run,
+            self._epoch(run, controller_epoch),
+            checkpoint_id,
+            exclude,
+            policy_version,
+            max_policy_lag,
+        )
+        return RestoreInfo.from_json(await self._send(call))
+
+    async def get_restore(self, run: str, restore_id: int) -> RestoreInfo:
+        """A restore with its episodes."""
+        return RestoreInfo.from_json(
+            await self._send(_Call("GET", f"/v1/runs/{run}/restores/{restore_id}"))
+        )
+
+    async def restore_episodes(
+        self, run: str, restore_id: int, *, action: str | None = None
+    ) -> AsyncIterator[RestoreEpisode]:
+        call = _Call(
+            "GET", f"/v1/runs/{run}/restores/{restore_id}/episodes", _params(action=action)
+        )
+        async for item in self._lines(call):
+            yield RestoreEpisode.from_json(item)
+
+    async def projection(
+        self,
+        run: str,
+        episode: str,
+        *,
+        restore: CheckpointRef | None = None,
+        checkpoint: int | None = None,
+    ) -> dict[str, Any]:
+        """One episode's projection (of a restore, or at a checkpoint's cut)."""
+        result: dict[str, Any] = await self._send(
+            self._projection_call(run, episode, restore, checkpoint)
+        )
+        return result
+
+    async def projections(
+        self, run: str, restore_id: int, *, kind: str | None = None, participant: str | None = None
+    ) -> AsyncIterator[Any]:
+        """A restore's projections for one participant kind / id (streamed)."""
+        call = _Call(
+            "GET",
+            f"/v1/runs/{run}/restores/{restore_id}/projections",
+            _params(kind=kind, participant=participant),
+        )
+        async for item in self._lines(call):
+            yield item
+
+
+class TrainerClient(_Calls):
+    """The same calls as ``AsyncTrainerClient``, blocking (for scripts and the CLI)."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        client: httpx.Client | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.url = (url or os.environ.get("ROLLOUTLOG_URL") or DEFAULT_URL).rstrip("/")
+        self._owns_client = client is None
+        self._client = client or httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._prefix = "" if client is None or url is None else self.url
+        self._headers = _headers(token)
+        self.controller_epochs: dict[str, int] = {}
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _send(self, call: _Call) -> Any:
+        response = self._client.request(
+            call.method,
+            self._prefix + call.path,
+            params=call.params,
+            json=call.json,
+            headers=self._headers,
+        )
+        if response.is_error:
+            raise error_from_response(response)
+        return orjson.loads(response.content)
+
+    def _lines(self, call: _Call) -> Iterator[Any]:
+        headers = {**self._headers, "Accept": NDJSON}
+        with self._client.stream(
+            call.method, self._prefix + call.path, params=call.params, headers=headers
+        ) as response:
+            if response.is_error:
+                response.read()
+                raise error_from_response(response)
+            for line in response.iter_lines():
+                if line.strip():
+                    yield _line(line)
+
+    def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._send(_Call("GET", "/readyz"))
+        return result
+
+    def create_run(self, run: str, partitions: int | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = self._send(
+            _Call("POST", "/v1/runs", json=_params(run=run, partitions=partitions))
+        )
+        return result
+
+    def get_run(self, run: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._send(_Call("GET", f"/v1/runs/{run}"))
+        return result
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        runs: list[dict[str, Any]] = []
+        after: str | None = None
+        while True:
+            page = self._send(_Call("GET", "/v1/runs", _params(after=after, limit=500)))
+            runs.extend(page["runs"])
+            after = page.get("next_after")
+            if after is None:
+                return runs
+
+    def register_participant(self, run: str, participant_id: str, kind: str) -> int:
+        body = {"id": participant_id, "kind": kind}
+        return int(self._send(_Call("POST", f"/v1/runs/{run}/participants", json=body))["epoch"])
+
+    def take_over(self, run: str, *, expected_epoch: int | None = None) -> int:
+        body = _params(expected_epoch=expected_epoch)
+        result = self._send(_Call("POST", f"/v1/runs/{run}/controller", json=body))
+        epoch = int(result["controller_epoch"])
+        self.controller_epochs[run] = epoch
+        return epoch
+
+    def stats(self, run: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._send(_Call("GET", f"/v1/runs/{run}/stats"))
+        return result
+
+    def episodes(self, run: str, *, status: str | None = None) -> Iterator[Any]:
+        return self._lines(_Call("GET", f"/v1/runs/{run}/episodes", _params(status=status)))
+
+    def checkpoint(
+        self,
+        run: str,
+        *,
+        controller_epoch: int | None = None,
+        deadline_s: float | None = None,
+        wait: bool = True,
+        trigger: str = "request",
+    ) -> CheckpointInfo:
+        call = self._checkpoint_call(
+            run, self._epoch(run, controller_epoch), deadline_s, wait, trigger
+        )
+        return CheckpointInfo.from_json(self._send(call))
+
+    def get_checkpoint(self, run: str, checkpoint_id: CheckpointRef) -> CheckpointInfo:
+        return CheckpointInfo.from_json(
+            self._send(_Call("GET", self._checkpoint_path(run, checkpoint_id)))
+        )
+
+    def wait_for_checkpoint(
+        self, run: str, checkpoint_id: int, *, poll_s: float = 0.25, timeout_s: float | None = None
+    ) -> CheckpointInfo:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            info = self.get_checkpoint(run, checkpoint_id)
+            if info.status != "pending" or (deadline is not None and time.monotonic() > deadline):
+                return info
+            time.sleep(poll_s)
+
+    def list_checkpoints(
+        self, run: str, *, status: str | None = None, limit: int = 100
+    ) -> list[CheckpointInfo]:
+        call = _Call("GET", f"/v1/runs/{run}/checkpoints", _params(status=status, limit=limit))
+        return [CheckpointInfo.from_json(c) for c in self._send(call)["checkpoints"]]
+
+    def manifest(self, run: str, checkpoint_id: int) -> Iterator[Any]:
+        return self._lines(_Call("GET", self._checkpoint_path(run, checkpoint_id) + "/manifest"))
+
+    def restore(
+        self,
+        run: str,
+        *,
+        checkpoint_id: CheckpointRef = "latest",
+        exclude: Iterable[str] = (),
+        policy_version: int | None = None,
+        max_policy_lag: int | None = None,
+        controller_epoch: int | None = None,
+    ) -> RestoreInfo:
+        call = self._restore_call(
+            run,
+            self._epoch(run, controller_epoch),
+            checkpoint_id,
+            exclude,
+            policy_version,
+            max_policy_lag,
+        )
+        return RestoreInfo.from_json(self._send(call))
+
+    def get_restore(self, run: str, restore_id: int) -> RestoreInfo:
+        return RestoreInfo.from_json(
+            self._send(_Call("GET", f"/v1/runs/{run}/restores/{restore_id}"))
+        )
+
+    def restore_episodes(
+        self, run: str, restore_id: int, *, action: str | None = None
+    ) -> Iterator[RestoreEpisode]:
+        call = _Call(
+            "GET", f"/v1/runs/{run}/restores/{restore_id}/episodes", _params(action=action)
+        )
+        return (RestoreEpisode.from_json(item) for item in self._lines(call))
+
+    def projection(
+        self,
+        run: str,
+        episode: str,
+        *,
+        restore: CheckpointRef | None = None,
+        checkpoint: int | None = None,
+    ) -> dict[str, Any]:
+        result: dict[str, Any] = self._send(
+            self._projection_call(run, episode, restore, checkpoint)
+        )
+        return result
+
+    def projections(
+        self, run: str, restore_id: int, *, kind: str | None = None, participant: str | None = None
+    ) -> Iterator[Any]:
+        call = _Call(
+            "GET",
+            f"/v1/runs/{run}/restores/{restore_id}/projections",
+            _params(kind=kind, participant=participant),
+        )
+        return self._lines(call)

@@ -1,0 +1,150 @@
+"""Resume a run after a crash: take over, restore the latest checkpoint, say what to dispatch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from rolloutlog.errors import UnknownCheckpoint
+from rolloutlog.trainer._client import AsyncTrainerClient, TrainerClient
+from rolloutlog.trainer._types import RestoreEpisode, RestoreInfo
+
+__all__ = ["Dispatch", "ResumePlan", "resume_run", "resume_run_sync"]
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A rollout to dispatch again: under ``capture_key`` as attempt ``attempt``.
+
+    ``continue``: the participants pick up its projection; ``restart``: it starts over from its
+    task (``reason`` says why it could not continue).
+    """
+
+    episode: str
+    attempt: int
+    capture_key: str
+    action: str
+    previous_attempt: int
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    run: str
+    controller_epoch: int
+    #: None when the run had no committed checkpoint (nothing to restore: start fresh).
+    checkpoint_id: int | None
+    restore_id: int | None
+    dispatch: tuple[Dispatch, ...]
+    #: Episodes the trainer said it holds results of: retired, not dispatched.
+    excluded: tuple[str, ...]
+    #: Episodes the checkpoint reports finished (their results were delivered before the cut).
+    finished: tuple[str, ...]
+    restore: RestoreInfo | None = None
+
+    @property
+    def continued(self) -> tuple[Dispatch, ...]:
+        return tuple(d for d in self.dispatch if d.action == "continue")
+
+    @property
+    def restarted(self) -> tuple[Dispatch, ...]:
+        return tuple(d for d in self.dispatch if d.action == "restart")
+
+
+def _plan(
+    run: str,
+    epoch: int,
+    restore: RestoreInfo,
+    entries: Iterable[RestoreEpisode],
+    finished: Iterable[str],
+) -> ResumePlan:
+    dispatch: list[Dispatch] = []
+    excluded: list[str] = []
+    for entry in entries:
+        if entry.action == "excluded":
+            excluded.append(entry.episode)
+        else:
+            dispatch.append(
+                Dispatch(
+                    entry.episode,
+                    entry.attempt,
+                    entry.capture_key,
+                    entry.action,
+                    entry.previous_attempt,
+                    entry.reason,
+                )
+            )
+    return ResumePlan(
+        run,
+        epoch,
+        restore.checkpoint_id,
+        restore.restore_id,
+        tuple(dispatch),
+        tuple(excluded),
+        tuple(finished),
+        restore,
+    )
+
+
+async def resume_run(
+    client: AsyncTrainerClient,
+    run: str,
+    *,
+    exclude: Iterable[str] = (),
+    policy_version: int | None = None,
+    max_policy_lag: int | None = None,
+) -> ResumePlan:
+    """Take over the run's controller and restore its latest committed checkpoint.
+
+    Returns which rollouts to dispatch again, under which capture keys. A run without a committed
+    checkpoint yields an empty plan (the controller is still taken over).
+    """
+    epoch = await client.take_over(run)
+    try:
+        restore = await client.restore(
+            run,
+            checkpoint_id="latest",
+            exclude=exclude,
+            policy_version=policy_version,
+            max_policy_lag=max_policy_lag,
+            controller_epoch=epoch,
+        )
+    except UnknownCheckpoint:
+        return ResumePlan(run, epoch, None, None, (), (), ())
+    entries = [entry async for entry in client.restore_episodes(run, restore.restore_id)]
+    finished = [
+        item["episode"]
+        async for item in client.manifest(run, restore.checkpoint_id)
+        if item["action"] == "finished"
+    ]
+    return _plan(run, epoch, restore, entries, finished)
+
+
+def resume_run_sync(
+    client: TrainerClient,
+    run: str,
+    *,
+    exclude: Iterable[str] = (),
+    policy_version: int | None = None,
+    max_policy_lag: int | None = None,
+) -> ResumePlan:
+    """``resume_run`` for the blocking client."""
+    epoch = client.take_over(run)
+    try:
+        restore = client.restore(
+            run,
+            checkpoint_id="latest",
+            exclude=exclude,
+            policy_version=policy_version,
+            max_policy_lag=max_policy_lag,
+            controller_epoch=epoch,
+        )
+    except UnknownCheckpoint:
+        return ResumePlan(run, epoch, None, None, (), (), ())
+    entries = list(client.restore_episodes(run, restore.restore_id))
+    finished = [
+        item["episode"]
+        for item in client.manifest(run, restore.checkpoint_id)
+        if item["action"] == "finished"
+    ]
+    return _plan(run, epoch, restore, entries, finished)
