@@ -205,6 +205,7 @@ class KafkaLog(Log):
         self._budget = ByteBudget(max(in_flight_bytes, 1))
         self._read_connections = read_connections
         self._readers = ClientPool(self._new_client, read_connections)
+        self._wakers: dict[tuple[str, int], asyncio.Event] = {}
         self._admin: Any = None
         self._control: Any = None
         self._producer_count = producers
@@ -602,6 +603,9 @@ class KafkaLog(Log):
             offset = append.acknowledged(indexes, offset)
         if offset > topic.acked_ends[partition]:
             topic.acked_ends[partition] = offset
+        waker = self._wakers.get((topic.name, partition))
+        if waker is not None:
+            waker.set()
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -651,6 +655,35 @@ class KafkaLog(Log):
                 following.cancel()
                 with contextlib.suppress(BaseException):
                     await following
+            await self._readers.release(client)
+
+    async def follow(
+        self, run: str, partition: int, start: int, *, poll_s: float = 0.1
+    ) -> AsyncIterator[list[tuple[int, bytes]]]:
+        """Pages from ``start`` on, from its own reader connection. Records this instance
+        appends wake it at once; other writers' records are found by polling every ``poll_s``."""
+        topic = await self._topic(run)
+        self._check_partition(topic, partition)
+        waker = self._wakers.setdefault((topic.name, partition), asyncio.Event())
+        client = await self._readers.acquire()
+        try:
+            offset = max(start, 0)
+            page_bytes = self._fetch_bytes
+            while True:
+                waker.clear()
+                page = await self._fetch_page(client, topic, partition, offset, 1 << 62, page_bytes)
+                if page.records:
+                    offset = page.next_offset
+                    yield page.records
+                elif page.next_offset > offset:
+                    offset = page.next_offset  # a trimmed range, or a gap
+                elif offset < page.highwater:
+                    page_bytes = self._grow_page(topic, partition, offset, page_bytes)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(poll_s):
+                            await waker.wait()
+        finally:
             await self._readers.release(client)
 
     def _grow_page(self, topic: _Topic, partition: int, offset: int, page_bytes: int) -> int:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import uuid
+
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +41,20 @@ class Service:
         await self.log.close()
 
 
-async def open_service(data_dir: Path, partitions: int = 4, **catalog_kw: Any) -> Service:
-    log = open_log(f"embedded://{data_dir}")
+async def open_service(
+    data_dir: Path,
+    partitions: int = 4,
+    *,
+    log_url: str | None = None,
+    catalog_url: str | None = None,
+    **catalog_kw: Any,
+) -> Service:
+    """Embedded log and SQLite catalog under ``data_dir`` unless URLs say otherwise."""
+    log = open_log(log_url or f"embedded://{data_dir}")
     await log.start()
-    catalog = open_catalog(f"sqlite+aiosqlite:///{data_dir}/catalog.sqlite3", **catalog_kw)
+    catalog = open_catalog(
+        catalog_url or f"sqlite+aiosqlite:///{data_dir}/catalog.sqlite3", **catalog_kw
+    )
     await catalog.start()
     coordinator = Coordinator(log, catalog)
     await coordinator.start()
@@ -54,9 +66,26 @@ async def open_service(data_dir: Path, partitions: int = 4, **catalog_kw: Any) -
     return service
 
 
+@pytest.fixture(
+    params=[
+        "embedded+sqlite",
+        pytest.param("kafka+postgres", marks=[pytest.mark.kafka, pytest.mark.postgres]),
+    ]
+)
+def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    """Where a service keeps its log and catalog: embedded files, or Kafka and PostgreSQL."""
+    if request.param == "embedded+sqlite":
+        return {}
+    bootstrap = request.getfixturevalue("kafka_bootstrap")
+    return {
+        "log_url": f"kafka://{bootstrap}?topic_prefix=t{uuid.uuid4().hex[:10]}.",
+        "catalog_url": request.getfixturevalue("postgres_schema"),
+    }
+
+
 @pytest.fixture
-async def service(tmp_path: Path) -> AsyncIterator[Service]:
-    svc = await open_service(tmp_path)
+async def service(tmp_path: Path, deployment: dict[str, Any]) -> AsyncIterator[Service]:
+    svc = await open_service(tmp_path, **deployment)
     try:
         yield svc
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -327,8 +328,10 @@ async def test_restore_of_an_expired_checkpoint_is_refused(service: Service) -> 
         await service.restore(checkpoint_id=first.checkpoint.checkpoint_id)
 
 
-async def test_a_restarted_service_rebuilds_and_serves_the_same_projections(tmp_path: Path) -> None:
-    service = await open_service(tmp_path)
+async def test_a_restarted_service_rebuilds_and_serves_the_same_projections(
+    tmp_path: Path, deployment: dict[str, Any]
+) -> None:
+    service = await open_service(tmp_path, **deployment)
     try:
         await service.append(f.started("a"), f.boundary("a", "seed", {"turn": 1}))
         await service.append(f.started("b"), f.boundary("b"), f.finished("b"))
@@ -338,7 +341,7 @@ async def test_a_restarted_service_rebuilds_and_serves_the_same_projections(tmp_
         await service.append(f.boundary("a", "invoke_agent", {"turn": 2}, attempt=1))
     finally:
         await service.close()
-    service = await open_service(tmp_path)
+    service = await open_service(tmp_path, **deployment)
     try:
         after = await service.coordinator.restore_projections("run", result.restore.restore_id)
         assert after == before
