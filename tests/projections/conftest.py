@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import uuid
-
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
