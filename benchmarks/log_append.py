@@ -107,11 +107,12 @@ async def read_run(log: Log, run: str, mode: str) -> dict[str, float]:
             async for _ in log.read(run, p, 0, end):
                 count += 1
         else:
-            async for _, record in log.read_records(run, p, 0, end):
-                count += 1
-                size += len(record)
-                if mode == "split":
-                    split_record(record)
+            async for page in log.read_pages(run, p, 0, end):
+                count += len(page)
+                for _, record in page:
+                    size += len(record)
+                    if mode == "split":
+                        split_record(record)
     elapsed = time.perf_counter() - started
     return {"events_per_s": count / elapsed, "mb_per_s": size / elapsed / 1e6, "events": count}
 

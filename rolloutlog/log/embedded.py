@@ -49,6 +49,8 @@ _SEGMENT_BYTES = 1024 * 1024
 #: A read page stops at this many bytes or segments, whichever comes first.
 _PAGE_BYTES = 8 * 1024 * 1024
 _PAGE_SEGMENTS = 64
+#: The checkpointer runs after this many bytes were committed to the WAL.
+_CHECKPOINT_BYTES = 32 * 1024 * 1024
 _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -135,6 +137,11 @@ class _RunFile:
     requests: queue.SimpleQueue[object] = field(default_factory=queue.SimpleQueue)
     thread: threading.Thread | None = None
     conn: sqlite3.Connection | None = None
+    #: The checkpointer copies the WAL into the database off the writer's path.
+    checkpointer: threading.Thread | None = None
+    wal_bytes: int = 0
+    wal_grew: threading.Event = field(default_factory=threading.Event)
+    stopping: bool = False
     #: Followers waiting for the next commit: (their loop, their event).
     waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=set)
     waiters_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -153,21 +160,50 @@ class _RunFile:
             ).fetchone()
             following = 0 if last is None else (last[0] & _OFFSET_MASK) + last[1]
             self.next_offsets.append(max(following, self.start_offsets[p]))
+        # WAL checkpoints copy every committed byte a second time; the checkpointer thread does
+        # that beside the writer instead of inside whichever commit crosses the threshold.
+        conn.execute("PRAGMA wal_autocheckpoint=0")
+        self.stopping = False
         self.thread = threading.Thread(
             target=self._write_loop, name=f"rolloutlog-writer-{self.path.stem}", daemon=True
         )
         self.thread.start()
+        self.checkpointer = threading.Thread(
+            target=self._checkpoint_loop, name=f"rolloutlog-wal-{self.path.stem}", daemon=True
+        )
+        self.checkpointer.start()
 
     def stop(self) -> None:
         if self.thread is not None:
             self.requests.put(_STOP)
             self.thread.join()
             self.thread = None
+        if self.checkpointer is not None:
+            self.stopping = True
+            self.wal_grew.set()
+            self.checkpointer.join()
+            self.checkpointer = None
         if self.conn is not None:
             self.conn.close()
             self.conn = None
 
     # -- the writer thread ---------------------------------------------------------------------
+
+    def _checkpoint_loop(self) -> None:
+        conn = _connect(self.path, self.synchronous)
+        try:
+            while True:
+                self.wal_grew.wait()
+                self.wal_grew.clear()
+                if self.stopping:
+                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                    return
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except sqlite3.Error:
+            # A failed checkpoint loses nothing (the WAL keeps every commit); the next one retries.
+            return
+        finally:
+            conn.close()
 
     def _write_loop(self) -> None:
         while True:
@@ -245,6 +281,10 @@ class _RunFile:
             by_loop.setdefault(request.loop, []).append((request.future, positions))
         for loop, done in by_loop.items():
             loop.call_soon_threadsafe(_resolve_all, done)
+        self.wal_bytes += sum(len(row[2]) for row in rows)
+        if self.wal_bytes >= _CHECKPOINT_BYTES:
+            self.wal_bytes = 0
+            self.wal_grew.set()
         self.wake_followers()
 
     def wake_followers(self) -> None:
