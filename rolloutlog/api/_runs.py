@@ -27,7 +27,7 @@ from rolloutlog.api._models import (
 )
 from rolloutlog.api._service import Service
 from rolloutlog.api._views import episode_view, participant_view, run_view
-from rolloutlog.catalog import Episode
+from rolloutlog.catalog import Episode, capture_key
 from rolloutlog.errors import UnknownRun
 
 __all__ = ["router"]
@@ -145,23 +145,65 @@ async def take_over_controller(
     return json_response({"controller_epoch": epoch})
 
 
-async def _episodes(
+async def _catalog_episodes(
     service: Service, run: str, status: Any, after: str | None, limit: int | None
-) -> AsyncIterator[Episode]:
-    """Catalog episodes in id order, page by page (``limit=None``: all of them)."""
-    remaining = limit
-    while True:
-        page_size = 2000 if remaining is None else min(remaining, 2000)
+) -> list[Episode]:
+    """Catalog episodes in id order after ``after`` (``limit=None``: all of them)."""
+    found: list[Episode] = []
+    while limit is None or len(found) < limit:
+        page_size = 2000 if limit is None else min(limit - len(found), 2000)
         page = await service.catalog.list_episodes(run, status=status, after=after, limit=page_size)
-        for episode in page:
-            yield episode
-        if remaining is not None:
-            remaining -= len(page)
-            if remaining <= 0:
-                return
+        found.extend(page)
         if len(page) < page_size:
-            return
+            break
         after = page[-1].episode
+    return found
+
+
+def _merged(
+    service: Service,
+    run: str,
+    recorded: list[Episode],
+    status: str | None,
+    after: str | None,
+    limit: int | None,
+) -> list[dict[str, Any]]:
+    """The catalog's episodes joined with those the projector tracks but the catalog has not
+    recorded yet (it learns of episodes at restores), in id order."""
+    projector = service.coordinator.projectors.get(run)
+    trackers = projector.trackers if projector is not None else {}
+    views: dict[str, dict[str, Any]] = {}
+    for episode in recorded:
+        tracker = trackers.get(episode.episode)
+        views[episode.episode] = episode_view(episode, tracker is not None and not tracker.finished)
+    last = recorded[-1].episode if limit is not None and len(recorded) == limit else None
+    for name, tracker in trackers.items():
+        if name in views or (after is not None and name <= after):
+            continue
+        if last is not None and name > last:
+            continue  # beyond this page of the catalog: the next page has it
+        tracked_status = "finished" if tracker.finished else "running"
+        if status is not None and status != tracked_status:
+            continue
+        views[name] = {
+            "episode": name,
+            "current_attempt": tracker.attempt,
+            "capture_key": capture_key(name, tracker.attempt),
+            "status": tracked_status,
+            "live": not tracker.finished,
+            "first_partition": tracker.partition,
+            "first_offset": tracker.first_offset,
+            "started_at": tracker.first_ts,
+            "finished_at": None,
+            "updated_at": None,
+        }
+    ordered = [views[name] for name in sorted(views)]
+    return ordered if limit is None else ordered[:limit]
+
+
+async def _iterate(items: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    for item in items:
+        yield item
 
 
 @router.get(
@@ -182,17 +224,12 @@ async def list_episodes(
     limit: Limit = 1000,
 ) -> Response:
     service = _service(request)
-    await service.catalog.get_run(run)
-    projector = service.coordinator.projectors.get(run)
-    trackers = projector.trackers if projector is not None else {}
-
-    def view(episode: Episode) -> dict[str, Any]:
-        tracker = trackers.get(episode.episode)
-        return episode_view(episode, tracker is not None and not tracker.finished)
-
+    await service.coordinator.projector(run)  # unknown_run, and the live view
     if wants_ndjson(request):
-        return stream_ndjson(_episodes(service, run, status, after, None), view)
-    page = [view(e) async for e in _episodes(service, run, status, after, limit)]
+        recorded = await _catalog_episodes(service, run, status, after, None)
+        return stream_ndjson(_iterate(_merged(service, run, recorded, status, after, None)))
+    recorded = await _catalog_episodes(service, run, status, after, limit)
+    page = _merged(service, run, recorded, status, after, limit)
     next_after = page[-1]["episode"] if len(page) == limit else None
     return json_response({"episodes": page, "next_after": next_after})
 

@@ -1,0 +1,248 @@
+"""``POST /v1/runs/{run}/events``: success, and every kind of bad input refused with its code and
+nothing appended."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from rolloutlog.api._append import parse_body
+from tests import factories as f
+from tests.api.conftest import RUN, Api, bearer, open_api, settings_for, wire
+
+EVENTS = f"/v1/runs/{RUN}/events"
+
+
+async def post(api: Api, content: bytes, content_type: str = "application/json") -> Any:
+    return await api.client.post(
+        EVENTS, content=content, headers={**bearer("participant"), "Content-Type": content_type}
+    )
+
+
+async def test_append_returns_offsets_in_input_order(api: Api) -> None:
+    await api.seed([])
+    events = [f.started(f"e{i}") for i in range(10)]
+    response = await api.append(*events)
+    offsets = response.json()["offsets"]
+    assert len(offsets) == 10
+    ends = await api.log_ends()
+    assert sum(ends) == 10
+    seen = {(o["partition"], o["offset"]) for o in offsets}
+    assert len(seen) == 10
+    # Each episode's event lands in its partition, in the order it was sent.
+    for o in offsets:
+        assert 0 <= o["partition"] < 4
+        assert o["offset"] < ends[o["partition"]]
+
+
+async def test_ndjson_body(api: Api) -> None:
+    await api.seed([])
+    lines = b"\n".join(orjson.dumps(e) for e in wire(f.started("a"), f.boundary("a"))) + b"\n\n"
+    response = await post(api, lines, "application/x-ndjson")
+    assert response.status_code == 200, response.text
+    assert len(response.json()["offsets"]) == 2
+
+
+async def test_empty_batch_appends_nothing(api: Api) -> None:
+    await api.seed([])
+    response = await post(api, b"[]")
+    assert response.status_code == 200
+    assert response.json() == {"offsets": []}
+
+
+def _deep(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def _event(**changes: Any) -> dict[str, Any]:
+    [event] = wire(f.boundary("a", "seed", {"turn": 1}))
+    for key, value in changes.items():
+        if key.startswith("data."):
+            event["data"][key[5:]] = value
+        elif value is _DROP:
+            del event[key]
+        else:
+            event[key] = value
+    return event
+
+
+_DROP = object()
+
+
+def _body(*events: dict[str, Any]) -> bytes:
+    return orjson.dumps(list(events))
+
+
+BAD_BODIES: list[Any] = [
+    pytest.param(b'[{"v": 1, "type": ', "invalid_event", 422, id="malformed-json"),
+    pytest.param(b"", "invalid_event", 422, id="empty-body"),
+    pytest.param(b'{"v": 1}', "invalid_request", 400, id="not-an-array"),
+    pytest.param(_body(_event(seq="12")), "invalid_event", 422, id="wrong-type-seq"),
+    pytest.param(_body(_event(attempt=-1)), "invalid_event", 422, id="negative-attempt"),
+    pytest.param(_body(_event(type="step.teleported")), "invalid_event", 422, id="unknown-type"),
+    pytest.param(_body(_event(participant=_DROP)), "invalid_event", 422, id="missing-participant"),
+    pytest.param(_body(_event(**{"data.owner": None})), "invalid_event", 422, id="missing-owner"),
+    pytest.param(_body(_event(episode="r17-a2")), "invalid_event", 422, id="attempt-suffix-id"),
+    pytest.param(_body(_event(episode="")), "invalid_event", 422, id="empty-episode"),
+    pytest.param(_body(_event(extra=1)), "invalid_event", 422, id="unknown-field"),
+    pytest.param(b'[{"v": 1, "type": "step.boundary", "ts": NaN}]', "invalid_event", 422, id="nan"),
+    pytest.param(_body(_event())[:-2] + b', "x": Infinity}]', "invalid_event", 422, id="infinity"),
+    pytest.param(b"[\xff\xfe]", "invalid_event", 422, id="non-utf8"),
+    pytest.param(
+        _body(_event())[:-1].replace(b'"turn"', "\ud800".encode("utf-8", "surrogatepass")) + b"]",
+        "invalid_event",
+        422,
+        id="lone-surrogate",
+    ),
+    pytest.param(_deep(5000), "invalid_event", 422, id="deep-nesting-body"),
+    pytest.param(
+        _body(_event())
+        .replace(b'{"turn":1}', b'{"deep":' + _deep(3000) + b"}")
+        .replace(b'"state":', b'"state":'),
+        "invalid_event",
+        422,
+        id="deep-nesting-state",
+    ),
+    pytest.param(
+        _body(_event(type="checkpoint.marker")), "invalid_event", 422, id="service-type-marker"
+    ),
+    pytest.param(
+        _body(
+            {
+                **_event(type="attempt.started"),
+                "data": {"restore_id": 1, "checkpoint_id": 1, "previous_attempt": 0, "cut": 0},
+            }
+        ),
+        "invalid_event",
+        422,
+        id="service-type-attempt",
+    ),
+    pytest.param(
+        _body(_event(participant={"id": "x", "kind": "service", "epoch": 1})),
+        "invalid_event",
+        422,
+        id="service-participant",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "code", "status"), BAD_BODIES)
+async def test_bad_input_is_refused_and_nothing_is_appended(
+    api: Api, body: bytes, code: str, status: int
+) -> None:
+    await api.seed(["a"])
+    before = await api.log_ends()
+    applied = api.service.coordinator.projectors[RUN].events_applied
+    # A good event first: the whole batch must be refused, not just the bad one.
+    if body.startswith(b"[{") and body.endswith(b"}]"):
+        body = b"[" + orjson.dumps(wire(f.boundary("a", "good"))[0]) + b"," + body[1:]
+    response = await post(api, body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["code"] == code
+    assert await api.log_ends() == before
+    assert api.service.coordinator.projectors[RUN].events_applied == applied
+
+
+async def test_the_refusal_names_the_bad_event_and_field(api: Api) -> None:
+    await api.seed([])
+    good = wire(f.started("a"))[0]
+    response = await post(api, _body(good, good, _event(seq="x")))
+    error = response.json()["error"]
+    assert error["details"]["index"] == 2
+    assert error["details"]["field"] == "seq"
+
+
+async def test_ndjson_line_that_is_not_json_names_its_index(api: Api) -> None:
+    await api.seed([])
+    lines = orjson.dumps(wire(f.started("a"))[0]) + b"\n{nope\n"
+    response = await post(api, lines, "application/x-ndjson")
+    assert response.status_code == 422
+    assert response.json()["error"]["details"]["index"] == 1
+    assert sum(await api.log_ends()) == 0
+
+
+async def test_huge_declared_body_is_refused_before_reading(tmp_path: Any) -> None:
+    async with open_api(settings_for(tmp_path / "d", max_events_bytes=10_000)) as api:
+        await api.seed([])
+        response = await post(api, b"[" + b" " * 20_000 + b"]")
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "payload_too_large"
+        assert sum(await api.log_ends()) == 0
+
+
+async def test_huge_streamed_body_is_cut_off_at_the_limit(tmp_path: Any) -> None:
+    chunks_sent = 0
+
+    async def chunks() -> Any:
+        nonlocal chunks_sent
+        yield b"["
+        for _ in range(1000):  # 1000 x 1 KiB, far past the 10 kB limit
+            chunks_sent += 1
+            yield b" " * 1024
+        yield b"]"
+
+    async with open_api(settings_for(tmp_path / "d", max_events_bytes=10_000)) as api:
+        await api.seed([])
+        response = await api.client.post(EVENTS, content=chunks(), headers=bearer("participant"))
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "payload_too_large"
+        assert sum(await api.log_ends()) == 0
+
+
+async def test_a_single_event_over_the_record_limit_is_refused(tmp_path: Any) -> None:
+    settings = settings_for(
+        tmp_path / "d", log_url=f"embedded://{tmp_path}/d?max_record_bytes=4096"
+    )
+    async with open_api(settings) as api:
+        await api.seed([])
+        response = await api.append(f.boundary("a", "big", {"blob": "x" * 10_000}), expect=413)
+        assert response.json()["error"]["code"] == "payload_too_large"
+        assert sum(await api.log_ends()) == 0
+
+
+async def test_unknown_run(api: Api) -> None:
+    response = await api.call("POST", "/v1/runs/nope/events", "participant", 404, json=[])
+    assert response.json()["error"]["code"] == "unknown_run"
+
+
+async def test_fenced_attempt_is_refused_whole(api: Api) -> None:
+    await api.seed(["a", "b"])
+    await api.checkpoint()
+    await api.restore()
+    before = await api.log_ends()
+    response = await api.append(
+        f.boundary("b", "ok", attempt=1), f.boundary("a", "zombie", attempt=0), expect=409
+    )
+    error = response.json()["error"]
+    assert error["code"] == "attempt_fenced"
+    assert error["details"] == {"index": 1, "episode": "a", "attempt": 0, "current_attempt": 1}
+    assert await api.log_ends() == before
+    await api.append(f.boundary("a", "new", attempt=1))
+
+
+async def test_fenced_participant_epoch_is_refused(api: Api) -> None:
+    await api.seed(["a"])
+    assert await api.register() == 2  # env-0 restarted: epoch 2
+    before = await api.log_ends()
+    response = await api.append(f.boundary("a", "zombie"), expect=409)  # still epoch 1
+    error = response.json()["error"]
+    assert error["code"] == "participant_fenced"
+    assert (error["details"]["epoch"], error["details"]["registered_epoch"]) == (1, 2)
+    assert await api.log_ends() == before
+    await api.append(f.boundary("a", "fresh", who=f.participant(epoch=2)))
+
+
+async def test_epochs_registered_elsewhere_are_learned(api: Api) -> None:
+    await api.seed(["a"])
+    # Another replica registers env-0 again: the catalog knows, this service's cache does not.
+    await api.service.catalog.register_participant(RUN, "env-0", "environment")
+    api.service.fencing[RUN].epochs_loaded_at = 0.0
+    await api.append(f.boundary("a", "x", who=f.participant(epoch=2)))
+    response = await api.append(f.boundary("a", "zombie"), expect=409)
+    assert response.json()["error"]["code"] == "participant_fenced"
+
+
+def test_parse_body_accepts_crlf_ndjson() -> None:
+    assert parse_body(b'{"a":1}\r\n{"b":2}\r\n', ndjson=True) == [{"a": 1}, {"b": 2}]
