@@ -455,18 +455,18 @@ class EmbeddedLog(Log):
         start = max(start, run_file.start_offsets[partition], 0)
         if end <= start:
             return
-        conn = await asyncio.to_thread(_connect, run_file.path, run_file.synchronous)
+        reader = await _Reader.open(run_file.path, run_file.synchronous)
         try:
-            cursor = await asyncio.to_thread(_open_range, conn, partition, start, end)
+            cursor = await reader.run(_open_range, reader.conn, partition, start, end)
             while True:
-                page = await asyncio.to_thread(_fetch_page, cursor, start, end)
+                page = await reader.run(_fetch_page, cursor, start, end)
                 if not page:
                     return
                 yield page
         except sqlite3.Error as e:
             raise _translate(e, run_file.path) from e
         finally:
-            conn.close()
+            await reader.close()
 
     async def follow(
         self, run: str, partition: int, start: int, *, poll_s: float = 0.05
@@ -476,7 +476,7 @@ class EmbeddedLog(Log):
         if not 0 <= partition < run_file.partitions:
             raise InvalidRequest(f"partition {partition} out of range", run=run)
         loop = asyncio.get_running_loop()
-        conn = await asyncio.to_thread(_connect, run_file.path, run_file.synchronous)
+        reader = await _Reader.open(run_file.path, run_file.synchronous)
         next_offset = max(start, run_file.start_offsets[partition])
         try:
             while True:
@@ -489,14 +489,14 @@ class EmbeddedLog(Log):
                     continue
                 with run_file.waiters_lock:
                     run_file.waiters.discard((loop, woken))
-                page = await asyncio.to_thread(_read_range, conn, partition, next_offset, end)
+                page = await reader.run(_read_range, reader.conn, partition, next_offset, end)
                 if page:
                     next_offset = page[-1][0] + 1
                     yield page
         except sqlite3.Error as e:
             raise _translate(e, run_file.path) from e
         finally:
-            conn.close()
+            await reader.close()
 
     async def trim(self, run: str, partition: int, before: int) -> bool:
         run_file = await self._run(run)
@@ -534,6 +534,33 @@ class EmbeddedLog(Log):
     async def start_offsets(self, run: str) -> list[int]:
         """The first offset still held in every partition (after trimming)."""
         return list((await self._run(run)).start_offsets)
+
+
+class _Reader:
+    """A read connection whose blocking calls run in a worker thread. ``close`` waits for a call
+    still running there (say, when the reading task was cancelled) before closing the connection
+    under it."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self._running: asyncio.Future[Any] | None = None
+
+    @classmethod
+    async def open(cls, path: Path, synchronous: str) -> _Reader:
+        return cls(await asyncio.to_thread(_connect, path, synchronous))
+
+    async def run(self, function: Callable[..., Any], *args: Any) -> Any:
+        self._running = asyncio.ensure_future(asyncio.to_thread(function, *args))
+        result = await asyncio.shield(self._running)
+        self._running = None
+        return result
+
+    async def close(self) -> None:
+        running, self._running = self._running, None
+        if running is not None:
+            with contextlib.suppress(BaseException):
+                await running
+        self.conn.close()
 
 
 def _open_range(conn: sqlite3.Connection, partition: int, start: int, end: int) -> sqlite3.Cursor:
