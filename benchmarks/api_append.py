@@ -1,0 +1,345 @@
+"""HTTP append through a real ``rolloutlog serve`` (uvicorn) on the embedded backend (issue 5).
+
+Per run, a fresh server in a subprocess and a fresh data directory:
+
+1. throughput: 8 concurrent clients, each on its own keep-alive connection, POST batches of 100
+   ~250-byte events as fast as the server acknowledges them (closed loop) → events/s;
+2. latency: the same clients at half the measured throughput, paced (open loop) → p50/p99 of
+   request latency;
+3. memory: 16,000 episodes started and given a boundary (all live) → the server's RSS, read
+   from /proc, and the projector's live episode count from /metrics.
+
+The clients speak HTTP/1.1 over asyncio streams directly (a few microseconds per request), so
+that on this 2-core machine they take as little CPU from the server as possible. Each figure is
+the median (min, max) of ``--runs`` runs; results go to ``benchmarks/results/api_append.json``.
+
+    python benchmarks/api_append.py [--runs 5] [--seconds 6] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from _common import ROOT, percentile, save, summary
+
+from tests._services import free_port
+
+RUN = "bench"
+BATCH = 100
+CLIENTS = 8
+LIVE_EPISODES = 16_000
+TARGETS = {"events_per_s": 50_000, "p99_ms_at_half_load": 25.0, "rss_mb_16k_live": 250.0}
+
+
+def boundary(i: int, seq: int) -> dict[str, Any]:
+    return {
+        "v": 1,
+        "type": "step.boundary",
+        "episode": f"r{i % 4096}",
+        "attempt": 0,
+        "step": seq % 50,
+        "participant": {"id": "env-0", "kind": "environment", "epoch": 1},
+        "seq": seq,
+        "ts": 1764400000.0 + seq,
+        "data": {
+            "owner": "environment",
+            "stage": "invoke_agent",
+            "next": "close_agent",
+            "state": {"turn": seq % 7, "note": "x" * 40},
+        },
+    }
+
+
+def started(i: int, seq: int) -> dict[str, Any]:
+    task = {"prompt": f"task {i}"}
+    return {
+        "v": 1,
+        "type": "episode.started",
+        "episode": f"live{i}",
+        "participant": {"id": "env-1", "kind": "environment", "epoch": 1},
+        "seq": seq,
+        "ts": 1764400000.0,
+        "data": {"task": task, "task_digest": "0" * 64, "deadline_s": 600.0},
+    }
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection (enough of the protocol for this benchmark)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        assert self.reader is not None and self.writer is not None
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        self.writer.write(head + body)
+        status_line = await self.reader.readline()
+        status = int(status_line.split()[1])
+        length = 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        return status, await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Server:
+    def __init__(self) -> None:
+        self.data_dir = Path(tempfile.mkdtemp(prefix="rolloutlog-api-bench-"))
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rolloutlog.api.cli",
+                "serve",
+                "--data-dir",
+                str(self.data_dir),
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    async def wait_ready(self) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                conn = Connection(self.port)
+                await conn.open()
+                status, _ = await conn.request("GET", "/readyz")
+                conn.close()
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            await asyncio.sleep(0.1)
+        raise RuntimeError("the server did not become ready")
+
+    def rss_mb(self) -> float:
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+def bodies(count: int, first_seq: int) -> list[bytes]:
+    out = []
+    seq = first_seq
+    for _ in range(count):
+        out.append(orjson.dumps([boundary(seq + k, seq + k) for k in range(BATCH)]))
+        seq += BATCH
+    return out
+
+
+async def throughput(port: int, seconds: float, seq: int) -> tuple[float, int]:
+    """Closed loop: every client sends its next batch as soon as the last one is acknowledged."""
+    per_client = [bodies(int(seconds * 120), seq + c * 10_000_000) for c in range(CLIENTS)]
+    connections = [Connection(port) for _ in range(CLIENTS)]
+    for conn in connections:
+        await conn.open()
+    done = 0
+    stop_at = 0.0
+
+    async def client(conn: Connection, payloads: list[bytes]) -> None:
+        nonlocal done
+        for body in payloads:
+            if time.perf_counter() >= stop_at:
+                return
+            status, reply = await conn.request("POST", f"/v1/runs/{RUN}/events", body)
+            if status != 200:
+                raise RuntimeError(f"append failed: {status} {reply[:200]!r}")
+            done += BATCH
+
+    started_at = time.perf_counter()
+    stop_at = started_at + seconds
+    await asyncio.gather(*(client(c, p) for c, p in zip(connections, per_client, strict=True)))
+    elapsed = time.perf_counter() - started_at
+    for conn in connections:
+        conn.close()
+    return done / elapsed, seq + CLIENTS * 10_000_000
+
+
+async def latency(port: int, events_per_s: float, seconds: float, seq: int) -> dict[str, float]:
+    """Open loop at ``events_per_s``: requests leave on schedule whether or not others finished."""
+    requests_per_s = events_per_s / BATCH
+    total = max(int(requests_per_s * seconds), CLIENTS)
+    payloads = bodies(total, seq)
+    connections = [Connection(port) for _ in range(CLIENTS)]
+    for conn in connections:
+        await conn.open()
+    latencies: list[float] = []
+    interval = CLIENTS / requests_per_s
+    started_at = time.perf_counter() + 0.05
+
+    async def client(index: int, conn: Connection) -> None:
+        for n, body in enumerate(payloads[index::CLIENTS]):
+            due = started_at + (n + index / CLIENTS) * interval
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent = time.perf_counter()
+            status, _ = await conn.request("POST", f"/v1/runs/{RUN}/events", body)
+            if status != 200:
+                raise RuntimeError(f"append failed: {status}")
+            # From when it was due: a request delayed by a slow predecessor counts its wait.
+            latencies.append(time.perf_counter() - min(sent, max(due, sent - 1)))
+
+    await asyncio.gather(*(client(i, c) for i, c in enumerate(connections)))
+    for conn in connections:
+        conn.close()
+    return {
+        "requests_per_s": requests_per_s,
+        "events_per_s": events_per_s,
+        "p50_ms": percentile(latencies, 50) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
+        "max_ms": max(latencies) * 1e3,
+        "requests": len(latencies),
+    }
+
+
+async def live_memory(server: Server) -> dict[str, float]:
+    conn = Connection(server.port)
+    await conn.open()
+    status, _ = await conn.request(
+        "POST", f"/v1/runs/{RUN}/participants", b'{"id": "env-1", "kind": "environment"}'
+    )
+    assert status == 201, status
+    seq = 1
+    for first in range(0, LIVE_EPISODES, 500):
+        batch = []
+        for i in range(first, min(first + 500, LIVE_EPISODES)):
+            batch.append(started(i, seq))
+            event = boundary(0, seq + 1)
+            event["episode"] = f"live{i}"
+            event["participant"] = {"id": "env-1", "kind": "environment", "epoch": 1}
+            batch.append(event)
+            seq += 2
+        status, reply = await conn.request("POST", f"/v1/runs/{RUN}/events", orjson.dumps(batch))
+        assert status == 200, reply[:300]
+    live = 0.0
+    for _ in range(100):  # the projector follows the log: wait until it has caught up
+        status, text = await conn.request("GET", "/metrics")
+        for line in text.decode().splitlines():
+            if line.startswith("rolloutlog_live_episodes{"):
+                live = float(line.rsplit(" ", 1)[1])
+        if live >= LIVE_EPISODES:
+            break
+        await asyncio.sleep(0.1)
+    conn.close()
+    return {"rss_mb": server.rss_mb(), "live_episodes": live}
+
+
+async def one_run(seconds: float) -> dict[str, Any]:
+    server = Server()
+    server.start()
+    try:
+        await server.wait_ready()
+        conn = Connection(server.port)
+        await conn.open()
+        for path, body in (
+            ("/v1/runs", orjson.dumps({"run": RUN, "partitions": 16})),
+            (f"/v1/runs/{RUN}/participants", b'{"id": "env-0", "kind": "environment"}'),
+        ):
+            status, reply = await conn.request("POST", path, body)
+            assert status == 201, reply
+        conn.close()
+        rss_idle = server.rss_mb()
+        memory = await live_memory(server)  # first, so that exactly 16,000 episodes are live
+        rate, seq = await throughput(server.port, seconds, 1)
+        half = await latency(server.port, rate / 2, seconds, seq)
+        return {
+            "events_per_s": rate,
+            "half_load": half,
+            "rss_mb_idle": rss_idle,
+            "rss_mb_16k_live": memory["rss_mb"],
+            "live_episodes": memory["live_episodes"],
+        }
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--quick", action="store_true", help="1 run of 2 s (smoke test)")
+    args = parser.parse_args()
+    runs, seconds = (1, 2.0) if args.quick else (args.runs, args.seconds)
+    results = []
+    for index in range(runs):
+        figures = asyncio.run(one_run(seconds))
+        results.append(figures)
+        print(
+            f"run {index + 1}: {figures['events_per_s']:.0f} events/s; at half load "
+            f"p50 {figures['half_load']['p50_ms']:.1f} ms, p99 {figures['half_load']['p99_ms']:.1f}"
+            f" ms; RSS {figures['rss_mb_16k_live']:.0f} MB with "
+            f"{figures['live_episodes']:.0f} live episodes",
+            flush=True,
+        )
+    document = {
+        "runs": runs,
+        "seconds_per_phase": seconds,
+        "batch": BATCH,
+        "clients": CLIENTS,
+        "cores": os.cpu_count(),
+        "targets": TARGETS,
+        "events_per_s": summary([r["events_per_s"] for r in results]),
+        "half_load_p50_ms": summary([r["half_load"]["p50_ms"] for r in results]),
+        "half_load_p99_ms": summary([r["half_load"]["p99_ms"] for r in results]),
+        "half_load_events_per_s": summary([r["half_load"]["events_per_s"] for r in results]),
+        "rss_mb_idle": summary([r["rss_mb_idle"] for r in results]),
+        "rss_mb_16k_live": summary([r["rss_mb_16k_live"] for r in results]),
+        "live_episodes": summary([r["live_episodes"] for r in results]),
+    }
+    if not args.quick:
+        path = save("api_append", document)
+        print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
