@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rolloutlog.api._auth import Tokens
+from rolloutlog.api._tokens import Tokens
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Settings"]
 

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from rolloutlog.api._auth import ENV_PREFIX, MIN_TOKEN_LENGTH, Role, Tokens, is_loopback_host
 from rolloutlog.api._commands import COMMANDS
 from rolloutlog.api._settings import DEFAULT_DATA_DIR, DEFAULT_HOST, DEFAULT_PORT, Settings
+from rolloutlog.api._tokens import ENV_PREFIX, MIN_TOKEN_LENGTH, Role, Tokens, is_loopback_host
 from rolloutlog.errors import RolloutlogError
 from rolloutlog.trainer import TrainerClient
 
@@ -168,6 +169,12 @@ def serve(args: argparse.Namespace) -> int:
         server_header=False,
     )
     server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM/SIGINT itself (stop accepting, finish in-flight requests, run the
+    # lifespan's shutdown), then re-raises the signal with the handlers it found. These make
+    # that last step a no-op, so a graceful stop exits 0 rather than dying by the signal.
+    stopped_by: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda number, frame: stopped_by.append(number))
     server.run()
     return 0 if server.started else 1
 

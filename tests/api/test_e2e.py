@@ -1,0 +1,264 @@
+"""End to end through a real server: ``python -m rolloutlog.api.cli serve`` in a subprocess
+(uvicorn, a free loopback port, tokens from a file), the trainer client, the CLI, and a graceful
+shutdown by SIGTERM that finishes in-flight appends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from rolloutlog.trainer import TrainerClient, resume_run_sync
+from tests import factories as f
+from tests._services import ROOT, free_port
+from tests.api.conftest import TOKENS, bearer, wire
+
+pytestmark = pytest.mark.slow
+
+
+class Server:
+    def __init__(self, data_dir: Path, tokens: Path) -> None:
+        self.data_dir = data_dir
+        self.tokens = tokens
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = data_dir.parent / f"serve-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "rolloutlog.api.cli",
+                    "serve",
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--port",
+                    str(self.port),
+                    "--tokens",
+                    str(self.tokens),
+                ],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"the server did not start: {self.log.read_text()}")
+
+    def stop(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(TOKENS))
+    running = Server(tmp_path / "data", tokens)
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def post(server: Server, path: str, role: str, body: Any, **kw: Any) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=bearer(role), timeout=30, **kw)
+
+
+def cli(server: Server, *args: str, token: str = "admin") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ROLLOUTLOG_URL": server.url, "ROLLOUTLOG_TOKEN": TOKENS[token]}
+    return subprocess.run(
+        [sys.executable, "-m", "rolloutlog.api.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_the_whole_path_through_a_real_server(server: Server) -> None:
+    assert post(server, "/v1/runs", "trainer", {"run": "e2e", "partitions": 4}).status_code == 201
+    registered = post(
+        server, "/v1/runs/e2e/participants", "participant", {"id": "env-0", "kind": "environment"}
+    )
+    assert registered.json()["epoch"] == 1
+    events = wire(
+        f.started("a"),
+        f.boundary("a", "seed", {"turn": 1}),
+        f.started("b"),
+        f.boundary("b", "seed", {"turn": 1}),
+    )
+    appended = post(server, "/v1/runs/e2e/events", "participant", events)
+    assert appended.status_code == 200, appended.text
+    assert len(appended.json()["offsets"]) == 4
+    ndjson = b"\n".join(orjson.dumps(e) for e in wire(f.boundary("a", "invoke_agent", {"turn": 2})))
+    streamed = httpx.post(
+        f"{server.url}/v1/runs/e2e/events",
+        content=ndjson,
+        headers={**bearer("participant"), "Content-Type": "application/x-ndjson"},
+    )
+    assert streamed.status_code == 200, streamed.text
+
+    with TrainerClient(server.url, token=TOKENS["trainer"]) as trainer:
+        epoch = trainer.take_over("e2e")
+        checkpoint = trainer.checkpoint("e2e")
+        assert checkpoint.status == "committed"
+        assert checkpoint.counts == {"continue": 2, "restart": 0, "finished": 0}
+        manifest = list(trainer.manifest("e2e", checkpoint.checkpoint_id))
+        assert {m["episode"] for m in manifest} == {"a", "b"}
+        plan = resume_run_sync(trainer, "e2e", exclude=["b"])
+        assert plan.controller_epoch == epoch + 1
+        assert [(d.episode, d.capture_key, d.action) for d in plan.dispatch] == [
+            ("a", "a-a1", "continue")
+        ]
+        assert plan.excluded == ("b",)
+
+    with TrainerClient(server.url, token=TOKENS["participant"]) as participant:
+        projection = participant.projection("e2e", "a", restore=plan.restore_id)
+        assert projection["capture_key"] == "a-a1"
+        assert projection["boundaries"]["environment"]["state"] == {"turn": 2}
+        bulk = list(participant.projections("e2e", plan.restore_id or 0, kind="environment"))
+        assert [p["episode"] for p in bulk] == ["a"]
+
+    fenced = post(server, "/v1/runs/e2e/events", "participant", wire(f.boundary("a", "old")))
+    assert (fenced.status_code, fenced.json()["error"]["code"]) == (409, "attempt_fenced")
+    assert "rolloutlog_appends_total 2" in httpx.get(f"{server.url}/metrics").text
+
+    assert server.stop() == 0
+    log = server.log.read_text()
+    assert '"message":"service stopped"' in log
+    assert all(line.startswith("{") for line in log.splitlines() if line.strip())
+
+
+def test_the_cli_against_a_real_server(server: Server) -> None:
+    post(server, "/v1/runs", "trainer", {"run": "cli", "partitions": 2})
+    post(server, "/v1/runs/cli/participants", "participant", {"id": "env-0", "kind": "environment"})
+    post(server, "/v1/runs/cli/events", "participant", wire(f.started("a"), f.boundary("a")))
+
+    runs = cli(server, "runs")
+    assert runs.returncode == 0, runs.stderr
+    header, row = runs.stdout.splitlines()[:2]
+    assert header.split()[:3] == ["RUN", "PARTITIONS", "EPOCH"]
+    assert row.split()[:2] == ["cli", "2"]
+
+    no_controller = cli(server, "checkpoint", "cli")
+    assert no_controller.returncode == 1
+    assert "--take-over" in no_controller.stderr
+
+    taken = cli(server, "checkpoint", "cli", "--take-over", "--json")
+    assert taken.returncode == 0, taken.stderr
+    checkpoint = json.loads(taken.stdout)
+    assert (checkpoint["status"], checkpoint["counts"]["continue"]) == ("committed", 1)
+
+    again = cli(server, "checkpoint", "cli")  # as the current controller
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("checkpoint 2: committed")
+
+    listed = cli(server, "checkpoints", "cli")
+    assert [line.split()[:2] for line in listed.stdout.splitlines()[1:]] == [
+        ["2", "committed"],
+        ["1", "committed"],
+    ]
+
+    restored = cli(server, "restore", "cli", "--episodes")
+    assert restored.returncode == 0, restored.stderr
+    assert "restore 1 from checkpoint 2" in restored.stdout
+    assert any(
+        line.split()[:3] == ["a", "continue", "0->1"] for line in restored.stdout.splitlines()
+    )
+
+    episodes = cli(server, "episodes", "cli", "--json")
+    assert [json.loads(line)["capture_key"] for line in episodes.stdout.splitlines()] == ["a-a1"]
+
+    forbidden = cli(server, "restore", "cli", token="analyst")
+    assert forbidden.returncode == 1
+    assert "forbidden" in forbidden.stderr
+
+    unreachable = subprocess.run(
+        [sys.executable, "-m", "rolloutlog.api.cli", "runs", "--url", "http://127.0.0.1:1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert unreachable.returncode == 1
+    assert "cannot reach" in unreachable.stderr
+
+
+def test_sigterm_finishes_in_flight_appends_and_loses_none(server: Server) -> None:
+    post(server, "/v1/runs", "trainer", {"run": "drain", "partitions": 4})
+    post(
+        server, "/v1/runs/drain/participants", "participant", {"id": "env-0", "kind": "environment"}
+    )
+    batches = [
+        orjson.dumps(wire(*(f.boundary(f"e{i}", "s", {"blob": "x" * 2000}) for i in range(200))))
+        for _ in range(40)
+    ]
+    acknowledged = 0
+    outcomes: list[str] = []
+    first_done = threading.Event()
+
+    def writer() -> None:
+        nonlocal acknowledged
+        with httpx.Client(timeout=30) as client:
+            for body in batches:
+                try:
+                    response = client.post(
+                        f"{server.url}/v1/runs/drain/events",
+                        content=body,
+                        headers={**bearer("participant"), "Content-Type": "application/json"},
+                    )
+                except httpx.HTTPError as e:
+                    outcomes.append(type(e).__name__)  # refused: the server stopped listening
+                    first_done.set()
+                    return
+                outcomes.append(str(response.status_code))
+                if response.status_code == 200:
+                    acknowledged += len(response.json()["offsets"])
+                first_done.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert first_done.wait(30)
+    assert server.stop() == 0
+    thread.join(30)
+    assert outcomes[0] == "200"
+    # Every reply that arrived is whole: acknowledged, or refused while draining.
+    assert set(outcomes) <= {"200", "503", "ConnectError", "RemoteProtocolError", "ReadError"}
+    assert acknowledged >= 200
+
+    server.start()  # the same data directory: every acknowledged event is in the log
+    stats = httpx.get(f"{server.url}/v1/runs/drain/stats", headers=bearer("analyst")).json()
+    assert stats["events"]["log_records"] >= acknowledged
