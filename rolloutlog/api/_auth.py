@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from rolloutlog.api._tokens import Role, Tokens, is_loopback_host
+from rolloutlog.api._tokens import Role, Tokens, allows, is_loopback_host
 from rolloutlog.errors import Forbidden, Unauthorized
 
 __all__ = ["AuthDependency", "Role", "Tokens", "public", "require"]
@@ -41,7 +41,7 @@ def require(role: Role) -> AuthDependency:
         granted = tokens.roles_of(credentials.credentials)
         if not granted:
             raise Unauthorized("the bearer token is not valid", role=role.value)
-        if role not in granted and Role.ADMIN not in granted:
+        if not allows(granted, role):
             raise Forbidden(
                 f"this route needs the {role.value} role",
                 role=role.value,

@@ -25,7 +25,15 @@ import orjson
 
 from rolloutlog.errors import InvalidRequest
 
-__all__ = ["ENV_PREFIX", "MIN_TOKEN_LENGTH", "Role", "Tokens", "is_loopback_host"]
+__all__ = [
+    "ENV_PREFIX",
+    "IMPLIES",
+    "MIN_TOKEN_LENGTH",
+    "Role",
+    "Tokens",
+    "allows",
+    "is_loopback_host",
+]
 
 #: Tokens shorter than this are refused at start-up: a guessable token is no protection.
 MIN_TOKEN_LENGTH = 16
@@ -37,6 +45,21 @@ class Role(enum.StrEnum):
     TRAINER = "trainer"
     ANALYST = "analyst"
     ADMIN = "admin"
+
+
+#: What each role may do beyond its own routes: a trainer reads what an analyst reads (it must
+#: see its checkpoints and runs); admin holds every role.
+IMPLIES: Mapping[Role, frozenset[Role]] = {
+    Role.PARTICIPANT: frozenset({Role.PARTICIPANT}),
+    Role.TRAINER: frozenset({Role.TRAINER, Role.ANALYST}),
+    Role.ANALYST: frozenset({Role.ANALYST}),
+    Role.ADMIN: frozenset(Role),
+}
+
+
+def allows(granted: frozenset[Role], needed: Role) -> bool:
+    """Whether tokens of the ``granted`` roles may use a route that needs ``needed``."""
+    return any(needed in IMPLIES[role] for role in granted)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,226 @@
+"""The trainer clients against the app in process (``httpx.ASGITransport``): runs, takeover,
+checkpoints, restores, manifests, projections, the checkpoint schedule, signals, resume_run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rolloutlog.errors import (
+    CheckpointInProgress,
+    Forbidden,
+    InvalidRequest,
+    StaleController,
+    Unauthorized,
+    UnknownCheckpoint,
+    UnknownRun,
+)
+from rolloutlog.trainer import (
+    AsyncTrainerClient,
+    CheckpointInfo,
+    CheckpointScheduler,
+    ServiceError,
+    resume_run,
+)
+from rolloutlog.trainer._types import error_from_body
+from tests import factories as f
+from tests.api.conftest import TOKENS, Api, open_api, settings_for
+
+
+@pytest.fixture
+async def api(tmp_path: Path) -> AsyncIterator[Api]:
+    async with open_api(settings_for(tmp_path / "data")) as opened:
+        yield opened
+
+
+@pytest.fixture
+async def trainer(api: Api) -> AsyncIterator[AsyncTrainerClient]:
+    async with AsyncTrainerClient(token=TOKENS["trainer"], client=api.client) as client:
+        yield client
+
+
+@pytest.fixture
+async def admin(api: Api) -> AsyncIterator[AsyncTrainerClient]:
+    async with AsyncTrainerClient(token=TOKENS["admin"], client=api.client) as client:
+        yield client
+
+
+async def test_runs_takeover_checkpoints_and_restores(
+    api: Api, trainer: AsyncTrainerClient, admin: AsyncTrainerClient
+) -> None:
+    assert await trainer.create_run("run", partitions=4) == {"run": "run", "partitions": 4}
+    await api.register()
+    await api.append(f.started("a"), f.boundary("a", "seed", {"turn": 1}))
+    await api.append(f.started("b"), f.boundary("b"), f.finished("b"))
+    with pytest.raises(InvalidRequest, match="take_over"):
+        await trainer.checkpoint("run")
+    epoch = await trainer.take_over("run")
+    assert trainer.controller_epochs == {"run": epoch}
+    info = await trainer.checkpoint("run", deadline_s=5)
+    assert isinstance(info, CheckpointInfo)
+    assert (info.status, dict(info.counts)) == (
+        "committed",
+        {"continue": 1, "restart": 0, "finished": 1},
+    )
+    assert (await admin.get_checkpoint("run", "latest")).checkpoint_id == info.checkpoint_id
+    assert [c.checkpoint_id for c in await admin.list_checkpoints("run")] == [info.checkpoint_id]
+    manifest = [entry async for entry in trainer.manifest("run", info.checkpoint_id)]
+    assert [(m["episode"], m["action"]) for m in manifest] == [("a", "continue"), ("b", "finished")]
+    restore = await trainer.restore("run")
+    assert dict(restore.counts) == {"continue": 1, "restart": 0, "excluded": 0}
+    detail = await trainer.get_restore("run", restore.restore_id)
+    assert detail.episodes is not None
+    assert [(e.episode, e.capture_key) for e in detail.episodes] == [("a", "a-a1")]
+    projection = await admin.projection("run", "a", restore=restore.restore_id)
+    assert projection["boundaries"]["environment"]["state"] == {"turn": 1}
+    bulk = [p async for p in admin.projections("run", restore.restore_id, kind="environment")]
+    assert [p["capture_key"] for p in bulk] == ["a-a1"]
+    episodes = [e async for e in admin.episodes("run")]
+    assert [e["capture_key"] for e in episodes] == ["a-a1"]
+    assert (await admin.stats("run"))["restores"]["count"] == 1
+    assert [r["run"] for r in await admin.list_runs()] == ["run"]
+    assert (await admin.health())["status"] == "ready"
+
+
+async def test_errors_are_raised_as_rolloutlog_errors(
+    api: Api, trainer: AsyncTrainerClient
+) -> None:
+    with pytest.raises(UnknownRun):
+        await trainer.take_over("nope")
+    await trainer.create_run("run")
+    old = await trainer.take_over("run")
+    await trainer.take_over("run")
+    with pytest.raises(StaleController) as stale:
+        await trainer.checkpoint("run", controller_epoch=old)
+    assert stale.value.details["current_epoch"] == old + 1
+    with pytest.raises(UnknownCheckpoint):
+        await trainer.restore("run")
+    with pytest.raises(Forbidden):
+        await trainer.projection("run", "a", restore=1)  # a participant's route
+    async with AsyncTrainerClient(token="wrong-token-000000000", client=api.client) as anonymous:
+        with pytest.raises(Unauthorized):
+            await anonymous.list_runs()
+
+
+async def test_a_pending_checkpoint_can_be_awaited(api: Api, trainer: AsyncTrainerClient) -> None:
+    await api.seed(["a"])
+    await api.append(f.step_started("a", "verify", "wait"))
+    await trainer.take_over("run")
+    pending = await trainer.checkpoint("run", wait=False, deadline_s=30)
+    assert pending.status == "pending"
+    with pytest.raises(CheckpointInProgress):
+        await trainer.checkpoint("run")
+    waiter = asyncio.create_task(
+        trainer.wait_for_checkpoint("run", pending.checkpoint_id, poll_s=0.02)
+    )
+    await asyncio.sleep(0.1)
+    await api.append(f.boundary("a", "verify"))
+    assert (await asyncio.wait_for(waiter, 10)).status == "committed"
+
+
+async def test_the_timer_checkpoints_every_period(api: Api, trainer: AsyncTrainerClient) -> None:
+    await api.seed(["a"])
+    await trainer.take_over("run")
+    seen: list[int] = []
+    async with CheckpointScheduler(
+        trainer, "run", checkpoint_every_s=0.1, on_checkpoint=lambda i: seen.append(i.checkpoint_id)
+    ) as scheduler:
+        for _ in range(100):
+            if len(seen) >= 3:
+                break
+            await asyncio.sleep(0.05)
+    assert seen[:3] == [1, 2, 3]
+    assert scheduler.taken[0].raw["trigger"] == "timer"
+    assert not scheduler.errors
+
+
+async def test_a_fenced_controller_stops_the_schedule(
+    api: Api, trainer: AsyncTrainerClient
+) -> None:
+    await api.seed(["a"])
+    await trainer.take_over("run")
+    async with CheckpointScheduler(trainer, "run", checkpoint_every_s=0.05) as scheduler:
+        await api.take_over()  # another trainer takes over
+        await asyncio.wait_for(scheduler.stop_requested.wait(), 10)
+    assert scheduler.fenced
+    assert isinstance(scheduler.errors[0], StaleController)
+
+
+async def test_sigusr1_checkpoints_and_sigterm_checkpoints_then_stops(
+    api: Api, trainer: AsyncTrainerClient
+) -> None:
+    await api.seed(["a"])
+    await trainer.take_over("run")
+    previous = signal.getsignal(signal.SIGTERM)
+    async with CheckpointScheduler(trainer, "run") as scheduler:
+        scheduler.install_signal_handlers()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        for _ in range(200):
+            if scheduler.taken:
+                break
+            await asyncio.sleep(0.02)
+        assert [i.raw["trigger"] for i in scheduler.taken] == ["sigusr1"]
+        assert not scheduler.stop_requested.is_set()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(scheduler.wait_for_stop(), 10)
+        assert [i.raw["trigger"] for i in scheduler.taken] == ["sigusr1", "sigterm"]
+    assert signal.getsignal(signal.SIGTERM) == previous  # handlers removed on stop
+
+
+async def test_resume_run_dispatches_continued_and_restarted_rollouts(
+    api: Api, trainer: AsyncTrainerClient
+) -> None:
+    await api.seed(["a", "b", "c", "d"])
+    await api.append(f.session_started("c", "s1", "restart_only"), f.boundary("c", "x"))
+    await api.append(f.finished("d"))
+    await trainer.take_over("run")
+    await trainer.checkpoint("run")
+    plan = await resume_run(trainer, "run", exclude=["b"])
+    assert plan.checkpoint_id == 1
+    assert plan.controller_epoch == trainer.controller_epochs["run"]
+    assert [(d.episode, d.capture_key, d.action) for d in plan.dispatch] == [
+        ("a", "a-a1", "continue"),
+        ("c", "c-a1", "restart"),
+    ]
+    assert [d.episode for d in plan.continued] == ["a"]
+    assert plan.restarted[0].reason
+    assert plan.excluded == ("b",)
+    assert plan.finished == ("d",)
+
+
+async def test_resume_without_a_checkpoint_starts_fresh(trainer: AsyncTrainerClient) -> None:
+    await trainer.create_run("run")
+    plan = await resume_run(trainer, "run")
+    assert (plan.checkpoint_id, plan.restore_id, plan.dispatch) == (None, None, ())
+    assert plan.controller_epoch == 1
+
+
+async def test_client_url_and_token_from_the_environment(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ROLLOUTLOG_URL", "http://rolloutlog.test")
+    monkeypatch.setenv("ROLLOUTLOG_TOKEN", TOKENS["analyst"])
+    transport = httpx.ASGITransport(app=api.client._transport.app)  # type: ignore[attr-defined]
+    async with (
+        httpx.AsyncClient(transport=transport) as raw,
+        AsyncTrainerClient(client=raw, url="http://rolloutlog.test") as client,
+    ):
+        assert await client.list_runs() == []
+
+
+def test_unknown_error_codes_become_service_errors() -> None:
+    error = error_from_body(404, {"error": {"code": "not_found", "message": "no", "details": {}}})
+    assert isinstance(error, ServiceError)
+    assert (error.code, error.http_status) == ("not_found", 404)
+    assert isinstance(error_from_body(502, "<html>"), ServiceError)
+    known = error_from_body(
+        409, {"error": {"code": "stale_controller", "message": "m", "details": {"x": 1}}}
+    )
+    assert isinstance(known, StaleController)
+    assert known.details == {"x": 1}
