@@ -40,6 +40,7 @@ from rolloutlog.catalog._values import (
     Checkpoint,
     CheckpointStatus,
     Episode,
+    EpisodeFinish,
     EpisodeStart,
     EpisodeStatus,
     ManifestAction,
@@ -96,6 +97,15 @@ _EPISODES_STARTED = text(
     "first_offset = COALESCE(episodes.first_offset, excluded.first_offset), "
     "started_at = COALESCE(episodes.started_at, excluded.started_at), "
     "updated_at = excluded.updated_at"
+)
+# A finish of an attempt older than the current one (fenced) does not change the episode.
+_EPISODES_FINISHED = text(
+    "INSERT INTO episodes (run, episode, current_attempt, status, finished_at, updated_at) "
+    "VALUES (:run, :episode, :attempt, 'finished', :finished_at, :now) "
+    "ON CONFLICT (run, episode) DO UPDATE SET status = 'finished', "
+    "finished_at = COALESCE(episodes.finished_at, excluded.finished_at), "
+    "updated_at = excluded.updated_at "
+    "WHERE episodes.current_attempt <= excluded.current_attempt"
 )
 
 
@@ -658,29 +668,58 @@ class Catalog:
             lambda conn: _reads.restore_entries(conn, run, restore_id, action, after, limit)
         )
 
-    async def record_episodes(self, run: str, started: Sequence[EpisodeStart]) -> None:
-        """Record where episodes started (first write wins; attempts are the restores' to set)."""
-        if not started:
+    async def record_episodes(
+        self,
+        run: str,
+        started: Sequence[EpisodeStart] = (),
+        finished: Sequence[EpisodeFinish] = (),
+    ) -> None:
+        """Record episodes' starts and finishes for analysts, as the projector folds them.
+
+        Starts keep the first position and time recorded; a finish marks the episode
+        ``finished`` unless a restore has made a newer attempt current. Attempts themselves are
+        the restores' to set. (Checkpoint commits do not touch this table: keeping 16,000 rows
+        of it current would double a commit's cost.)
+        """
+        if not started and not finished:
             return
         for start in started:
             check_episode(start.episode)
+        for finish in finished:
+            check_episode(finish.episode)
+            check_count(finish.attempt, "attempt")
         now = self._clock()
         async with self._write() as conn:
             await _reads.get_run(conn, run)
-            await conn.execute(
-                _EPISODES_STARTED,
-                [
-                    {
-                        "run": run,
-                        "episode": start.episode,
-                        "partition": start.partition,
-                        "offset": start.offset,
-                        "started_at": start.started_at,
-                        "now": now,
-                    }
-                    for start in started
-                ],
-            )
+            if started:
+                await conn.execute(
+                    _EPISODES_STARTED,
+                    [
+                        {
+                            "run": run,
+                            "episode": start.episode,
+                            "partition": start.partition,
+                            "offset": start.offset,
+                            "started_at": start.started_at,
+                            "now": now,
+                        }
+                        for start in started
+                    ],
+                )
+            if finished:
+                await conn.execute(
+                    _EPISODES_FINISHED,
+                    [
+                        {
+                            "run": run,
+                            "episode": finish.episode,
+                            "attempt": finish.attempt,
+                            "finished_at": finish.finished_at,
+                            "now": now,
+                        }
+                        for finish in finished
+                    ],
+                )
 
     async def get_episode(self, run: str, episode: str) -> Episode:
         return await self._query(lambda conn: _reads.get_episode(conn, run, episode))

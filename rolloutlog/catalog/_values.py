@@ -191,6 +191,15 @@ class EpisodeStart:
 
 
 @dataclass(frozen=True, slots=True)
+class EpisodeFinish:
+    """An attempt's ``episode.finished`` event, as the projector saw it."""
+
+    episode: str
+    attempt: int
+    finished_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class Episode:
     run: str
     episode: str

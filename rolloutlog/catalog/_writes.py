@@ -62,15 +62,6 @@ RESTORE_EPISODE_COLUMNS = (
     "action",
     "reason",
 )
-# Set-based from the rows just inserted: one statement instead of one row per finished episode.
-_EPISODES_FINISHED = text(
-    "INSERT INTO episodes (run, episode, current_attempt, status, finished_at, updated_at) "
-    "SELECT run, episode, attempt, 'finished', :now, :now FROM manifest_entries "
-    "WHERE run = :run AND checkpoint_id = :checkpoint_id AND action = 'finished' "
-    "ON CONFLICT (run, episode) DO UPDATE SET status = 'finished', "
-    "finished_at = COALESCE(episodes.finished_at, excluded.finished_at), "
-    "updated_at = excluded.updated_at"
-)
 _EPISODES_RESTORED = text(
     "INSERT INTO episodes (run, episode, current_attempt, status, updated_at) "
     "VALUES (:run, :episode, :attempt, :status, :now) "
@@ -294,10 +285,6 @@ async def commit_checkpoint_rows(
         ],
     )
     await backend.bulk_insert(conn, manifest_entries, MANIFEST_COLUMNS, columns)
-    if counts["finished"]:
-        await conn.execute(
-            _EPISODES_FINISHED, {"run": run, "checkpoint_id": checkpoint_id, "now": now}
-        )
     marked = pending.marked_at if pending.marked_at is not None else marked_at
     await conn.execute(
         update(checkpoints)

@@ -26,6 +26,7 @@ def test_public_surface_is_pinned() -> None:
             "Checkpoint",
             "CheckpointStatus",
             "Episode",
+            "EpisodeFinish",
             "EpisodeStart",
             "EpisodeStatus",
             "ManifestAction",
@@ -88,6 +89,9 @@ async def test_sqlite_a_directory_in_place_of_the_file_is_unavailable(tmp_path: 
         await open_catalog(f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}").start()
     assert raised.value.retriable
     assert raised.value.__cause__ is not None
+    # aiosqlite stops the worker thread of a failed connect without waiting for it; let it
+    # finish before this test's event loop closes under it.
+    await asyncio.sleep(0.2)
 
 
 async def test_sqlite_a_file_that_is_not_a_database_is_a_catalog_error(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rolloutlog.catalog import (
     Catalog,
+    EpisodeFinish,
     EpisodeStart,
     ManifestEntry,
     PartitionOffset,
@@ -503,10 +504,6 @@ async def test_commit_writes_offsets_manifest_counts_and_latest(catalog: Catalog
     assert (await catalog.get_run(RUN)).latest_checkpoint_id == checkpoint_id
     assert await catalog.load_manifest(RUN, checkpoint_id) == sorted(entries)
     assert await catalog.staging_keys(RUN) == {k for e in entries for k in e.staging_keys}
-    finished_episodes = await catalog.list_episodes(RUN, status="finished")
-    assert [e.episode for e in finished_episodes] == [
-        e.episode for e in entries if e.action == "finished"
-    ]
 
 
 async def test_an_empty_manifest_commits(catalog: Catalog) -> None:
@@ -690,7 +687,7 @@ async def test_restore_commits_plan_and_new_current_attempts(catalog: Catalog) -
     attempts = await catalog.current_attempts(RUN)
     assert {attempts[e.episode] for e in restore_plan(entries)} == {2}
     assert attempts[entries[0].episode] == 1  # finished, retired by the first restore
-    assert attempts[entries[6].episode] == 0  # finished, never restored
+    assert entries[6].episode not in attempts  # finished, never restored: attempt 0
 
 
 async def test_restoring_a_checkpoint_that_is_not_committed_is_refused(catalog: Catalog) -> None:
@@ -736,7 +733,7 @@ async def test_an_invalid_restore_commits_nothing(catalog: Catalog, problem: str
     with pytest.raises(expected):
         await catalog.commit_restore(RUN, epoch, checkpoint_id, plan)
     assert await catalog.list_restores(RUN) == []
-    assert await catalog.current_attempts(RUN) == {e.episode: 0 for e in entries[::5]}
+    assert await catalog.current_attempts(RUN) == {}
     with pytest.raises(UnknownRestore):
         await catalog.get_restore(RUN, 1)
     restore = await catalog.commit_restore(RUN, epoch, checkpoint_id, restore_plan(entries))
@@ -766,7 +763,7 @@ async def test_runs_with_counts_and_stats(catalog: Catalog) -> None:
     summaries = {s.run.run: s for s in await catalog.list_runs()}
     assert set(summaries) == {RUN, "idle"}
     busy = summaries[RUN]
-    assert (busy.participant_count, busy.restore_count, busy.episode_count) == (2, 1, 12)
+    assert (busy.participant_count, busy.restore_count, busy.episode_count) == (2, 1, 9)
     assert busy.checkpoint_counts == {"committed": 1}
     assert summaries["idle"].checkpoint_counts == {} and summaries["idle"].episode_count == 0
     assert await catalog.run_summary(RUN) == busy
@@ -774,7 +771,7 @@ async def test_runs_with_counts_and_stats(catalog: Catalog) -> None:
     assert [s.run.run for s in await catalog.list_runs(limit=1)] == ["idle"]
     stats = await catalog.run_stats(RUN)
     assert stats.participant_count == 2 and stats.restore_count == 1
-    assert stats.episode_counts == {"finished": 3, "running": 9}
+    assert stats.episode_counts == {"running": 9}
     assert stats.latest_checkpoint_id == checkpoint_id and stats.latest_entry_count == 12
     assert stats.checkpoint_duration_ms_last is not None and stats.checkpoint_duration_ms_last >= 0
     assert stats.last_restore_at is not None
@@ -791,14 +788,27 @@ async def test_episodes_by_status_paged_and_recorded_starts(catalog: Catalog) ->
     first = await catalog.get_episode(RUN, "r00000")
     assert (first.first_partition, first.first_offset, first.started_at) == (0, 100, 1000.0)
     assert (first.status, first.current_attempt) == ("running", 0)
-    await commit(catalog, epoch, make_entries(10, finished_every=3))
+    await catalog.record_episodes(
+        RUN,
+        finished=[EpisodeFinish(f"r{i:05d}", 0, 2000.0 + i) for i in range(0, 10, 3)],
+    )
     running = await catalog.list_episodes(RUN, status="running", limit=3)
     assert [e.episode for e in running] == ["r00001", "r00002", "r00004"]
     more = await catalog.list_episodes(RUN, status="running", after="r00004", limit=100)
     assert [e.episode for e in more] == ["r00005", "r00007", "r00008"]
     finished = await catalog.get_episode(RUN, "r00003")
-    assert finished.status == "finished" and finished.finished_at is not None
-    assert finished.first_offset == 103
+    assert (finished.status, finished.finished_at, finished.first_offset) == (
+        "finished",
+        2003.0,
+        103,
+    )
+    # A finish reported for an attempt that a restore has since fenced changes nothing.
+    checkpoint_id = await commit(catalog, epoch, make_entries(10))
+    plan = restore_plan(make_entries(10))
+    await catalog.commit_restore(RUN, epoch, checkpoint_id, plan)
+    await catalog.record_episodes(RUN, finished=[EpisodeFinish("r00001", 0, 3000.0)])
+    fenced = await catalog.get_episode(RUN, "r00001")
+    assert (fenced.status, fenced.current_attempt, fenced.finished_at) == ("running", 1, None)
     with pytest.raises(UnknownEpisode):
         await catalog.get_episode(RUN, "r77777")
     with pytest.raises(InvalidRequest):
