@@ -143,32 +143,55 @@ class Coordinator:
         info = await self.catalog.get_run(run)
         partitions = await self.log.ensure_run(run, info.partitions)
         start = [0] * partitions
+        markers: list[int] | None = None
         if info.latest_checkpoint_id is not None:
             latest = await self.catalog.get_checkpoint(run, info.latest_checkpoint_id)
+            markers = [0] * partitions
             for offset in latest.offsets:
+                markers[offset.partition] = offset.marker
                 start[offset.partition] = (
                     offset.replay_from if offset.replay_from is not None else offset.marker
                 )
         restores = await _all_restores(self.catalog, run)
         continued: set[str] = set()
+        retired: set[str] = set()
         for restore in restores:
-            entries = await self.catalog.restore_episodes(
-                run, restore.restore_id, action="continue", limit=None
-            )
-            continued.update(entry.episode for entry in entries)
-        retired = {
-            episode.episode
-            for status in ("finished", "excluded")
-            for episode in await _all_episodes(self.catalog, run, status)
-        }
+            for entry in await self.catalog.restore_episodes(run, restore.restore_id, limit=None):
+                if entry.action == "continue":
+                    continued.add(entry.episode)
+                elif entry.action == "excluded":
+                    retired.add(entry.episode)
         projector = Projector(self.log, run, partitions)
         await projector.start(
             start,
             committed_restores=[r.restore_id for r in restores],
             retired=retired,
             refold=continued - retired,
+            reported_below=markers,
         )
+        self._spawn(self._record_episodes(projector))
         return projector
+
+    async def _record_episodes(self, projector: Projector, every_s: float = 1.0) -> None:
+        """Feed the catalog's episodes table (for analysts) from the projector, in batches."""
+        try:
+            while True:
+                await asyncio.sleep(every_s)
+                await self._flush_episodes(projector)
+        finally:
+            with contextlib.suppress(Exception):
+                await self._flush_episodes(projector)
+
+    async def _flush_episodes(self, projector: Projector) -> None:
+        while projector.new_starts or projector.new_finishes:
+            starts, projector.new_starts = projector.new_starts[:5000], projector.new_starts[5000:]
+            finishes = projector.new_finishes[:5000]
+            projector.new_finishes = projector.new_finishes[5000:]
+            try:
+                await self.catalog.record_episodes(projector.run, starts, finishes)
+            except Exception:
+                logger.exception("could not record episodes of run %s", projector.run)
+                return
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.create_task(coroutine)
@@ -607,14 +630,3 @@ async def _all_restores(catalog: Catalog, run: str) -> list[Restore]:
         if len(page) < 500:
             return out
         before = page[-1].restore_id
-
-
-async def _all_episodes(catalog: Catalog, run: str, status: Any) -> list[Any]:
-    out: list[Any] = []
-    after: str | None = None
-    while True:
-        page = await catalog.list_episodes(run, status=status, after=after, limit=5000)
-        out.extend(page)
-        if len(page) < 5000:
-            return out
-        after = page[-1].episode

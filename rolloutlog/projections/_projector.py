@@ -15,13 +15,13 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from rolloutlog.catalog import ManifestEntry
+from rolloutlog.catalog import EpisodeFinish, EpisodeStart, ManifestEntry
 from rolloutlog.log import Log, partition_for
 from rolloutlog.projections._fold import _Filters, select_records
 from rolloutlog.projections._model import EpisodeProjection
@@ -104,6 +104,9 @@ class Projector:
         self._tasks: list[asyncio.Task[None]] = []
         self._failure: BaseException | None = None
         self.events_applied = 0
+        #: Starts and finishes not yet recorded in the catalog's episodes table (for analysts).
+        self.new_starts: list[EpisodeStart] = []
+        self.new_finishes: list[EpisodeFinish] = []
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -114,11 +117,15 @@ class Projector:
         committed_restores: Iterable[int] = (),
         retired: Iterable[str] = (),
         refold: Iterable[str] = (),
+        reported_below: Sequence[int] | None = None,
     ) -> None:
         """Catch up from ``start_offsets`` to the current end, then follow in the background.
 
         ``refold`` names episodes continued by a committed restore: their trackers are rebuilt
         from their records with the fold's selection (the cut truncation needs their history).
+        ``reported_below`` holds the latest committed checkpoint's markers: an episode that
+        finished below its partition's marker was reported by that checkpoint or an earlier one,
+        and is not tracked again.
         """
         self.committed_restores.update(committed_restores)
         self.retired.update(retired)
@@ -147,6 +154,14 @@ class Projector:
             for offset, meta, _ in kept:
                 tracker.apply(offset, meta, sizes[(episode, offset)])
             tracker.attempt = attempt
+        if reported_below is not None:
+            for episode, tracker in list(self.trackers.items()):
+                if (
+                    tracker.finished
+                    and (tracker.finished_offset or 0) < reported_below[tracker.partition]
+                ):
+                    self._forget(episode)
+                    self.retired.add(episode)
         for partition in range(self.partitions):
             self._tasks.append(asyncio.create_task(self._follow(partition)))
 
@@ -220,7 +235,12 @@ class Projector:
             await self._on_attempt_started(partition, meta)
             return
         tracker = self._tracker(episode, partition)
+        started, finished = tracker.first_offset is not None, tracker.finished
         tracker.observe(offset, meta, size)
+        if not started and tracker.first_offset is not None:
+            self.new_starts.append(EpisodeStart(episode, partition, offset, meta["ts"]))
+        if tracker.finished and not finished:
+            self.new_finishes.append(EpisodeFinish(episode, tracker.attempt, meta["ts"]))
         capture = self._capture
         if capture is not None and episode in capture.waiting:
             self._check_wait(capture, tracker, offset)
