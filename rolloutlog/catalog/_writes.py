@@ -62,9 +62,12 @@ RESTORE_EPISODE_COLUMNS = (
     "action",
     "reason",
 )
+# Set-based from the restore episodes just inserted: one statement, not one per episode.
 _EPISODES_RESTORED = text(
     "INSERT INTO episodes (run, episode, current_attempt, status, updated_at) "
-    "VALUES (:run, :episode, :attempt, :status, :now) "
+    "SELECT run, episode, attempt, "
+    "CASE WHEN action = 'excluded' THEN 'excluded' ELSE 'running' END, :now "
+    "FROM restore_episodes WHERE run = :run AND restore_id = :restore_id "
     "ON CONFLICT (run, episode) DO UPDATE SET current_attempt = excluded.current_attempt, "
     "status = excluded.status, updated_at = excluded.updated_at"
 )
@@ -476,19 +479,7 @@ async def commit_restore_rows(
         conn, restore_episodes, RESTORE_EPISODE_COLUMNS, list(zip(*rows, strict=True)) or [[]] * 8
     )
     if entries:
-        await conn.execute(
-            _EPISODES_RESTORED,
-            [
-                {
-                    "run": run,
-                    "episode": entry.episode,
-                    "attempt": entry.attempt,
-                    "status": "excluded" if entry.action == "excluded" else "running",
-                    "now": now,
-                }
-                for entry in entries
-            ],
-        )
+        await conn.execute(_EPISODES_RESTORED, {"run": run, "restore_id": restore_id, "now": now})
     return Restore(
         run=run,
         restore_id=restore_id,

@@ -115,10 +115,6 @@ def upgrade() -> None:
         sa.Column("last_stage", sa.Text(), nullable=True),
         sa.Column("staging_keys", sa.Text(), nullable=True),
         sa.Column("size_bytes", sa.BigInteger(), nullable=False),
-        sa.CheckConstraint(
-            "action IN ('continue', 'restart', 'finished')",
-            name=op.f("ck_manifest_entries_action_known"),
-        ),
         sa.PrimaryKeyConstraint(
             "run", "checkpoint_id", "episode", name=op.f("pk_manifest_entries")
         ),

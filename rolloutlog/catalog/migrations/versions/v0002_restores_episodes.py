@@ -56,10 +56,6 @@ def upgrade() -> None:
         sa.Column("capture_key", sa.String(NAME + 16), nullable=False),
         sa.Column("action", sa.String(16), nullable=False),
         sa.Column("reason", sa.Text(), nullable=True),
-        sa.CheckConstraint(
-            "action IN ('continue', 'restart', 'excluded')",
-            name=op.f("ck_restore_episodes_action_known"),
-        ),
         sa.PrimaryKeyConstraint("run", "restore_id", "episode", name=op.f("pk_restore_episodes")),
         sqlite_with_rowid=False,
     )
