@@ -98,7 +98,10 @@ class Backend:
 def integrity_error(error: BaseException) -> RolloutlogError:
     """Integrity conflicts the catalog's own checks did not pre-empt (a race they lost)."""
     text = str(error)
-    if ONE_PENDING_INDEX in text or "checkpoints.run" in text:
+    # PostgreSQL names the index; SQLite names the indexed column (and only that one).
+    if ONE_PENDING_INDEX in text or text.rstrip().endswith(
+        "UNIQUE constraint failed: checkpoints.run"
+    ):
         return CheckpointInProgress("another checkpoint of this run is pending")
     return CatalogError(f"catalog integrity conflict: {_first_line(error)}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,12 @@ import rolloutlog.catalog as catalog_package
 from rolloutlog.catalog import ManifestEntry, PartitionOffset, capture_key, open_catalog
 from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._postgres import PostgresBackend
-from rolloutlog.errors import BackendUnavailable, CatalogError, InvalidRequest
+from rolloutlog.errors import (
+    BackendUnavailable,
+    CatalogError,
+    CheckpointInProgress,
+    InvalidRequest,
+)
 
 
 def test_public_surface_is_pinned() -> None:
@@ -188,3 +194,27 @@ def test_any_manifest_reads_back_exactly(tmp_path: Path, entries: list[ManifestE
     # SQLite orders text by bytes, as UTF-8 encoding does.
     expected = sorted(entries, key=lambda entry: entry.episode.encode())
     assert asyncio.run(roundtrip()) == expected
+
+
+def test_integrity_conflicts_translate_by_constraint() -> None:
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.execute(
+            "CREATE TABLE checkpoints (run TEXT, checkpoint_id INT, status TEXT, PRIMARY KEY (run, checkpoint_id))"
+        )
+        conn.execute(
+            "CREATE UNIQUE INDEX uq_checkpoints_one_pending ON checkpoints (run) "
+            "WHERE status = 'pending'"
+        )
+        conn.execute("INSERT INTO checkpoints VALUES ('a', 1, 'pending')")
+        errors = []
+        for row in (("a", 2, "pending"), ("a", 1, "committed")):
+            with pytest.raises(sqlite3.IntegrityError) as raised:
+                conn.execute("INSERT INTO checkpoints VALUES (?, ?, ?)", row)
+            errors.append(raised.value)
+    finally:
+        conn.close()
+    backend = backend_for("sqlite+aiosqlite:///unused.db")
+    second_pending, duplicate_id = (backend.translate(error) for error in errors)
+    assert isinstance(second_pending, CheckpointInProgress)
+    assert type(duplicate_id) is CatalogError
