@@ -376,7 +376,7 @@ class Catalog:
         deadline_s: float | None = None,
     ) -> int:
         """Create the run's one ``pending`` checkpoint; return its id (strictly increasing)."""
-        check_name(trigger, "trigger")
+        check_name(trigger, "trigger", length=64)
         check_positive_seconds(deadline_s, "deadline_s")
         async with self._write() as conn:
             row = await lock_run(conn, run, controller_epoch)
@@ -402,7 +402,7 @@ class Catalog:
                     run=run,
                     checkpoint_id=checkpoint_id,
                     status="pending",
-                    trigger=trigger[:64],
+                    trigger=trigger,
                     controller_epoch=controller_epoch,
                     deadline_s=deadline_s,
                     requested_at=self._clock(),

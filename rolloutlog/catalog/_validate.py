@@ -22,9 +22,9 @@ def check_run_name(run: str) -> None:
         )
 
 
-def check_name(value: str, what: str) -> None:
-    if not isinstance(value, str) or not value or len(value) > NAME_LENGTH:
-        raise InvalidRequest(f"{what} must be a string of 1-{NAME_LENGTH} characters", field=what)
+def check_name(value: str, what: str, length: int = NAME_LENGTH) -> None:
+    if not isinstance(value, str) or not value or len(value) > length:
+        raise InvalidRequest(f"{what} must be a string of 1-{length} characters", field=what)
 
 
 def check_episode(episode: str) -> None:

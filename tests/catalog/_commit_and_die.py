@@ -1,6 +1,7 @@
 """Helper process for the crash test: commits a large manifest and waits to be SIGKILLed.
 
-Usage: ``python _commit_and_die.py URL MODE`` where MODE is ``racing`` (just commit; the parent
+``kill_during_commit`` runs it and kills it; as a script: ``python _commit_and_die.py URL MODE``
+where MODE is ``racing`` (just commit; the parent
 kills at some moment) or ``inside`` (stop right after the manifest rows are written, inside the
 commit's transaction, and wait there to be killed).
 """
@@ -8,8 +9,11 @@ commit's transaction, and wait there to be killed).
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Table
@@ -18,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from rolloutlog.catalog import ManifestEntry, PartitionOffset, open_catalog
 
 RUN = "crash"
+ROOT = str(Path(__file__).resolve().parent.parent.parent)
 PARTITIONS = 4
 
 
@@ -54,6 +59,38 @@ async def main(url: str, mode: str) -> None:
     await catalog.commit_checkpoint(RUN, checkpoint_id, epoch, offsets, entries(20_000))
     print("COMMITTED", flush=True)
     await asyncio.sleep(3600)
+
+
+async def kill_during_commit(url: str, mode: str, delay: float) -> tuple[str, int]:
+    """Run the helper until it reports ``mode``'s moment, SIGKILL it; return (state, id)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        url,
+        mode,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert proc.stdout is not None
+    checkpoint_id = 0
+    state = "started"
+    try:
+        while True:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().split()
+            assert line, "the helper exited before committing"
+            if line[0] == "COMMITTING":
+                checkpoint_id = int(line[1])
+                if mode == "racing":
+                    await asyncio.sleep(delay)
+                    break
+            elif line[0] in ("INSIDE", "COMMITTED"):
+                state = line[0]
+                break
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+        await proc.stdout.read()
+    return state, checkpoint_id
 
 
 if __name__ == "__main__":

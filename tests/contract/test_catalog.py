@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -43,10 +40,10 @@ from rolloutlog.errors import (
     UnknownRestore,
     UnknownRun,
 )
+from tests.catalog._commit_and_die import kill_during_commit
 
 P = 4
 RUN = "run-1"
-HELPER = Path(__file__).resolve().parent.parent / "catalog" / "_commit_and_die.py"
 
 CatalogFactory = Callable[..., Awaitable[Catalog]]
 
@@ -436,6 +433,18 @@ async def test_no_checkpoint_before_a_controller_takes_over(catalog: Catalog) ->
         await catalog.begin_checkpoint(RUN, 0)
 
 
+async def test_invalid_checkpoint_requests_are_refused(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    for options in ({"trigger": ""}, {"trigger": "x" * 65}, {"deadline_s": 0}, {"deadline_s": -1}):
+        with pytest.raises(InvalidRequest):
+            await catalog.begin_checkpoint(RUN, epoch, **options)  # type: ignore[arg-type]
+    checkpoint_id = await catalog.begin_checkpoint(RUN, epoch, trigger="sigterm", deadline_s=0.5)
+    with pytest.raises(InvalidRequest):
+        await catalog.mark_checkpoint(RUN, checkpoint_id, epoch, {P: 1})
+    with pytest.raises(InvalidRequest):
+        await catalog.mark_checkpoint(RUN, checkpoint_id, epoch, {0: -1})
+
+
 # -- checkpoints ---------------------------------------------------------------------------------
 
 
@@ -818,38 +827,6 @@ async def test_episodes_by_status_paged_and_recorded_starts(catalog: Catalog) ->
 # -- crash safety --------------------------------------------------------------------------------
 
 
-async def _kill_during_commit(url: str, mode: str, delay: float) -> tuple[str, int]:
-    """Run the helper until it reports ``mode``'s moment, SIGKILL it; return (state, id)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(HELPER),
-        url,
-        mode,
-        stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(HELPER.parent.parent.parent)},
-    )
-    assert proc.stdout is not None
-    checkpoint_id = 0
-    state = "started"
-    try:
-        while True:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().split()
-            assert line, "the helper exited before committing"
-            if line[0] == "COMMITTING":
-                checkpoint_id = int(line[1])
-                if mode == "racing":
-                    await asyncio.sleep(delay)
-                    break
-            elif line[0] in ("INSIDE", "COMMITTED"):
-                state = line[0]
-                break
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        await proc.wait()
-        await proc.stdout.read()
-    return state, checkpoint_id
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "delay"), [("inside", 0.0), ("racing", 0.0), ("racing", 0.05), ("racing", 0.3)]
@@ -857,7 +834,7 @@ async def _kill_during_commit(url: str, mode: str, delay: float) -> tuple[str, i
 async def test_a_commit_killed_midway_leaves_nothing_or_everything(
     catalog_url: str, mode: str, delay: float
 ) -> None:
-    state, checkpoint_id = await _kill_during_commit(catalog_url, mode, delay)
+    state, checkpoint_id = await kill_during_commit(catalog_url, mode, delay)
     assert checkpoint_id > 0
     async with open_catalog(catalog_url) as catalog:
         checkpoint = await catalog.get_checkpoint("crash", checkpoint_id)
