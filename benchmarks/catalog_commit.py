@@ -118,6 +118,38 @@ async def measure(url: str, runs: int, count: int) -> dict[str, Any]:
     }
 
 
+def sqlite_floor(runs: int, count: int, directory: Path) -> dict[str, float]:
+    """The machine's floor: the same rows into a bare table with plain sqlite3, nothing else.
+
+    No validation, no encoding, no retention, no other statements: what any per-row SQLite
+    catalog would pay on this machine at this moment (the box is shared and often loaded).
+    """
+    connection = sqlite3.connect(directory / "floor.db", isolation_level=None)
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=FULL")
+    connection.execute(
+        "CREATE TABLE m (run TEXT, checkpoint_id INT, episode TEXT, attempt INT, action TEXT, "
+        "cut_partition INT, cut_offset INT, last_stage TEXT, staging_keys TEXT, size_bytes INT, "
+        "PRIMARY KEY (run, checkpoint_id, episode)) WITHOUT ROWID"
+    )
+    timings = []
+    try:
+        for n in range(runs):
+            rows = [
+                ("bench", n, e.episode, e.attempt, e.action, e.cut_partition, e.cut_offset,
+                 e.last_stage, None, e.size_bytes)
+                for e in manifest(count, n)
+            ]  # fmt: skip
+            started = time.perf_counter()
+            connection.execute("BEGIN IMMEDIATE")
+            connection.executemany("INSERT INTO m VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
+            connection.execute("COMMIT")
+            timings.append((time.perf_counter() - started) * 1000)
+    finally:
+        connection.close()
+    return summary(timings)
+
+
 async def postgres_schema(url: str) -> tuple[str, str, str]:
     """Create a fresh schema; return (catalog URL, admin DSN, schema)."""
     schema = f"bench_{uuid.uuid4().hex[:10]}"
@@ -153,6 +185,7 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite+aiosqlite:///{Path(tmp) / 'catalog.db'}"
         results["sqlite"] = await measure(url, args.runs, args.entries)
+        results["sqlite"]["floor_bare_insert_ms"] = sqlite_floor(args.runs, args.entries, Path(tmp))
     if args.postgres != "none":
         catalog_url, dsn, tagged = await postgres_schema(args.postgres)
         schema, versions["postgresql"] = tagged.split(":", 1)
@@ -185,7 +218,9 @@ async def main() -> None:
         f"{args.entries} entries, {args.runs} runs, load {load_before[0]:.2f}->{load_after[0]:.2f}"
     )
     for backend, found in results.items():
-        for key in ("commit_ms", "read_latest_ms", "restore_commit_ms"):
+        for key in ("commit_ms", "read_latest_ms", "restore_commit_ms", "floor_bare_insert_ms"):
+            if key not in found:
+                continue
             stats = found[key]
             target = TARGETS_MS[backend].get(key.split("_")[0])
             print(
