@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import sqlite3
+import uuid
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import text
 
 import rolloutlog.catalog as catalog_package
 from rolloutlog.catalog import ManifestEntry, PartitionOffset, capture_key, open_catalog
@@ -139,15 +141,20 @@ async def test_postgres_server_settings_travel_in_the_url(postgres_schema: str) 
 
 @pytest.mark.postgres
 async def test_postgres_lost_connection_is_unavailable(postgres_schema: str) -> None:
-    async with open_catalog(postgres_schema) as catalog:
+    # A name of its own, so that only this catalog's server backends get killed.
+    name = f"rolloutlog-test-{uuid.uuid4().hex[:8]}"
+    async with open_catalog(f"{postgres_schema}&application_name={name}") as catalog:
         await catalog.create_run("r")
         # Kill every server backend of this catalog's pool, as a server restart would.
         admin = backend_for(postgres_schema).create_engine()
         try:
             async with admin.connect() as conn:
-                await conn.exec_driver_sql(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE application_name = 'rolloutlog-catalog' AND pid <> pg_backend_pid()"
+                await conn.execute(
+                    text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE application_name = :name"
+                    ),
+                    {"name": name},
                 )
         finally:
             await admin.dispose()
