@@ -150,11 +150,18 @@ class Server:
         raise RuntimeError("the server did not become ready")
 
     def rss_mb(self) -> float:
+        """RSS of the server and any processes it started (validation workers)."""
         assert self.proc is not None
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        pids = [self.proc.pid]
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        if children.exists():
+            pids.extend(int(pid) for pid in children.read_text().split())
+        total = 0.0
+        for pid in pids:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        return total
 
     def stop(self) -> None:
         if self.proc is not None:

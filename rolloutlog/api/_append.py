@@ -2,8 +2,9 @@
 
 The body is read in chunks up to the route's byte limit (the body-limit middleware refuses more
 without buffering it), parsed once with orjson (which refuses invalid UTF-8, NaN and nesting
-deeper than 1024), validated envelope by envelope, fenced, and appended as one all-or-nothing
-batch. Nothing is appended unless every envelope passes.
+deeper than 1024), validated envelope by envelope and encoded (``_prepare``: in a worker process
+when the service has one), fenced, and appended as one all-or-nothing batch. Nothing is appended
+unless every envelope passes.
 
 Fencing here is the service's early refusal; the fold stays authoritative (an append racing a
 restore's commit lands after its ``attempt.started`` record and is ignored there).
@@ -12,20 +13,18 @@ restore's commit lands after its ``attempt.started`` record and is ignored there
 from __future__ import annotations
 
 import time
-from typing import Any
 
-import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from rolloutlog.api._auth import Role, require
 from rolloutlog.api._http import NDJSON
 from rolloutlog.api._models import AppendOut, ErrorOut, RunPath
-from rolloutlog.api._service import Service
-from rolloutlog.errors import AttemptFenced, InvalidEvent, InvalidRequest, ParticipantFenced
-from rolloutlog.log import SERVICE_EVENT_TYPES, Event, validate_events
+from rolloutlog.api._prepare import Batch, records
+from rolloutlog.api._service import RunFencing, Service
+from rolloutlog.errors import AttemptFenced, ParticipantFenced
 
-__all__ = ["parse_body", "router"]
+__all__ = ["check_fencing", "router"]
 
 router = APIRouter()
 
@@ -40,74 +39,37 @@ _EVENTS_BODY = {
 }
 
 
-def parse_body(body: bytes | bytearray, ndjson: bool) -> list[Any]:
-    """The envelopes of a request body (still unvalidated dicts)."""
-    if ndjson:
-        values: list[Any] = []
-        for line in body.splitlines():
-            if not line.strip():
-                continue
-            try:
-                values.append(orjson.loads(line))
-            except orjson.JSONDecodeError as e:
-                index = len(values)
-                raise InvalidEvent(
-                    f"event {index}: not valid JSON: {e}",
-                    index=index,
-                    field="(envelope)",
-                    reason=str(e),
-                ) from e
-        return values
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise InvalidEvent(f"the body is not valid JSON: {e}", field="(body)", reason=str(e)) from e
-    if not isinstance(value, list):
-        raise InvalidRequest(
-            "the body must be a JSON array of event envelopes (or NDJSON with "
-            f"Content-Type: {NDJSON})",
-            field="(body)",
-        )
-    return value
-
-
-def check_fencing(service: Service, run: str, events: list[Event], fencing: Any) -> bool:
-    """Refuse service-only events, fenced attempts and fenced participant epochs.
+def check_fencing(service: Service, run: str, batch: Batch, fencing: RunFencing) -> bool:
+    """Refuse fenced attempts and fenced participant epochs.
 
     Returns True when an event names a participant id (or epoch) the epoch cache has not seen,
     so the caller may refresh the cache and check again.
     """
     epochs = fencing.epochs
     unknown = False
-    for index, event in enumerate(events):
-        if event.type in SERVICE_EVENT_TYPES or event.participant.kind == "service":
-            raise InvalidEvent(
-                f"event {index}: {event.type} events are written by the service only",
-                index=index,
-                field="type" if event.type in SERVICE_EVENT_TYPES else "participant.kind",
-            )
-        assert event.episode is not None
-        current = service.current_attempt(run, fencing, event.episode)
-        if event.attempt < current:
+    for index, episode in enumerate(batch.episodes):
+        attempt = batch.attempts[index]
+        current = service.current_attempt(run, fencing, episode)
+        if attempt < current:
             raise AttemptFenced(
-                f"event {index}: attempt {event.attempt} of episode {event.episode!r} is fenced; "
+                f"event {index}: attempt {attempt} of episode {episode!r} is fenced; "
                 f"the current attempt is {current}",
                 index=index,
-                episode=event.episode,
-                attempt=event.attempt,
+                episode=episode,
+                attempt=attempt,
                 current_attempt=current,
             )
-        who = event.participant
-        registered = epochs.get(who.id)
-        if registered is None or who.epoch > registered:
+        participant, epoch = batch.participants[index]
+        registered = epochs.get(participant)
+        if registered is None or epoch > registered:
             unknown = True
-        elif who.epoch < registered:
+        elif epoch < registered:
             raise ParticipantFenced(
-                f"event {index}: participant {who.id!r} epoch {who.epoch} is fenced; "
+                f"event {index}: participant {participant!r} epoch {epoch} is fenced; "
                 f"its registered epoch is {registered}",
                 index=index,
-                participant=who.id,
-                epoch=who.epoch,
+                participant=participant,
+                epoch=epoch,
                 registered_epoch=registered,
             )
     return unknown
@@ -139,16 +101,19 @@ async def append_events(request: Request, run: RunPath) -> Response:
             size += len(chunk)
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         ndjson = request.headers.get("content-type", "").startswith(NDJSON)
-        events = validate_events(parse_body(body, ndjson))
-        if check_fencing(service, run, events, fencing):
+        log = service.log
+        batch = await service.preparer.prepare(
+            body, ndjson, await log.partitions(run), log.max_record_bytes
+        )
+        if check_fencing(service, run, batch, fencing):
             await service.refresh_epochs(run, fencing)
-            check_fencing(service, run, events, fencing)
-        positions = await service.log.append(run, events)
+            check_fencing(service, run, batch, fencing)
+        positions = await log.append_records(run, records(batch))
     finally:
         service.end_append()
     metrics = service.metrics
     metrics.appends.inc()
-    metrics.events.inc(len(events))
+    metrics.events.inc(len(positions))
     metrics.bytes.inc(size)
     metrics.append_latency.observe(time.perf_counter() - started)
     offsets = b",".join(b'{"partition":%d,"offset":%d}' % position for position in positions)

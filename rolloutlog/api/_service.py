@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rolloutlog.api._metrics import Counter, Gauge, Histogram, Labels, Registry
+from rolloutlog.api._prepare import Preparer
 from rolloutlog.api._settings import Settings
 from rolloutlog.catalog import Catalog, open_catalog
 from rolloutlog.errors import BackendUnavailable
@@ -107,6 +108,7 @@ class Service:
         )
         self.coordinator = Coordinator(self.log, self.catalog)
         self.metrics = Metrics(self)
+        self.preparer = Preparer(settings.validation_workers)
         self.fencing: dict[str, RunFencing] = {}
         self._fencing_locks: dict[str, asyncio.Lock] = {}
         self.inflight = 0
@@ -119,6 +121,7 @@ class Service:
             data_dir = Path(self.settings.data_dir)
             await asyncio.to_thread(data_dir.mkdir, parents=True, exist_ok=True)
         await self.log.start()
+        self.preparer.start()
         try:
             await self.catalog.start()
             try:
@@ -127,6 +130,7 @@ class Service:
                 await self.catalog.stop()
                 raise
         except BaseException:
+            self.preparer.stop()
             await self.log.close()
             raise
         logger.info(
@@ -150,6 +154,7 @@ class Service:
                 await self.catalog.stop()
             finally:
                 await self.log.close()
+                await asyncio.to_thread(self.preparer.stop)
         logger.info("service stopped")
 
     async def _quiesce_projectors(self) -> None:

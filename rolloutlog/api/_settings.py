@@ -29,6 +29,8 @@ class Settings:
     max_request_bytes: int = 4 * 1024 * 1024
     #: Committed checkpoints kept per run (older ones expire).
     keep_committed: int = 2
+    #: Processes that validate and encode append bodies (0: in the service's own process).
+    validation_workers: int = 0
     #: Longest a graceful shutdown waits for in-flight appends.
     drain_timeout_s: float = 30.0
 

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from rolloutlog.api._append import parse_body
+from rolloutlog.api._prepare import parse_body
 from tests import factories as f
 from tests.api.conftest import RUN, Api, bearer, open_api, settings_for, wire
 
@@ -246,3 +246,21 @@ async def test_epochs_registered_elsewhere_are_learned(api: Api) -> None:
 
 def test_parse_body_accepts_crlf_ndjson() -> None:
     assert parse_body(b'{"a":1}\r\n{"b":2}\r\n', ndjson=True) == [{"a": 1}, {"b": 2}]
+
+
+async def test_a_worker_process_prepares_what_the_service_process_would() -> None:
+    from rolloutlog.api._prepare import Preparer, prepare
+    from rolloutlog.errors import InvalidEvent
+
+    good = orjson.dumps(wire(*(f.boundary(f"e{i}", "s", {"pad": "x" * 200}) for i in range(60))))
+    bad = good[:-2] + b', "extra": 1}]'
+    preparer = Preparer(workers=1)
+    preparer.start()
+    try:
+        assert await preparer.prepare(good, False, 4, 1 << 20) == prepare(good, False, 4, 1 << 20)
+        with pytest.raises(InvalidEvent) as refused:
+            await preparer.prepare(bad, False, 4, 1 << 20)
+        assert refused.value.details["index"] == 59
+        assert refused.value.details["field"] == "extra"
+    finally:
+        preparer.stop()

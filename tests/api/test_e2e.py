@@ -28,9 +28,10 @@ pytestmark = pytest.mark.slow
 
 
 class Server:
-    def __init__(self, data_dir: Path, tokens: Path) -> None:
+    def __init__(self, data_dir: Path, tokens: Path, *extra: str) -> None:
         self.data_dir = data_dir
         self.tokens = tokens
+        self.extra = extra
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = data_dir.parent / f"serve-{self.port}.log"
@@ -50,6 +51,7 @@ class Server:
                     str(self.port),
                     "--tokens",
                     str(self.tokens),
+                    *self.extra,
                 ],
                 cwd=ROOT,
                 stdout=out,

@@ -29,7 +29,8 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root: Path = tmp_path_factory.mktemp("fuzz")
     tokens = root / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
-    server = Server(root / "data", tokens)
+    # Appends are validated in a worker process here: its refusals cross the process boundary.
+    server = Server(root / "data", tokens, "--validation-workers", "1")
     server.start()
     try:
         # Some state for the fuzzer to hit: a run with episodes, a checkpoint and a restore.
