@@ -22,6 +22,7 @@ __all__ = [
     "LogError",
     "ParticipantFenced",
     "PayloadTooLarge",
+    "RestoreConflict",
     "RolloutlogError",
     "RunExists",
     "StaleController",
@@ -121,6 +122,14 @@ class CheckpointNotPending(RolloutlogError):
 
     code = "checkpoint_not_pending"
     http_status = 409
+
+
+class RestoreConflict(RolloutlogError):
+    """Another restore of the run committed first; plan again."""
+
+    code = "restore_conflict"
+    http_status = 409
+    retriable = True
 
 
 class Unauthorized(RolloutlogError):

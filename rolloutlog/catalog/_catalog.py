@@ -603,8 +603,12 @@ class Catalog:
         entries: Sequence[RestoreEntry],
         *,
         timings_ms: Mapping[str, float] | None = None,
+        restore_id: int | None = None,
     ) -> Restore:
         """Commit a restore plan and make its new attempts current, in one transaction.
+
+        ``restore_id``, when given, must be the run's next restore id (``RestoreConflict``
+        otherwise): a caller that wrote log records naming the id before committing needs it.
 
         The checkpoint must be committed (else ``UnknownCheckpoint``). The plan must account for
         every ``continue``/``restart`` episode of its manifest exactly once, name only episodes
@@ -638,9 +642,14 @@ class Catalog:
                 entries=entries,
                 timings_ms=dict(timings_ms or {}),
                 now=self._clock(),
+                restore_id=restore_id,
             )
         self._after_bulk_commit()
         return restore
+
+    async def next_restore_id(self, run: str) -> int:
+        """The id the run's next committed restore will get."""
+        return await self._query(lambda conn: _reads.next_restore_id(conn, run))
 
     async def get_restore(self, run: str, restore_id: int) -> Restore:
         return await self._query(lambda conn: _reads.get_restore(conn, run, restore_id))

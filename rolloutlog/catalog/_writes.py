@@ -34,6 +34,7 @@ from rolloutlog.catalog._values import (
 from rolloutlog.errors import (
     CheckpointNotPending,
     InvalidRequest,
+    RestoreConflict,
     StaleController,
     UnknownCheckpoint,
     UnknownEpisode,
@@ -368,6 +369,7 @@ async def commit_restore_rows(
     entries: Sequence[RestoreEntry],
     timings_ms: dict[str, float],
     now: float,
+    restore_id: int | None = None,
 ) -> Restore:
     run_row = await lock_run(conn, run, controller_epoch)
     status = (
@@ -403,7 +405,17 @@ async def commit_restore_rows(
             )
         ).all()
     )
-    restore_id = int(run_row.last_restore_id) + 1
+    next_id = int(run_row.last_restore_id) + 1
+    if restore_id is not None and restore_id != next_id:
+        # The caller wrote records naming ``restore_id`` before this transaction: another restore
+        # took that id first, so this one must not commit under another.
+        raise RestoreConflict(
+            f"restore id {restore_id} of run {run!r} is taken; the next is {next_id}",
+            run=run,
+            restore_id=restore_id,
+            next_restore_id=next_id,
+        )
+    restore_id = next_id
     counts = {"continue": 0, "restart": 0, "excluded": 0}
     rows: list[tuple[Any, ...]] = []
     for entry in entries:

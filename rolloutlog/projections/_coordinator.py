@@ -395,8 +395,7 @@ class Coordinator:
                     resets[entry.episode] = RestoreReset("restart", attempt)
                     cuts[entry.episode] = 0
             timer.stage("verify")
-            latest = await self.catalog.list_restores(run, limit=1)
-            restore_id = latest[0].restore_id + 1 if latest else 1
+            restore_id = await self.catalog.next_restore_id(run)
             projector.begin_restore(restore_id, resets)
             committed = False
             try:
@@ -416,9 +415,8 @@ class Coordinator:
                     checkpoint.checkpoint_id,
                     plan,
                     timings_ms=timer.total(),
+                    restore_id=restore_id,
                 )
-                if restore.restore_id != restore_id:
-                    raise RuntimeError("restore ids raced")  # TODO: catalog-side expected id
                 committed = True
                 timer.stage("commit")
             finally:

@@ -33,6 +33,7 @@ from rolloutlog.errors import (
     CheckpointInProgress,
     CheckpointNotPending,
     InvalidRequest,
+    RestoreConflict,
     RunExists,
     StaleController,
     UnknownCheckpoint,
@@ -654,6 +655,23 @@ async def test_a_stream_fails_when_its_checkpoint_expires_midway(catalog: Catalo
 
 
 # -- restores ------------------------------------------------------------------------------------
+
+
+async def test_restore_with_an_expected_id_commits_only_under_that_id(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    entries = make_entries(10, finished_every=5)
+    checkpoint_id = await commit(catalog, epoch, entries)
+    assert await catalog.next_restore_id(RUN) == 1
+    with pytest.raises(RestoreConflict) as caught:
+        await catalog.commit_restore(RUN, epoch, checkpoint_id, restore_plan(entries), restore_id=2)
+    assert caught.value.details["next_restore_id"] == 1
+    assert await catalog.list_restores(RUN) == []
+    assert await catalog.current_attempts(RUN) == {}
+    restore = await catalog.commit_restore(
+        RUN, epoch, checkpoint_id, restore_plan(entries), restore_id=1
+    )
+    assert restore.restore_id == 1
+    assert await catalog.next_restore_id(RUN) == 2
 
 
 async def test_restore_commits_plan_and_new_current_attempts(catalog: Catalog) -> None:
