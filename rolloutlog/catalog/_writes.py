@@ -398,10 +398,21 @@ async def commit_restore_rows(
             )
         ).all()
     )
+    # Current attempts of the manifest's episodes only (a plan names no others), not of the
+    # whole run, whose episodes table grows with every restore.
     current: dict[str, int] = dict(
         (
             await conn.execute(
-                select(episodes.c.episode, episodes.c.current_attempt).where(episodes.c.run == run)
+                select(episodes.c.episode, episodes.c.current_attempt)
+                .join(
+                    manifest_entries,
+                    (manifest_entries.c.run == episodes.c.run)
+                    & (manifest_entries.c.episode == episodes.c.episode),
+                )
+                .where(
+                    episodes.c.run == run,
+                    manifest_entries.c.checkpoint_id == checkpoint_id,
+                )
             )
         ).all()
     )
