@@ -109,6 +109,10 @@ class Connection:
             self.writer.close()
 
 
+#: Extra ``serve`` arguments (``--serve-args``).
+SERVE_ARGS: list[str] = []
+
+
 class Server:
     def __init__(self) -> None:
         self.data_dir = Path(tempfile.mkdtemp(prefix="rolloutlog-api-bench-"))
@@ -128,6 +132,7 @@ class Server:
                 str(self.port),
                 "--log-level",
                 "warning",
+                *SERVE_ARGS,
             ],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
@@ -281,33 +286,44 @@ async def live_memory(server: Server) -> dict[str, float]:
     return {"rss_mb": server.rss_mb(), "live_episodes": live}
 
 
-async def one_run(seconds: float) -> dict[str, Any]:
+async def started_server() -> Server:
     server = Server()
     server.start()
+    await server.wait_ready()
+    conn = Connection(server.port)
+    await conn.open()
+    for path, body in (
+        ("/v1/runs", orjson.dumps({"run": RUN, "partitions": 16})),
+        (f"/v1/runs/{RUN}/participants", b'{"id": "env-0", "kind": "environment"}'),
+    ):
+        status, reply = await conn.request("POST", path, body)
+        assert status == 201, reply
+    conn.close()
+    return server
+
+
+async def one_run(seconds: float) -> dict[str, Any]:
+    # Throughput and latency on one server; memory on a fresh one, so that exactly 16,000
+    # episodes are live (and its catalog bookkeeping does not disturb the latency phase).
+    server = await started_server()
     try:
-        await server.wait_ready()
-        conn = Connection(server.port)
-        await conn.open()
-        for path, body in (
-            ("/v1/runs", orjson.dumps({"run": RUN, "partitions": 16})),
-            (f"/v1/runs/{RUN}/participants", b'{"id": "env-0", "kind": "environment"}'),
-        ):
-            status, reply = await conn.request("POST", path, body)
-            assert status == 201, reply
-        conn.close()
         rss_idle = server.rss_mb()
-        memory = await live_memory(server)  # first, so that exactly 16,000 episodes are live
         rate, seq = await throughput(server.port, seconds, 1)
         half = await latency(server.port, rate / 2, seconds, seq)
-        return {
-            "events_per_s": rate,
-            "half_load": half,
-            "rss_mb_idle": rss_idle,
-            "rss_mb_16k_live": memory["rss_mb"],
-            "live_episodes": memory["live_episodes"],
-        }
     finally:
         server.stop()
+    server = await started_server()
+    try:
+        memory = await live_memory(server)
+    finally:
+        server.stop()
+    return {
+        "events_per_s": rate,
+        "half_load": half,
+        "rss_mb_idle": rss_idle,
+        "rss_mb_16k_live": memory["rss_mb"],
+        "live_episodes": memory["live_episodes"],
+    }
 
 
 def main() -> None:
@@ -315,7 +331,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--quick", action="store_true", help="1 run of 2 s (smoke test)")
+    parser.add_argument("--serve-args", default="", help="extra arguments of rolloutlog serve")
     args = parser.parse_args()
+    SERVE_ARGS.extend(args.serve_args.split())
     runs, seconds = (1, 2.0) if args.quick else (args.runs, args.seconds)
     results = []
     for index in range(runs):
@@ -334,6 +352,7 @@ def main() -> None:
         "batch": BATCH,
         "clients": CLIENTS,
         "cores": os.cpu_count(),
+        "serve_args": SERVE_ARGS,
         "targets": TARGETS,
         "events_per_s": summary([r["events_per_s"] for r in results]),
         "half_load_p50_ms": summary([r["half_load"]["p50_ms"] for r in results]),

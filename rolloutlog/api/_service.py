@@ -121,7 +121,7 @@ class Service:
             data_dir = Path(self.settings.data_dir)
             await asyncio.to_thread(data_dir.mkdir, parents=True, exist_ok=True)
         await self.log.start()
-        self.preparer.start()
+        await self.preparer.start()
         try:
             await self.catalog.start()
             try:
@@ -130,7 +130,7 @@ class Service:
                 await self.catalog.stop()
                 raise
         except BaseException:
-            self.preparer.stop()
+            await self.preparer.stop()
             await self.log.close()
             raise
         logger.info(
@@ -154,7 +154,7 @@ class Service:
                 await self.catalog.stop()
             finally:
                 await self.log.close()
-                await asyncio.to_thread(self.preparer.stop)
+                await self.preparer.stop()
         logger.info("service stopped")
 
     async def _quiesce_projectors(self) -> None:

@@ -255,7 +255,7 @@ async def test_a_worker_process_prepares_what_the_service_process_would() -> Non
     good = orjson.dumps(wire(*(f.boundary(f"e{i}", "s", {"pad": "x" * 200}) for i in range(60))))
     bad = good[:-2] + b', "extra": 1}]'
     preparer = Preparer(workers=1)
-    preparer.start()
+    await preparer.start()
     try:
         assert await preparer.prepare(good, False, 4, 1 << 20) == prepare(good, False, 4, 1 << 20)
         with pytest.raises(InvalidEvent) as refused:
@@ -263,4 +263,4 @@ async def test_a_worker_process_prepares_what_the_service_process_would() -> Non
         assert refused.value.details["index"] == 59
         assert refused.value.details["field"] == "extra"
     finally:
-        preparer.stop()
+        await preparer.stop()
