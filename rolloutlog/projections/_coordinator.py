@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from rolloutlog.catalog import (
     Restore,
     RestoreEntry,
 )
+from rolloutlog.catalog._values import no_gc_pauses
 from rolloutlog.errors import (
     InvalidRequest,
     StaleController,
@@ -41,7 +43,7 @@ from rolloutlog.errors import (
 )
 from rolloutlog.log import Log, Record, partition_for
 from rolloutlog.log._events import SERVICE_PARTICIPANT_ID
-from rolloutlog.projections._fold import RecordView, project_episode
+from rolloutlog.projections._fold import project_raw, record_episode
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._projector import (
     CheckpointCapture,
@@ -260,7 +262,7 @@ class Coordinator:
                     capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
             timer.stage("waits")
             offsets, entries = _manifest(capture)
-            staging = sorted({key for entry in entries for key in entry.staging_keys})
+            staging: set[str] = set().union(*(entry.staging_keys for entry in entries))
             timer.stage("manifest")
             timings = timer.total()
             committed = await self.catalog.commit_checkpoint(
@@ -278,7 +280,7 @@ class Coordinator:
             raise
         projector.end_capture(capture, committed=True)
         self._spawn(self._trim(run))
-        return CheckpointResult(committed, tuple(staging), timer.total())
+        return CheckpointResult(committed, tuple(sorted(staging)), timer.total())
 
     async def _abort(
         self,
@@ -324,105 +326,124 @@ class Coordinator:
         """Plan and commit a restore from a committed checkpoint, all or nothing."""
         projector = await self.projector(run)
         async with self._run_locks[run]:
-            timer = _Timer()
-            info = await self.catalog.get_run(run)
-            if info.controller_epoch != controller_epoch:
-                raise StaleController(
-                    f"controller epoch {controller_epoch} is stale; run {run!r} is at "
-                    f"{info.controller_epoch}",
-                    run=run,
-                    controller_epoch=controller_epoch,
-                    current=info.controller_epoch,
+            with collector_paused():
+                return await self._restore(
+                    projector,
+                    run,
+                    controller_epoch,
+                    checkpoint_id,
+                    exclude,
+                    policy_version,
+                    max_policy_lag,
                 )
-            checkpoint = await self._committed_checkpoint(run, checkpoint_id)
-            manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
-            current = await self.catalog.current_attempts(run)
-            excluded = set(exclude)
-            known = {entry.episode for entry in manifest}
-            unknown = sorted(excluded - known)
-            if unknown:
-                raise UnknownEpisode(
-                    f"{len(unknown)} excluded episode(s) are not in checkpoint "
-                    f"{checkpoint.checkpoint_id}: {unknown[:5]}",
-                    episodes=unknown[:100],
-                )
-            timer.stage("manifest")
-            to_continue = [
-                e for e in manifest if e.action == "continue" and e.episode not in excluded
-            ]
-            replay_from = {
-                o.partition: o.replay_from if o.replay_from is not None else o.marker
-                for o in checkpoint.offsets
-            }
-            restores = {r.restore_id for r in await _all_restores(self.catalog, run)}
-            new_attempts = {e.episode: current.get(e.episode, e.attempt) + 1 for e in to_continue}
-            projections = await self.replay(run, to_continue, replay_from, restores, new_attempts)
-            timer.stage("replay")
-            plan: list[RestoreEntry] = []
-            resets: dict[str, RestoreReset] = {}
-            cuts: dict[str, int] = {}
-            for entry in manifest:
-                previous = current.get(entry.episode, entry.attempt)
-                attempt = previous + 1
-                if entry.episode in excluded:
-                    plan.append(RestoreEntry(entry.episode, previous, attempt, "excluded"))
-                    resets[entry.episode] = RestoreReset("excluded", attempt)
-                    cuts[entry.episode] = 0
-                    continue
-                if entry.action == "finished":
-                    continue
-                reason = (
-                    "the checkpoint's manifest says restart" if entry.action == "restart" else None
-                )
-                projection = projections.get(entry.episode)
-                if entry.action == "continue":
-                    if projection is None:
-                        reason = "no events before the cut"
-                    else:
-                        reason = verify_projection(projection)
-                        if reason is None:
-                            projection, reason = apply_policy(
-                                projection, policy_version, max_policy_lag
-                            )
-                if reason is None and projection is not None:
-                    projections[entry.episode] = projection
-                    plan.append(RestoreEntry(entry.episode, previous, attempt, "continue"))
-                    resets[entry.episode] = RestoreReset("continue", attempt, projection)
-                    cuts[entry.episode] = entry.cut_offset
+
+    async def _restore(
+        self,
+        projector: Projector,
+        run: str,
+        controller_epoch: int,
+        checkpoint_id: int | str,
+        exclude: Iterable[str],
+        policy_version: int | None,
+        max_policy_lag: int | None,
+    ) -> RestoreResult:
+        timer = _Timer()
+        info = await self.catalog.get_run(run)
+        if info.controller_epoch != controller_epoch:
+            raise StaleController(
+                f"controller epoch {controller_epoch} is stale; run {run!r} is at "
+                f"{info.controller_epoch}",
+                run=run,
+                controller_epoch=controller_epoch,
+                current=info.controller_epoch,
+            )
+        checkpoint = await self._committed_checkpoint(run, checkpoint_id)
+        manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
+        current = await self.catalog.current_attempts(run)
+        excluded = set(exclude)
+        known = {entry.episode for entry in manifest}
+        unknown = sorted(excluded - known)
+        if unknown:
+            raise UnknownEpisode(
+                f"{len(unknown)} excluded episode(s) are not in checkpoint "
+                f"{checkpoint.checkpoint_id}: {unknown[:5]}",
+                episodes=unknown[:100],
+            )
+        timer.stage("manifest")
+        to_continue = [e for e in manifest if e.action == "continue" and e.episode not in excluded]
+        replay_from = {
+            o.partition: o.replay_from if o.replay_from is not None else o.marker
+            for o in checkpoint.offsets
+        }
+        restores = {r.restore_id for r in await _all_restores(self.catalog, run)}
+        new_attempts = {e.episode: current.get(e.episode, e.attempt) + 1 for e in to_continue}
+        projections = await self.replay(run, to_continue, replay_from, restores, new_attempts)
+        timer.stage("replay")
+        plan: list[RestoreEntry] = []
+        resets: dict[str, RestoreReset] = {}
+        cuts: dict[str, int] = {}
+        for entry in manifest:
+            previous = current.get(entry.episode, entry.attempt)
+            attempt = previous + 1
+            if entry.episode in excluded:
+                plan.append(RestoreEntry(entry.episode, previous, attempt, "excluded"))
+                resets[entry.episode] = RestoreReset("excluded", attempt)
+                cuts[entry.episode] = 0
+                continue
+            if entry.action == "finished":
+                continue
+            reason = "the checkpoint's manifest says restart" if entry.action == "restart" else None
+            projection = projections.get(entry.episode)
+            if entry.action == "continue":
+                if projection is None:
+                    reason = "no events before the cut"
                 else:
-                    projections.pop(entry.episode, None)
-                    plan.append(RestoreEntry(entry.episode, previous, attempt, "restart", reason))
-                    resets[entry.episode] = RestoreReset("restart", attempt)
-                    cuts[entry.episode] = 0
-            timer.stage("verify")
-            restore_id = await self.catalog.next_restore_id(run)
-            projector.begin_restore(restore_id, resets)
-            committed = False
-            try:
-                await self._write_attempts(
-                    run,
-                    info.partitions,
-                    restore_id,
-                    checkpoint.checkpoint_id,
-                    plan,
-                    cuts,
-                    controller_epoch,
-                )
-                timer.stage("attempts")
-                restore = await self.catalog.commit_restore(
-                    run,
-                    controller_epoch,
-                    checkpoint.checkpoint_id,
-                    plan,
-                    timings_ms=timer.total(),
-                    restore_id=restore_id,
-                )
-                committed = True
-                timer.stage("commit")
-            finally:
-                projector.end_restore(restore_id, committed)
-            self._cache(run, restore_id, projections)
-            return RestoreResult(restore, tuple(plan), timer.total())
+                    reason = verify_projection(projection)
+                    if reason is None:
+                        projection, reason = apply_policy(
+                            projection, policy_version, max_policy_lag
+                        )
+            if reason is None and projection is not None:
+                projections[entry.episode] = projection
+                plan.append(RestoreEntry(entry.episode, previous, attempt, "continue"))
+                resets[entry.episode] = RestoreReset("continue", attempt, projection)
+                cuts[entry.episode] = entry.cut_offset
+            else:
+                projections.pop(entry.episode, None)
+                plan.append(RestoreEntry(entry.episode, previous, attempt, "restart", reason))
+                resets[entry.episode] = RestoreReset("restart", attempt)
+                cuts[entry.episode] = 0
+        timer.stage("verify")
+        restore_id = await self.catalog.next_restore_id(run)
+        projector.begin_restore(restore_id, resets)
+        committed = False
+        try:
+            await self._write_attempts(
+                run,
+                info.partitions,
+                restore_id,
+                checkpoint.checkpoint_id,
+                plan,
+                cuts,
+                controller_epoch,
+            )
+            timer.stage("attempts")
+            restore = await self.catalog.commit_restore(
+                run,
+                controller_epoch,
+                checkpoint.checkpoint_id,
+                plan,
+                timings_ms=timer.total(),
+                restore_id=restore_id,
+            )
+            committed = True
+            timer.stage("commit")
+        finally:
+            projector.end_restore(restore_id, committed)
+        self._cache(run, restore_id, projections)
+        # The projections stay (cached): keep the collector from walking them again and again.
+        gc.freeze()
+        return RestoreResult(restore, tuple(plan), timer.total())
 
     async def _committed_checkpoint(self, run: str, checkpoint_id: int | str) -> Checkpoint:
         if checkpoint_id == "latest":
@@ -456,36 +477,29 @@ class Coordinator:
         by_partition: dict[int, dict[str, int]] = defaultdict(dict)
         for entry in entries:
             by_partition[entry.cut_partition][entry.episode] = entry.cut_offset
-        loads = orjson.loads
 
         async def one(partition: int, cuts: dict[str, int]) -> dict[str, EpisodeProjection]:
-            records: dict[str, list[RecordView]] = {episode: [] for episode in cuts}
+            records: dict[str, list[tuple[int, bytes]]] = {episode: [] for episode in cuts}
             end = max(cuts.values())
             start = replay_from.get(partition, 0)
             async for page in self.log.read_pages(run, partition, start, end):
-                for offset, record in page:
-                    split = record.find(b"\n")
-                    if split < 0:
-                        meta = loads(record)
-                        wanted = records.get(meta.get("episode"))
-                        if wanted is not None:
-                            wanted.append((offset, meta, None))
-                    else:
-                        meta = loads(record[:split])
-                        wanted = records.get(meta.get("episode"))
-                        if wanted is not None:
-                            wanted.append((offset, meta, record[split + 1 :]))
-            return {
-                episode: project_episode(
-                    episode,
-                    records[episode],
-                    cuts[episode],
-                    committed_restores,
-                    as_attempt=None if attempts is None else attempts.get(episode),
-                )
-                for episode in cuts
-                if records[episode]
-            }
+                for item in page:
+                    wanted = records.get(record_episode(item[1]))  # type: ignore[arg-type]
+                    if wanted is not None:
+                        wanted.append(item)
+
+            with no_gc_pauses():
+                return {
+                    episode: project_raw(
+                        episode,
+                        records[episode],
+                        cuts[episode],
+                        committed_restores,
+                        as_attempt=None if attempts is None else attempts.get(episode),
+                    )
+                    for episode in cuts
+                    if records[episode]
+                }
 
         results = await asyncio.gather(*(one(p, cuts) for p, cuts in by_partition.items()))
         merged: dict[str, EpisodeProjection] = {}
@@ -609,6 +623,24 @@ class Coordinator:
                 f"episode {episode!r} has no events before its cut", episode=episode
             )
         return projection
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Hold off the cyclic garbage collector for one restore, awaits included.
+
+    A restore builds hundreds of thousands of short-lived objects (record metadata) and tens of
+    thousands of long-lived ones (projections); measured, the collections they trigger walking
+    the growing heap took a third of a 16,000-episode restore. Nothing a restore allocates forms
+    reference cycles, so refcounting frees the garbage; the collector resumes afterwards.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[ManifestEntry]]:

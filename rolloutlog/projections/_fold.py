@@ -47,6 +47,8 @@ __all__ = [
     "ledger_digest",
     "project_episode",
     "project_events",
+    "project_raw",
+    "record_episode",
     "select_records",
     "token_count",
 ]
@@ -338,6 +340,58 @@ def project_episode(
             break
         if admits(meta):
             apply(offset, meta, payload)
+    return fold.projection(cut)
+
+
+_EPISODE_PREFIX = b'{"v":1,"episode":"'
+_ATTEMPT_STARTED = b'"type":"attempt.started"'
+
+
+def record_episode(record: bytes) -> str | None:
+    """The episode of a record, read off its first bytes where the encoder's field order allows
+    (every record rolloutlog writes), else by decoding its metadata."""
+    if record.startswith(_EPISODE_PREFIX):
+        end = record.find(b'"', len(_EPISODE_PREFIX))
+        return record[len(_EPISODE_PREFIX) : end].decode()
+    cut = record.find(b"\n")
+    episode = orjson.loads(record if cut < 0 else record[:cut]).get("episode")
+    return episode if isinstance(episode, str) else None
+
+
+def project_raw(
+    episode: str,
+    records: list[tuple[int, bytes]],
+    cut: int,
+    committed_restores: Container[int] | None = None,
+    *,
+    as_attempt: int | None = None,
+) -> EpisodeProjection:
+    """``project_episode`` over raw records: each record's metadata is decoded just before it is
+    folded and dropped right after, so a replay of many episodes keeps few objects alive."""
+    if any(_ATTEMPT_STARTED in record for _, record in records):
+        return project_episode(
+            episode,
+            [(offset, *split_record(record)) for offset, record in records],
+            cut,
+            committed_restores,
+            as_attempt=as_attempt,
+        )
+    fold = EpisodeFold(episode, 0 if as_attempt is None else as_attempt)
+    admits = _Filters().admits
+    apply = fold.apply
+    loads = orjson.loads
+    for offset, record in records:
+        if offset >= cut:
+            break
+        split = record.find(b"\n")
+        if split < 0:
+            meta = loads(record)
+            if admits(meta):
+                apply(offset, meta, None)
+        else:
+            meta = loads(record[:split])
+            if admits(meta):
+                apply(offset, meta, record[split + 1 :])
     return fold.projection(cut)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from rolloutlog.catalog import EpisodeFinish, EpisodeStart, ManifestEntry
+from rolloutlog.catalog._values import no_gc_pauses
 from rolloutlog.log import Log, partition_for
 from rolloutlog.projections._fold import _Filters, select_records
 from rolloutlog.projections._model import EpisodeProjection
@@ -296,6 +297,11 @@ class Projector:
         capture = self._capture
         if capture is None or capture.checkpoint_id != checkpoint_id:
             return  # a marker of a checkpoint this service is not taking (aborted, or stale)
+        with no_gc_pauses():
+            self._capture_partition(capture, partition, offset)
+        capture._check()
+
+    def _capture_partition(self, capture: CheckpointCapture, partition: int, offset: int) -> None:
         capture.markers[partition] = offset
         entries = capture.entries
         needed = offset
@@ -320,7 +326,6 @@ class Projector:
             else:
                 entries[episode] = _entry(tracker, "continue", offset)
         capture.needed[partition] = needed
-        capture._check()
 
     def _check_wait(self, capture: CheckpointCapture, tracker: EpisodeTracker, offset: int) -> None:
         owners, _ = capture.waiting[tracker.episode]

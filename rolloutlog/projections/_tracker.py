@@ -87,7 +87,9 @@ class EpisodeTracker:
             else:
                 self.sessions.setdefault(sid, mode)
         self._pending_sessions.clear()
-        self.staging_keys.extend(self._pending_staging)
+        for key in self._pending_staging:
+            if key not in self.staging_keys:
+                self.staging_keys.append(key)
         self._pending_staging.clear()
         self._tail_staging = None
         self.last_boundary_offset = offset
@@ -96,10 +98,12 @@ class EpisodeTracker:
         return any(mode == "restart_only" for mode in self.sessions.values())
 
     def referenced_staging_keys(self) -> tuple[str, ...]:
-        keys = list(self.staging_keys)
-        if self._tail_staging:
-            keys.append(self._tail_staging)
-        return tuple(dict.fromkeys(keys))
+        """Committed rows' staging keys and the in-flight call's (in order, without repeats)."""
+        if not self._tail_staging:
+            return tuple(self.staging_keys)
+        if self._tail_staging in self.staging_keys:
+            return tuple(self.staging_keys)
+        return (*self.staging_keys, self._tail_staging)
 
     def restart(self, attempt: int) -> None:
         """A restore started this episode over as ``attempt``: nothing carries on."""
@@ -117,7 +121,9 @@ class EpisodeTracker:
         self.last_stage = projection.last_stage
         self.open_waits = dict(projection.open_waits)
         self.sessions = {sid: s.mode for sid, s in projection.sessions.items()}
-        self.staging_keys = [row.staging_key for row in projection.ledger if row.staging_key]
+        self.staging_keys = list(
+            dict.fromkeys(row.staging_key for row in projection.ledger if row.staging_key)
+        )
         cut = projection.generation_cut
         self._tail_staging = cut.staging_key if cut is not None else None
         self.size_bytes = projection.payload_bytes
