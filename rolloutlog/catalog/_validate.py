@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from rolloutlog.catalog._schema import NAME_LENGTH
 from rolloutlog.errors import InvalidRequest
-
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
-_ATTEMPT_SUFFIX = re.compile(r"-a[0-9]+")
+from rolloutlog.log._ids import episode_id_problem, run_name_problem
 
 
 def check_run_name(run: str) -> None:
-    if not isinstance(run, str) or len(run) > NAME_LENGTH or not _RUN_NAME.fullmatch(run):
-        raise InvalidRequest(
-            f"run name {run!r} must be 1-{NAME_LENGTH} characters of letters, digits and ._:- "
-            "starting with a letter or digit",
-            field="run",
-        )
+    """The log's rule (a run names a Kafka topic), so a run the catalog takes has a log too."""
+    problem = run_name_problem(run) if isinstance(run, str) else "must be a string"
+    if problem is not None:
+        raise InvalidRequest(f"invalid run name {run!r}: {problem}", field="run")
 
 
 def check_name(value: str, what: str, length: int = NAME_LENGTH) -> None:
@@ -30,14 +25,11 @@ def check_name(value: str, what: str, length: int = NAME_LENGTH) -> None:
 def check_episode(episode: str) -> None:
     """An episode id: a name that does not itself look like a capture key (``r17-a2``)."""
     check_name(episode, "episode")
-    if "-a" in episode:
-        tail = episode[episode.rfind("-a") :]
-        if _ATTEMPT_SUFFIX.fullmatch(tail):
-            raise InvalidRequest(
-                f"episode id {episode!r} may not end in -a<digits>: that is a capture key",
-                field="episode",
-                episode=episode,
-            )
+    problem = episode_id_problem(episode)
+    if problem is not None:
+        raise InvalidRequest(
+            f"invalid episode id {episode!r}: {problem}", field="episode", episode=episode
+        )
 
 
 def check_count(value: Any, what: str, minimum: int = 0) -> None:

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+from rolloutlog.log._ids import capture_key as capture_key
+
 ParticipantKind = Literal["environment", "policy", "agent", "resources"]
 CheckpointStatus = Literal["pending", "committed", "aborted", "expired"]
 ManifestAction = Literal["continue", "restart", "finished"]
@@ -45,11 +47,6 @@ def no_gc_pauses() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def capture_key(episode: str, attempt: int) -> str:
-    """The capture key of an attempt: ``r17`` for attempt 0, ``r17-a2`` for attempt 2."""
-    return episode if attempt == 0 else f"{episode}-a{attempt}"
 
 
 @dataclass(frozen=True, slots=True)
