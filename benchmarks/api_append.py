@@ -13,7 +13,10 @@ The clients speak HTTP/1.1 over asyncio streams directly (a few microseconds per
 that on this 2-core machine they take as little CPU from the server as possible. Each figure is
 the median (min, max) of ``--runs`` runs; results go to ``benchmarks/results/api_append.json``.
 
-    python benchmarks/api_append.py [--runs 5] [--seconds 6] [--quick]
+    python benchmarks/api_append.py [--runs 5] [--seconds 6] [--workers 1,0] [--quick]
+
+Each configuration (``serve --validation-workers N``) is measured separately; the first is the
+headline (the default of ``serve`` on this machine), the others are kept for comparison.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ class Connection:
             self.writer.close()
 
 
-#: Extra ``serve`` arguments (``--serve-args``).
+#: Extra ``serve`` arguments of the configuration being measured.
 SERVE_ARGS: list[str] = []
 
 
@@ -326,34 +329,22 @@ async def one_run(seconds: float) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=6.0)
-    parser.add_argument("--quick", action="store_true", help="1 run of 2 s (smoke test)")
-    parser.add_argument("--serve-args", default="", help="extra arguments of rolloutlog serve")
-    args = parser.parse_args()
-    SERVE_ARGS.extend(args.serve_args.split())
-    runs, seconds = (1, 2.0) if args.quick else (args.runs, args.seconds)
+def measure(runs: int, seconds: float, serve_args: list[str]) -> dict[str, Any]:
+    SERVE_ARGS[:] = serve_args
     results = []
     for index in range(runs):
         figures = asyncio.run(one_run(seconds))
         results.append(figures)
         print(
-            f"run {index + 1}: {figures['events_per_s']:.0f} events/s; at half load "
+            f"[{' '.join(serve_args) or 'defaults'}] run {index + 1}: "
+            f"{figures['events_per_s']:.0f} events/s; at half load "
             f"p50 {figures['half_load']['p50_ms']:.1f} ms, p99 {figures['half_load']['p99_ms']:.1f}"
             f" ms; RSS {figures['rss_mb_16k_live']:.0f} MB with "
-            f"{figures['live_episodes']:.0f} live episodes",
+            f"{figures['live_episodes']:.0f} live episodes; load average {os.getloadavg()[0]:.2f}",
             flush=True,
         )
-    document = {
-        "runs": runs,
-        "seconds_per_phase": seconds,
-        "batch": BATCH,
-        "clients": CLIENTS,
-        "cores": os.cpu_count(),
-        "serve_args": SERVE_ARGS,
-        "targets": TARGETS,
+    return {
+        "serve_args": serve_args,
         "events_per_s": summary([r["events_per_s"] for r in results]),
         "half_load_p50_ms": summary([r["half_load"]["p50_ms"] for r in results]),
         "half_load_p99_ms": summary([r["half_load"]["p99_ms"] for r in results]),
@@ -361,6 +352,39 @@ def main() -> None:
         "rss_mb_idle": summary([r["rss_mb_idle"] for r in results]),
         "rss_mb_16k_live": summary([r["rss_mb_16k_live"] for r in results]),
         "live_episodes": summary([r["live_episodes"] for r in results]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--quick", action="store_true", help="1 run of 2 s (smoke test)")
+    parser.add_argument(
+        "--workers",
+        default="1,0",
+        help="validation worker counts to measure, the first is the headline (default: 1,0)",
+    )
+    args = parser.parse_args()
+    runs, seconds = (1, 2.0) if args.quick else (args.runs, args.seconds)
+    configs = {
+        f"validation_workers={count}": measure(
+            runs, seconds, ["--validation-workers", count.strip()]
+        )
+        for count in args.workers.split(",")
+    }
+    headline = next(iter(configs.values()))
+    document = {
+        "runs": runs,
+        "seconds_per_phase": seconds,
+        "batch": BATCH,
+        "clients": CLIENTS,
+        "cores": os.cpu_count(),
+        "targets": TARGETS,
+        **{key: value for key, value in headline.items() if key != "serve_args"},
+        "headline": next(iter(configs)),
+        "configs": configs,
+        "load_average_after": os.getloadavg()[0],
     }
     if not args.quick:
         path = save("api_append", document)
