@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv check test bench clean
+.PHONY: venv check test bench bench-quick clean
 
 venv: $(STAMP)
 
@@ -21,8 +21,15 @@ check: venv
 test: check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Each script prints its figures and saves JSON under benchmarks/results/.
+BENCHMARKS := log_append catalog_commit checkpoint_restore api_append
+
 bench: venv
-	$(BIN)/python benchmarks/log_append.py
+	@for b in $(BENCHMARKS); do echo "== $$b"; $(BIN)/python benchmarks/$$b.py || exit 1; done
+
+bench-quick: venv
+	$(BIN)/python benchmarks/log_append.py --quick --runs 1
+	$(BIN)/python benchmarks/checkpoint_restore.py --quick --runs 1
 
 clean:
 	rm -rf $(VENV) rolloutlog-data .pytest_cache .mypy_cache .ruff_cache
