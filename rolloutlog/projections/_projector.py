@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -163,6 +164,8 @@ class Projector:
                 ):
                     self._forget(episode)
                     self.retired.add(episode)
+        # What catching up built lives on: keep the cyclic collector from walking it again.
+        gc.freeze()
         for partition in range(self.partitions):
             self._tasks.append(asyncio.create_task(self._follow(partition)))
 
