@@ -198,7 +198,12 @@ class Coordinator:
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.create_task(coroutine)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background %s failed", task.get_coro(), exc_info=task.exception())
 
     # -- checkpoints -----------------------------------------------------------------------
 
