@@ -13,7 +13,7 @@ The clients speak HTTP/1.1 over asyncio streams directly (a few microseconds per
 that on this 2-core machine they take as little CPU from the server as possible. Each figure is
 the median (min, max) of ``--runs`` runs; results go to ``benchmarks/results/api_append.json``.
 
-    python benchmarks/api_append.py [--runs 5] [--seconds 6] [--workers 1,0] [--quick]
+    python benchmarks/api_append.py [--runs 5] [--seconds 6] [--workers 0,1] [--quick]
 
 Each configuration (``serve --validation-workers N``) is measured separately; the first is the
 headline (the default of ``serve`` on this machine), the others are kept for comparison.
@@ -362,8 +362,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 run of 2 s (smoke test)")
     parser.add_argument(
         "--workers",
-        default="1,0",
-        help="validation worker counts to measure, the first is the headline (default: 1,0)",
+        default="0,1",
+        help="validation worker counts to measure, the first is the headline (default: 0,1)",
     )
     args = parser.parse_args()
     runs, seconds = (1, 2.0) if args.quick else (args.runs, args.seconds)

@@ -3,13 +3,14 @@ process.
 
 Validation and encoding are most of an append's CPU (pydantic builds every envelope, and each
 record is encoded once), and the service's process also runs the HTTP server, the log's writer
-and the projector under one GIL. ``Preparer`` runs this step in worker processes
-(``serve --validation-workers N``, one by default on 2+ cores) so that it leaves the service
-process's GIL; small bodies stay inline, where the round trip would cost more than it saves.
-A worker is spoken to over a socket pair with asyncio streams: ``ProcessPoolExecutor`` was tried
-first and its management thread, fighting for the busy process's GIL, made every round trip
-cost ~10 ms. Measured on 2 cores (8 clients, batches of 100): ~9k events/s inline, ~11-12k with
-one worker.
+and the projector under one GIL. ``Preparer`` can run this step in worker processes
+(``serve --validation-workers N``) so that it leaves the service process's GIL; small bodies stay
+inline, where the round trip would cost more than it saves. A worker is spoken to over a socket
+pair with asyncio streams: ``ProcessPoolExecutor`` was tried first and its management thread,
+fighting for the busy process's GIL, made every round trip cost ~10 ms. On the 2-core benchmark
+machine one worker added ~10-20% throughput but doubled the p99 latency at half load (the
+worker, the service and the clients contend for two cores), so the default is inline; on a
+machine with spare cores a worker takes validation off the service's GIL.
 
 The result is what ``Log.append`` would have produced — the same validation, the same record
 per event, the same size limit — plus the few fields the fencing checks need.

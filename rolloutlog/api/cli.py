@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -27,7 +28,10 @@ from rolloutlog.api._tokens import ENV_PREFIX, MIN_TOKEN_LENGTH, Role, Tokens, i
 from rolloutlog.errors import RolloutlogError
 from rolloutlog.trainer import TrainerClient
 
-__all__ = ["main", "parser"]
+__all__ = ["GC_THRESHOLDS", "main", "parser"]
+
+#: The garbage collector's thresholds while serving (see ``serve``).
+GC_THRESHOLDS = (50_000, 50, 1_000)
 
 
 def no_tokens_message(host: str) -> str:
@@ -76,9 +80,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--validation-workers",
         type=int,
-        default=1 if (os.cpu_count() or 1) >= 2 else 0,
-        help="processes that validate and encode appends (0: the service process; default: "
-        "%(default)s)",
+        default=0,
+        help="processes that validate and encode appends (default 0: the service process)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--access-log", action="store_true", help="log every request")
@@ -177,6 +180,10 @@ def serve(args: argparse.Namespace) -> int:
         server_header=False,
     )
     server = uvicorn.Server(config)
+    # An append allocates thousands of short-lived objects (envelopes, records, the projector's
+    # decoded metadata); with the default thresholds (700, 10, 10) the collector ran every few
+    # requests and walked the projector's trackers each time. Measured: ~7k -> ~10k events/s.
+    gc.set_threshold(*GC_THRESHOLDS)
     # uvicorn handles SIGTERM/SIGINT itself (stop accepting, finish in-flight requests, run the
     # lifespan's shutdown), then re-raises the signal with the handlers it found. These make
     # that last step a no-op, so a graceful stop exits 0 rather than dying by the signal.
