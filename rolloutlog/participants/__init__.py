@@ -1,0 +1,63 @@
+"""The participant SDK: transports, the four participant kinds, ASGI integration, restores.
+
+Every ``record``-style call returns once its event is durable (the write-ahead rule of
+DESIGN.md §3): await it before the effect it records leaves the process.
+"""
+
+from rolloutlog.participants._asgi import (
+    CAPTURE_KEY_HEADER,
+    STEP_HEADER,
+    RolloutContextMiddleware,
+    context_headers,
+    current_context,
+    rollout_context,
+)
+from rolloutlog.participants._environment import (
+    STAGES,
+    VERIFY_HEADER,
+    Environment,
+    EnvironmentEpisode,
+    Resumed,
+)
+from rolloutlog.participants._participant import Participant, RolloutContext, task_digest
+from rolloutlog.participants._policy import (
+    Generation,
+    GenerationCut,
+    LedgerRowInfo,
+    Policy,
+    fingerprint,
+    ledger_digest,
+)
+from rolloutlog.participants._restore import Restores
+from rolloutlog.participants._sessions import Agent, AgentSession, Resources
+from rolloutlog.participants._transport import HttpTransport, KafkaTransport, Transport
+
+__all__ = [
+    "CAPTURE_KEY_HEADER",
+    "STAGES",
+    "STEP_HEADER",
+    "VERIFY_HEADER",
+    "Agent",
+    "AgentSession",
+    "Environment",
+    "EnvironmentEpisode",
+    "Generation",
+    "GenerationCut",
+    "HttpTransport",
+    "KafkaTransport",
+    "LedgerRowInfo",
+    "Participant",
+    "Policy",
+    "Resources",
+    "Restores",
+    "Resumed",
+    "RolloutContext",
+    "RolloutContextMiddleware",
+    "Transport",
+    "context_headers",
+    "current_context",
+    "fingerprint",
+    "ledger_digest",
+    "rollout_context",
+    "task_digest",
+]

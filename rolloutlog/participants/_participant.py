@@ -1,0 +1,129 @@
+"""The participant base: identity, registration, ``seq`` numbering and the write-ahead append."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, ClassVar
+
+import orjson
+
+from rolloutlog.log import Opaque, ParticipantKind, Position, capture_key, parse_capture_key
+from rolloutlog.log._ids import name_problem
+from rolloutlog.participants._transport import Transport
+
+__all__ = ["Participant", "RolloutContext", "task_digest"]
+
+
+def task_digest(task: Any) -> str:
+    """sha256 of the task's canonical JSON (sorted keys, compact), as restores recompute it."""
+    raw = task.raw if isinstance(task, Opaque) else orjson.dumps(task)
+    return hashlib.sha256(orjson.dumps(orjson.loads(raw), option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutContext:
+    """Which attempt of which episode a piece of work belongs to (and its step, when known)."""
+
+    episode: str
+    attempt: int = 0
+    step: int | None = None
+
+    @property
+    def capture_key(self) -> str:
+        return capture_key(self.episode, self.attempt)
+
+    @classmethod
+    def of(cls, key: str | RolloutContext, step: int | None = None) -> RolloutContext:
+        """A context from a capture key (``r17``, ``r17-a2``) or a context (a new step, if given)."""
+        if isinstance(key, RolloutContext):
+            return key if step is None else cls(key.episode, key.attempt, step)
+        episode, attempt = _parse(key)
+        return cls(episode, attempt, step)
+
+
+@lru_cache(maxsize=1 << 14)
+def _parse(key: str) -> tuple[str, int]:
+    return parse_capture_key(key)
+
+
+def check_name(what: str, name: str) -> str:
+    problem = name_problem(name)
+    if problem is not None:
+        raise ValueError(f"invalid {what} {name!r}: {problem}")
+    return name
+
+
+class Participant:
+    """A process that appends events: ``id``, ``kind`` and the ``epoch`` registration grants.
+
+    ``seq`` counts this participant's events per (id, epoch); every event is awaited until durable
+    (the write-ahead rule) unless a method says otherwise.
+    """
+
+    kind: ClassVar[ParticipantKind]
+
+    def __init__(self, transport: Transport, run: str, participant_id: str) -> None:
+        self.transport = transport
+        self.run = run
+        self.id = check_name("participant id", participant_id)
+        self.epoch: int | None = None
+        self.seq = 0
+        self._who: dict[str, Any] = {}
+
+    async def register(self) -> int:
+        """Register with the service; a new epoch fences every earlier incarnation of this id."""
+        self.epoch = await self.transport.register(self.run, self.id, self.kind)
+        self.seq = 0
+        self._who = {"id": self.id, "kind": self.kind, "epoch": self.epoch}
+        return self.epoch
+
+    async def emit(
+        self,
+        type_: str,
+        context: RolloutContext,
+        data: dict[str, Any],
+        *,
+        step: int | None = None,
+    ) -> Position:
+        """Append one event of this participant and return once it is durable."""
+        future = await self.emit_nowait(type_, context, data, step=step)
+        return await future
+
+    async def emit_nowait(
+        self,
+        type_: str,
+        context: RolloutContext,
+        data: dict[str, Any],
+        *,
+        step: int | None = None,
+    ) -> asyncio.Future[Position]:
+        """Reserve a slot, number and submit the event; returns the future of its position.
+
+        Waiting on the budget is the only ``await`` before numbering, so ``seq`` order is
+        submission order.
+        """
+        if self.epoch is None:
+            raise RuntimeError(f"participant {self.id!r} is not registered: call register()")
+        await self.transport.reserve()
+        self.seq += 1
+        event = {
+            "v": 1,
+            "type": type_,
+            "episode": context.episode,
+            "attempt": context.attempt,
+            "step": context.step if step is None else step,
+            "participant": self._who,
+            "seq": self.seq,
+            "ts": time.time(),
+            "data": data,
+        }
+        return self.transport.submit(self.run, event)
+
+
+def opaque(value: Any) -> Opaque:
+    """A payload as ``Opaque`` (encoded once; an ``Opaque`` passes through)."""
+    return value if isinstance(value, Opaque) else Opaque.of(value)

@@ -1,0 +1,83 @@
+"""Restore helpers: what a replacement attempt needs from a restore, in bulk or one at a time."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+import orjson
+
+from rolloutlog.participants._transport import NDJSON, _Rest
+from rolloutlog.trainer._types import error_from_body, error_from_response
+
+__all__ = ["Restores"]
+
+
+class Restores:
+    """Projections of a restore, over the service's REST routes.
+
+    - ``install``: every continued episode's projection for one participant, one NDJSON stream
+      (``GET /v1/runs/{run}/restores/{id}/projections?kind=&participant=``), e.g. a policy server
+      restoring all its ledgers at start;
+    - ``fetch``: one episode's projection when its replacement attempt arrives
+      (``GET /v1/runs/{run}/episodes/{episode}/projection?restore=ID``).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._rest = _Rest(url, token, client)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._rest.close()
+
+    async def install(
+        self,
+        run: str,
+        restore_id: int,
+        *,
+        kind: str | None = None,
+        participant: str | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Stream the restore's projections that hold something for this participant."""
+        params = {k: v for k, v in (("kind", kind), ("participant", participant)) if v}
+        rest = self._rest
+        headers = {**rest.headers, "Accept": NDJSON}
+        path = f"{rest.prefix}/v1/runs/{run}/restores/{restore_id}/projections"
+        async with rest.client.stream("GET", path, params=params, headers=headers) as response:
+            if response.is_error:
+                await response.aread()
+                raise error_from_response(response)
+            async for line in response.aiter_lines():
+                if not line.strip():
+                    continue
+                value = orjson.loads(line)
+                if isinstance(value, dict) and set(value) == {"error"}:
+                    raise error_from_body(200, value)
+                yield value
+
+    async def fetch(self, run: str, episode: str, restore: int | str = "latest") -> dict[str, Any]:
+        """One episode's projection as the restore continues it (``UnknownEpisode`` when the
+        restore restarted or excluded it: ``details`` say which)."""
+        response = await self._rest.request(
+            "GET", f"/v1/runs/{run}/episodes/{episode}/projection", params={"restore": restore}
+        )
+        result: dict[str, Any] = orjson.loads(response.content)
+        return result

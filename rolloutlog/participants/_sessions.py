@@ -1,0 +1,185 @@
+"""Resources servers and agents: the two kinds that keep sessions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from rolloutlog.log import Opaque, Position
+from rolloutlog.participants._environment import VERIFY_HEADER
+from rolloutlog.participants._participant import (
+    Participant,
+    RolloutContext,
+    check_name,
+    opaque,
+)
+from rolloutlog.participants._transport import Transport
+
+__all__ = ["Agent", "AgentSession", "ExportHook", "Resources", "SessionKey"]
+
+SessionMode = Literal["restart_only", "stateless", "exported"]
+StepMode = Literal["replay", "wait"]
+#: The reply header saying a session cannot be captured (it restarts with its episode).
+RESTART_HEADER = "x-ng-checkpoint-restart"
+#: (capture key, session id)
+SessionKey = tuple[str, str]
+#: Exports the states of many sessions at once (sandboxes may snapshot concurrently).
+ExportHook = Callable[[Sequence[SessionKey]], Awaitable[Mapping[SessionKey, Any]]]
+
+
+class Resources(Participant):
+    """A resources (tool) server; its checkpoint mode is declared in code.
+
+    - ``restart_only`` (default, fails closed): a live session restarts its episode;
+    - ``stateless``: nothing to restore;
+    - ``exported``: ``record_state`` before each reply (or ``export`` through the batch hook for
+      state outside the process), and ``restored_state`` on the replacement attempt.
+    """
+
+    kind = "resources"
+
+    def __init__(
+        self,
+        transport: Transport,
+        run: str,
+        participant_id: str,
+        *,
+        mode: SessionMode = "restart_only",
+        verify: StepMode = "replay",
+        export_hook: ExportHook | None = None,
+    ) -> None:
+        super().__init__(transport, run, participant_id)
+        if mode not in ("restart_only", "stateless", "exported"):
+            raise ValueError(f"unknown resources mode {mode!r}")
+        if verify not in ("replay", "wait"):
+            raise ValueError(f"unknown verify mode {verify!r}")
+        self.mode: SessionMode = mode
+        self.verify: StepMode = verify
+        self.export_hook = export_hook
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers for ``/seed_session`` replies: the verify mode, and the restart flag."""
+        headers: dict[str, str] = {VERIFY_HEADER: self.verify}
+        if self.mode == "restart_only":
+            headers[RESTART_HEADER] = "1"
+        return headers
+
+    async def open_session(
+        self, key: str | RolloutContext, session_id: str, state: Any = None
+    ) -> Position:
+        """``session.started`` (on ``/seed_session``, before replying), and the initial state."""
+        context = RolloutContext.of(key)
+        data = {"session_id": check_name("session id", session_id), "mode": self.mode}
+        data["verify"] = self.verify
+        position = await self.emit("session.started", context, data)
+        if state is not None:
+            return await self.record_state(context, session_id, state) or position
+        return position
+
+    async def record_state(
+        self, key: str | RolloutContext, session_id: str, state: Any
+    ) -> Position | None:
+        """``session.state`` before a reply leaves (only ``exported`` servers keep state; the
+        others return None without writing)."""
+        if self.mode != "exported":
+            return None
+        data = {"session_id": session_id, "state": opaque(state)}
+        return await self.emit("session.state", RolloutContext.of(key), data)
+
+    async def end_session(self, key: str | RolloutContext, session_id: str) -> Position:
+        """``session.ended`` (on ``/close_session``)."""
+        return await self.emit("session.ended", RolloutContext.of(key), {"session_id": session_id})
+
+    async def export(self, sessions: Sequence[SessionKey]) -> list[Position | None]:
+        """Export many sessions' outside state through ``export_hook`` (one call) and record
+        each as ``session.state``, concurrently (one coalesced request)."""
+        if self.export_hook is None:
+            raise RuntimeError("this resources server has no export hook")
+        states = await self.export_hook(sessions)
+        return list(
+            await asyncio.gather(
+                *(self.record_state(key, sid, states[(key, sid)]) for key, sid in sessions)
+            )
+        )
+
+    def restored_state(self, projection: Mapping[str, Any], session_id: str) -> Any:
+        """The state a replacement attempt restores for ``session_id`` (None when none)."""
+        session = projection.get("sessions", {}).get(session_id)
+        return None if session is None else session.get("state")
+
+    def restored_sessions(self, projection: Mapping[str, Any]) -> dict[str, Any]:
+        """Every session of this server in a projection, with its state."""
+        return {
+            sid: s.get("state")
+            for sid, s in projection.get("sessions", {}).items()
+            if s.get("participant") == self.id
+        }
+
+
+class AgentSession:
+    """One agent session; snapshots are lazy: a boundary only when the state changed."""
+
+    def __init__(
+        self, agent: Agent, context: RolloutContext, session_id: str, step: int = 0
+    ) -> None:
+        self.agent = agent
+        self.context = RolloutContext(context.episode, context.attempt)
+        self.session_id = session_id
+        self.step = step
+        self.snapshots = 0
+        self.skipped = 0
+        self._last: bytes | None = None
+
+    async def _snapshot(self, stage: str, next_stage: str, state: Any) -> Position | None:
+        payload = opaque(state)
+        if payload.raw == self._last:
+            self.skipped += 1
+            return None
+        data = {"owner": self.session_id, "stage": stage, "next": next_stage, "state": payload}
+        position = await self.agent.emit("step.boundary", self.context, data, step=self.step)
+        self._last = payload.raw
+        self.step += 1
+        self.snapshots += 1
+        return position
+
+    async def before_model_call(self, state: Any) -> Position | None:
+        """A boundary before calling the policy (None when nothing changed since the last one)."""
+        return await self._snapshot("model_call", "model_call", state)
+
+    async def after_tool_round(self, state: Any) -> Position | None:
+        """A boundary after a round of tool calls (None when nothing changed)."""
+        return await self._snapshot("tool_round", "model_call", state)
+
+    async def close(self) -> Position:
+        """``session.ended``."""
+        data = {"session_id": self.session_id}
+        return await self.agent.emit("session.ended", self.context, data)
+
+
+class Agent(Participant):
+    """An agent: sessions whose loop state is snapshotted at boundaries (owner = session id)."""
+
+    kind = "agent"
+
+    async def open_session(self, key: str | RolloutContext, session_id: str) -> AgentSession:
+        """``session.started`` (mode ``exported``: the state lives in the session's boundaries)."""
+        context = RolloutContext.of(key)
+        data = {"session_id": check_name("session id", session_id), "mode": "exported"}
+        await self.emit("session.started", context, data)
+        return AgentSession(self, context, session_id)
+
+    def resume(
+        self, projection: Mapping[str, Any], session_id: str
+    ) -> tuple[AgentSession, Any, str | None]:
+        """The replacement attempt's session, its last snapshot's state and the stage to run
+        next (``model_call``), or (session, None, None) when it had no snapshot."""
+        context = RolloutContext(str(projection["episode"]), int(projection["attempt"]))
+        boundary = projection.get("boundaries", {}).get(session_id)
+        if boundary is None:
+            return AgentSession(self, context, session_id), None, None
+        session = AgentSession(self, context, session_id, (boundary.get("step") or 0) + 1)
+        state = boundary.get("state")
+        session._last = Opaque.of(state).raw
+        return session, state, boundary.get("next")

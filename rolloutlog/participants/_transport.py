@@ -1,0 +1,431 @@
+"""Transports: how a participant's events reach the log.
+
+Both transports share one pipeline. Events are submitted with a reserved slot of a bounded
+in-flight budget (``max_in_flight``: a full budget makes ``await`` wait instead of buffering without
+bound), queued in submission order, and sent by one sender task that coalesces whatever is queued
+into one request (``max_batch`` events). One request at a time keeps each participant's events in
+``seq`` order in the log, which is what lets the fold drop a retried event as a duplicate: a failed
+request is sent again unchanged, with the same ``seq``s. Fencing and validation errors are not
+retried: they fail the events they name (and every event of the same fenced attempt or epoch) at
+once, and the rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+import orjson
+
+from rolloutlog.errors import (
+    AttemptFenced,
+    BackendUnavailable,
+    InvalidEvent,
+    ParticipantFenced,
+    PayloadTooLarge,
+    RolloutlogError,
+)
+from rolloutlog.log import (
+    Log,
+    Opaque,
+    Position,
+    Record,
+    encode_record,
+    open_log,
+    partition_for,
+    validate_event,
+)
+from rolloutlog.trainer._types import error_from_response
+
+__all__ = ["HttpTransport", "KafkaTransport", "Transport"]
+
+NDJSON = "application/x-ndjson"
+DEFAULT_URL = "http://127.0.0.1:8750"
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, Opaque):
+        return orjson.Fragment(value.raw)
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def encode_wire(event: dict[str, Any]) -> bytes:
+    """An envelope as one JSON object (opaque payloads embedded as their raw bytes)."""
+    return orjson.dumps(event, default=_default)
+
+
+@dataclass(slots=True)
+class _Pending:
+    run: str
+    event: dict[str, Any]
+    body: bytes
+    future: asyncio.Future[Position]
+
+
+@dataclass
+class _Stats:
+    requests: int = 0
+    events: int = 0
+    retries: int = 0
+    failed: int = 0
+    max_queued: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Transport(abc.ABC):
+    """Registration and durable appends for participants; ``async with`` or ``start()``/``stop()``.
+
+    ``append`` returns once every event is durable (the write-ahead rule), with each event's
+    partition and offset. Events are plain envelope dicts (DESIGN.md §3); the participant classes
+    build them.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_in_flight: int = 4096,
+        max_batch: int = 512,
+        retries: int = 6,
+        backoff_s: float = 0.05,
+    ) -> None:
+        if max_in_flight < 1 or max_batch < 1:
+            raise ValueError("max_in_flight and max_batch must be at least 1")
+        self.max_in_flight = max_in_flight
+        self.max_batch = max_batch
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.stats = _Stats()
+        self._budget: asyncio.Semaphore | None = None
+        self._queue: list[_Pending] = []
+        self._wakeup: asyncio.Event | None = None
+        self._sender: asyncio.Task[None] | None = None
+        self._in_flight = 0
+        self._closing = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open connections and start the sender."""
+        if self._sender is not None:
+            return
+        self._closing = False
+        self._budget = asyncio.Semaphore(self.max_in_flight)
+        self._wakeup = asyncio.Event()
+        await self._open()
+        self._sender = asyncio.create_task(self._send_loop(), name="rolloutlog-sender")
+
+    async def stop(self) -> None:
+        """Send what is queued, then close."""
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            assert self._wakeup is not None
+            self._closing = True
+            self._wakeup.set()
+            await sender
+            for item in self._queue:
+                if not item.future.done():
+                    item.future.set_exception(BackendUnavailable("the transport was stopped"))
+            self._queue.clear()
+        await self._close()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # -- the interface -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def register(self, run: str, participant_id: str, kind: str) -> int:
+        """Register a participant; returns its new epoch (higher than any before)."""
+
+    async def append(self, run: str, events: Sequence[dict[str, Any]]) -> list[Position]:
+        """Append events in order; returns once all are durable."""
+        futures = []
+        for event in events:
+            await self.reserve()
+            futures.append(self.submit(run, event))
+        return list(await asyncio.gather(*futures))
+
+    async def reserve(self) -> None:
+        """Wait for a slot of the in-flight budget (the back-pressure point)."""
+        if self._budget is None:
+            raise RuntimeError("the transport is not started: use `async with` or start()")
+        await self._budget.acquire()
+        self._in_flight += 1
+
+    def submit(self, run: str, event: dict[str, Any]) -> asyncio.Future[Position]:
+        """Queue one event under a slot ``reserve()`` took; the future resolves once durable.
+
+        Synchronous on purpose: a caller that numbers events (``seq``) and submits them with no
+        ``await`` in between gets them into the log in that order.
+        """
+        try:
+            body = self._encode(run, event)
+        except BaseException:
+            self._release(1)
+            raise
+        future: asyncio.Future[Position] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(run, event, body, future))
+        if len(self._queue) > self.stats.max_queued:
+            self.stats.max_queued = len(self._queue)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return future
+
+    @property
+    def in_flight(self) -> int:
+        """Events submitted (or reserved) and not yet acknowledged."""
+        return self._in_flight
+
+    # -- backend hooks -----------------------------------------------------------------------
+
+    async def _open(self) -> None:  # noqa: B027 - optional hook
+        """Open connections."""
+
+    async def _close(self) -> None:  # noqa: B027 - optional hook
+        """Close connections."""
+
+    @abc.abstractmethod
+    def _encode(self, run: str, event: dict[str, Any]) -> bytes:
+        """Encode (and check) one event on the caller's loop turn."""
+
+    @abc.abstractmethod
+    async def _send(self, run: str, items: Sequence[_Pending]) -> list[Position]:
+        """Append one batch, all or nothing; raise rolloutlog errors."""
+
+    # -- the sender --------------------------------------------------------------------------
+
+    def _release(self, count: int) -> None:
+        assert self._budget is not None
+        self._in_flight -= count
+        for _ in range(count):
+            self._budget.release()
+
+    async def _send_loop(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            run = self._queue[0].run
+            batch: list[_Pending] = []
+            for item in self._queue:
+                if item.run != run or len(batch) >= self.max_batch:
+                    break
+                batch.append(item)
+            del self._queue[: len(batch)]
+            try:
+                await self._deliver(run, batch)
+            finally:
+                self._release(len(batch))
+
+    async def _deliver(self, run: str, batch: list[_Pending]) -> None:
+        failures = 0
+        while batch:
+            try:
+                self.stats.requests += 1
+                positions = await self._send(run, batch)
+            except (AttemptFenced, ParticipantFenced, InvalidEvent, PayloadTooLarge) as e:
+                batch = self._fail_named(batch, e)
+                continue
+            except RolloutlogError as e:
+                failures += 1
+                if not e.retriable or failures > self.retries:
+                    self._fail(batch, e)
+                    return
+                self.stats.retries += 1
+                await asyncio.sleep(min(self.backoff_s * 2 ** (failures - 1), 2.0))
+                continue
+            except Exception as e:  # an unexpected failure fails the batch, never the sender
+                self._fail(batch, BackendUnavailable(f"append failed: {e!r}"))
+                return
+            self.stats.events += len(batch)
+            for item, position in zip(batch, positions, strict=True):
+                if not item.future.done():
+                    item.future.set_result(position)
+            return
+
+    def _fail(self, batch: Sequence[_Pending], error: BaseException) -> None:
+        self.stats.failed += len(batch)
+        for item in batch:
+            if not item.future.done():
+                item.future.set_exception(error)
+
+    def _fail_named(self, batch: list[_Pending], error: RolloutlogError) -> list[_Pending]:
+        """Fail the events an all-or-nothing refusal names; return the rest to send again."""
+        index = error.details.get("index")
+        if not isinstance(index, int) or not 0 <= index < len(batch):
+            self._fail(batch, error)
+            return []
+        named = batch[index].event
+        if isinstance(error, ParticipantFenced):
+            who = named["participant"]
+
+            def same(event: dict[str, Any]) -> bool:
+                return bool(event["participant"] == who)
+        elif isinstance(error, AttemptFenced):
+            key = (named["episode"], named["attempt"])
+
+            def same(event: dict[str, Any]) -> bool:
+                return (event["episode"], event["attempt"]) == key
+        else:
+
+            def same(event: dict[str, Any]) -> bool:
+                return event is named
+
+        failed = [item for item in batch if same(item.event)]
+        self._fail(failed, error)
+        return [item for item in batch if not same(item.event)]
+
+
+class _Rest:
+    """The few REST calls participants make (registration, projections)."""
+
+    def __init__(self, url: str | None, token: str | None, client: httpx.AsyncClient | None):
+        self.url = (url or os.environ.get("ROLLOUTLOG_URL") or DEFAULT_URL).rstrip("/")
+        self.owns_client = client is None
+        self.client = client or httpx.AsyncClient(base_url=self.url, timeout=60.0)
+        self.prefix = "" if client is None or url is None else self.url
+        token = token if token is not None else os.environ.get("ROLLOUTLOG_TOKEN")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    async def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        headers = {**self.headers, **kw.pop("headers", {})}
+        try:
+            response = await self.client.request(method, self.prefix + path, headers=headers, **kw)
+        except httpx.TransportError as e:
+            raise BackendUnavailable(f"the service did not answer: {e!r}") from e
+        if response.is_error:
+            raise error_from_response(response)
+        return response
+
+    async def register(self, run: str, participant_id: str, kind: str) -> int:
+        response = await self.request(
+            "POST", f"/v1/runs/{run}/participants", json={"id": participant_id, "kind": kind}
+        )
+        epoch: int = orjson.loads(response.content)["epoch"]
+        return epoch
+
+    async def close(self) -> None:
+        if self.owns_client:
+            await self.client.aclose()
+
+
+class HttpTransport(Transport):
+    """Events over HTTP through the service: batched NDJSON ``POST /v1/runs/{run}/events``.
+
+    ``client`` is an ``httpx.AsyncClient`` (e.g. over ``httpx.ASGITransport`` in tests); without
+    one the transport opens its own to ``url`` (default ``ROLLOUTLOG_URL``). ``token`` defaults to
+    ``ROLLOUTLOG_TOKEN``. The service validates every envelope, so the client only encodes.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        client: httpx.AsyncClient | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self._rest = _Rest(url, token, client)
+
+    async def register(self, run: str, participant_id: str, kind: str) -> int:
+        return await self._rest.register(run, participant_id, kind)
+
+    async def _close(self) -> None:
+        await self._rest.close()
+
+    def _encode(self, run: str, event: dict[str, Any]) -> bytes:
+        return encode_wire(event)
+
+    async def _send(self, run: str, items: Sequence[_Pending]) -> list[Position]:
+        body = b"\n".join([item.body for item in items])
+        response = await self._rest.request(
+            "POST", f"/v1/runs/{run}/events", content=body, headers={"Content-Type": NDJSON}
+        )
+        offsets = orjson.loads(response.content)["offsets"]
+        return [Position(o["partition"], o["offset"]) for o in offsets]
+
+
+class KafkaTransport(Transport):
+    """Events straight into the run's Kafka topic through ``rolloutlog.log``'s Kafka backend.
+
+    ``log`` is a ``kafka://host:port`` URL (opened and closed here) or a ``Log`` already open.
+    Each event is validated on submit (no service checks it on this path), encoded as a log
+    record and appended with ``Log.append_records`` (murmur2 partitions, ``acks=all``; it returns
+    once acknowledged). Registration goes through the service's REST route
+    (``POST /v1/runs/{run}/participants``), so the epochs the service fences with are the ones
+    participants write with: pass ``url``/``token`` or an ``httpx.AsyncClient`` for it.
+    """
+
+    def __init__(
+        self,
+        log: str | Log,
+        *,
+        url: str | None = None,
+        token: str | None = None,
+        client: httpx.AsyncClient | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self._owns_log = isinstance(log, str)
+        self.log: Log = open_log(log) if isinstance(log, str) else log
+        self._rest = _Rest(url, token, client)
+        self._partitions: dict[str, int] = {}
+
+    async def _open(self) -> None:
+        if self._owns_log:
+            await self.log.start()
+
+    async def _close(self) -> None:
+        await self._rest.close()
+        if self._owns_log:
+            await self.log.close()
+
+    async def register(self, run: str, participant_id: str, kind: str) -> int:
+        epoch = await self._rest.register(run, participant_id, kind)
+        if run not in self._partitions:
+            self._partitions[run] = await self.log.partitions(run)
+        return epoch
+
+    def _encode(self, run: str, event: dict[str, Any]) -> bytes:
+        record = encode_record(validate_event(event))
+        if len(record) > self.log.max_record_bytes:
+            raise PayloadTooLarge(
+                f"event is {len(record)} bytes; the log accepts at most {self.log.max_record_bytes}",
+                size=len(record),
+                max_bytes=self.log.max_record_bytes,
+            )
+        return record
+
+    async def _send(self, run: str, items: Sequence[_Pending]) -> list[Position]:
+        partitions = self._partitions.get(run)
+        if partitions is None:
+            partitions = self._partitions[run] = await self.log.partitions(run)
+        records = [
+            Record(
+                partition_for(item.event["episode"], partitions),
+                item.event["episode"].encode(),
+                item.body,
+            )
+            for item in items
+        ]
+        return await self.log.append_records(run, records)

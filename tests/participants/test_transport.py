@@ -1,0 +1,143 @@
+"""The HTTP transport's pipeline: idempotent retries, back-pressure, coalescing, fencing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+
+from rolloutlog.errors import AttemptFenced, BackendUnavailable
+from rolloutlog.participants import Environment, HttpTransport, Policy, RolloutContext, fingerprint
+from tests.api.conftest import TOKENS
+from tests.participants.conftest import RUN, World
+
+
+class Interposer(httpx.AsyncBaseTransport):
+    """Forwards to the app; can hold event appends at a gate and lose responses after the
+    service appended (the case a retry must keep idempotent)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.arrived = asyncio.Event()
+        self.lose = 0
+        self.batches: list[int] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not request.url.path.endswith("/events"):
+            return await self.inner.handle_async_request(request)
+        body = await request.aread()
+        self.batches.append(body.count(b"\n") + 1)
+        self.arrived.set()
+        await self.gate.wait()
+        response = await self.inner.handle_async_request(request)
+        if self.lose:
+            self.lose -= 1
+            await response.aread()
+            raise httpx.ReadError("the connection dropped before the reply")
+        return response
+
+
+async def settle() -> None:
+    """Let every runnable task run until it blocks (no clock involved)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+def interposed(world: World, **options: object) -> tuple[Interposer, HttpTransport]:
+    interposer = Interposer(world.api.client._transport)
+    client = httpx.AsyncClient(transport=interposer, base_url="http://rolloutlog.test")
+    transport = HttpTransport(client=client, token=TOKENS["participant"], **options)  # type: ignore[arg-type]
+    return interposer, transport
+
+
+async def test_a_retried_append_is_folded_once(world: World) -> None:
+    interposer, transport = interposed(world, backoff_s=0.001)
+    async with transport, transport._rest.client:
+        env = Environment(transport, RUN, "env-0")
+        policy = Policy(transport, RUN, "policy-0")
+        await env.register()
+        await policy.register()
+        episode = await env.start_episode("e1", {"prompt": "p"})
+        interposer.lose = 1
+        await policy.record_call(
+            "e1", "c1", [1, 2], fingerprint=fingerprint([1]), context_digest="x"
+        )
+        assert transport.stats.retries == 1
+        await episode.boundary("seed", {"turn": 1})
+    checkpoint = await world.trainer.checkpoint(RUN)
+    path = f"/v1/runs/{RUN}/episodes/e1/projection?checkpoint={checkpoint.checkpoint_id}"
+    projection = (await world.api.call("GET", path, "participant", 200)).json()
+    assert [row["call_id"] for row in projection["ledger"]] == ["c1"]
+    log = world.api.service.log
+    copies = 0
+    for partition, end in enumerate(await log.end_offsets(RUN)):
+        async for _, record in log.read_records(RUN, partition, 0, end):
+            copies += b'"ledger.row"' in record
+    assert copies == 2  # in the log twice, folded once (same seq)
+
+
+async def test_a_full_budget_makes_callers_wait_and_queued_events_coalesce(world: World) -> None:
+    interposer, transport = interposed(world, max_in_flight=3)
+    async with transport, transport._rest.client:
+        env = Environment(transport, RUN, "env-0")
+        await env.register()
+        episodes = [await env.start_episode(f"e{i}", {"i": i}) for i in range(6)]
+        interposer.gate.clear()
+        interposer.arrived.clear()
+        sent_before = len(interposer.batches)
+        tasks = [asyncio.create_task(e.boundary("seed", {"n": 1})) for e in episodes]
+        await interposer.arrived.wait()
+        await settle()
+        assert transport.in_flight == 3
+        assert not any(task.done() for task in tasks)
+        assert sum(interposer.batches[sent_before:]) <= 3
+        interposer.gate.set()
+        await asyncio.gather(*tasks)
+        batches = interposer.batches[sent_before:]
+        assert sum(batches) == 6 and len(batches) < 6
+        assert transport.stats.max_queued <= 3 and transport.in_flight == 0
+
+
+async def test_a_fenced_event_fails_alone_and_its_batch_mates_are_appended(world: World) -> None:
+    interposer, transport = interposed(world)
+    async with transport, transport._rest.client:
+        env = Environment(transport, RUN, "env-0")
+        await env.register()
+        old = await env.start_episode("e1", {"i": 1})
+        await env.start_episode("e2", {"i": 2})
+        await world.trainer.checkpoint(RUN)
+        await world.trainer.restore(RUN)
+        interposer.gate.clear()
+        interposer.arrived.clear()
+        current = Environment(transport, RUN, "env-0")
+        current.epoch, current.seq, current._who = env.epoch, env.seq, env._who
+        fenced = asyncio.create_task(old.boundary("seed", {"late": True}))
+        fine = asyncio.create_task(
+            current.emit(
+                "step.started",
+                RolloutContext("e2", 1),
+                {"owner": "environment", "stage": "seed", "mode": "replay"},
+            )
+        )
+        await interposer.arrived.wait()
+        await settle()
+        interposer.gate.set()
+        with pytest.raises(AttemptFenced):
+            await fenced
+        assert (await fine).offset >= 0
+        assert interposer.batches[-2:] == [2, 1]  # one request refused, the rest sent again
+
+
+async def test_an_unreachable_service_fails_after_the_retries() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(refuse), base_url="http://x.test")
+    async with client, HttpTransport(client=client, retries=2, backoff_s=0.001) as transport:
+        with pytest.raises(BackendUnavailable):
+            await transport.append(RUN, [orjson.loads(b'{"type": "x", "episode": "e"}')])
+        assert transport.stats.retries == 2 and transport.in_flight == 0
