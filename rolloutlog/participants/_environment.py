@@ -32,12 +32,13 @@ _MODES: dict[str, StepMode] = {
 VERIFY_HEADER = "x-ng-checkpoint-verify"
 
 
+_NEXT: dict[str, str | None] = {
+    stage: after for stage, after in zip(STAGES, (*STAGES[1:], None), strict=True)
+}
+
+
 def next_stage(stage: str) -> str | None:
-    try:
-        index = STAGES.index(stage)
-    except ValueError:
-        return None
-    return STAGES[index + 1] if index + 1 < len(STAGES) else None
+    return _NEXT.get(stage)
 
 
 class EnvironmentEpisode:

@@ -90,8 +90,24 @@ class Participant:
         step: int | None = None,
     ) -> Position:
         """Append one event of this participant and return once it is durable."""
-        future = await self.emit_nowait(type_, context, data, step=step)
-        return await future
+        # emit_nowait inlined: this is the hot path, one coroutine frame less per event
+        if self.epoch is None:
+            raise RuntimeError(f"participant {self.id!r} is not registered: call register()")
+        transport = self.transport
+        await transport.reserve()
+        self.seq += 1
+        event = {
+            "v": 1,
+            "type": type_,
+            "episode": context.episode,
+            "attempt": context.attempt,
+            "step": context.step if step is None else step,
+            "participant": self._who,
+            "seq": self.seq,
+            "ts": time.time(),
+            "data": data,
+        }
+        return await transport.submit(self.run, event)
 
     async def emit_nowait(
         self,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -101,7 +102,8 @@ class Transport(abc.ABC):
         self.retries = retries
         self.backoff_s = backoff_s
         self.stats = _Stats()
-        self._budget: asyncio.Semaphore | None = None
+        self._started = False
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._queue: list[_Pending] = []
         self._wakeup: asyncio.Event | None = None
         self._sender: asyncio.Task[None] | None = None
@@ -115,7 +117,7 @@ class Transport(abc.ABC):
         if self._sender is not None:
             return
         self._closing = False
-        self._budget = asyncio.Semaphore(self.max_in_flight)
+        self._started = True
         self._wakeup = asyncio.Event()
         await self._open()
         self._sender = asyncio.create_task(self._send_loop(), name="rolloutlog-sender")
@@ -132,6 +134,7 @@ class Transport(abc.ABC):
                 if not item.future.done():
                     item.future.set_exception(BackendUnavailable("the transport was stopped"))
             self._queue.clear()
+            self._started = False
         await self._close()
 
     async def __aenter__(self) -> Self:
@@ -162,10 +165,20 @@ class Transport(abc.ABC):
 
     async def reserve(self) -> None:
         """Wait for a slot of the in-flight budget (the back-pressure point)."""
-        if self._budget is None:
+        if not self._started:
             raise RuntimeError("the transport is not started: use `async with` or start()")
-        await self._budget.acquire()
-        self._in_flight += 1
+        if self._in_flight < self.max_in_flight and not self._waiters:
+            self._in_flight += 1
+            return
+        # First come, first served: ``_release`` hands freed slots to waiters in order.
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._release(1)  # granted as it was cancelled: give the slot back
+            raise
 
     def submit(self, run: str, event: dict[str, Any]) -> asyncio.Future[Position]:
         """Queue one event under a slot ``reserve()`` took; the future resolves once durable.
@@ -210,10 +223,13 @@ class Transport(abc.ABC):
     # -- the sender --------------------------------------------------------------------------
 
     def _release(self, count: int) -> None:
-        assert self._budget is not None
         self._in_flight -= count
-        for _ in range(count):
-            self._budget.release()
+        waiters = self._waiters
+        while waiters and self._in_flight < self.max_in_flight:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                self._in_flight += 1
+                waiter.set_result(None)
 
     async def _send_loop(self) -> None:
         assert self._wakeup is not None
