@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from rolloutlog import participants
@@ -183,3 +185,44 @@ async def test_resume_without_a_boundary_starts_at_seed(world: World) -> None:
     projection = await world.restores.fetch(RUN, "e1", restore.restore_id)
     resumed = env.resume(projection)
     assert (resumed.stage, resumed.state, resumed.task) == ("seed", None, TASK)
+
+
+async def test_constrained_calls_are_never_chunked_and_each_skip_is_counted(world: World) -> None:
+    policy = Policy(world.transport, RUN, "policy-0", chunk_tokens=2)
+    await policy.register()
+    generation = policy.generation("e1", "c1", request_digest="r", constrained=True)
+    await generation.feed([1, 2, 3, 4, 5])
+    await generation.complete()
+    assert (generation.chunks, policy.chunks_skipped) == (0, 2)
+    assert world.transport.stats.events == 0
+
+
+async def test_the_export_hook_records_many_sessions_at_once(world: World) -> None:
+    exported: list[list[tuple[str, str]]] = []
+
+    async def export(sessions: Sequence[tuple[str, str]]) -> dict[tuple[str, str], object]:
+        keys = list(sessions)
+        exported.append(keys)
+        return {key: {"sandbox": key[1]} for key in keys}
+
+    env = Environment(world.transport, RUN, "env-0")
+    resources = Resources(world.transport, RUN, "res-0", mode="exported", export_hook=export)
+    stateless = Resources(world.transport, RUN, "res-1", mode="stateless")
+    for participant in (env, resources, stateless):
+        await participant.register()
+    episodes = {}
+    for i in range(3):
+        episodes[f"e{i}"] = await env.start_episode(f"e{i}", {"i": i})
+        await resources.open_session(f"e{i}", f"sb{i}")
+        await stateless.open_session(f"e{i}", f"calc{i}")
+        assert await stateless.record_state(f"e{i}", f"calc{i}", {"ignored": True}) is None
+    await resources.export([(f"e{i}", f"sb{i}") for i in range(3)])
+    assert len(exported) == 1
+    for episode in episodes.values():
+        await episode.boundary("seed", {})
+    await world.trainer.checkpoint(RUN)
+    restore = await world.trainer.restore(RUN)
+    for i in range(3):
+        projection = await world.restores.fetch(RUN, f"e{i}", restore.restore_id)
+        assert resources.restored_state(projection, f"sb{i}") == {"sandbox": f"sb{i}"}
+        assert projection["sessions"][f"calc{i}"]["mode"] == "stateless"
