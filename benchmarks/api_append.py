@@ -365,6 +365,7 @@ def main() -> None:
         default="0,1",
         help="validation worker counts to measure, the first is the headline (default: 0,1)",
     )
+    parser.add_argument("--note", default="", help="context to keep with the results")
     args = parser.parse_args()
     runs, seconds = (1, 2.0) if args.quick else (args.runs, args.seconds)
     configs = {
@@ -385,6 +386,7 @@ def main() -> None:
         "headline": next(iter(configs)),
         "configs": configs,
         "load_average_after": os.getloadavg()[0],
+        "note": args.note,
     }
     if not args.quick:
         path = save("api_append", document)
