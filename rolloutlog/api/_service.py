@@ -147,7 +147,6 @@ class Service:
                 async with asyncio.timeout(self.settings.drain_timeout_s):
                     await self._drained.wait()
         try:
-            await self._quiesce_projectors()
             await self.coordinator.stop()
         finally:
             try:
@@ -156,22 +155,6 @@ class Service:
                 await self.log.close()
                 await self.preparer.stop()
         logger.info("service stopped")
-
-    async def _quiesce_projectors(self) -> None:
-        """Let every projector catch up with the log before it is cancelled.
-
-        Works around a race in the embedded log's ``follow``: cancelled while a worker thread
-        reads a page, it closes the SQLite connection under that thread (a crash). Caught up, a
-        follower only waits for the next commit, where cancelling it is safe.
-        """
-        for run, projector in list(self.coordinator.projectors.items()):
-            try:
-                ends = await self.log.end_offsets(run)
-                async with asyncio.timeout(5.0):
-                    await projector.wait_until(dict(enumerate(ends)))
-            except Exception:  # shutting down anyway: note it and go on
-                logger.warning("projector of run %s did not catch up before shutdown", run)
-        await asyncio.sleep(0)
 
     # -- in-flight appends -------------------------------------------------------------------
 
