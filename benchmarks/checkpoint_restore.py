@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import hashlib
 import os
 import shutil
@@ -31,6 +32,7 @@ from typing import Any
 import orjson
 from _common import save, summary
 
+from rolloutlog.api.cli import GC_THRESHOLDS
 from rolloutlog.catalog import open_catalog
 from rolloutlog.log import Event, Log, Opaque, open_log, split_record, validate_event
 from rolloutlog.projections import CheckpointResult, Coordinator
@@ -342,6 +344,8 @@ def main() -> None:
     parser.add_argument("--backends", default="embedded,kafka")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    # Measure the service as `rolloutlog serve` runs it: with its collector thresholds.
+    gc.set_threshold(*GC_THRESHOLDS)
     backends = args.backends.split(",")
     sizes = {"S1": 2000 if args.quick else 16_000, "S2": 200 if args.quick else 1000}
     results: dict[str, Any] = {"runs": args.runs, "quick": args.quick, "backends": {}}

@@ -107,23 +107,48 @@ class EpisodeTracker:
 
     def restart(self, attempt: int) -> None:
         """A restore started this episode over as ``attempt``: nothing carries on."""
-        filters = self.filters
-        filters.attempt = attempt
-        fresh = EpisodeTracker(self.episode, self.partition, attempt=attempt, filters=filters)
-        for name in self.__slots__:
-            setattr(self, name, getattr(fresh, name))
+        self._reset(attempt, None, None, None, {}, {}, [], None, 0)
 
     def continue_from(self, projection: EpisodeProjection, attempt: int) -> None:
         """A restore continues this episode as ``attempt`` from ``projection`` (its cut)."""
-        self.restart(attempt)
-        self.first_offset = projection.first_offset
-        self.last_boundary_offset = projection.committed_through
-        self.last_stage = projection.last_stage
-        self.open_waits = dict(projection.open_waits)
-        self.sessions = {sid: s.mode for sid, s in projection.sessions.items()}
-        self.staging_keys = list(
-            dict.fromkeys(row.staging_key for row in projection.ledger if row.staging_key)
-        )
         cut = projection.generation_cut
-        self._tail_staging = cut.staging_key if cut is not None else None
-        self.size_bytes = projection.payload_bytes
+        self._reset(
+            attempt,
+            projection.first_offset,
+            projection.committed_through,
+            projection.last_stage,
+            dict(projection.open_waits),
+            {sid: s.mode for sid, s in projection.sessions.items()},
+            list(dict.fromkeys(row.staging_key for row in projection.ledger if row.staging_key)),
+            cut.staging_key if cut is not None else None,
+            projection.payload_bytes,
+        )
+
+    def _reset(
+        self,
+        attempt: int,
+        first_offset: int | None,
+        last_boundary_offset: int | None,
+        last_stage: str | None,
+        open_waits: dict[str, int],
+        sessions: dict[str, str],
+        staging_keys: list[str],
+        tail_staging: str | None,
+        size_bytes: int,
+    ) -> None:
+        # Field by field: a restore resets thousands of trackers while the partition waits.
+        self.filters.attempt = attempt
+        self.attempt = attempt
+        self.first_offset = first_offset
+        self.first_ts = None
+        self.finished = False
+        self.finished_offset = None
+        self.last_boundary_offset = last_boundary_offset
+        self.last_stage = last_stage
+        self.size_bytes = size_bytes
+        self.open_waits = open_waits
+        self.sessions = sessions
+        self.staging_keys = staging_keys
+        self._pending_sessions = []
+        self._pending_staging = []
+        self._tail_staging = tail_staging
