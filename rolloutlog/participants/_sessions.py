@@ -166,7 +166,8 @@ class Agent(Participant):
     async def open_session(self, key: str | RolloutContext, session_id: str) -> AgentSession:
         """``session.started`` (mode ``exported``: the state lives in the session's boundaries)."""
         context = RolloutContext.of(key)
-        data = {"session_id": check_name("session id", session_id), "mode": "exported"}
+        sid = check_name("session id", session_id)
+        data = {"session_id": sid, "mode": "exported", "verify": "replay"}
         await self.emit("session.started", context, data)
         return AgentSession(self, context, session_id)
 

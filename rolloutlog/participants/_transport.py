@@ -33,6 +33,7 @@ from rolloutlog.errors import (
     RolloutlogError,
 )
 from rolloutlog.log import (
+    OPAQUE_FIELD,
     Log,
     Opaque,
     Position,
@@ -59,6 +60,32 @@ def _default(value: Any) -> Any:
 def encode_wire(event: dict[str, Any]) -> bytes:
     """An envelope as one JSON object (opaque payloads embedded as their raw bytes)."""
     return orjson.dumps(event, default=_default)
+
+
+#: The field of each event type a log record keeps apart from its metadata (``rolloutlog.log``'s
+#: record format: metadata JSON, then a newline and the payload's raw JSON).
+_PAYLOAD_FIELDS = {**OPAQUE_FIELD, "ledger.row": "token_ids", "generation.chunk": "token_ids"}
+
+
+def encode_record_unchecked(event: dict[str, Any]) -> bytes:
+    """The log record of an envelope the SDK built, without pydantic validation.
+
+    Same bytes' meaning as ``encode_record(validate_event(event))`` (tested per event type) for
+    the complete envelopes the participant classes build; ~10 us cheaper per event.
+    """
+    field = _PAYLOAD_FIELDS.get(event["type"])
+    if field is None:
+        return orjson.dumps(event)
+    data = event["data"]
+    payload = data[field]
+    meta = dict(event)
+    meta["data"] = {key: value for key, value in data.items() if key != field}
+    head = orjson.dumps(meta)
+    if payload is None:
+        return head
+    if isinstance(payload, Opaque):
+        return head + b"\n" + payload.raw
+    return head + b"\n" + orjson.dumps(payload)
 
 
 @dataclass(slots=True)
@@ -385,9 +412,10 @@ class KafkaTransport(Transport):
     """Events straight into the run's Kafka topic through ``rolloutlog.log``'s Kafka backend.
 
     ``log`` is a ``kafka://host:port`` URL (opened and closed here) or a ``Log`` already open.
-    Each event is validated on submit (no service checks it on this path), encoded as a log
-    record and appended with ``Log.append_records`` (murmur2 partitions, ``acks=all``; it returns
-    once acknowledged). Registration goes through the service's REST route
+    Each event is validated on submit (no service checks it on this path; ``validate=False``
+    trusts the participant classes' envelopes and skips pydantic), encoded as a log record and
+    appended with ``Log.append_records`` (murmur2 partitions, ``acks=all``; it returns once
+    acknowledged). Registration goes through the service's REST route
     (``POST /v1/runs/{run}/participants``), so the epochs the service fences with are the ones
     participants write with: pass ``url``/``token`` or an ``httpx.AsyncClient`` for it.
     """
@@ -399,9 +427,11 @@ class KafkaTransport(Transport):
         url: str | None = None,
         token: str | None = None,
         client: httpx.AsyncClient | None = None,
+        validate: bool = True,
         **options: Any,
     ) -> None:
         super().__init__(**options)
+        self.validate = validate
         self._owns_log = isinstance(log, str)
         self.log: Log = open_log(log) if isinstance(log, str) else log
         self._rest = _Rest(url, token, client)
@@ -423,7 +453,10 @@ class KafkaTransport(Transport):
         return epoch
 
     def _encode(self, run: str, event: dict[str, Any]) -> bytes:
-        record = encode_record(validate_event(event))
+        if self.validate:
+            record = encode_record(validate_event(event))
+        else:
+            record = encode_record_unchecked(event)
         if len(record) > self.log.max_record_bytes:
             raise PayloadTooLarge(
                 f"event is {len(record)} bytes; the log accepts at most {self.log.max_record_bytes}",
