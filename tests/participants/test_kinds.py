@@ -226,3 +226,20 @@ async def test_the_export_hook_records_many_sessions_at_once(world: World) -> No
         projection = await world.restores.fetch(RUN, f"e{i}", restore.restore_id)
         assert resources.restored_state(projection, f"sb{i}") == {"sandbox": f"sb{i}"}
         assert projection["sessions"][f"calc{i}"]["mode"] == "stateless"
+
+
+async def test_an_open_wait_step_holds_the_checkpoint_until_its_boundary(world: World) -> None:
+    env = Environment(world.transport, RUN, "env-0")
+    await env.register()
+    episode = await env.start_episode("e1", TASK)
+    await episode.boundary("seed", {"s": 1})
+    await episode.boundary("invoke_agent", {"response": "r"})
+    await episode.step_started("close_agent")  # wait mode: must not run twice
+    pending = await world.trainer.checkpoint(RUN, wait=False)
+    assert pending.status == "pending"
+    await episode.boundary("close_agent", {"observations": [1]})
+    done = await world.trainer.wait_for_checkpoint(RUN, pending.checkpoint_id, poll_s=0.01)
+    assert done.status == "committed"
+    restore = await world.trainer.restore(RUN)
+    resumed = env.resume(await world.restores.fetch(RUN, "e1", restore.restore_id))
+    assert (resumed.stage, resumed.state) == ("verify", {"observations": [1]})
