@@ -9,6 +9,7 @@ from typing import Any, Self
 import httpx
 import orjson
 
+from rolloutlog.errors import BackendUnavailable
 from rolloutlog.participants._transport import NDJSON, _Rest
 from rolloutlog.trainer._types import error_from_body, error_from_response
 
@@ -61,17 +62,20 @@ class Restores:
         rest = self._rest
         headers = {**rest.headers, "Accept": NDJSON}
         path = f"{rest.prefix}/v1/runs/{run}/restores/{restore_id}/projections"
-        async with rest.client.stream("GET", path, params=params, headers=headers) as response:
-            if response.is_error:
-                await response.aread()
-                raise error_from_response(response)
-            async for line in response.aiter_lines():
-                if not line.strip():
-                    continue
-                value = orjson.loads(line)
-                if isinstance(value, dict) and set(value) == {"error"}:
-                    raise error_from_body(200, value)
-                yield value
+        try:
+            async with rest.client.stream("GET", path, params=params, headers=headers) as response:
+                if response.is_error:
+                    await response.aread()
+                    raise error_from_response(response)
+                async for line in response.aiter_lines():
+                    if not line.strip():
+                        continue
+                    value = orjson.loads(line)
+                    if isinstance(value, dict) and set(value) == {"error"}:
+                        raise error_from_body(200, value)
+                    yield value
+        except httpx.TransportError as e:
+            raise BackendUnavailable(f"the service did not answer: {e!r}") from e
 
     async def fetch(self, run: str, episode: str, restore: int | str = "latest") -> dict[str, Any]:
         """One episode's projection as the restore continues it (``UnknownEpisode`` when the

@@ -119,6 +119,7 @@ class Transport(abc.ABC):
         *,
         max_in_flight: int = 4096,
         max_batch: int = 512,
+        max_batch_bytes: int = 8 * 1024 * 1024,
         retries: int = 6,
         backoff_s: float = 0.05,
     ) -> None:
@@ -126,6 +127,9 @@ class Transport(abc.ABC):
             raise ValueError("max_in_flight and max_batch must be at least 1")
         self.max_in_flight = max_in_flight
         self.max_batch = max_batch
+        #: A request stops growing past this many bytes (the service refuses bodies over its
+        #: limit, 32 MiB by default, as a whole); one larger event still goes alone.
+        self.max_batch_bytes = max_batch_bytes
         self.retries = retries
         self.backoff_s = backoff_s
         self.stats = _Stats()
@@ -210,6 +214,8 @@ class Transport(abc.ABC):
     def submit(self, run: str, event: dict[str, Any]) -> asyncio.Future[Position]:
         """Queue one event under a slot ``reserve()`` took; the future resolves once durable.
 
+        An event is sent even if its caller stops waiting (cancellation): its ``seq`` is taken.
+
         Synchronous on purpose: a caller that numbers events (``seq``) and submits them with no
         ``await`` in between gets them into the log in that order.
         """
@@ -269,8 +275,12 @@ class Transport(abc.ABC):
                 continue
             run = self._queue[0].run
             batch: list[_Pending] = []
+            size = 0
             for item in self._queue:
-                if item.run != run or len(batch) >= self.max_batch:
+                size += len(item.body)
+                if batch and (
+                    item.run != run or len(batch) >= self.max_batch or size > self.max_batch_bytes
+                ):
                     break
                 batch.append(item)
             del self._queue[: len(batch)]

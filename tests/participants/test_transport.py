@@ -141,3 +141,15 @@ async def test_an_unreachable_service_fails_after_the_retries() -> None:
         with pytest.raises(BackendUnavailable):
             await transport.append(RUN, [orjson.loads(b'{"type": "x", "episode": "e"}')])
         assert transport.stats.retries == 2 and transport.in_flight == 0
+
+
+async def test_requests_stop_growing_at_the_byte_budget(world: World) -> None:
+    interposer, transport = interposed(world, max_batch_bytes=4000)
+    async with transport, transport._rest.client:
+        env = Environment(transport, RUN, "env-0")
+        await env.register()
+        episodes = [await env.start_episode(f"e{i}", {"i": i}) for i in range(4)]
+        sent_before = len(interposer.batches)
+        big = "x" * 3000
+        await asyncio.gather(*(e.boundary("seed", {"blob": big}) for e in episodes))
+        assert interposer.batches[sent_before:] == [1, 1, 1, 1]
