@@ -7,6 +7,7 @@ DESIGN.md §3): await it before the effect it records leaves the process.
 from rolloutlog.participants._asgi import (
     CAPTURE_KEY_HEADER,
     STEP_HEADER,
+    ResourcesMiddleware,
     RolloutContextMiddleware,
     context_headers,
     current_context,
@@ -49,6 +50,7 @@ __all__ = [
     "Participant",
     "Policy",
     "Resources",
+    "ResourcesMiddleware",
     "Restores",
     "Resumed",
     "RolloutContext",

@@ -12,19 +12,24 @@ FastAPI dependency. A malformed header is refused with 400 ``invalid_request``.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rolloutlog.errors import InvalidRequest
 from rolloutlog.participants._participant import RolloutContext
 
+if TYPE_CHECKING:
+    from rolloutlog.participants._sessions import Resources
+
 __all__ = [
     "CAPTURE_KEY_HEADER",
     "STEP_HEADER",
+    "ResourcesMiddleware",
     "RolloutContextMiddleware",
     "context_headers",
     "current_context",
@@ -100,3 +105,70 @@ async def _refuse(send: Send, error: InvalidRequest) -> None:
     headers: list[Any] = [(b"content-type", b"application/json")]
     await send({"type": "http.response.start", "status": error.http_status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+#: Returns the state of a session to record before a reply (``exported`` servers).
+StateHook = Callable[[RolloutContext, str], Awaitable[Any]]
+
+
+class ResourcesMiddleware:
+    """A resources server's session lifecycle, inferred from its routes (keyed by the attempt
+    in ``x-rolloutlog-capture-key``), each recorded before the reply leaves:
+
+    - ``…/seed_session``: ``session.started``; the reply gets ``resources.headers``
+      (``x-ng-checkpoint-verify``, and ``x-ng-checkpoint-restart: 1`` when restart-only);
+    - every successful reply of a rollout request, for ``exported`` servers with a ``state``
+      hook: ``session.state`` (so ``/verify`` and tool calls record the state they leave);
+    - ``…/close_session``: ``session.ended``.
+
+    The session id is ``"<resources id>:<episode>"`` (stable across attempts, so a replacement
+    finds its restored state under it); requests without a capture key pass through untouched.
+    """
+
+    def __init__(
+        self, app: ASGIApp, resources: Resources, *, state: StateHook | None = None
+    ) -> None:
+        self.app = app
+        self.resources = resources
+        self.state = state
+
+    def session_id(self, context: RolloutContext) -> str:
+        return f"{self.resources.id}:{context.episode}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", ()))
+        key = headers.get(CAPTURE_KEY_HEADER.encode())
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        step = headers.get(STEP_HEADER.encode())
+        try:
+            context = parse_context(key.decode("latin-1"), step and step.decode("latin-1"))
+        except InvalidRequest as e:
+            await _refuse(send, e)
+            return
+        assert context is not None
+        path: str = scope["path"]
+        resources = self.resources
+        sid = self.session_id(context)
+
+        async def recorded(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] < 400:
+                if path.endswith("/seed_session"):
+                    await resources.open_session(context, sid)
+                    extra = [(k.encode(), v.encode()) for k, v in resources.headers.items()]
+                    message = {**message, "headers": [*message.get("headers", ()), *extra]}
+                if path.endswith("/close_session"):
+                    await resources.end_session(context, sid)
+                elif self.state is not None and resources.mode == "exported":
+                    await resources.record_state(context, sid, await self.state(context, sid))
+            await send(message)
+
+        token = _CURRENT.set(context)
+        try:
+            await self.app(scope, receive, recorded)
+        finally:
+            _CURRENT.reset(token)

@@ -10,12 +10,16 @@ from fastapi import Depends, FastAPI
 from rolloutlog.participants import (
     CAPTURE_KEY_HEADER,
     STEP_HEADER,
+    Environment,
+    Resources,
+    ResourcesMiddleware,
     RolloutContext,
     RolloutContextMiddleware,
     context_headers,
     current_context,
     rollout_context,
 )
+from tests.participants.conftest import RUN, World
 
 
 def make_app() -> FastAPI:
@@ -50,3 +54,51 @@ async def test_headers_carry_the_rollout_context() -> None:
         bad = await client.get("/middleware", headers={CAPTURE_KEY_HEADER: "r17-a0"})
         assert bad.status_code == 400
         assert bad.json()["error"]["code"] == "invalid_request"
+
+
+async def test_a_resources_server_records_its_sessions_from_its_routes(world: World) -> None:
+    counters: dict[str, int] = {}
+    resources = Resources(world.transport, RUN, "res-0", mode="exported", verify="wait")
+    env = Environment(world.transport, RUN, "env-0")
+    await resources.register()
+    await env.register()
+
+    async def state(context: RolloutContext, session_id: str) -> dict[str, int]:
+        return {"counter": counters.get(context.episode, 0)}
+
+    app = FastAPI()
+
+    @app.post("/seed_session")
+    async def seed() -> dict[str, str]:
+        return {"ok": "seeded"}
+
+    @app.post("/add")
+    async def add() -> dict[str, int]:
+        context = current_context()
+        if context is None:
+            return {"counter": -1}
+        counters[context.episode] = counters.get(context.episode, 0) + 1
+        return {"counter": counters[context.episode]}
+
+    @app.post("/close_session")
+    async def close() -> dict[str, str]:
+        return {"ok": "closed"}
+
+    server = ResourcesMiddleware(app, resources, state=state)
+    transport = httpx.ASGITransport(app=server)
+    async with httpx.AsyncClient(transport=transport, base_url="http://res.test") as client:
+        episode = await env.start_episode("e1", {"p": 1})
+        headers = context_headers(RolloutContext("e1", 0, step=1))
+        seeded = await client.post("/seed_session", headers=headers)
+        assert seeded.headers["x-ng-checkpoint-verify"] == "wait"
+        for _ in range(3):
+            await client.post("/add", headers=headers)
+        assert (await client.post("/add")).status_code == 200  # no rollout context: untouched
+        await episode.boundary("seed", {"resources": "res-0:e1"})
+        await world.trainer.checkpoint(RUN)
+        restore = await world.trainer.restore(RUN)
+        projection = await world.restores.fetch(RUN, "e1", restore.restore_id)
+        assert resources.restored_state(projection, "res-0:e1") == {"counter": 3}
+        assert projection["sessions"]["res-0:e1"]["verify"] == "wait"
+        replacement = context_headers(RolloutContext("e1", 1))
+        assert (await client.post("/close_session", headers=replacement)).status_code == 200

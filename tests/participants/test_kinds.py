@@ -41,6 +41,7 @@ def test_the_public_surface_is_pinned() -> None:
         "Participant",
         "Policy",
         "Resources",
+        "ResourcesMiddleware",
         "Restores",
         "Resumed",
         "RolloutContext",
