@@ -8,7 +8,8 @@ import httpx
 import orjson
 import pytest
 
-from rolloutlog.errors import AttemptFenced, BackendUnavailable
+from rolloutlog.errors import AttemptFenced, BackendUnavailable, InvalidEvent
+from rolloutlog.log import Position
 from rolloutlog.participants import Environment, HttpTransport, Policy, RolloutContext, fingerprint
 from tests.api.conftest import TOKENS
 from tests.participants.conftest import RUN, World
@@ -153,3 +154,17 @@ async def test_requests_stop_growing_at_the_byte_budget(world: World) -> None:
         big = "x" * 3000
         await asyncio.gather(*(e.boundary("seed", {"blob": big}) for e in episodes))
         assert interposer.batches[sent_before:] == [1, 1, 1, 1]
+
+
+async def test_an_invalid_event_fails_alone(world: World) -> None:
+    env = Environment(world.transport, RUN, "env-0")
+    await env.register()
+    first = await env.start_episode("e1", {"i": 1})
+    second = await env.start_episode("e2", {"i": 2})
+    bad, good = await asyncio.gather(
+        first.boundary("not a stage name", {}),
+        second.boundary("seed", {}),
+        return_exceptions=True,
+    )
+    assert isinstance(bad, InvalidEvent) and bad.details["field"].endswith("stage")
+    assert isinstance(good, Position)
