@@ -214,7 +214,7 @@ def main() -> None:
                 f"  target {key} >= {target}: {measured:.0f} {'met' if measured >= target else 'MISSED'}"
             )
         results["backends"][name]["targets"] = checks
-    path = save("log_append", results)
+    path = save("log_append" + ("_quick" if args.quick else ""), results)
     print(f"saved {path}")
 
 
