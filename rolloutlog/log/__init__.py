@@ -38,7 +38,14 @@ from rolloutlog.log._events import (
     StepStarted,
     StepStartedData,
 )
-from rolloutlog.log._ids import capture_key, episode_id_problem, parse_capture_key, partition_for
+from rolloutlog.log._ids import (
+    capture_key,
+    episode_id_problem,
+    name_problem,
+    parse_capture_key,
+    partition_for,
+    run_name_problem,
+)
 from rolloutlog.log._interface import (
     DEFAULT_MAX_RECORD_BYTES,
     DEFAULT_PARTITIONS,
@@ -89,9 +96,11 @@ __all__ = [
     "encode_event",
     "encode_record",
     "episode_id_problem",
+    "name_problem",
     "open_log",
     "parse_capture_key",
     "partition_for",
+    "run_name_problem",
     "split_record",
     "validate_event",
     "validate_events",

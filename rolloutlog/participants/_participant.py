@@ -11,8 +11,14 @@ from typing import Any, ClassVar
 
 import orjson
 
-from rolloutlog.log import Opaque, ParticipantKind, Position, capture_key, parse_capture_key
-from rolloutlog.log._ids import name_problem
+from rolloutlog.log import (
+    Opaque,
+    ParticipantKind,
+    Position,
+    capture_key,
+    name_problem,
+    parse_capture_key,
+)
 from rolloutlog.participants._transport import Transport
 
 __all__ = ["Participant", "RolloutContext", "task_digest"]

@@ -11,7 +11,7 @@ import orjson
 
 from rolloutlog.errors import BackendUnavailable
 from rolloutlog.participants._transport import NDJSON, _Rest
-from rolloutlog.trainer._types import error_from_body, error_from_response
+from rolloutlog.trainer import error_from_body, error_from_response
 
 __all__ = ["Restores"]
 

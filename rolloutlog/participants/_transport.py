@@ -43,7 +43,7 @@ from rolloutlog.log import (
     partition_for,
     validate_event,
 )
-from rolloutlog.trainer._types import error_from_response
+from rolloutlog.trainer import error_from_response
 
 __all__ = ["HttpTransport", "KafkaTransport", "Transport"]
 

@@ -3,7 +3,14 @@
 from rolloutlog.trainer._client import DEFAULT_URL, AsyncTrainerClient, TrainerClient
 from rolloutlog.trainer._resume import Dispatch, ResumePlan, resume_run, resume_run_sync
 from rolloutlog.trainer._scheduler import CheckpointScheduler
-from rolloutlog.trainer._types import CheckpointInfo, RestoreEpisode, RestoreInfo, ServiceError
+from rolloutlog.trainer._types import (
+    CheckpointInfo,
+    RestoreEpisode,
+    RestoreInfo,
+    ServiceError,
+    error_from_body,
+    error_from_response,
+)
 
 __all__ = [
     "DEFAULT_URL",
@@ -16,6 +23,8 @@ __all__ = [
     "ResumePlan",
     "ServiceError",
     "TrainerClient",
+    "error_from_body",
+    "error_from_response",
     "resume_run",
     "resume_run_sync",
 ]

@@ -322,7 +322,11 @@ class AsyncTrainerClient(_Calls):
         restore: CheckpointRef | None = None,
         checkpoint: int | None = None,
     ) -> dict[str, Any]:
-        """One episode's projection (of a restore, or at a checkpoint's cut)."""
+        """One episode's projection (of a restore, or at a checkpoint's cut).
+
+        The projection routes are the participants' (DESIGN.md §8): the client's token must hold
+        the participant role (or admin); a trainer token gets ``Forbidden``.
+        """
         result: dict[str, Any] = await self._send(
             self._projection_call(run, episode, restore, checkpoint)
         )
@@ -331,7 +335,8 @@ class AsyncTrainerClient(_Calls):
     async def projections(
         self, run: str, restore_id: int, *, kind: str | None = None, participant: str | None = None
     ) -> AsyncIterator[Any]:
-        """A restore's projections for one participant kind / id (streamed)."""
+        """A restore's projections for one participant kind / id (streamed; the token must hold
+        the participant role or admin, as for ``projection``)."""
         call = _Call(
             "GET",
             f"/v1/runs/{run}/restores/{restore_id}/projections",

@@ -111,6 +111,8 @@ def test_public_surface() -> None:
         "ResumePlan",
         "ServiceError",
         "TrainerClient",
+        "error_from_body",
+        "error_from_response",
         "resume_run",
         "resume_run_sync",
     ]

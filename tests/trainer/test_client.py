@@ -26,9 +26,9 @@ from rolloutlog.trainer import (
     CheckpointInfo,
     CheckpointScheduler,
     ServiceError,
+    error_from_body,
     resume_run,
 )
-from rolloutlog.trainer._types import error_from_body
 from tests import factories as f
 from tests.api.conftest import TOKENS, Api, open_api, settings_for
 
