@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from rolloutlog.errors import BackendUnavailable, InvalidRequest, LogError, UnknownRun
+from rolloutlog.log._blobs import BLOB_THRESHOLD, BlobStore
 from rolloutlog.log._interface import (
     DEFAULT_MAX_RECORD_BYTES,
     DEFAULT_PARTITIONS,
@@ -58,8 +59,10 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS segments (
     id INTEGER PRIMARY KEY,  -- partition << 40 | offset of the first record
     count INTEGER NOT NULL,
+    blob_file INTEGER,       -- the lowest blob file the segment refers to, if any
     value BLOB NOT NULL      -- count little-endian uint32 lengths, then the records
 );
+CREATE INDEX IF NOT EXISTS segments_blob_file ON segments (blob_file) WHERE blob_file IS NOT NULL;
 CREATE TABLE IF NOT EXISTS partitions (
     partition INTEGER PRIMARY KEY,
     start_offset INTEGER NOT NULL DEFAULT 0
@@ -72,15 +75,31 @@ def _row_id(partition: int, offset: int) -> int:
     return (partition << _OFFSET_BITS) | offset
 
 
-def _encode_segment(values: list[bytes]) -> bytes:
-    lengths = array.array("I", [len(value) for value in values])
+#: A length with this bit set says the record is in a blob file; its body is the reference.
+_EXTERNAL = 0x80000000
+
+
+def _encode_segment(values: list[bytes], blobs: BlobStore) -> tuple[bytes, int | None]:
+    """A segment's bytes, and the lowest blob file it refers to (large records go there)."""
+    lengths = array.array("I")
+    bodies: list[bytes] = []
+    lowest: int | None = None
+    for value in values:
+        if len(value) >= BLOB_THRESHOLD:
+            if lowest is None:
+                lowest = blobs.current
+            value = blobs.stage(value)
+            lengths.append(_EXTERNAL | len(value))
+        else:
+            lengths.append(len(value))
+        bodies.append(value)
     if not _LITTLE_ENDIAN:
         lengths.byteswap()
-    return lengths.tobytes() + b"".join(values)
+    return lengths.tobytes() + b"".join(bodies), lowest
 
 
 def _decode_segment(
-    first: int, count: int, blob: bytes, start: int, end: int
+    first: int, count: int, blob: bytes, start: int, end: int, blobs: BlobStore
 ) -> list[tuple[int, bytes]]:
     """The records of a segment whose offsets fall in ``[start, end)``."""
     lengths = array.array("I")
@@ -92,9 +111,11 @@ def _decode_segment(
     out: list[tuple[int, bytes]] = []
     for index, length in enumerate(lengths):
         offset = first + index
+        size = length & ~_EXTERNAL
         if start <= offset < end:
-            out.append((offset, bytes(view[position : position + length])))
-        position += length
+            body = view[position : position + size]
+            out.append((offset, blobs.read(body) if length & _EXTERNAL else bytes(body)))
+        position += size
     return out
 
 
@@ -138,6 +159,7 @@ class _RunFile:
     requests: queue.SimpleQueue[object] = field(default_factory=queue.SimpleQueue)
     thread: threading.Thread | None = None
     conn: sqlite3.Connection | None = None
+    blobs: BlobStore | None = None
     #: The checkpointer copies the WAL into the database off the writer's path.
     checkpointer: threading.Thread | None = None
     wal_bytes: int = 0
@@ -150,6 +172,9 @@ class _RunFile:
     def open(self) -> None:
         conn = _connect(self.path, self.synchronous)
         self.conn = conn
+        self.blobs = BlobStore(
+            self.path.with_suffix(".blobs"), sync=self.synchronous in ("FULL", "EXTRA")
+        )
         rows = conn.execute("SELECT partition, start_offset FROM partitions").fetchall()
         starts = dict(rows)
         self.start_offsets = [starts.get(p, 0) for p in range(self.partitions)]
@@ -187,6 +212,9 @@ class _RunFile:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+        if self.blobs is not None:
+            self.blobs.close()
+            self.blobs = None
 
     # -- the writer thread ---------------------------------------------------------------------
 
@@ -243,9 +271,11 @@ class _RunFile:
         assert self.conn is not None
         saved = list(self.next_offsets)
         next_offsets = self.next_offsets
+        blobs = self.blobs
+        assert blobs is not None
         # Per partition: the open segment's first offset, values and size.
         open_segments: dict[int, tuple[int, list[bytes], list[int]]] = {}
-        rows: list[tuple[int, int, bytes]] = []
+        rows: list[tuple[int, int, int | None, bytes]] = []
         results: list[list[Position]] = []
         for request in group:
             positions = []
@@ -256,7 +286,7 @@ class _RunFile:
                 positions.append(Position(partition, offset))
                 segment = open_segments.get(partition)
                 if segment is not None and segment[2][0] + len(record.value) > _SEGMENT_BYTES:
-                    rows.append(_segment_row(partition, segment))
+                    rows.append(_segment_row(partition, segment, blobs))
                     segment = None
                 if segment is None:
                     open_segments[partition] = (offset, [record.value], [len(record.value)])
@@ -264,12 +294,15 @@ class _RunFile:
                     segment[1].append(record.value)
                     segment[2][0] += len(record.value)
             results.append(positions)
-        rows.extend(_segment_row(p, segment) for p, segment in open_segments.items())
+        rows.extend(_segment_row(p, segment, blobs) for p, segment in open_segments.items())
         try:
+            blobs.flush()  # before the segments that refer to it
             self.conn.execute("BEGIN IMMEDIATE")
-            self.conn.executemany("INSERT INTO segments (id, count, value) VALUES (?, ?, ?)", rows)
+            self.conn.executemany(
+                "INSERT INTO segments (id, count, blob_file, value) VALUES (?, ?, ?, ?)", rows
+            )
             self.conn.execute("COMMIT")
-        except sqlite3.Error as e:
+        except (sqlite3.Error, OSError) as e:
             self.next_offsets[:] = saved
             with contextlib.suppress(sqlite3.Error):
                 self.conn.execute("ROLLBACK")
@@ -282,7 +315,7 @@ class _RunFile:
             by_loop.setdefault(request.loop, []).append((request.future, positions))
         for loop, done in by_loop.items():
             loop.call_soon_threadsafe(_resolve_all, done)
-        self.wal_bytes += sum(len(row[2]) for row in rows)
+        self.wal_bytes += sum(len(row[3]) for row in rows)
         if self.wal_bytes >= _CHECKPOINT_BYTES:
             self.wal_bytes = 0
             self.wal_grew.set()
@@ -308,10 +341,11 @@ class _RunFile:
 
 
 def _segment_row(
-    partition: int, segment: tuple[int, list[bytes], list[int]]
-) -> tuple[int, int, bytes]:
+    partition: int, segment: tuple[int, list[bytes], list[int]], blobs: BlobStore
+) -> tuple[int, int, int | None, bytes]:
     first, values, _ = segment
-    return _row_id(partition, first), len(values), _encode_segment(values)
+    encoded, lowest_blob_file = _encode_segment(values, blobs)
+    return _row_id(partition, first), len(values), lowest_blob_file, encoded
 
 
 def _resolve_all(done: list[tuple[asyncio.Future[Any], Any]]) -> None:
@@ -325,8 +359,8 @@ def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
         future.set_exception(error)
 
 
-def _translate(error: sqlite3.Error, path: Path) -> Exception:
-    if isinstance(error, sqlite3.OperationalError):
+def _translate(error: sqlite3.Error | OSError, path: Path) -> Exception:
+    if isinstance(error, sqlite3.OperationalError | OSError):
         return BackendUnavailable(f"embedded log {path}: {error}", path=str(path))
     return LogError(f"embedded log {path}: {error}", path=str(path))
 
@@ -459,7 +493,7 @@ class EmbeddedLog(Log):
         try:
             cursor = await reader.run(_open_range, reader.conn, partition, start, end)
             while True:
-                page = await reader.run(_fetch_page, cursor, start, end)
+                page = await reader.run(_fetch_page, cursor, start, end, run_file.blobs)
                 if not page:
                     return
                 yield page
@@ -489,7 +523,9 @@ class EmbeddedLog(Log):
                     continue
                 with run_file.waiters_lock:
                     run_file.waiters.discard((loop, woken))
-                page = await reader.run(_read_range, reader.conn, partition, next_offset, end)
+                page = await reader.run(
+                    _read_range, reader.conn, partition, next_offset, end, run_file.blobs
+                )
                 if page:
                     next_offset = page[-1][0] + 1
                     yield page
@@ -524,6 +560,10 @@ class EmbeddedLog(Log):
                 raise
             run_file.start_offsets[partition] = before
             run_file.next_offsets[partition] = max(run_file.next_offsets[partition], before)
+            # Blob files below the lowest one a remaining segment refers to hold nothing live.
+            (lowest,) = conn.execute("SELECT min(blob_file) FROM segments").fetchone()
+            if run_file.blobs is not None:
+                run_file.blobs.delete_below(run_file.blobs.current if lowest is None else lowest)
 
         await self._call(run, delete)
         return True
@@ -577,13 +617,15 @@ def _open_range(conn: sqlite3.Connection, partition: int, start: int, end: int) 
 
 
 def _read_range(
-    conn: sqlite3.Connection, partition: int, start: int, end: int
+    conn: sqlite3.Connection, partition: int, start: int, end: int, blobs: BlobStore
 ) -> list[tuple[int, bytes]]:
     """The first page of ``[start, end)`` (a follower's step)."""
-    return _fetch_page(_open_range(conn, partition, start, end), start, end)
+    return _fetch_page(_open_range(conn, partition, start, end), start, end, blobs)
 
 
-def _fetch_page(cursor: sqlite3.Cursor, start: int, end: int) -> list[tuple[int, bytes]]:
+def _fetch_page(
+    cursor: sqlite3.Cursor, start: int, end: int, blobs: BlobStore
+) -> list[tuple[int, bytes]]:
     page: list[tuple[int, bytes]] = []
     size = 0
     segments = 0
@@ -592,7 +634,7 @@ def _fetch_page(cursor: sqlite3.Cursor, start: int, end: int) -> list[tuple[int,
         if row is None:
             break
         row_id, count, blob = row
-        page.extend(_decode_segment(row_id & _OFFSET_MASK, count, blob, start, end))
+        page.extend(_decode_segment(row_id & _OFFSET_MASK, count, blob, start, end, blobs))
         size += len(blob)
         segments += 1
     return page

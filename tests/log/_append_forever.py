@@ -11,7 +11,7 @@ from tests import factories as f
 BATCH = 7
 
 
-async def main(data_dir: str) -> None:
+async def main(data_dir: str, state_bytes: int) -> None:
     async with open_log(data_dir) as log:
         await log.ensure_run("run", 4)
 
@@ -20,7 +20,7 @@ async def main(data_dir: str) -> None:
             while True:
                 batch_id = worker * 1_000_000 + batch
                 events = [
-                    f.boundary(f"w{worker}-{i % 3}", state="x" * 2000, seq=batch_id * 10 + i)
+                    f.boundary(f"w{worker}-{i % 3}", state="x" * state_bytes, seq=batch_id * 10 + i)
                     for i in range(BATCH)
                 ]
                 await log.append("run", events)
@@ -32,4 +32,4 @@ async def main(data_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2000))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rolloutlog.errors import InvalidRequest
-from rolloutlog.log import open_log
+from rolloutlog.log import _blobs, open_log
 from rolloutlog.log.embedded import EmbeddedLog
 from tests import factories as f
 from tests.log._append_forever import BATCH
@@ -86,10 +86,17 @@ async def test_append_does_not_block_the_event_loop(tmp_path: Path) -> None:
     assert ticks > 1
 
 
-def test_acknowledged_appends_survive_sigkill(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("state_bytes", "batches"),
+    [(2000, 300), (100_000, 40)],
+    ids=["in-sqlite", "in-blob-files"],
+)
+def test_acknowledged_appends_survive_sigkill(
+    tmp_path: Path, state_bytes: int, batches: int
+) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.log._append_forever", str(tmp_path)],
+        [sys.executable, "-m", "tests.log._append_forever", str(tmp_path), str(state_bytes)],
         stdout=subprocess.PIPE,
         cwd=ROOT,
         env=env,
@@ -97,7 +104,7 @@ def test_acknowledged_appends_survive_sigkill(tmp_path: Path) -> None:
     assert proc.stdout is not None
     acknowledged: set[int] = set()
     try:
-        while len(acknowledged) < 300:
+        while len(acknowledged) < batches:
             line = proc.stdout.readline()
             assert line, "the appender died before acknowledging enough batches"
             acknowledged.add(int(line))
@@ -122,3 +129,34 @@ def test_acknowledged_appends_survive_sigkill(tmp_path: Path) -> None:
     assert not missing, f"acknowledged batches lost after SIGKILL: {sorted(missing)[:10]}"
     partial = {batch: n for batch, n in counts.items() if n != BATCH}
     assert not partial, f"half-present batches after SIGKILL: {partial}"
+
+
+async def test_large_records_live_in_blob_files_that_trimming_deletes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_blobs, "ROTATE_BYTES", 300_000)
+    blob = "y" * 100_000
+    async with open_log(tmp_path) as log:
+        await log.ensure_run("run", 1)
+        positions = []
+        for i in range(8):
+            positions += await log.append("run", [f.session_state("r1", state={"i": i, "b": blob})])
+        blob_dir = tmp_path / "log" / "run.blobs"
+        files = sorted(p.name for p in blob_dir.iterdir())
+        assert len(files) >= 3
+        conn = sqlite3.connect(tmp_path / "log" / "run.sqlite3")
+        try:
+            (stored,) = conn.execute("SELECT sum(length(value)) FROM segments").fetchone()
+        finally:
+            conn.close()
+        assert stored < 8 * 1000  # only references are in SQLite
+        assert await log.trim("run", 0, positions[6].offset)
+        remaining = sorted(p.name for p in blob_dir.iterdir())
+        assert remaining[0] > files[0]
+        got = [event async for _, event in log.read("run", 0, 0, positions[-1].offset + 1)]
+        assert [e.data.state.value()["i"] for e in got] == [6, 7]
+    async with open_log(tmp_path) as log:
+        got = [event async for _, event in log.read("run", 0, 0, positions[-1].offset + 1)]
+        assert [e.data.state.value()["i"] for e in got] == [6, 7]
+        [after] = await log.append("run", [f.session_state("r1", state={"i": 8, "b": blob})])
+        assert after.offset == positions[-1].offset + 1
