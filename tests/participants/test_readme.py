@@ -3,19 +3,12 @@ it leaves to the reader defined) against a real server."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests._services import ROOT
-from tests.api.conftest import TOKENS
-from tests.api.test_e2e import Server
+from tests._readme import python_example, run_against_server
 
 pytestmark = pytest.mark.slow
 
@@ -46,31 +39,13 @@ asyncio.run(main())
 
 
 def participants_example() -> str:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("\n## Participants SDK") :]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match is not None
-    code = match.group(1).replace('"http://127.0.0.1:8750", token="…"', "URL, token=TOKEN")
+    code = python_example("## Participants SDK").replace(
+        '"http://127.0.0.1:8750", token="…"', "URL, token=TOKEN"
+    )
     return PREAMBLE + textwrap.indent(code, "    ") + EPILOGUE
 
 
 def test_the_readme_participants_example_runs(tmp_path: Path) -> None:
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps(TOKENS))
-    server = Server(tmp_path / "data", tokens)
-    server.start()
-    try:
-        env = {**os.environ, "ROLLOUTLOG_URL": server.url, "ROLLOUTLOG_TOKEN": TOKENS["admin"]}
-        done = subprocess.run(
-            [sys.executable, "-c", participants_example()],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr
-        assert "participants example ok" in done.stdout
-    finally:
-        assert server.stop() == 0
+    done = run_against_server(tmp_path, participants_example())
+    assert done.returncode == 0, done.stderr
+    assert "participants example ok" in done.stdout
