@@ -250,28 +250,18 @@ class Projector:
             self._check_wait(capture, tracker, offset)
 
     async def _on_attempt_started(self, partition: int, meta: dict[str, Any]) -> None:
-        data = meta["data"]
-        restore_id = data["restore_id"]
+        restore_id = meta["data"]["restore_id"]
         committed = restore_id in self.committed_restores
         if not committed and restore_id in self._inflight_restores:
             committed = await self._inflight_restores[restore_id]
-        if not committed:
-            return  # a restore that never committed changes nothing
-        reset = self._restore_resets.get(restore_id, {}).get(meta["episode"])
-        episode = meta["episode"]
-        tracker = self._tracker(episode, partition)
-        if reset is None:
-            # Seen while catching up (the service restarted): the start-up refold handles it.
-            tracker.filters.attempt = max(tracker.filters.attempt, meta["attempt"])
-            tracker.attempt = tracker.filters.attempt
-            return
-        if reset.action == "excluded":
-            self._forget(episode)
-            self.retired.add(episode)
-        elif reset.action == "continue" and reset.projection is not None:
-            tracker.continue_from(reset.projection, reset.attempt)
-        else:
-            tracker.restart(reset.attempt)
+        if not committed or meta["episode"] in self.retired:
+            return  # a restore that never committed changes nothing; excluded ones are gone
+        tracker = self._tracker(meta["episode"], partition)
+        # The restore's own resets were applied when it committed (``end_restore``); what is left
+        # is a restore seen while catching up after a restart (the start-up refold handles it).
+        if meta["attempt"] > tracker.filters.attempt:
+            tracker.filters.attempt = meta["attempt"]
+            tracker.attempt = meta["attempt"]
 
     def _forget(self, episode: str) -> None:
         tracker = self.trackers.pop(episode, None)
@@ -354,14 +344,29 @@ class Projector:
         self._restore_resets[restore_id] = resets
 
     def end_restore(self, restore_id: int, committed: bool) -> None:
-        """The restore's catalog transaction committed (or failed): release waiting partitions."""
+        """The restore's catalog transaction committed (or failed): apply its resets at once (old
+        attempts' later records are fenced by the new attempt, and the new attempt writes nothing
+        before its ``attempt.started``), then release the partitions waiting for the verdict."""
         future = self._inflight_restores.pop(restore_id, None)
+        resets = self._restore_resets.pop(restore_id, {})
         if committed:
             self.committed_restores.add(restore_id)
-        else:
-            self._restore_resets.pop(restore_id, None)
+            with no_gc_pauses():
+                for episode, reset in resets.items():
+                    self._reset(episode, reset)
         if future is not None and not future.done():
             future.set_result(committed)
+
+    def _reset(self, episode: str, reset: RestoreReset) -> None:
+        if reset.action == "excluded":
+            self._forget(episode)
+            self.retired.add(episode)
+            return
+        tracker = self._tracker(episode, partition_for(episode, self.partitions))
+        if reset.action == "continue" and reset.projection is not None:
+            tracker.continue_from(reset.projection, reset.attempt)
+        else:
+            tracker.restart(reset.attempt)
 
     def live_episodes(self) -> int:
         return sum(1 for tracker in self.trackers.values() if not tracker.finished)
