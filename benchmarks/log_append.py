@@ -25,9 +25,8 @@ from typing import Any
 
 from _common import percentile, save, summary
 
-from rolloutlog.log import Log, Record, encode_record, open_log, validate_event
+from rolloutlog.log import Log, Record, encode_record, open_log, record_meta, validate_event
 from rolloutlog.log._ids import partition_for
-from rolloutlog.projections._projector import record_meta
 
 PARTITIONS = 16
 

@@ -48,6 +48,8 @@ def test_log_surface() -> None:
             "open_log",
             "parse_capture_key",
             "partition_for",
+            "record_episode",
+            "record_meta",
             "run_name_problem",
             "split_record",
             "validate_event",

@@ -9,6 +9,7 @@ import orjson
 from sqlalchemy import Row, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from rolloutlog._gc import collector_paused
 from rolloutlog.catalog._schema import (
     checkpoint_offsets,
     checkpoints,
@@ -35,7 +36,6 @@ from rolloutlog.catalog._values import (
     Run,
     RunStats,
     RunSummary,
-    no_gc_pauses,
 )
 from rolloutlog.errors import UnknownCheckpoint, UnknownEpisode, UnknownRestore, UnknownRun
 
@@ -301,7 +301,7 @@ async def manifest_page(
     if limit is not None:
         query = query.limit(limit)
     result = await conn.execute(query)
-    with no_gc_pauses():
+    with collector_paused():
         return manifest_entries_from_rows(result.all())
 
 

@@ -8,9 +8,7 @@ frozen dataclass pays an ``object.__setattr__`` per field, which dominated readi
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -30,23 +28,6 @@ EPISODE_STATUSES: frozenset[str] = frozenset({"running", "finished", "excluded"}
 
 DEFAULT_PARTITIONS = 16
 DEFAULT_KEEP_COMMITTED = 2
-
-
-@contextmanager
-def no_gc_pauses() -> Iterator[None]:
-    """Hold off the cyclic garbage collector while building ~16,000 acyclic tuples.
-
-    Those allocations would otherwise trigger several collections that each walk the whole
-    heap: measured, they tripled the time to turn 16,000 rows into entries. Only wraps
-    synchronous code (never an ``await``), and restores the collector's previous state.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @dataclass(frozen=True, slots=True)

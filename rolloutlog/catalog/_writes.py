@@ -10,6 +10,7 @@ import orjson
 from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from rolloutlog._gc import collector_paused
 from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._schema import (
     NAME_LENGTH,
@@ -29,7 +30,6 @@ from rolloutlog.catalog._values import (
     Restore,
     RestoreEntry,
     capture_key,
-    no_gc_pauses,
 )
 from rolloutlog.errors import (
     CheckpointNotPending,
@@ -261,7 +261,7 @@ async def commit_checkpoint_rows(
     now: float,
     keep_committed: int,
 ) -> Checkpoint:
-    with no_gc_pauses():
+    with collector_paused():
         columns, counts, total_bytes, max_partition = manifest_columns(run, checkpoint_id, entries)
     entry_count = len(entries)
     run_row = await lock_run(conn, run, controller_epoch)

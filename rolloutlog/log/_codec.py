@@ -31,6 +31,8 @@ __all__ = [
     "decode_record",
     "encode_event",
     "encode_record",
+    "record_episode",
+    "record_meta",
     "split_record",
     "validate_event",
     "validate_events",
@@ -120,6 +122,27 @@ def split_record(record: bytes) -> tuple[dict[str, Any], bytes | None]:
     if cut < 0:
         return orjson.loads(record), None
     return orjson.loads(record[:cut]), record[cut + 1 :]
+
+
+def record_meta(record: bytes) -> dict[str, Any]:
+    """A record's metadata only: the payload after the first newline is neither decoded nor
+    copied (what the projector reads of every record)."""
+    cut = record.find(_SEPARATOR)
+    meta: dict[str, Any] = orjson.loads(record if cut < 0 else record[:cut])
+    return meta
+
+
+_EPISODE_PREFIX = b'{"v":1,"episode":"'
+
+
+def record_episode(record: bytes) -> str | None:
+    """A record's episode, read off its first bytes where the encoder's field order allows (every
+    record rolloutlog writes), else by decoding its metadata."""
+    if record.startswith(_EPISODE_PREFIX):
+        end = record.find(b'"', len(_EPISODE_PREFIX))
+        return record[len(_EPISODE_PREFIX) : end].decode()
+    episode = record_meta(record).get("episode")
+    return episode if isinstance(episode, str) else None
 
 
 def decode_record(record: bytes) -> Event:

@@ -19,12 +19,13 @@ import gc
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import (
     Catalog,
     Checkpoint,
@@ -33,7 +34,6 @@ from rolloutlog.catalog import (
     Restore,
     RestoreEntry,
 )
-from rolloutlog.catalog._values import no_gc_pauses
 from rolloutlog.errors import (
     InvalidRequest,
     StaleController,
@@ -41,9 +41,9 @@ from rolloutlog.errors import (
     UnknownEpisode,
     UnknownRestore,
 )
-from rolloutlog.log import Log, Record, partition_for
+from rolloutlog.log import Log, Record, partition_for, record_episode
 from rolloutlog.log._events import SERVICE_PARTICIPANT_ID
-from rolloutlog.projections._fold import project_raw, record_episode
+from rolloutlog.projections._fold import project_raw
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._projector import (
     CheckpointCapture,
@@ -493,7 +493,7 @@ class Coordinator:
                     if wanted is not None:
                         wanted.append(item)
 
-            with no_gc_pauses():
+            with collector_paused():
                 return {
                     episode: project_raw(
                         episode,
@@ -628,24 +628,6 @@ class Coordinator:
                 f"episode {episode!r} has no events before its cut", episode=episode
             )
         return projection
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Hold off the cyclic garbage collector for one restore, awaits included.
-
-    A restore builds hundreds of thousands of short-lived objects (record metadata) and tens of
-    thousands of long-lived ones (projections); measured, the collections they trigger walking
-    the growing heap took a third of a 16,000-episode restore. Nothing a restore allocates forms
-    reference cycles, so refcounting frees the garbage; the collector resumes afterwards.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[ManifestEntry]]:

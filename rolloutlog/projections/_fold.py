@@ -48,7 +48,6 @@ __all__ = [
     "project_episode",
     "project_events",
     "project_raw",
-    "record_episode",
     "select_records",
     "token_count",
 ]
@@ -331,11 +330,17 @@ def project_episode(
         for offset, meta, payload in kept:
             fold.apply(offset, meta, payload)
         return fold.projection(cut)
-    # The common case, in one pass: filter and fold as the records come.
+    return _fold_in_one_pass(episode, listed, cut, as_attempt)
+
+
+def _fold_in_one_pass(
+    episode: str, records: Iterable[RecordView], cut: int, as_attempt: int | None
+) -> EpisodeProjection:
+    """The common case (no restore truncates anything): filter and fold as the records come."""
     fold = EpisodeFold(episode, 0 if as_attempt is None else as_attempt)
     admits = _Filters().admits
     apply = fold.apply
-    for offset, meta, payload in listed:
+    for offset, meta, payload in records:
         if offset >= cut:
             break
         if admits(meta):
@@ -343,19 +348,7 @@ def project_episode(
     return fold.projection(cut)
 
 
-_EPISODE_PREFIX = b'{"v":1,"episode":"'
 _ATTEMPT_STARTED = b'"type":"attempt.started"'
-
-
-def record_episode(record: bytes) -> str | None:
-    """The episode of a record, read off its first bytes where the encoder's field order allows
-    (every record rolloutlog writes), else by decoding its metadata."""
-    if record.startswith(_EPISODE_PREFIX):
-        end = record.find(b'"', len(_EPISODE_PREFIX))
-        return record[len(_EPISODE_PREFIX) : end].decode()
-    cut = record.find(b"\n")
-    episode = orjson.loads(record if cut < 0 else record[:cut]).get("episode")
-    return episode if isinstance(episode, str) else None
 
 
 def project_raw(
@@ -376,23 +369,8 @@ def project_raw(
             committed_restores,
             as_attempt=as_attempt,
         )
-    fold = EpisodeFold(episode, 0 if as_attempt is None else as_attempt)
-    admits = _Filters().admits
-    apply = fold.apply
-    loads = orjson.loads
-    for offset, record in records:
-        if offset >= cut:
-            break
-        split = record.find(b"\n")
-        if split < 0:
-            meta = loads(record)
-            if admits(meta):
-                apply(offset, meta, None)
-        else:
-            meta = loads(record[:split])
-            if admits(meta):
-                apply(offset, meta, record[split + 1 :])
-    return fold.projection(cut)
+    views = ((offset, *split_record(record)) for offset, record in records)
+    return _fold_in_one_pass(episode, views, cut, as_attempt)
 
 
 def project_events(

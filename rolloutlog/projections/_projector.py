@@ -20,11 +20,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
+from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import EpisodeFinish, EpisodeStart, ManifestEntry
-from rolloutlog.catalog._values import no_gc_pauses
-from rolloutlog.log import Log, partition_for
+from rolloutlog.log import Log, partition_for, record_meta
 from rolloutlog.projections._fold import _Filters, select_records
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._tracker import EpisodeTracker
@@ -32,13 +30,6 @@ from rolloutlog.projections._tracker import EpisodeTracker
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointCapture", "Projector", "RestoreReset"]
-
-
-def record_meta(record: bytes) -> dict[str, Any]:
-    """Decode a record's metadata only (the payload after the first newline stays untouched)."""
-    cut = record.find(b"\n")
-    meta: dict[str, Any] = orjson.loads(record if cut < 0 else record[:cut])
-    return meta
 
 
 @dataclass
@@ -290,7 +281,7 @@ class Projector:
         capture = self._capture
         if capture is None or capture.checkpoint_id != checkpoint_id:
             return  # a marker of a checkpoint this service is not taking (aborted, or stale)
-        with no_gc_pauses():
+        with collector_paused():
             self._capture_partition(capture, partition, offset)
         capture._check()
 
@@ -351,7 +342,7 @@ class Projector:
         resets = self._restore_resets.pop(restore_id, {})
         if committed:
             self.committed_restores.add(restore_id)
-            with no_gc_pauses():
+            with collector_paused():
                 for episode, reset in resets.items():
                     self._reset(episode, reset)
         if future is not None and not future.done():
