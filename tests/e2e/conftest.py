@@ -1,0 +1,71 @@
+"""Fixtures of the crash suite: every scenario runs on both deployments (embedded log + SQLite
+catalog; Kafka (Tansu here) + PostgreSQL), with the service and the participants as real
+processes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from rolloutlog.trainer import AsyncTrainerClient
+from tests.api.conftest import TOKENS
+from tests.e2e._harness import Deployment, Puppet, Service, kafka_log_url
+
+RUN = "crash"
+
+
+@pytest.fixture(
+    params=[
+        "embedded",
+        pytest.param("kafka", marks=[pytest.mark.kafka, pytest.mark.postgres]),
+    ]
+)
+def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Deployment:
+    data_dir = tmp_path / "data"
+    if request.param == "embedded":
+        return Deployment("embedded", data_dir)
+    bootstrap = request.getfixturevalue("kafka_bootstrap")
+    catalog_url = request.getfixturevalue("postgres_schema")
+    return Deployment("kafka", data_dir, kafka_log_url(bootstrap), str(catalog_url))
+
+
+@pytest.fixture
+async def service(deployment: Deployment, tmp_path: Path) -> AsyncIterator[Service]:
+    running = Service(deployment, tmp_path)
+    await running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+async def trainer(service: Service) -> AsyncIterator[AsyncTrainerClient]:
+    """A trainer client of a fresh run (4 partitions) whose controller it has taken over."""
+    async with AsyncTrainerClient(service.url, token=TOKENS["admin"], timeout_s=60) as client:
+        await client.create_run(RUN, partitions=4)
+        await client.take_over(RUN)
+        yield client
+
+
+PuppetFactory = Callable[[str], "Puppet"]
+
+
+@pytest.fixture
+def puppets(service: Service, tmp_path: Path) -> Iterator[Callable[[str], Puppet]]:
+    """Starts participant processes; whatever is still running at the end is SIGKILLed."""
+    started: list[Puppet] = []
+
+    def start(name: str) -> Puppet:
+        puppet = Puppet(service, RUN, tmp_path, name)
+        started.append(puppet)
+        return puppet
+
+    yield start
+    for puppet in started:
+        if puppet.proc.poll() is None:
+            puppet.kill()
+        else:
+            puppet.close()
