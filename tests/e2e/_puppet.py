@@ -103,8 +103,11 @@ class Puppet:
             if command.get("as"):
                 self.objects[command["as"]] = result
             return jsonable(result)
-        if op == "get":  # an attribute of an object
-            return jsonable(getattr(self.objects[command["target"]], command["attr"]))
+        if op == "get":  # an attribute of an object (kept under ``as``, when given)
+            value = getattr(self.objects[command["target"]], command["attr"])
+            if command.get("as"):
+                self.objects[command["as"]] = value
+            return jsonable(value)
         raise ValueError(f"unknown op {op!r}")
 
     async def close(self) -> None:
