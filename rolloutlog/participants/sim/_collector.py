@@ -1,0 +1,334 @@
+"""The rollout collector: drives rollouts against the environment server(s) and checkpoints and
+restores them with ``rolloutlog.trainer``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from rolloutlog.errors import RunExists
+from rolloutlog.participants.sim._model import expected_reward
+from rolloutlog.trainer import AsyncTrainerClient, CheckpointInfo, ResumePlan, resume_run
+
+__all__ = ["Collector", "CollectorReport", "Rollout"]
+
+
+@dataclass
+class Rollout:
+    """One rollout as the collector tracks it across attempts.
+
+    ``status``: ``pending`` (not dispatched), ``running``, ``interrupted`` (its request failed:
+    a crash; it waits for a restore), ``done``, or ``lost`` (the checkpoint says it finished
+    before the cut but its reply never arrived). ``history``: (capture key, how it was
+    dispatched: ``fresh``, ``continue`` or ``restart``) per dispatch.
+    """
+
+    episode: str
+    task: dict[str, Any]
+    capture_key: str
+    action: str = "fresh"
+    restore_id: int | None = None
+    status: str = "pending"
+    reward: float | None = None
+    reply: dict[str, Any] | None = None
+    error: str | None = None
+    history: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def expected(self) -> float:
+        return expected_reward(self.task)
+
+    @property
+    def right(self) -> bool:
+        return self.status == "done" and self.reward == self.expected
+
+
+@dataclass
+class CollectorReport:
+    rollouts: int
+    finished: int
+    right: int
+    wrong: list[str]
+    lost: list[str]
+    continued: int
+    restarted: int
+    checkpoints: list[CheckpointInfo]
+    restores: list[ResumePlan]
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        """Every rollout finished with its expected reward."""
+        return self.finished == self.rollouts and self.right == self.rollouts and not self.lost
+
+
+class Collector:
+    """Drives rollouts concurrently (``concurrency`` in flight) against environment servers.
+
+    ::
+
+        collector = gym.collector(concurrency=64)        # or Collector(service_url, run, [env])
+        async with collector:
+            runner = asyncio.create_task(collector.run(tasks))
+            await collector.wait_done(len(tasks) // 3)
+            await collector.checkpoint(pause=True)        # quiesced: every dispatched rollout
+            gym.kill_participants()                       #   is in the checkpoint
+            plan = await collector.restore()              # resume_run, excluding held results
+            await gym.start_participants(plan.restore_id)
+            collector.redispatch()                        # continue / restart / fresh
+            report = await runner
+
+    After a restore, each ``continue`` rollout is dispatched as its replacement attempt (the
+    environment resumes it from its projection), each ``restart`` one from its input one
+    attempt later, and rollouts the checkpoint never saw as they were. Rewards are checked
+    against ``expected_reward(task)``.
+    """
+
+    def __init__(
+        self,
+        service_url: str,
+        run: str,
+        env_urls: Iterable[str],
+        *,
+        concurrency: int = 64,
+        partitions: int | None = None,
+        token: str | None = None,
+        on_progress: Callable[[Collector], None] | None = None,
+    ) -> None:
+        self.run_name = run
+        self.env_urls = list(env_urls)
+        self.concurrency = concurrency
+        self.partitions = partitions
+        self.trainer = AsyncTrainerClient(service_url, token=token)
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(600.0, connect=10.0),
+            limits=httpx.Limits(max_connections=concurrency + 16),
+        )
+        self.on_progress = on_progress
+        self.rollouts: dict[str, Rollout] = {}
+        self.checkpoints: list[CheckpointInfo] = []
+        self.restores: list[ResumePlan] = []
+        self._queue: asyncio.Queue[Rollout | None] = asyncio.Queue()
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._changed = asyncio.Event()
+        self._setup = False
+        self._next_env = 0
+        self._began = time.perf_counter()
+
+    async def __aenter__(self) -> Self:
+        await self.setup()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await self.trainer.stop()
+
+    async def setup(self) -> None:
+        """Create the run (if needed) and take over its controller."""
+        if self._setup:
+            return
+        with contextlib.suppress(RunExists):
+            await self.trainer.create_run(self.run_name, partitions=self.partitions)
+        await self.trainer.take_over(self.run_name)
+        self._setup = True
+
+    # -- counts ------------------------------------------------------------------------------
+
+    def counts(self) -> Counter[str]:
+        return Counter(r.status for r in self.rollouts.values())
+
+    async def wait_for(
+        self, predicate: Callable[[Collector], bool], timeout_s: float = 300
+    ) -> None:
+        """Wait until ``predicate(self)`` holds (checked whenever a rollout changes)."""
+        async with asyncio.timeout(timeout_s):
+            while not predicate(self):
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def wait_done(self, count: int, timeout_s: float = 300) -> None:
+        """Wait until ``count`` rollouts are done."""
+        await self.wait_for(lambda c: c.counts()["done"] >= count, timeout_s)
+
+    def _touch(self) -> None:
+        self._changed.set()
+        if self.on_progress is not None:
+            self.on_progress(self)
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def add(self, tasks: Iterable[Mapping[str, Any]]) -> None:
+        for task in tasks:
+            episode = str(task["id"])
+            rollout = Rollout(episode, dict(task), episode)
+            self.rollouts[episode] = rollout
+            self._queue.put_nowait(rollout)
+
+    async def run(self, tasks: Iterable[Mapping[str, Any]] = ()) -> CollectorReport:
+        """Run ``tasks`` (and any added before) until every rollout is done or lost; crashes
+        in between leave rollouts ``interrupted`` until ``restore`` and ``redispatch``."""
+        await self.setup()
+        self.add(tasks)
+        workers = [asyncio.create_task(self._worker()) for _ in range(self.concurrency)]
+        try:
+            await self.wait_for(
+                lambda c: all(r.status in ("done", "lost") for r in c.rollouts.values()),
+                timeout_s=3600,
+            )
+        finally:
+            for worker in workers:
+                worker.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        return self.report()
+
+    async def _worker(self) -> None:
+        while True:
+            rollout = await self._queue.get()
+            if rollout is None:
+                return
+            await self._gate.wait()
+            await self._dispatch(rollout)
+
+    async def _dispatch(self, rollout: Rollout) -> None:
+        url = self.env_urls[self._next_env % len(self.env_urls)]
+        self._next_env += 1
+        rollout.status = "running"
+        rollout.history.append((rollout.capture_key, rollout.action))
+        body = {
+            "task": rollout.task,
+            "capture_key": rollout.capture_key,
+            "action": rollout.action,
+            "restore_id": rollout.restore_id,
+        }
+        self._touch()
+        try:
+            response = await self.http.post(url + "/run", json=body)
+        except httpx.HTTPError as e:
+            rollout.status, rollout.error = "interrupted", repr(e)
+        else:
+            if response.status_code == 200:
+                rollout.reply = response.json()
+                rollout.reward = float(rollout.reply["reward"])
+                rollout.status = "done"
+            else:
+                rollout.status = "interrupted"
+                rollout.error = f"{response.status_code}: {response.text[:300]}"
+        self._touch()
+
+    # -- checkpoints and restores ------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Dispatch no new rollouts (those in flight go on)."""
+        self._gate.clear()
+
+    def resume_dispatch(self) -> None:
+        self._gate.set()
+
+    async def quiesce(self, timeout_s: float = 60) -> None:
+        """Pause, then wait until every rollout in flight is durably started at its
+        environment, so a checkpoint taken now contains every dispatched rollout."""
+        self.pause()
+        async with asyncio.timeout(timeout_s):
+            for url in self.env_urls:
+                while True:
+                    keys = [r.capture_key for r in self.rollouts.values() if r.status == "running"]
+                    response = await self.http.post(url + "/sim/started", json={"keys": keys})
+                    response.raise_for_status()
+                    if not response.json()["missing"]:
+                        break
+                    await asyncio.sleep(0.01)
+
+    async def checkpoint(
+        self, *, pause: bool = False, deadline_s: float | None = None, wait: bool = True
+    ) -> CheckpointInfo:
+        """Take a checkpoint. ``pause=True`` quiesces first and leaves dispatch paused (for a
+        crash right after); otherwise dispatch goes on."""
+        await self.quiesce()
+        try:
+            info = await self.trainer.checkpoint(self.run_name, deadline_s=deadline_s, wait=wait)
+        finally:
+            if not pause:
+                self.resume_dispatch()
+        self.checkpoints.append(info)
+        return info
+
+    async def restore(self, *, timeout_s: float = 60) -> ResumePlan:
+        """After a crash: wait until no rollout is in flight, restore the latest checkpoint
+        (``resume_run``: take over, restore, excluding the rollouts whose results are held)
+        and set each interrupted rollout's next dispatch. Dispatch stays paused until
+        ``redispatch``."""
+        self.pause()
+        await self.wait_for(
+            lambda c: not any(r.status == "running" for r in c.rollouts.values()), timeout_s
+        )
+        latest = await self.trainer.get_checkpoint(self.run_name, "latest")
+        manifest = {
+            item["episode"]: item["action"]
+            async for item in self.trainer.manifest(self.run_name, latest.checkpoint_id)
+        }
+        held = [
+            episode
+            for episode, action in manifest.items()
+            if action != "finished"
+            and episode in self.rollouts
+            and self.rollouts[episode].status == "done"
+        ]
+        plan = await resume_run(self.trainer, self.run_name, exclude=held)
+        self.restores.append(plan)
+        dispatch = {d.episode: d for d in plan.dispatch}
+        for rollout in self.rollouts.values():
+            if rollout.status == "done":
+                continue
+            entry = dispatch.get(rollout.episode)
+            if entry is not None:
+                rollout.capture_key = entry.capture_key
+                rollout.action = entry.action
+                rollout.restore_id = plan.restore_id
+                rollout.status = "interrupted"
+            elif manifest.get(rollout.episode) == "finished":
+                rollout.status = "lost"
+                rollout.error = "finished before the cut; its reply never arrived"
+        self._touch()
+        return plan
+
+    def redispatch(self) -> None:
+        """Queue every interrupted rollout again (as ``restore`` set it) and resume dispatch."""
+        for rollout in self.rollouts.values():
+            if rollout.status == "interrupted":
+                rollout.status = "pending"
+                self._queue.put_nowait(rollout)
+        self.resume_dispatch()
+        self._touch()
+
+    def report(self) -> CollectorReport:
+        rollouts = list(self.rollouts.values())
+        done = [r for r in rollouts if r.status == "done"]
+        return CollectorReport(
+            rollouts=len(rollouts),
+            finished=len(done),
+            right=sum(r.right for r in done),
+            wrong=[r.episode for r in done if not r.right],
+            lost=[r.episode for r in rollouts if r.status == "lost"],
+            continued=sum(r.action == "continue" for r in done),
+            restarted=sum(r.action == "restart" for r in done),
+            checkpoints=list(self.checkpoints),
+            restores=list(self.restores),
+            elapsed_s=time.perf_counter() - self._began,
+        )

@@ -1,0 +1,364 @@
+"""The launcher: ``rolloutlog serve`` and every simulated participant as real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+import httpx
+
+if TYPE_CHECKING:
+    from rolloutlog.participants.sim._collector import Collector
+
+__all__ = ["PARTICIPANTS", "Gym"]
+
+#: The participant processes a Gym runs: name -> (role, participant id).
+PARTICIPANTS: dict[str, tuple[str, str]] = {
+    "policy": ("policy", "policy-0"),
+    "agent": ("agent", "agent-0"),
+    "counter": ("resources", "counter-0"),
+    "verifier": ("resources", "verifier-0"),
+    "restart": ("resources", "restart-0"),
+    "environment": ("environment", "env-0"),
+}
+_MODES = {"counter": "exported", "verifier": "stateless", "restart": "restart_only"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class _Process:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the process's whole group (it runs in its own session)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def terminate(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+class Gym:
+    """A simulated Gym of real processes: the service and six participant servers.
+
+    ::
+
+        async with Gym() as gym:                      # embedded log + SQLite in a temp dir
+            async with gym.collector(concurrency=50) as collector:
+                report = await collector.run(make_tasks(100))
+
+    - ``Gym(data_dir, log_url="kafka://…", catalog_url="postgresql+asyncpg://…")`` runs the
+      distributed deployment; ``participant_transport="kafka"`` makes participants append
+      straight to Kafka.
+    - Processes (``PARTICIPANTS``): ``policy``, ``agent``, ``counter`` (exported resources),
+      ``verifier`` (stateless), ``restart`` (restart-only) and ``environment``; each runs
+      ``python -m rolloutlog.participants.sim`` in its own process group on a fixed loopback
+      port (``url(name)``), logging to ``data_dir/logs/<name>.log``.
+    - Knobs: ``token_rate`` (tokens/s per call), ``chunk_tokens``, ``counter_verify`` and
+      ``verifier_verify`` (``replay``/``wait``), ``verify_delay_s``; per task: rounds, tokens,
+      constrained calls, verify delay, token rate (``make_task``).
+    - Crashes: ``kill_participants()`` SIGKILLs every participant group, ``kill_service()`` the
+      service's; ``start_participants(restore_id)`` starts them again (new epochs; the policy
+      bulk-installs the restore's ledgers), ``start_service()`` restarts the service on the
+      same data. ``skip_resources_restore=True`` is the negative control (the counter server
+      ignores restored state).
+    - Hold points: ``hold(name, point, capture_key)``, ``wait_held(…)``, ``release(…)`` park an
+      episode at a named point of a participant and let it go (see each server's docstring for
+      its points); ``stats(name)`` returns a participant's counters (``/sim/stats``).
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        *,
+        run: str = "sim",
+        partitions: int = 4,
+        log_url: str | None = None,
+        catalog_url: str | None = None,
+        participant_transport: str = "http",
+        token_rate: float = 2000.0,
+        chunk_tokens: int = 16,
+        counter_verify: str = "replay",
+        verifier_verify: str = "replay",
+        verify_delay_s: float = 0.0,
+        policy_version: int = 1,
+        service_args: tuple[str, ...] = (),
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="rolloutlog-sim-")
+            data_dir = self._tmp.name
+        self.data_dir = Path(data_dir)
+        self.run = run
+        self.partitions = partitions
+        self.log_url = log_url
+        self.catalog_url = catalog_url
+        self.participant_transport = participant_transport
+        self.token_rate = token_rate
+        self.chunk_tokens = chunk_tokens
+        self.counter_verify = counter_verify
+        self.verifier_verify = verifier_verify
+        self.verify_delay_s = verify_delay_s
+        self.policy_version = policy_version
+        self.service_args = service_args
+        self.startup_timeout_s = startup_timeout_s
+        self.service = _Process("service", free_port())
+        self.processes = {name: _Process(name, free_port()) for name in PARTICIPANTS}
+        self.restore_id: int | None = None
+        self.skip_resources_restore = False
+        self.timings: dict[str, float] = {}
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0))
+
+    @property
+    def service_url(self) -> str:
+        return self.service.url
+
+    def url(self, name: str) -> str:
+        """The loopback URL of a participant process (``environment``, ``policy``, …)."""
+        return self.processes[name].url
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Start the service, create the run, start every participant; wait until all answer."""
+        began = time.perf_counter()
+        (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        await self.start_service()
+        response = await self._client.post(
+            f"{self.service_url}/v1/runs", json={"run": self.run, "partitions": self.partitions}
+        )
+        if response.status_code not in (200, 201, 409):
+            raise RuntimeError(f"creating run {self.run!r}: {response.text}")
+        await self.start_participants()
+        self.timings["start_s"] = time.perf_counter() - began
+
+    async def stop(self) -> None:
+        """Stop every participant, then the service (SIGTERM; SIGKILL after a timeout)."""
+        for process in self.processes.values():
+            process.terminate()
+        self.service.terminate(30.0)
+        await self._client.aclose()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    async def start_service(self) -> None:
+        """Start (or restart, on the same data) ``rolloutlog serve``; wait for ``/readyz``."""
+        args = ["--data-dir", str(self.data_dir / "service"), "--port", str(self.service.port)]
+        if self.log_url:
+            args += ["--log", self.log_url]
+        if self.catalog_url:
+            args += ["--catalog", self.catalog_url]
+        self._spawn(self.service, ["-m", "rolloutlog.api.cli", "serve", *args, *self.service_args])
+        await self._ready(self.service, "/readyz")
+
+    def kill_service(self) -> None:
+        """SIGKILL the service's process group."""
+        self.service.kill()
+
+    async def start_participants(
+        self, restore_id: int | None = None, *, skip_resources_restore: bool = False
+    ) -> None:
+        """Start every participant (again): each registers (a new epoch) before it is ready.
+        ``restore_id``: the restore replacement attempts continue from (the policy installs its
+        ledgers at start)."""
+        self.restore_id = restore_id
+        self.skip_resources_restore = skip_resources_restore
+        began = time.perf_counter()
+        for name in PARTICIPANTS:
+            self._spawn(self.processes[name], self._participant_args(name))
+        await asyncio.gather(*(self._ready(p, "/sim/ready") for p in self.processes.values()))
+        self.timings["participants_start_s"] = time.perf_counter() - began
+
+    def kill_participants(self) -> None:
+        """SIGKILL every participant process group (all at once, then reap)."""
+        for process in self.processes.values():
+            if process.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.proc.pid, signal.SIGKILL)
+        for process in self.processes.values():
+            process.kill()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one participant's process group."""
+        self.processes[name].kill()
+
+    async def start_one(self, name: str, restore_id: int | None = None) -> None:
+        """Start one participant process (again)."""
+        if restore_id is not None:
+            self.restore_id = restore_id
+        self._spawn(self.processes[name], self._participant_args(name))
+        await self._ready(self.processes[name], "/sim/ready")
+
+    def _participant_args(self, name: str) -> list[str]:
+        role, participant_id = PARTICIPANTS[name]
+        args = [
+            "-m",
+            "rolloutlog.participants.sim",
+            role,
+            "--port",
+            str(self.processes[name].port),
+            "--service-url",
+            self.service_url,
+            "--run",
+            self.run,
+            "--id",
+            participant_id,
+            "--transport",
+            self.participant_transport,
+        ]
+        if self.participant_transport == "kafka":
+            args += ["--log-url", self.log_url or ""]
+        if self.restore_id is not None:
+            args += ["--restore-id", str(self.restore_id)]
+        resources = [f"--resources={kind}={self.url(kind)}" for kind in _MODES]
+        if role == "policy":
+            args += ["--token-rate", str(self.token_rate), "--chunk-tokens", str(self.chunk_tokens)]
+            args += ["--policy-version", str(self.policy_version)]
+        elif role == "agent":
+            args += ["--policy-url", self.url("policy"), *resources]
+        elif role == "environment":
+            args += ["--agent-url", self.url("agent"), *resources]
+        else:
+            verify = {"counter": self.counter_verify, "verifier": self.verifier_verify}
+            args += ["--mode", _MODES[name], "--verify", verify.get(name, "replay")]
+            args += ["--verify-delay", str(self.verify_delay_s)]
+            if self.skip_resources_restore:
+                args.append("--skip-restore")
+        return args
+
+    def _spawn(self, process: _Process, args: list[str]) -> None:
+        if process.alive:
+            raise RuntimeError(f"{process.name} is already running")
+        process.log = self.data_dir / "logs" / f"{process.name}.log"
+        process.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(process.log, "ab") as out:
+            process.proc = subprocess.Popen(
+                [sys.executable, *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    async def _ready(self, process: _Process, path: str) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if not process.alive:
+                raise RuntimeError(f"{process.name} exited at start: {self.log_tail(process.name)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await self._client.get(process.url + path, timeout=2)).status_code == 200:
+                    return
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"{process.name} was not ready in time: {self.log_tail(process.name)}")
+
+    def log_tail(self, name: str, chars: int = 3000) -> str:
+        """The end of a process's log (``service`` or a participant name)."""
+        process = self.service if name == "service" else self.processes[name]
+        if process.log is None or not process.log.exists():
+            return ""
+        return process.log.read_text(errors="replace")[-chars:]
+
+    # -- holds and stats ---------------------------------------------------------------------
+
+    async def hold(
+        self,
+        name: str,
+        point: str,
+        capture_key: str | None = None,
+        *,
+        after_tokens: int = 0,
+        count: int = 1,
+    ) -> None:
+        """Arm a hold: the next ``count`` episodes reaching ``point`` at participant ``name``
+        park there until ``release``."""
+        body: dict[str, Any] = {"point": point, "capture_key": capture_key}
+        body |= {"after_tokens": after_tokens, "count": count}
+        response = await self._client.post(self.url(name) + "/sim/holds", json=body)
+        response.raise_for_status()
+
+    async def wait_held(
+        self, name: str, point: str, capture_key: str | None = None, *, timeout_s: float = 60.0
+    ) -> dict[str, Any]:
+        """Wait until an episode is parked at an armed hold; returns what it parked with."""
+        params: dict[str, Any] = {"point": point, "timeout_s": timeout_s}
+        if capture_key is not None:
+            params["capture_key"] = capture_key
+        response = await self._client.get(
+            self.url(name) + "/sim/holds/wait", params=params, timeout=timeout_s + 10
+        )
+        response.raise_for_status()
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def release(
+        self, name: str, point: str | None = None, capture_key: str | None = None
+    ) -> int:
+        """Release the matching holds; returns how many episodes were parked at them."""
+        body = {"point": point, "capture_key": capture_key}
+        response = await self._client.post(self.url(name) + "/sim/holds/release", json=body)
+        response.raise_for_status()
+        return int(response.json()["released"])
+
+    async def stats(self, name: str) -> dict[str, Any]:
+        """A participant's ``/sim/stats`` (its epoch, holds, and its kind's counters)."""
+        response = await self._client.get(self.url(name) + "/sim/stats")
+        response.raise_for_status()
+        result: dict[str, Any] = response.json()
+        return result
+
+    def collector(self, **kwargs: Any) -> Collector:
+        """A ``Collector`` for this Gym's run and environment server."""
+        from rolloutlog.participants.sim._collector import Collector
+
+        return Collector(self.service_url, self.run, [self.url("environment")], **kwargs)

@@ -1,0 +1,179 @@
+"""The fake policy model server: deterministic tokens at a configurable rate, recorded as the SDK's
+policy kind records them (generation chunks for long calls, a ledger row before delivery)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import Request
+
+from rolloutlog.participants._participant import RolloutContext
+from rolloutlog.participants._policy import GenerationCut, Policy, fingerprint
+from rolloutlog.participants.sim._model import (
+    context_digest,
+    reply_text,
+    request_digest,
+    sim_tokens,
+)
+from rolloutlog.participants.sim._runtime import ServerSettings, SimServer, request_context
+
+__all__ = ["policy_server"]
+
+
+def policy_server(settings: ServerSettings) -> SimServer:
+    """``POST /generate`` ``{"turns": [...], "call_index", "tokens", "constrained"?,
+    "token_rate"?}`` under a rollout context → ``{"call_id", "parent_call_id", "token_ids",
+    "text"}``.
+
+    A replacement attempt's calls resolve their parent by fingerprint among the rows restored
+    under its capture key (bulk ``Restores.install`` at start when the process is given a
+    restore id, else one ``fetch`` per episode on its first call); its first call continues the
+    restore's generation cut when the cut validates for that request.
+
+    Hold points: ``mid_generation`` (once ``after_tokens`` tokens are durable in chunks),
+    ``before_record`` (generated, no ledger row yet), ``before_deliver`` (row durable, reply not
+    sent). ``/sim/stats``: every call served (``capture_key``, ``call_id``, ``parent_call_id``,
+    ``call_index``, ``generated``, ``continued``, ``constrained``, ``chunks``, ``delivered``),
+    the rows installed per capture key, ``chunks_skipped``, ``cuts_refused``.
+    """
+    server = SimServer(
+        settings,
+        lambda transport: Policy(
+            transport,
+            settings.run,
+            settings.participant_id,
+            policy_version=settings.policy_version,
+            chunk_tokens=settings.chunk_tokens,
+        ),
+    )
+    policy = server.participant
+    assert isinstance(policy, Policy)
+    calls: list[dict[str, Any]] = []
+    installed: dict[str, int] = {}
+    #: capture key -> its restored projection, until its first call consumed the cut
+    cuts: dict[str, dict[str, Any]] = {}
+    fetched: set[str] = set()
+    locks: dict[str, asyncio.Lock] = {}
+
+    def keep(projection: dict[str, Any]) -> None:
+        key = str(projection["capture_key"])
+        installed[key] = policy.install(projection)
+        fetched.add(key)
+        if projection.get("generation_cut") is not None:
+            cuts[key] = projection
+
+    async def bulk_install() -> None:
+        if settings.restore_id is None:
+            return
+        async for projection in server.restores.install(
+            settings.run, settings.restore_id, kind="policy"
+        ):
+            keep(projection)
+
+    server.on_start.append(bulk_install)
+
+    async def ensure_restored(context: RolloutContext, restore_id: int | None) -> None:
+        key = context.capture_key
+        if context.attempt == 0 or key in fetched or restore_id is None:
+            return
+        lock = locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key in fetched:
+                return
+            projection = await server.projection(context.episode, restore_id)
+            if projection is not None and projection.get("capture_key") == key:
+                keep(projection)
+            fetched.add(key)
+
+    def stats() -> dict[str, Any]:
+        return {
+            "calls": calls,
+            "installed": installed,
+            "chunks_skipped": policy.chunks_skipped,
+            "cuts_refused": policy.cuts_refused,
+        }
+
+    server.stats = stats
+    app = server.app
+
+    @app.post("/generate")
+    async def generate(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        context = request_context(request)
+        key = context.capture_key
+        turns: list[str] = list(body.get("turns", []))
+        call_index = int(body.get("call_index", len(turns)))
+        count = int(body["tokens"])
+        constrained = bool(body.get("constrained", False))
+        rate = float(body.get("token_rate") or settings.token_rate)
+        digest = request_digest(context.episode, call_index, count, constrained)
+        await ensure_restored(context, server.restore_id(request, body))
+        parent = policy.resolve_parent(key, fingerprint(turns)) if turns else None
+        parent_id = parent.call_id if parent is not None else None
+        cut: GenerationCut | None = None
+        projection = cuts.pop(key, None)
+        if projection is not None:
+            cut = policy.validate_cut(projection, request_digest=digest)
+        call_id = cut.call_id if cut is not None else f"{key}.c{call_index}"
+        generation = policy.generation(
+            context,
+            call_id,
+            parent_call_id=parent_id,
+            request_digest=digest,
+            constrained=constrained,
+            cut=cut,
+        )
+        expected = sim_tokens(context.episode, call_index, count)
+        continued = len(generation.token_ids)
+        record: dict[str, Any] = {
+            "capture_key": key,
+            "call_id": call_id,
+            "parent_call_id": generation.parent_call_id,
+            "call_index": call_index,
+            "constrained": constrained,
+            "continued": continued,
+            "generated": 0,
+            "prefix_ok": generation.token_ids == expected[:continued],
+            "terminal_cut": bool(cut is not None and cut.terminal),
+            "chunks": 0,
+            "delivered": False,
+        }
+        calls.append(record)
+        step = max(1, min(settings.chunk_tokens, int(rate / 100) or 1))
+        position = continued if not (cut is not None and cut.terminal) else count
+        while position < count:
+            end = min(count, position + step)
+            # steps never straddle a chunk boundary, so a hold after K tokens sees K durable
+            boundary = (position // settings.chunk_tokens + 1) * settings.chunk_tokens
+            end = min(end, boundary)
+            await asyncio.sleep((end - position) / rate)
+            await generation.feed(expected[position:end])
+            record["generated"] += end - position
+            position = end
+            await server.holds.park(
+                "mid_generation", key, tokens=generation.durable, call_id=call_id
+            )
+        await generation.complete()
+        record["chunks"] = generation.chunks
+        await server.holds.park("before_record", key, call_id=call_id)
+        text = reply_text(call_index, generation.token_ids)
+        row = await policy.record_call(
+            context,
+            call_id,
+            generation.token_ids,
+            fingerprint=fingerprint([*turns, text]),
+            context_digest=context_digest(turns),
+            parent_call_id=generation.parent_call_id,
+            constrained=constrained,
+        )
+        await server.holds.park("before_deliver", key, call_id=call_id)
+        record["delivered"] = True
+        return {
+            "call_id": row.call_id,
+            "parent_call_id": row.parent_call_id,
+            "token_ids": generation.token_ids,
+            "text": text,
+        }
+
+    return server

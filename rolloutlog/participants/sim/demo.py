@@ -1,0 +1,193 @@
+"""``make demo`` (``python -m rolloutlog.participants.sim.demo``): the whole mission in one command.
+
+Starts the service (embedded log + SQLite in a temp dir, or ``--log``/``--catalog``) and the six
+simulated participant processes, runs a few hundred rollouts, checkpoints mid-flight, SIGKILLs
+every participant, restores, starts them again, finishes every rollout and prints a report.
+Exits non-zero when a reward is wrong or a rollout is lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from rolloutlog.participants.sim._collector import Collector, CollectorReport
+from rolloutlog.participants.sim._gym import PARTICIPANTS, Gym
+from rolloutlog.participants.sim._model import make_tasks
+
+__all__ = ["DemoResult", "main", "run_demo"]
+
+
+@dataclass
+class DemoResult:
+    report: CollectorReport
+    timings: dict[str, float] = field(default_factory=dict)
+    restore_counts: dict[str, int] = field(default_factory=dict)
+    checkpoint_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+
+class _Progress:
+    """One status line, redrawn in place on a terminal, every few seconds otherwise."""
+
+    def __init__(self, out: TextIO, total: int) -> None:
+        self.out = out
+        self.total = total
+        self.tty = out.isatty()
+        self.last = 0.0
+        self.began = time.perf_counter()
+
+    def __call__(self, collector: Collector) -> None:
+        now = time.perf_counter()
+        if now - self.last < (0.1 if self.tty else 2.0):
+            return
+        self.last = now
+        self.draw(collector)
+
+    def draw(self, collector: Collector) -> None:
+        counts = collector.counts()
+        done = counts["done"]
+        width = 30
+        bar = "#" * (width * done // max(self.total, 1))
+        line = (
+            f"  [{bar:<{width}}] {done}/{self.total} done, {counts['running']} in flight, "
+            f"{counts['interrupted']} interrupted  {time.perf_counter() - self.began:5.1f}s"
+        )
+        if self.tty:
+            self.out.write("\r" + line)
+        else:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+    def say(self, text: str) -> None:
+        if self.tty:
+            self.out.write("\r\033[K")
+        self.out.write(text + "\n")
+        self.out.flush()
+
+
+async def run_demo(
+    rollouts: int = 300,
+    *,
+    concurrency: int = 100,
+    checkpoint_after: float = 0.3,
+    data_dir: str | Path | None = None,
+    log_url: str | None = None,
+    catalog_url: str | None = None,
+    run: str = "demo",
+    rounds: int = 2,
+    tokens: int = 48,
+    out: TextIO | None = None,
+) -> DemoResult:
+    """Run the demo; returns the collector's report with the checkpoint and restore figures."""
+    out = out or sys.stdout
+    progress = _Progress(out, rollouts)
+    timings: dict[str, float] = {}
+    began = time.perf_counter()
+    progress.say(
+        f"rolloutlog demo: {rollouts} rollouts, {concurrency} at a time, "
+        f"{len(PARTICIPANTS)} participant processes ({', '.join(PARTICIPANTS)})"
+    )
+    async with Gym(data_dir, run=run, log_url=log_url, catalog_url=catalog_url) as gym:
+        timings["start_s"] = gym.timings["start_s"]
+        progress.say(
+            f"service ({gym.service_url}) and participants ready in {timings['start_s']:.1f} s"
+        )
+        tasks = make_tasks(rollouts, rounds=rounds, tokens=tokens, constrained_every=7)
+        async with gym.collector(concurrency=concurrency, on_progress=progress) as collector:
+            runner = asyncio.create_task(collector.run(tasks))
+            await collector.wait_done(int(rollouts * checkpoint_after))
+            t0 = time.perf_counter()
+            checkpoint = await collector.checkpoint(pause=True)
+            timings["checkpoint_s"] = time.perf_counter() - t0
+            progress.say(
+                f"checkpoint {checkpoint.checkpoint_id} {checkpoint.status} in "
+                f"{timings['checkpoint_s'] * 1000:.0f} ms: {dict(checkpoint.counts)}"
+            )
+            gym.kill_participants()
+            progress.say(f"SIGKILLed {len(PARTICIPANTS)} participant process groups")
+            t0 = time.perf_counter()
+            plan = await collector.restore()
+            timings["restore_s"] = time.perf_counter() - t0
+            assert plan.restore is not None
+            progress.say(
+                f"restore {plan.restore_id} of checkpoint {plan.checkpoint_id} in "
+                f"{timings['restore_s'] * 1000:.0f} ms: {dict(plan.restore.counts)}"
+            )
+            t0 = time.perf_counter()
+            await gym.start_participants(plan.restore_id)
+            timings["participants_restart_s"] = time.perf_counter() - t0
+            progress.say(f"participants restarted in {timings['participants_restart_s']:.1f} s")
+            collector.redispatch()
+            report = await runner
+            progress.draw(collector)
+            if progress.tty:
+                out.write("\n")
+    timings["total_s"] = time.perf_counter() - began
+    result = DemoResult(report, timings, dict(plan.restore.counts), dict(checkpoint.counts))
+    _print_report(out, result)
+    return result
+
+
+def _print_report(out: TextIO, result: DemoResult) -> None:
+    report, timings = result.report, result.timings
+    checkpoint = report.checkpoints[0]
+    restore = report.restores[0].restore
+    lines = [
+        "",
+        "rolloutlog demo report",
+        f"  rollouts finished      {report.finished}/{report.rollouts}",
+        f"    continued            {report.continued} (from their last boundary)",
+        f"    restarted            {report.restarted} (from their input, one attempt later)",
+        f"  rewards right          {report.right}/{report.rollouts}",
+        f"  lost                   {len(report.lost)}",
+        f"  checkpoint             {timings['checkpoint_s'] * 1000:.0f} ms round trip "
+        f"(service: {_ms(checkpoint.timings_ms)})",
+        f"  restore                {timings['restore_s'] * 1000:.0f} ms round trip "
+        f"(service: {_ms(restore.timings_ms if restore else {})})",
+        f"  participants restart   {timings['participants_restart_s']:.1f} s",
+        f"  total                  {timings['total_s']:.1f} s",
+        "  OK" if result.ok else f"  FAILED: wrong {report.wrong[:10]} lost {report.lost[:10]}",
+    ]
+    out.write("\n".join(lines) + "\n")
+    out.flush()
+
+
+def _ms(timings: Any) -> str:
+    total = timings.get("total") if hasattr(timings, "get") else None
+    if total is None and timings:
+        total = sum(float(v) for v in timings.values())
+    return "n/a" if total is None else f"{float(total):.0f} ms"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rolloutlog.participants.sim.demo")
+    parser.add_argument("--rollouts", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--data-dir", help="default: a temporary directory, removed afterwards")
+    parser.add_argument("--log", dest="log_url", help="log URL, e.g. kafka://host:9092")
+    parser.add_argument("--catalog", dest="catalog_url", help="postgresql+asyncpg://…")
+    args = parser.parse_args(argv)
+    result = asyncio.run(
+        run_demo(
+            args.rollouts,
+            concurrency=args.concurrency,
+            data_dir=args.data_dir,
+            log_url=args.log_url,
+            catalog_url=args.catalog_url,
+        )
+    )
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
