@@ -40,7 +40,8 @@ from _common import ROOT, save, summary
 
 from rolloutlog.log import Position
 from rolloutlog.participants import Environment, HttpTransport, KafkaTransport, Transport
-from rolloutlog.participants._transport import _Pending, encode_wire
+from rolloutlog.participants._encoding import encode_wire
+from rolloutlog.participants._transport import _Pending
 from rolloutlog.trainer import AsyncTrainerClient
 from tests._services import free_port
 

@@ -7,7 +7,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args
 
 import orjson
 
@@ -22,6 +22,9 @@ from rolloutlog.log import (
 from rolloutlog.participants._transport import Transport
 
 __all__ = ["Participant", "RolloutContext", "task_digest"]
+
+#: The kinds a participant may register as (the envelopes it builds carry its kind unchecked).
+_KINDS = frozenset(get_args(ParticipantKind))
 
 
 def task_digest(task: Any) -> str:
@@ -82,6 +85,8 @@ class Participant:
 
     async def register(self) -> int:
         """Register with the service; a new epoch fences every earlier incarnation of this id."""
+        if self.kind not in _KINDS:
+            raise ValueError(f"unknown participant kind {self.kind!r}")
         self.epoch = await self.transport.register(self.run, self.id, self.kind)
         self.seq = 0
         self._who = {"id": self.id, "kind": self.kind, "epoch": self.epoch}
@@ -100,20 +105,22 @@ class Participant:
         if self.epoch is None:
             raise RuntimeError(f"participant {self.id!r} is not registered: call register()")
         transport = self.transport
-        await transport.reserve()
+        if not transport.try_reserve():
+            await transport.reserve()
         self.seq += 1
+        # The codec's field order (see _encoding): records then start with the episode.
         event = {
             "v": 1,
-            "type": type_,
             "episode": context.episode,
             "attempt": context.attempt,
             "step": context.step if step is None else step,
             "participant": self._who,
             "seq": self.seq,
             "ts": time.time(),
+            "type": type_,
             "data": data,
         }
-        return await transport.submit(self.run, event)
+        return await transport.submit(self.run, event, built=True)
 
     async def emit_nowait(
         self,
@@ -130,20 +137,22 @@ class Participant:
         """
         if self.epoch is None:
             raise RuntimeError(f"participant {self.id!r} is not registered: call register()")
-        await self.transport.reserve()
+        transport = self.transport
+        if not transport.try_reserve():
+            await transport.reserve()
         self.seq += 1
         event = {
             "v": 1,
-            "type": type_,
             "episode": context.episode,
             "attempt": context.attempt,
             "step": context.step if step is None else step,
             "participant": self._who,
             "seq": self.seq,
             "ts": time.time(),
+            "type": type_,
             "data": data,
         }
-        return self.transport.submit(self.run, event)
+        return transport.submit(self.run, event, built=True)
 
 
 def opaque(value: Any) -> Opaque:

@@ -10,7 +10,8 @@ import orjson
 
 from rolloutlog.log import Position, decode_record, encode_record, split_record, validate_event
 from rolloutlog.participants import Agent, Environment, Policy, Resources, Transport, fingerprint
-from rolloutlog.participants._transport import _Pending, encode_record_unchecked, encode_wire
+from rolloutlog.participants._encoding import encode_record_fast, encode_wire
+from rolloutlog.participants._transport import _Pending
 
 
 class Capture(Transport):
@@ -74,7 +75,7 @@ async def test_unchecked_records_and_wire_envelopes_match_the_validated_ones() -
     }
     for event in events:
         checked = validate_event(event)
-        fast = encode_record_unchecked(event)
+        fast = encode_record_fast(event)
         assert decode_record(fast) == checked
         meta, payload = split_record(fast)
         want_meta, want_payload = split_record(encode_record(checked))
