@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv check test bench bench-quick clean
+.PHONY: venv check test bench bench-quick bench-components clean
 
 venv: $(STAMP)
 
@@ -21,15 +21,31 @@ check: venv
 test: check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Each script prints its figures and saves JSON under benchmarks/results/.
-BENCHMARKS := log_append catalog_commit checkpoint_restore api_append
+# `bench`: issue 7's suite (S1-S4 through the real service on both deployments, beside the
+# stop-the-world, pyeventsourcing and floor baselines, and the curves), then its plots and
+# benchmarks/RESULTS.md, then the component scripts with one run each (within 15 minutes here).
+# `bench-components`: the component scripts with their full repetitions.
+# Every script prints its figures and saves JSON under benchmarks/results/ (*_quick.json with
+# --quick, not committed).
+BENCH_STAMP := $(VENV)/.bench-installed
+COMPONENTS := log_append catalog_commit checkpoint_restore api_append
 
-bench: venv
-	@for b in $(BENCHMARKS); do echo "== $$b"; $(BIN)/python benchmarks/$$b.py || exit 1; done
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	@touch $(BENCH_STAMP)
 
-bench-quick: venv
-	$(BIN)/python benchmarks/log_append.py --quick --runs 1
-	$(BIN)/python benchmarks/checkpoint_restore.py --quick --runs 1
+bench: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/suite.py
+	$(BIN)/python benchmarks/report.py
+	$(BIN)/python benchmarks/log_append.py --runs 1
+	$(BIN)/python benchmarks/api_append.py --runs 1 --workers 0
+
+bench-components: $(BENCH_STAMP)
+	@for b in $(COMPONENTS); do echo "== $$b"; $(BIN)/python benchmarks/$$b.py || exit 1; done
+
+bench-quick: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/suite.py --quick
+	$(BIN)/python benchmarks/report.py --quick
 
 clean:
 	rm -rf $(VENV) rolloutlog-data .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,709 @@
+"""Issue 7's suite: checkpoints and restores at the seed's scale, beside the alternatives.
+
+rolloutlog is measured through the real service: a ``rolloutlog serve`` subprocess per workload,
+loaded with the SDK's transports (``HttpTransport`` on the embedded deployment, ``KafkaTransport``
+on Kafka (Tansu) + PostgreSQL), checkpointed and restored over REST with ``rolloutlog.trainer``'s
+client. Workloads S1-S4 are ``workloads.py``'s; the baselines (stop-the-world export,
+pyeventsourcing on SQLite, the floor) are ``baselines.py``'s, on the same envelopes, in the same
+run. Curves (embedded deployment): checkpoint and restore latency against live rollouts and
+against state size; their episodes are preloaded straight into the embedded log with
+``rolloutlog.log`` (service stopped), then measured over REST on a restarted service.
+
+Saved to ``benchmarks/results/suite.json`` (``suite_quick.json`` with ``--quick``); ``report.py``
+turns it into plots and ``benchmarks/RESULTS.md``.
+
+    python benchmarks/suite.py [--quick] [--runs 5] [--backends embedded,kafka] [--parts main,curves]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from _common import ROOT, percentile, save, summary
+from baselines import (
+    eventsourcing_reconstruct,
+    eventsourcing_store,
+    floor,
+    stop_the_world_checkpoint,
+    stop_the_world_restore,
+)
+from workloads import Workload, churn_batch, live_point, live_states, s1, s2, s3, state_point
+
+from rolloutlog.log import open_log, validate_event
+from rolloutlog.participants import HttpTransport, KafkaTransport, Transport
+from rolloutlog.trainer import AsyncTrainerClient
+from tests._services import free_port
+
+PARTITIONS = 16
+POSTGRES = os.environ.get(
+    "ROLLOUTLOG_BENCH_POSTGRES", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+)
+TICKS = os.sysconf("SC_CLK_TCK")
+
+TARGETS = {
+    "S1.checkpoint_s": 0.100,
+    "S2.checkpoint_s": 0.100,
+    "S1.checkpoint_vs_stop_the_world": 20.0,
+    "S2.checkpoint_vs_stop_the_world": 20.0,
+    "S4.checkpoint_over_S1": 2.0,
+    "S1.restore_s": 1.0,
+    "S2.restore_s": 1.5,
+    "S2.restore_over_floor": 1.5,
+    "curve_flatness": 2.0,
+}
+SEED = {
+    "S1": {
+        "checkpoint_s": 1.43,
+        "restore_s": 2.01,
+        "note": "16,000 rollouts, two policy workers; "
+        "the policy prepare stage took 2 s (25 s before an optimization)",
+    },
+    "S2": {
+        "checkpoint_s": 3.6,
+        "restore_s": 3.4,
+        "note": "1,000 sessions of 350 KB "
+        "(11.5 s / 6.0 s before); JSON encode/decode ~2 ms per 350 KB session",
+    },
+    "S3": {"restore_s": 1.5, "note": "importing 15,686 episodes' ledgers on restore"},
+}
+
+
+# -- the service --------------------------------------------------------------------------------
+
+
+@dataclass
+class Deployment:
+    """Where a service keeps its log and catalog (embedded, or Kafka + PostgreSQL)."""
+
+    name: str
+    kafka: str | None = None
+    prefix: str = field(default_factory=lambda: f"b{uuid.uuid4().hex[:8]}.")
+
+    @property
+    def log_url(self) -> str | None:
+        return f"kafka://{self.kafka}?topic_prefix={self.prefix}" if self.kafka else None
+
+
+class Service:
+    """One ``rolloutlog serve`` subprocess with a fresh data directory; CPU and RSS from /proc."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+        self.data_dir = Path(tempfile.mkdtemp(prefix="rolloutlog-suite-"))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        extra = []
+        if self.deployment.log_url:
+            extra = ["--log", self.deployment.log_url, "--catalog", POSTGRES]
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rolloutlog.api.cli",
+                "serve",
+                "--data-dir",
+                str(self.data_dir),
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("the service did not become ready")
+            time.sleep(0.1)
+
+    def cpu_s(self) -> float:
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+
+    def peak_rss_mb(self) -> float:
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def service(deployment: Deployment) -> Iterator[Service]:
+    svc = Service(deployment)
+    try:
+        svc.start()
+        yield svc
+    finally:
+        svc.remove()
+
+
+def transport(svc: Service, **options: Any) -> Transport:
+    log_url = svc.deployment.log_url
+    if log_url:
+        return KafkaTransport(log_url, url=svc.url, **options)
+    return HttpTransport(svc.url, **options)
+
+
+async def sdk_load(svc: Service, run: str, workload: Workload) -> tuple[list[list[Any]], float]:
+    """Append every episode through the SDK: one transport per participant shard (each keeps its
+    participants' order), up to 8 chunks in flight per shard. Returns the episodes and seconds."""
+    episodes = list(workload.episodes())
+    shards: dict[int, list[list[dict[str, Any]]]] = {}
+    for events in episodes:
+        shard = int(events[0]["participant"]["id"].rsplit("-", 1)[1])
+        shards.setdefault(shard, []).append(events)
+    participants = workload.participants()
+
+    async def one(shard: int, mine: list[list[dict[str, Any]]]) -> None:
+        async with transport(svc) as t:
+            for pid, kind in participants:
+                if pid.endswith(f"-{shard}"):
+                    await t.register(run, pid, kind)
+            pending: list[asyncio.Future[Any]] = []
+            chunk: list[dict[str, Any]] = []
+            for events in mine:
+                chunk.extend(events)
+                if len(chunk) >= 400:
+                    pending.append(asyncio.ensure_future(t.append(run, chunk)))
+                    chunk = []
+                if len(pending) >= 8:
+                    await pending.pop(0)
+            if chunk:
+                pending.append(asyncio.ensure_future(t.append(run, chunk)))
+            await asyncio.gather(*pending)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(shard, mine) for shard, mine in shards.items()))
+    return episodes, time.perf_counter() - t0
+
+
+async def bulk_preload(svc: Service, run: str, workload: Workload) -> float:
+    """Preload straight into the embedded log with ``rolloutlog.log`` (the service is stopped
+    meanwhile), streaming the episodes; returns seconds."""
+    svc.stop()
+    t0 = time.perf_counter()
+    async with open_log(f"embedded://{svc.data_dir.resolve()}") as log:
+        batch: list[Any] = []
+        for events in workload.episodes():
+            batch.extend(validate_event(e) for e in events)
+            if len(batch) >= 4000:
+                await log.append(run, batch)
+                batch = []
+        if batch:
+            await log.append(run, batch)
+    elapsed = time.perf_counter() - t0
+    svc.start()
+    return elapsed
+
+
+async def caught_up(
+    trainer: AsyncTrainerClient, run: str, live: int, timeout_s: float = 300
+) -> float:
+    """Wait until the service's projector holds ``live`` live episodes; returns seconds."""
+    t0 = time.perf_counter()
+    while True:
+        counts = (await trainer.get_run(run)).get("counts", {})
+        if counts.get("live_episodes", 0) >= live:
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout_s:
+            raise RuntimeError(f"projector did not catch up: {counts} (want {live} live)")
+        await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def reader(svc: Service) -> AsyncIterator[Any]:
+    url = svc.deployment.log_url or f"embedded://{svc.data_dir.resolve()}"
+    async with open_log(url) as log:
+        yield log
+
+
+# -- one workload on one deployment ----------------------------------------------------------------
+
+
+async def checkpoints_and_restores(
+    svc: Service, trainer: AsyncTrainerClient, run: str, live: int, runs: int, restores: int
+) -> dict[str, Any]:
+    """``runs`` rounds of: checkpoint (request → committed), floor (read + split what a restore
+    of it replays), and for the first ``restores`` rounds a restore (request → committed plan)
+    then fetching every projection of it (NDJSON stream, decoded as a participant would)."""
+    figures: dict[str, list[float]] = {}
+    cpu = {"checkpoint": 0.0, "restore": 0.0}
+    for index in range(runs):
+        before = svc.cpu_s()
+        t0 = time.perf_counter()
+        info = await trainer.checkpoint(run)
+        checkpoint_s = time.perf_counter() - t0
+        cpu["checkpoint"] += svc.cpu_s() - before
+        assert info.status == "committed", info
+        assert info.counts["continue"] >= live, info.counts
+        figures.setdefault("checkpoint_s", []).append(checkpoint_s)
+        if index >= restores:
+            continue
+        async with reader(svc) as log:
+            floor_s, floor_bytes = await floor(log, run, info.offsets)
+        before = svc.cpu_s()
+        t0 = time.perf_counter()
+        restored = await trainer.restore(run, checkpoint_id=info.checkpoint_id)
+        restore_s = time.perf_counter() - t0
+        assert restored.counts["continue"] >= live, restored.counts
+        fetched = 0
+        async for _ in trainer.projections(run, restored.restore_id):
+            fetched += 1
+        fetch_s = time.perf_counter() - t0
+        cpu["restore"] += svc.cpu_s() - before
+        assert fetched == restored.counts["continue"], (fetched, restored.counts)
+        for key, value in {
+            "restore_s": restore_s,
+            "restore_and_fetch_s": fetch_s,
+            "floor_s": floor_s,
+            "restore_over_floor": restore_s / floor_s,
+            "restore_and_fetch_over_floor": fetch_s / floor_s,
+        }.items():
+            figures.setdefault(key, []).append(value)
+        figures.setdefault("floor_mb", []).append(floor_bytes / 1e6)
+    out: dict[str, Any] = {key: summary(values) for key, values in figures.items()}
+    out["service_cpu_s_per_checkpoint"] = cpu["checkpoint"] / runs
+    out["service_cpu_s_per_restore_and_fetch"] = cpu["restore"] / max(1, restores)
+    return out
+
+
+def start_loader(cmd: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE)
+
+
+async def saturated_checkpoints(
+    svc: Service, trainer: AsyncTrainerClient, run: str, live: int, runs: int, writers: int
+) -> dict[str, Any]:
+    """S4: checkpoints while a separate process appends through the SDK as fast as the service
+    acknowledges (closed loop, ``writers`` transports)."""
+    seconds = 3.0 + runs * 2.0
+    cmd = [sys.executable, __file__, "--saturate", svc.url, run, str(seconds), str(writers)]
+    if svc.deployment.log_url:
+        cmd += ["--saturate-log", svc.deployment.log_url]
+    loader = start_loader(cmd)
+    try:
+        await asyncio.sleep(2.0)  # registered and appending at full rate
+        times = []
+        before = svc.cpu_s()
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            info = await trainer.checkpoint(run)
+            times.append(time.perf_counter() - t0)
+            assert info.status == "committed", info
+            assert info.counts["continue"] >= live, info.counts
+            await asyncio.sleep(0.5)
+        cpu = svc.cpu_s() - before
+        out_bytes, _ = await asyncio.to_thread(loader.communicate, timeout=seconds + 120)
+    finally:
+        if loader.poll() is None:
+            loader.kill()
+            loader.wait()
+    appends = orjson.loads(out_bytes.strip().splitlines()[-1])
+    return {
+        "checkpoint_s": summary(times),
+        "appends": appends,
+        "service_cpu_s_during": cpu,
+    }
+
+
+async def measure_workload(
+    deployment: Deployment, workload: Workload, runs: int, restores: int, s4: Workload | None
+) -> tuple[dict[str, Any], list[list[Any]]]:
+    with service(deployment) as svc:
+        run = f"{workload.name.lower()}-{uuid.uuid4().hex[:6]}"
+        async with AsyncTrainerClient(svc.url) as trainer:
+            await trainer.create_run(run, PARTITIONS)
+            await trainer.take_over(run)
+            cpu0 = svc.cpu_s()
+            episodes, load_s = await sdk_load(svc, run, workload)
+            catch_up_s = await caught_up(trainer, run, workload.live)
+            load_cpu = svc.cpu_s() - cpu0
+            out = await checkpoints_and_restores(svc, trainer, run, workload.live, runs, restores)
+            out.update(
+                {
+                    "episodes": workload.count,
+                    "live": workload.live,
+                    "events": sum(len(e) for e in episodes),
+                    "load_s": load_s,
+                    "load_events_per_s": sum(len(e) for e in episodes) / load_s,
+                    "catch_up_s": catch_up_s,
+                    "service_cpu_s_load": load_cpu,
+                }
+            )
+            s4_out = None
+            if s4 is not None:
+                s4_out = await saturated_checkpoints(svc, trainer, run, workload.live, runs, 4)
+            out["service_peak_rss_mb"] = svc.peak_rss_mb()
+            out["service_cpu_s_total"] = svc.cpu_s()
+    if s4_out is not None:
+        out["S4"] = s4_out
+    return out, episodes
+
+
+def measure_baselines(
+    workload: Workload, episodes: list[list[Any]], runs: int, restores: int, eventsourcing: bool
+) -> dict[str, Any]:
+    states = live_states(episodes)
+    out: dict[str, Any] = {}
+    directory = Path(tempfile.mkdtemp(prefix="rolloutlog-baselines-"))
+    try:
+        stw, stw_restore, figures = [], [], []
+        for index in range(runs):
+            target = directory / f"stw{index}"
+            figures.append(asyncio.run(stop_the_world_checkpoint(states, target)))
+            stw.append(figures[-1]["checkpoint_s"])
+            seconds, restored = stop_the_world_restore(target)
+            assert restored == workload.live, (restored, workload.live)
+            stw_restore.append(seconds)
+            shutil.rmtree(target)
+        out["stop_the_world"] = {
+            "checkpoint_s": summary(stw),
+            "restore_s": summary(stw_restore),
+            **{
+                f"{key}": summary([f[key] for f in figures])
+                for key in ("park_s", "export_s", "resume_s")
+            },
+            "export_mb": figures[-1]["bytes"] / 1e6,
+        }
+        del states
+        if eventsourcing:
+            db = directory / "eventsourcing.sqlite3"
+            store_s, live = eventsourcing_store(db, episodes)
+            assert len(live) == workload.live
+            rebuilt = [eventsourcing_reconstruct(db, live) for _ in range(restores)]
+            out["eventsourcing"] = {"store_s": store_s, "reconstruct_s": summary(rebuilt)}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
+# -- curves ----------------------------------------------------------------------------------------
+
+
+async def curve_point(workload: Workload, runs: int, restores: int) -> dict[str, Any]:
+    with service(Deployment("embedded")) as svc:
+        run = f"{workload.name}-{workload.count}-{workload.state_bytes}"
+        async with AsyncTrainerClient(svc.url) as trainer:
+            await trainer.create_run(run, PARTITIONS)
+        preload_s = await bulk_preload(svc, run, workload)
+        async with AsyncTrainerClient(svc.url) as trainer:
+            await trainer.take_over(run)
+            catch_up_s = await caught_up(trainer, run, workload.live, timeout_s=600)
+            out = await checkpoints_and_restores(svc, trainer, run, workload.live, runs, restores)
+            out["service_peak_rss_mb"] = svc.peak_rss_mb()
+    out.update(
+        {
+            "live": workload.live,
+            "state_bytes": workload.state_bytes,
+            "preload_s": preload_s,
+            "catch_up_s": catch_up_s,
+        }
+    )
+    return out
+
+
+def stw_point(workload: Workload, runs: int) -> dict[str, Any]:
+    states = live_states(list(workload.episodes()))
+    directory = Path(tempfile.mkdtemp(prefix="rolloutlog-stw-"))
+    try:
+        times, restores = [], []
+        for index in range(runs):
+            target = directory / str(index)
+            times.append(asyncio.run(stop_the_world_checkpoint(states, target))["checkpoint_s"])
+            restores.append(stop_the_world_restore(target)[0])
+            shutil.rmtree(target)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return {"checkpoint_s": summary(times), "restore_s": summary(restores)}
+
+
+# -- S4's load generator (a subprocess) ------------------------------------------------------------
+
+
+async def saturate(url: str, run: str, seconds: float, writers: int, log_url: str | None) -> None:
+    latencies: list[float] = []
+    done = 0
+
+    async def writer(index: int) -> None:
+        nonlocal done
+        options: dict[str, Any] = {"max_batch": 100}
+        t: Transport = (
+            KafkaTransport(log_url, url=url, **options)
+            if log_url
+            else HttpTransport(url, **options)
+        )
+        async with t:
+            epoch = await t.register(run, f"churn-{index}", "environment")
+            seq = 1
+            stop_at = started + seconds
+            while time.perf_counter() < stop_at:
+                batch = churn_batch(index, epoch, seq, 100)
+                seq += 100
+                t0 = time.perf_counter()
+                await t.append(run, batch)
+                latencies.append(time.perf_counter() - t0)
+                done += len(batch)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(writer(i) for i in range(writers)))
+    elapsed = time.perf_counter() - started
+    result = {
+        "writers": writers,
+        "batch": 100,
+        "events_per_s": done / elapsed,
+        "p50_ms": percentile(latencies, 50) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
+        "max_ms": max(latencies) * 1e3,
+        "requests": len(latencies),
+    }
+    sys.stdout.write(orjson.dumps(result).decode() + "\n")
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def broker(needed: bool) -> Iterator[str | None]:
+    if not needed:
+        yield None
+        return
+    explicit = os.environ.get("ROLLOUTLOG_BENCH_KAFKA")
+    if explicit:
+        yield explicit
+        return
+    from tests._services import tansu_broker
+
+    with tansu_broker() as bootstrap:
+        yield bootstrap
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else float("nan")
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("rolloutlog", "eventsourcing", "fastapi", "uvicorn", "aiokafka", "sqlalchemy"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[name] = version(name)
+    try:
+        out["postgresql"] = asyncio.run(_postgres_version())
+    except Exception:  # the version is informative only
+        out["postgresql"] = "unknown"
+    return out
+
+
+async def _postgres_version() -> str:
+    import asyncpg
+
+    conn = await asyncpg.connect(POSTGRES.replace("postgresql+asyncpg", "postgresql"))
+    try:
+        return str(await conn.fetchval("SHOW server_version"))
+    finally:
+        await conn.close()
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--backends", default="embedded,kafka")
+    parser.add_argument("--parts", default="main,curves")
+    parser.add_argument("--quick", action="store_true", help="small sizes, 2 runs (smoke test)")
+    parser.add_argument("--saturate", nargs=4, metavar=("URL", "RUN", "SECONDS", "WRITERS"))
+    parser.add_argument("--saturate-log")
+    args = parser.parse_args()
+    # Tansu has no idempotent producer: its warning per producer is known (see RESULTS.md).
+    for name in ("aiokafka", "rolloutlog.log.kafka"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    if args.saturate:
+        url, run, seconds, writers = args.saturate
+        asyncio.run(saturate(url, run, float(seconds), int(writers), args.saturate_log))
+        return
+    started = time.perf_counter()
+    quick = args.quick
+    runs = 2 if quick else args.runs
+    backends = [b for b in args.backends.split(",") if b]
+    parts = args.parts.split(",")
+    sizes = (
+        {"S1": s1(1000), "S2": s2(100), "S3": s3(1000, 150)}
+        if quick
+        else {"S1": s1(), "S2": s2(), "S3": s3()}
+    )
+    results: dict[str, Any] = {
+        "quick": quick,
+        "runs": runs,
+        "versions": versions(),
+        "targets": TARGETS,
+        "seed": SEED,
+        "deployments": {},
+        "baselines": {},
+        "curves": {},
+    }
+    with broker("kafka" in backends and "main" in parts) as kafka:
+        if "main" in parts:
+            for name in backends:
+                deployment = Deployment(name, kafka if name == "kafka" else None)
+                per: dict[str, Any] = {}
+                for key, workload in sizes.items():
+                    log(f"{name} {key}: {workload.count} episodes")
+                    figures, episodes = asyncio.run(
+                        measure_workload(
+                            deployment,
+                            workload,
+                            runs,
+                            runs,
+                            s1(workload.count) if key == "S1" else None,
+                        )
+                    )
+                    s4 = figures.pop("S4", None)
+                    per[key] = figures
+                    if s4 is not None:
+                        per["S4"] = s4
+                    log(
+                        f"  checkpoint {figures['checkpoint_s']['median'] * 1e3:.0f} ms, restore "
+                        f"{figures['restore_s']['median'] * 1e3:.0f} ms (+fetch "
+                        f"{figures['restore_and_fetch_s']['median'] * 1e3:.0f} ms), floor "
+                        f"{figures['floor_s']['median'] * 1e3:.0f} ms; load {figures['load_s']:.1f} s"
+                        + (
+                            f"; S4 checkpoint {s4['checkpoint_s']['median'] * 1e3:.0f} ms at "
+                            f"{s4['appends']['events_per_s']:.0f} events/s, p99 "
+                            f"{s4['appends']['p99_ms']:.0f} ms"
+                            if s4
+                            else ""
+                        )
+                    )
+                    if name == backends[0]:
+                        log(f"  baselines on {key}")
+                        results["baselines"][key] = measure_baselines(
+                            workload, episodes, runs, runs, eventsourcing=key in ("S1", "S2", "S3")
+                        )
+                        log(f"  {results['baselines'][key]}")
+                    del episodes
+                results["deployments"][name] = per
+        if "curves" in parts:
+            live_counts = [250, 500, 1000, 2000] if quick else [1000, 4000, 16_000, 64_000]
+            state_sizes = [1024, 16 * 1024, 128 * 1024, 1024 * 1024]
+            state_count = 50 if quick else 200
+            curve_restores = 2 if quick else 3
+            live_curve: dict[str, Any] = {}
+            for count in live_counts:
+                log(f"curve: {count} live rollouts")
+                point = asyncio.run(curve_point(live_point(count), runs, curve_restores))
+                if count <= 16_000:
+                    point["stop_the_world"] = stw_point(live_point(count), runs)
+                live_curve[str(count)] = point
+                log(
+                    f"  checkpoint {point['checkpoint_s']['median'] * 1e3:.0f} ms, restore "
+                    f"{point['restore_s']['median'] * 1e3:.0f} ms"
+                )
+            state_curve: dict[str, Any] = {}
+            for size in state_sizes:
+                log(f"curve: {state_count} rollouts with {size} B states")
+                point = asyncio.run(
+                    curve_point(state_point(state_count, size), runs, curve_restores)
+                )
+                point["stop_the_world"] = stw_point(state_point(state_count, size), runs)
+                state_curve[str(size)] = point
+                log(
+                    f"  checkpoint {point['checkpoint_s']['median'] * 1e3:.0f} ms, restore "
+                    f"{point['restore_s']['median'] * 1e3:.0f} ms"
+                )
+            results["curves"] = {
+                "live_rollouts": live_curve,
+                "state_bytes": state_curve,
+                "state_rollouts": state_count,
+            }
+    results["ratios"] = ratios(results)
+    results["elapsed_s"] = time.perf_counter() - started
+    results["load_average_after"] = os.getloadavg()
+    path = save("suite" + ("_quick" if quick else ""), results)
+    log(f"saved {path} ({results['elapsed_s']:.0f} s)")
+
+
+def ratios(results: dict[str, Any]) -> dict[str, Any]:
+    """Each deployment's medians against the baselines measured in the same run."""
+    out: dict[str, Any] = {}
+    for name, per in results["deployments"].items():
+        mine: dict[str, float] = {}
+        for key, figures in per.items():
+            base = results["baselines"].get(key, {})
+            if key == "S4":
+                mine["S4.checkpoint_over_S1"] = ratio(
+                    figures["checkpoint_s"]["median"], per["S1"]["checkpoint_s"]["median"]
+                )
+                continue
+            stw = base.get("stop_the_world")
+            if stw:
+                mine[f"{key}.checkpoint_vs_stop_the_world"] = ratio(
+                    stw["checkpoint_s"]["median"], figures["checkpoint_s"]["median"]
+                )
+            es = base.get("eventsourcing")
+            if es:
+                mine[f"{key}.restore_and_fetch_vs_eventsourcing"] = ratio(
+                    es["reconstruct_s"]["median"], figures["restore_and_fetch_s"]["median"]
+                )
+            mine[f"{key}.restore_over_floor"] = figures["restore_over_floor"]["median"]
+        out[name] = mine
+    for curve, points in results.get("curves", {}).items():
+        if not isinstance(points, dict) or not points:
+            continue
+        for key in ("checkpoint_s", "restore_s"):
+            medians = [p[key]["median"] for p in points.values()]
+            out.setdefault("curves", {})[f"{curve}.{key}.max_over_min"] = ratio(
+                max(medians), min(medians)
+            )
+    return out
+
+
+if __name__ == "__main__":
+    main()
