@@ -33,6 +33,7 @@ __all__ = [
     "encode_record",
     "record_episode",
     "record_meta",
+    "record_restore_id",
     "split_record",
     "validate_event",
     "validate_events",
@@ -143,6 +144,27 @@ def record_episode(record: bytes) -> str | None:
         return record[len(_EPISODE_PREFIX) : end].decode()
     episode = record_meta(record).get("episode")
     return episode if isinstance(episode, str) else None
+
+
+_RESTORE_ID = b'"type":"attempt.started","data":{"restore_id":'
+#: How far into a record the restore id of an ``attempt.started`` can be (its metadata comes
+#: first, episode and participant names are at most 200 characters): never scan a payload.
+_RESTORE_ID_WITHIN = 1024
+
+
+def record_restore_id(record: bytes) -> int | None:
+    """The restore id of an ``attempt.started`` record as the service encodes it (read off its
+    bytes, without decoding), or None for any other record."""
+    # Only in the metadata: a JSON text escapes the quotes of any string that spells these
+    # bytes, but the raw payload after the newline is not the metadata's to vouch for.
+    newline = record.find(_SEPARATOR, 0, _RESTORE_ID_WITHIN)
+    start = record.find(_RESTORE_ID, 0, _RESTORE_ID_WITHIN if newline < 0 else newline)
+    if start < 0:
+        return None
+    start += len(_RESTORE_ID)
+    end = record.find(b",", start, start + 24)
+    digits = record[start:end] if end > 0 else b""
+    return int(digits) if digits.isdigit() else None
 
 
 def decode_record(record: bytes) -> Event:

@@ -16,13 +16,14 @@ import contextlib
 import gc
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import EpisodeFinish, EpisodeStart, ManifestEntry
 from rolloutlog.log import Log, partition_for, record_meta
+from rolloutlog.log._codec import record_restore_id
 from rolloutlog.projections._fold import _Filters, select_records
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._tracker import EpisodeTracker
@@ -90,6 +91,8 @@ class Projector:
         #: Episodes that need no tracking any more (reported finished, or excluded).
         self.retired: set[str] = set()
         self.committed_restores: set[int] = set()
+        #: Committed restores whose resets this projector applied itself (``end_restore``).
+        self._applied_restores: set[int] = set()
         self._inflight_restores: dict[int, asyncio.Future[bool]] = {}
         self._restore_resets: dict[int, Mapping[str, RestoreReset]] = {}
         self._capture: CheckpointCapture | None = None
@@ -137,7 +140,9 @@ class Projector:
                     buffered.setdefault(episode, []).append((offset, meta, None))
                     sizes[(episode, offset)] = len(record)
                 else:
-                    await self._apply(partition, offset, meta, len(record), catching_up=True)
+                    verdict = self._apply(partition, offset, meta, len(record), catching_up=True)
+                    if verdict is not None:
+                        await verdict
                 self.applied[partition] = offset + 1
             self.applied[partition] = max(self.applied[partition], ends[partition])
         for episode, records in buffered.items():
@@ -171,11 +176,22 @@ class Projector:
     async def _follow(self, partition: int) -> None:
         try:
             async for page in self.log.follow(self.run, partition, self.applied[partition]):
+                applied = self.applied
+                apply = self._apply
+                own_restores = self._applied_restores
                 for offset, record in page:
-                    if offset < self.applied[partition]:
+                    if offset < applied[partition]:
                         continue
-                    await self._apply(partition, offset, record_meta(record), len(record))
-                    self.applied[partition] = offset + 1
+                    if own_restores and record_restore_id(record) in own_restores:
+                        # This projector applied the restore's resets when it committed: its
+                        # 16,000 records change nothing more, so skip them undecoded.
+                        self.events_applied += 1
+                        applied[partition] = offset + 1
+                        continue
+                    verdict = apply(partition, offset, record_meta(record), len(record))
+                    if verdict is not None:  # an in-flight restore's record: wait for it
+                        await verdict
+                    applied[partition] = offset + 1
                 async with self._progress:
                     self._progress.notify_all()
         except asyncio.CancelledError:
@@ -209,26 +225,34 @@ class Projector:
             self.by_partition[partition][episode] = tracker
         return tracker
 
-    async def _apply(
+    def _apply(
         self,
         partition: int,
         offset: int,
         meta: dict[str, Any],
         size: int,
         catching_up: bool = False,
-    ) -> None:
+    ) -> Awaitable[None] | None:
+        """Apply one record at once; only the ``attempt.started`` of a restore whose verdict is
+        still out returns something to await (synchronous otherwise: a restore's 16,000 records
+        follow each other without a coroutine each)."""
         self.events_applied += 1
         kind = meta["type"]
         if kind == "checkpoint.marker":
             if not catching_up:
                 self._on_marker(partition, offset, meta["data"]["checkpoint_id"])
-            return
+            return None
         episode = meta["episode"]
         if episode in self.retired:
-            return
+            return None
         if kind == "attempt.started":
-            await self._on_attempt_started(partition, meta)
-            return
+            restore_id = meta["data"]["restore_id"]
+            if restore_id in self.committed_restores:
+                self._on_attempt_started(partition, meta)
+                return None
+            if restore_id in self._inflight_restores:
+                return self._after_verdict(partition, meta, self._inflight_restores[restore_id])
+            return None  # a restore that never committed changes nothing
         tracker = self._tracker(episode, partition)
         started, finished = tracker.first_offset is not None, tracker.finished
         tracker.observe(offset, meta, size)
@@ -239,14 +263,16 @@ class Projector:
         capture = self._capture
         if capture is not None and episode in capture.waiting:
             self._check_wait(capture, tracker, offset)
+        return None
 
-    async def _on_attempt_started(self, partition: int, meta: dict[str, Any]) -> None:
-        restore_id = meta["data"]["restore_id"]
-        committed = restore_id in self.committed_restores
-        if not committed and restore_id in self._inflight_restores:
-            committed = await self._inflight_restores[restore_id]
-        if not committed or meta["episode"] in self.retired:
-            return  # a restore that never committed changes nothing; excluded ones are gone
+    async def _after_verdict(
+        self, partition: int, meta: dict[str, Any], verdict: asyncio.Future[bool]
+    ) -> None:
+        if await verdict and meta["episode"] not in self.retired:
+            self._on_attempt_started(partition, meta)
+
+    def _on_attempt_started(self, partition: int, meta: dict[str, Any]) -> None:
+        """A committed restore's record (excluded episodes are retired before this)."""
         tracker = self._tracker(meta["episode"], partition)
         # The restore's own resets were applied when it committed (``end_restore``); what is left
         # is a restore seen while catching up after a restart (the start-up refold handles it).
@@ -289,6 +315,9 @@ class Projector:
         capture.markers[partition] = offset
         entries = capture.entries
         needed = offset
+        # One tuple per episode straight from the tracker's fields (``_entry`` inlined: this loop
+        # runs for every live episode of the partition while the checkpoint waits).
+        new, entry_type = tuple.__new__, ManifestEntry
         for episode, tracker in self.by_partition[partition].items():
             first = tracker.first_offset
             if first is None and not tracker.attempt:
@@ -299,16 +328,29 @@ class Projector:
             if first is not None and first < needed:
                 needed = first
             if tracker.open_waits:
-                entries[episode] = _entry(tracker, "continue", offset)
+                action = "continue"
                 capture.waiting[episode] = (set(tracker.open_waits), offset)
-            elif tracker.sessions and tracker.restart_only():
-                entries[episode] = _entry(tracker, "restart", offset)
+            elif tracker.restart_only_open:
+                action = "restart"
                 capture.reasons[episode] = "a restart_only session is open at the cut"
             elif first is None:
-                entries[episode] = _entry(tracker, "restart", offset)
+                action = "restart"
                 capture.reasons[episode] = "the attempt has recorded nothing yet"
             else:
-                entries[episode] = _entry(tracker, "continue", offset)
+                action = "continue"
+            entries[episode] = new(
+                entry_type,
+                (
+                    episode,
+                    tracker.attempt,
+                    action,
+                    partition,
+                    offset,
+                    tracker.last_stage,
+                    tracker.referenced_staging_keys(),
+                    tracker.size_bytes,
+                ),
+            )
         capture.needed[partition] = needed
 
     def _check_wait(self, capture: CheckpointCapture, tracker: EpisodeTracker, offset: int) -> None:
@@ -342,6 +384,7 @@ class Projector:
         resets = self._restore_resets.pop(restore_id, {})
         if committed:
             self.committed_restores.add(restore_id)
+            self._applied_restores.add(restore_id)
             with collector_paused():
                 for episode, reset in resets.items():
                     self._reset(episode, reset)

@@ -33,6 +33,9 @@ class EpisodeTracker:
     _pending_sessions: list[tuple[str, str, str]] = field(default_factory=list)
     _pending_staging: list[str] = field(default_factory=list)
     _tail_staging: str | None = None
+    #: Derived at each change so that capturing 16,000 entries at a marker only reads fields.
+    restart_only_open: bool = False
+    _staging: tuple[str, ...] | None = None
 
     def observe(self, offset: int, meta: dict[str, Any], size: int) -> None:
         """Filter (zombies, duplicates, fenced attempts) and apply one record of this episode;
@@ -71,7 +74,10 @@ class EpisodeTracker:
             if data.get("staging_key"):
                 self._pending_staging.append(data["staging_key"])
         elif kind == "generation.chunk":
-            self._tail_staging = data.get("staging_key")
+            key = data.get("staging_key")
+            if key != self._tail_staging:
+                self._tail_staging = key
+                self._staging = None
         elif kind == "episode.started":
             self._commit(offset)
         elif kind == "episode.finished":
@@ -92,18 +98,23 @@ class EpisodeTracker:
                 self.staging_keys.append(key)
         self._pending_staging.clear()
         self._tail_staging = None
+        self._staging = None
         self.last_boundary_offset = offset
+        self.restart_only_open = "restart_only" in self.sessions.values()
 
     def restart_only(self) -> bool:
-        return any(mode == "restart_only" for mode in self.sessions.values())
+        return self.restart_only_open
 
     def referenced_staging_keys(self) -> tuple[str, ...]:
         """Committed rows' staging keys and the in-flight call's (in order, without repeats)."""
-        if not self._tail_staging:
-            return tuple(self.staging_keys)
-        if self._tail_staging in self.staging_keys:
-            return tuple(self.staging_keys)
-        return (*self.staging_keys, self._tail_staging)
+        staging = self._staging
+        if staging is None:
+            if not self._tail_staging or self._tail_staging in self.staging_keys:
+                staging = tuple(self.staging_keys)
+            else:
+                staging = (*self.staging_keys, self._tail_staging)
+            self._staging = staging
+        return staging
 
     def restart(self, attempt: int) -> None:
         """A restore started this episode over as ``attempt``: nothing carries on."""
@@ -152,3 +163,5 @@ class EpisodeTracker:
         self._pending_sessions = []
         self._pending_staging = []
         self._tail_staging = tail_staging
+        self._staging = None
+        self.restart_only_open = "restart_only" in sessions.values()
