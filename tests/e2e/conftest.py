@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from rolloutlog.participants.sim import Gym
 from rolloutlog.trainer import AsyncTrainerClient
 from tests.api.conftest import TOKENS
+from tests.e2e._gym import Episodes, gym_for
 from tests.e2e._harness import Deployment, Puppet, Service, kafka_log_url
 
 RUN = "crash"
@@ -50,9 +52,6 @@ async def trainer(service: Service) -> AsyncIterator[AsyncTrainerClient]:
         yield client
 
 
-PuppetFactory = Callable[[str], "Puppet"]
-
-
 @pytest.fixture
 def puppets(service: Service, tmp_path: Path) -> Iterator[Callable[[str], Puppet]]:
     """Starts participant processes; whatever is still running at the end is SIGKILLed."""
@@ -69,3 +68,31 @@ def puppets(service: Service, tmp_path: Path) -> Iterator[Callable[[str], Puppet
             puppet.kill()
         else:
             puppet.close()
+
+
+@pytest.fixture
+async def gym(deployment: Deployment) -> AsyncIterator[Gym]:
+    """The simulated Gym (service and six participant processes) on the deployment; the counter
+    server verifies in ``replay`` mode, the stateless verifier in ``wait`` mode."""
+    running = gym_for(deployment, verifier_verify="wait")
+    await running.start()
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+@pytest.fixture
+async def gym_trainer(gym: Gym) -> AsyncIterator[AsyncTrainerClient]:
+    async with AsyncTrainerClient(gym.service_url, timeout_s=60) as client:
+        await client.take_over(gym.run)
+        yield client
+
+
+@pytest.fixture
+async def episodes(gym: Gym) -> AsyncIterator[Episodes]:
+    dispatched = Episodes(gym)
+    try:
+        yield dispatched
+    finally:
+        await dispatched.close()
