@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
-from rolloutlog.log import Position, decode_record, encode_record, split_record, validate_event
+from rolloutlog.errors import InvalidEvent
+from rolloutlog.log import (
+    Position,
+    decode_record,
+    encode_record,
+    record_episode,
+    split_record,
+    validate_event,
+)
 from rolloutlog.participants import Agent, Environment, Policy, Resources, Transport, fingerprint
-from rolloutlog.participants._encoding import encode_record_fast, encode_wire
+from rolloutlog.participants._encoding import _fits, check_built, encode_record_fast, encode_wire
 from rolloutlog.participants._transport import _Pending
 
 
@@ -81,3 +90,70 @@ async def test_unchecked_records_and_wire_envelopes_match_the_validated_ones() -
         want_meta, want_payload = split_record(encode_record(checked))
         assert (meta, payload) == (want_meta, want_payload)
         assert validate_event(orjson.loads(encode_wire(event))) == checked
+
+
+async def test_the_sdk_envelopes_take_the_fast_path_and_start_with_their_episode() -> None:
+    for event in await every_event_type():
+        assert _fits(event), event["type"]  # else every event would pay for pydantic
+        record = check_built(event)
+        assert record == encode_record_fast(event)
+        assert record.startswith(b'{"v":1,"episode":"')
+        assert record_episode(record) == event["episode"]
+
+
+#: Per field, values the cheap checks must treat as pydantic does (most are invalid).
+ODD_VALUES: dict[str, list[Any]] = {
+    "episode": ["r1-a3", "", "r 1", "r1\n", 7, "x" * 201],
+    "attempt": [-1, True, 1.0, "1"],
+    "step": [-1, True, 2.5],
+    "seq": [-1, False],
+    "ts": [True, "1", None, 3],
+    "data.owner": ["", "a b", "seed\n", None, 1],
+    "data.stage": ["not a stage name", "_x", "x" * 201, "y" * 200],
+    "data.next": ["", "a/b"],
+    "data.state": [{"plain": "dict"}, [1, 2], b"raw", None],
+    "data.task": [{"t": 1}, None],
+    "data.task_digest": ["", "d" * 129, 5],
+    "data.deadline_s": [True, "9", 3],
+    "data.mode": ["sometimes", None, "wait", "exported"],
+    "data.verify": ["maybe", "replay"],
+    "data.session_id": ["s 1", "", None],
+    "data.call_id": ["c:1", "c 1"],
+    "data.parent_call_id": ["", "p.1"],
+    "data.fingerprint": ["", "f" * 128],
+    "data.policy_version": [-1, True, 1.5],
+    "data.prev_len": [-1],
+    "data.cum_len": [99, -1],
+    "data.token_ids": [[1, True], (1, 2, 3), ["1"], [1.0], []],
+    "data.staging_key": [5, "k"],
+    "data.constrained": [1, None],
+    "data.start": [-1],
+    "data.done": ["yes", 0],
+    "data.reward": [True, "1", 2],
+    "data.result": [{"r": 1}, "text"],
+    "data.extra": [1],
+}
+
+
+def outcome(encode: Any, event: dict[str, Any]) -> tuple[str, Any]:
+    try:
+        return "ok", split_record(encode(event))
+    except InvalidEvent as e:
+        return "invalid", e.details["field"]
+
+
+async def test_the_cheap_checks_accept_and_refuse_what_pydantic_does() -> None:
+    compared = 0
+    for event in await every_event_type():
+        for path, values in ODD_VALUES.items():
+            where, _, name = path.rpartition(".")
+            target = event["data"] if where == "data" else event
+            if name not in target and name != "extra":
+                continue
+            for value in values:
+                odd = copy.deepcopy(event)
+                (odd["data"] if where == "data" else odd)[name] = value
+                want = outcome(lambda e: encode_record(validate_event(e)), copy.deepcopy(odd))
+                assert outcome(check_built, odd) == want, (event["type"], path, value)
+                compared += 1
+    assert compared > 300

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import orjson
@@ -10,8 +14,18 @@ import pytest
 
 from rolloutlog.errors import AttemptFenced, BackendUnavailable, InvalidEvent
 from rolloutlog.log import Position
-from rolloutlog.participants import Environment, HttpTransport, Policy, RolloutContext, fingerprint
+from rolloutlog.participants import (
+    Environment,
+    HttpTransport,
+    Policy,
+    RolloutContext,
+    fingerprint,
+)
+from rolloutlog.participants._http1 import Http1Connection
+from rolloutlog.trainer import AsyncTrainerClient
+from tests._services import free_port
 from tests.api.conftest import TOKENS
+from tests.api.test_e2e import Server
 from tests.participants.conftest import RUN, World
 
 
@@ -168,3 +182,167 @@ async def test_an_invalid_event_fails_alone(world: World) -> None:
     )
     assert isinstance(bad, InvalidEvent) and bad.details["field"].endswith("stage")
     assert isinstance(good, Position)
+
+
+# -- the lean HTTP/1.1 connection (a transport that opens its own) against a real server ------
+
+
+class Relay:
+    """A TCP relay in front of a real server that can cut its client connections (as a server
+    closing idle keep-alive connections does) or swallow the next reply after the server
+    handled the request (a reply lost on the way)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.connections = 0
+        self.posts = 0
+        self.lose_reply = False
+        self.clients: list[asyncio.StreamWriter] = []
+        self.upstreams: list[asyncio.StreamWriter] = []
+        self.handlers: list[asyncio.Task[None]] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def cut(self) -> None:
+        for writer in self.clients:
+            writer.close()
+        self.clients.clear()
+
+    async def stop(self) -> None:
+        self.cut()
+        for writer in self.upstreams:
+            writer.close()
+        await asyncio.gather(*self.handlers)
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.clients.append(writer)
+        self.handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.upstreams.append(up_writer)
+
+        async def upstream() -> None:
+            while data := await reader.read(65536):
+                self.posts += data.count(b"POST /v1/runs/")
+                up_writer.write(data)
+            up_writer.close()
+
+        pump = asyncio.create_task(upstream())
+        try:
+            while data := await up_reader.read(65536):
+                if self.lose_reply:
+                    self.lose_reply = False
+                    break
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+            up_writer.close()
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await pump
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(TOKENS))
+    running = Server(tmp_path / "data", tokens)
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.mark.slow
+async def test_the_lean_connection_reconnects_retries_and_reports_refusals(
+    server: Server,
+) -> None:
+    relay = Relay(server.port)
+    url = await relay.start()
+    trainer = AsyncTrainerClient(server.url, token=TOKENS["trainer"])
+    async with trainer, HttpTransport(url, token=TOKENS["participant"], backoff_s=0.01) as t:
+        assert t._events is not None  # the lean connection, not httpx
+        await trainer.create_run(RUN, partitions=2)
+        await trainer.take_over(RUN)
+        env = Environment(t, RUN, "env-0")
+        policy = Policy(t, RUN, "policy-0")
+        await env.register()
+        await policy.register()
+        episode = await env.start_episode("e1", {"prompt": "p"})
+        await episode.boundary("seed", {"turn": 0})
+        connections = relay.connections
+        assert connections >= 1
+        # The server closed the idle connection: the next append reconnects, no retry counted.
+        relay.cut()
+        await episode.boundary("invoke_agent", {"turn": 1})
+        assert t.stats.retries == 0 and relay.connections == connections + 1
+        # The reply is lost after the service appended: sent again, folded once.
+        posts = relay.posts
+        relay.lose_reply = True
+        await policy.record_call(
+            "e1", "c1", [1, 2], fingerprint=fingerprint([1]), context_digest="x"
+        )
+        assert relay.posts == posts + 2
+        await episode.boundary("close_agent", {"turn": 2})
+        # A refusal names its event; the rest of the request is appended.
+        second = await env.start_episode("e2", {"prompt": "q"})
+        bad, good = await asyncio.gather(
+            episode.boundary("not a stage name", {}),
+            second.boundary("seed", {}),
+            return_exceptions=True,
+        )
+        assert isinstance(bad, InvalidEvent) and bad.details["field"].endswith("stage")
+        assert isinstance(good, Position)
+        checkpoint = await trainer.checkpoint(RUN)
+        path = f"/v1/runs/{RUN}/episodes/e1/projection?checkpoint={checkpoint.checkpoint_id}"
+        headers = {"Authorization": f"Bearer {TOKENS['participant']}"}
+        async with httpx.AsyncClient(base_url=server.url, headers=headers) as client:
+            projection = (await client.get(path)).raise_for_status().json()
+        assert [row["call_id"] for row in projection["ledger"]] == ["c1"]
+    await relay.stop()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        b'5;x=1\r\n{"off\r\nB\r\nsets": [1]}\r\n0\r\nTrailer: y\r\n\r\n',
+        b'HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{"offsets": [1]}',
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 16\r\n"
+        b'Connection: close\r\n\r\n{"offsets": [1]}',
+    ],
+)
+async def test_the_lean_connection_reads_every_reply_framing(reply: bytes) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    connection = Http1Connection(f"http://127.0.0.1:{port}", {"Authorization": "Bearer t"})
+    try:
+        status, body = await connection.post("/v1/runs/r/events", b"{}", "application/x-ndjson")
+        assert (status, orjson.loads(body)) == (200, {"offsets": [1]})
+        assert connection._writer is None  # the server said it closes: not reused
+    finally:
+        connection.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_the_lean_connection_reports_a_dead_service_as_unavailable() -> None:
+    connection = Http1Connection(f"http://127.0.0.1:{free_port()}", {})
+    with pytest.raises(BackendUnavailable):
+        await connection.post("/v1/runs/r/events", b"{}", "application/x-ndjson")
