@@ -74,19 +74,18 @@ def encode_record_fast(event: dict[str, Any]) -> bytes:
 
 
 # -- the cheap checks ------------------------------------------------------------------------
+#
+# One function per event type, testing each field inline (a call per field cost as much as the
+# test itself). A value of the wrong type may raise TypeError (the regex on a non-string, a set
+# lookup of an unhashable value): ``_fits`` takes that as "not in the SDK's shape".
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
+_name = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}").fullmatch
+_STEP_MODES = frozenset(("replay", "wait"))
+_SESSION_MODES = frozenset(("restart_only", "stateless", "exported"))
+_INTS = {int}
 #: Episode ids seen valid (an episode records many events); bounded, cleared when full.
 _episodes: set[str] = set()
 _EPISODE_CACHE = 1 << 16
-
-
-def _name(value: Any) -> bool:
-    return type(value) is str and _NAME.fullmatch(value) is not None
-
-
-def _name_or_none(value: Any) -> bool:
-    return value is None or (type(value) is str and _NAME.fullmatch(value) is not None)
 
 
 def _count(value: Any) -> bool:
@@ -97,115 +96,153 @@ def _digest(value: Any) -> bool:
     return type(value) is str and 0 < len(value) <= 128
 
 
-def _text_or_none(value: Any) -> bool:
-    return value is None or type(value) is str
-
-
-def _flag(value: Any) -> bool:
-    return type(value) is bool
+def _tokens(value: Any) -> bool:
+    # strict list[int]: a bool is not a token (one C-level pass over the types)
+    return type(value) is list and (not value or set(map(type, value)) == _INTS)
 
 
 def _number_or_none(value: Any) -> bool:
     return value is None or type(value) is float or type(value) is int
 
 
-def _opaque(value: Any) -> bool:
-    return type(value) is Opaque
+def _episode_started(data: dict[str, Any]) -> bool:
+    return (
+        len(data) == 3
+        and type(data["task"]) is Opaque
+        and _digest(data["task_digest"])
+        and _number_or_none(data["deadline_s"])
+    )
 
 
-def _opaque_or_none(value: Any) -> bool:
-    return value is None or type(value) is Opaque
+def _step_started(data: dict[str, Any]) -> bool:
+    return (
+        len(data) == 3
+        and _name(data["owner"]) is not None
+        and _name(data["stage"]) is not None
+        and type(data["mode"]) is str
+        and data["mode"] in _STEP_MODES
+    )
 
 
-def _tokens(value: Any) -> bool:
-    # strict list[int]: a bool is not a token (one C-level pass over the types)
-    return type(value) is list and (not value or set(map(type, value)) == {int})
+def _step_boundary(data: dict[str, Any]) -> bool:
+    after = data["next"]
+    return (
+        len(data) == 4
+        and _name(data["owner"]) is not None
+        and _name(data["stage"]) is not None
+        and (after is None or _name(after) is not None)
+        and type(data["state"]) is Opaque
+    )
 
 
-_STEP_MODES = frozenset(("replay", "wait"))
-_SESSION_MODES = frozenset(("restart_only", "stateless", "exported"))
+def _calls(data: dict[str, Any]) -> bool:
+    """The fields ledger rows and generation chunks share."""
+    parent, staging = data["parent_call_id"], data["staging_key"]
+    return (
+        _name(data["call_id"]) is not None
+        and (parent is None or _name(parent) is not None)
+        and _count(data["policy_version"])
+        and _tokens(data["token_ids"])
+        and (staging is None or type(staging) is str)
+    )
 
 
-def _step_mode(value: Any) -> bool:
-    return type(value) is str and value in _STEP_MODES
+def _ledger_row(data: dict[str, Any]) -> bool:
+    return (
+        len(data) == 11
+        and _calls(data)
+        and _digest(data["fingerprint"])
+        and _digest(data["context_digest"])
+        and _digest(data["digest"])
+        and _count(data["prev_len"])
+        and _count(data["cum_len"])
+        and data["cum_len"] == data["prev_len"] + len(data["token_ids"])
+        and type(data["constrained"]) is bool
+    )
 
 
-def _session_mode(value: Any) -> bool:
-    return type(value) is str and value in _SESSION_MODES
+def _generation_chunk(data: dict[str, Any]) -> bool:
+    return (
+        len(data) == 8
+        and _calls(data)
+        and _digest(data["request_digest"])
+        and _count(data["start"])
+        and type(data["done"]) is bool
+    )
 
 
-Check = Callable[[Any], bool]
+def _session_started(data: dict[str, Any]) -> bool:
+    return (
+        len(data) == 3
+        and _name(data["session_id"]) is not None
+        and type(data["mode"]) is str
+        and data["mode"] in _SESSION_MODES
+        and type(data["verify"]) is str
+        and data["verify"] in _STEP_MODES
+    )
 
-#: Per event type the SDK builds: its data's exact fields, each with its check.
-_DATA: dict[str, dict[str, Check]] = {
-    "episode.started": {"task": _opaque, "task_digest": _digest, "deadline_s": _number_or_none},
-    "step.started": {"owner": _name, "stage": _name, "mode": _step_mode},
-    "step.boundary": {"owner": _name, "stage": _name, "next": _name_or_none, "state": _opaque},
-    "ledger.row": {
-        "call_id": _name,
-        "parent_call_id": _name_or_none,
-        "fingerprint": _digest,
-        "context_digest": _digest,
-        "policy_version": _count,
-        "prev_len": _count,
-        "token_ids": _tokens,
-        "cum_len": _count,
-        "digest": _digest,
-        "staging_key": _text_or_none,
-        "constrained": _flag,
-    },
-    "generation.chunk": {
-        "call_id": _name,
-        "parent_call_id": _name_or_none,
-        "request_digest": _digest,
-        "start": _count,
-        "token_ids": _tokens,
-        "policy_version": _count,
-        "staging_key": _text_or_none,
-        "done": _flag,
-    },
-    "session.started": {"session_id": _name, "mode": _session_mode, "verify": _step_mode},
-    "session.state": {"session_id": _name, "state": _opaque},
-    "session.ended": {"session_id": _name},
-    "episode.finished": {"reward": _number_or_none, "result": _opaque_or_none},
+
+def _session_state(data: dict[str, Any]) -> bool:
+    return (
+        len(data) == 2 and _name(data["session_id"]) is not None and type(data["state"]) is Opaque
+    )
+
+
+def _session_ended(data: dict[str, Any]) -> bool:
+    return len(data) == 1 and _name(data["session_id"]) is not None
+
+
+def _episode_finished(data: dict[str, Any]) -> bool:
+    result = data["result"]
+    return (
+        len(data) == 2
+        and _number_or_none(data["reward"])
+        and (result is None or type(result) is Opaque)
+    )
+
+
+_DATA: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "episode.started": _episode_started,
+    "step.started": _step_started,
+    "step.boundary": _step_boundary,
+    "ledger.row": _ledger_row,
+    "generation.chunk": _generation_chunk,
+    "session.started": _session_started,
+    "session.state": _session_state,
+    "session.ended": _session_ended,
+    "episode.finished": _episode_finished,
 }
-_CHECKS = {kind: tuple(fields.items()) for kind, fields in _DATA.items()}
-_FIELDS = {kind: fields.keys() for kind, fields in _DATA.items()}
-_ENVELOPE = frozenset(
-    ("v", "episode", "attempt", "step", "participant", "seq", "ts", "type", "data")
-)
 
 
 def _fits(event: dict[str, Any]) -> bool:
-    """Whether an envelope is in the shape the SDK builds with valid values (no allocation on
-    the way: this runs for every event on the Kafka path)."""
-    kind = event.get("type")
-    checks = _CHECKS.get(kind)  # type: ignore[arg-type]
-    if checks is None or event.keys() != _ENVELOPE or event["v"] != 1:
-        return False
-    data = event["data"]
-    if type(data) is not dict or data.keys() != _FIELDS[kind]:  # type: ignore[index]
-        return False
-    for field, check in checks:
-        if not check(data[field]):
+    """Whether an envelope is in the shape the SDK builds with valid values: exactly the
+    envelope's nine fields and the type's data fields (counted, then each read), each valid."""
+    try:
+        if len(event) != 9 or type(event["v"]) is not int or event["v"] != 1:
             return False
-    if kind == "ledger.row" and data["cum_len"] != data["prev_len"] + len(data["token_ids"]):
-        return False
-    step = event["step"]
-    if not (_count(event["attempt"]) and (step is None or _count(step))):
-        return False
-    if not (_count(event["seq"]) and type(event["ts"]) is float):
-        return False
-    episode = event["episode"]
-    if type(episode) is not str:
-        return False
-    if episode not in _episodes:
-        if episode_id_problem(episode) is not None:
+        data = event["data"]
+        if type(data) is not dict or not _DATA[event["type"]](data):
+            return False
+        step = event["step"]
+        if not (
+            _count(event["attempt"])
+            and (step is None or _count(step))
+            and _count(event["seq"])
+            and type(event["ts"]) is float
+            and type(event["participant"]) is dict
+        ):
+            return False
+        episode = event["episode"]
+        if episode in _episodes:
+            return True
+        if type(episode) is not str or episode_id_problem(episode) is not None:
             return False
         if len(_episodes) >= _EPISODE_CACHE:
             _episodes.clear()
         _episodes.add(episode)
-    return True
+        return True
+    except (KeyError, TypeError):
+        return False
 
 
 def check_built(event: dict[str, Any]) -> bytes:
