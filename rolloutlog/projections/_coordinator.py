@@ -332,15 +332,18 @@ class Coordinator:
         projector = await self.projector(run)
         async with self._run_locks[run]:
             with collector_paused():
-                return await self._restore(
-                    projector,
-                    run,
-                    controller_epoch,
-                    checkpoint_id,
-                    exclude,
-                    policy_version,
-                    max_policy_lag,
-                )
+                try:
+                    return await self._restore(
+                        projector,
+                        run,
+                        controller_epoch,
+                        checkpoint_id,
+                        exclude,
+                        policy_version,
+                        max_policy_lag,
+                    )
+                finally:
+                    projector.release_pins()  # also when the restore failed before committing
 
     async def _restore(
         self,
@@ -382,7 +385,21 @@ class Coordinator:
         }
         restores = {r.restore_id for r in await _all_restores(self.catalog, run)}
         new_attempts = {e.episode: current.get(e.episode, e.attempt) + 1 for e in to_continue}
-        projections = await self.replay(run, to_continue, replay_from, restores, new_attempts)
+        # Episodes untouched since this service captured the checkpoint have their verdict in
+        # the projector already; only the others are replayed. Their projections are built when
+        # first fetched (``restore_projections``). The policy rule changes projections, so a
+        # request with a policy replays everything, as before.
+        pinned = (
+            projector.pin_cut_states(checkpoint.checkpoint_id, to_continue)
+            if policy_version is None
+            else {}
+        )
+        replayed = [e for e in to_continue if e.episode not in pinned]
+        projections = (
+            await self.replay(run, replayed, replay_from, restores, new_attempts)
+            if replayed
+            else {}
+        )
         timer.stage("replay")
         plan: list[RestoreEntry] = []
         resets: dict[str, RestoreReset] = {}
@@ -398,6 +415,18 @@ class Coordinator:
             if entry.action == "finished":
                 continue
             reason = "the checkpoint's manifest says restart" if entry.action == "restart" else None
+            tracker = pinned.get(entry.episode) if entry.action == "continue" else None
+            if tracker is not None:
+                reason = tracker.pinned_state().verdict()
+                if reason is None:
+                    plan.append(RestoreEntry(entry.episode, previous, attempt, "continue"))
+                    resets[entry.episode] = RestoreReset("continue", attempt, pinned=tracker)
+                    cuts[entry.episode] = entry.cut_offset
+                else:
+                    plan.append(RestoreEntry(entry.episode, previous, attempt, "restart", reason))
+                    resets[entry.episode] = RestoreReset("restart", attempt)
+                    cuts[entry.episode] = 0
+                continue
             projection = projections.get(entry.episode)
             if entry.action == "continue":
                 if projection is None:
@@ -445,8 +474,10 @@ class Coordinator:
             timer.stage("commit")
         finally:
             projector.end_restore(restore_id, committed)
-        self._cache(run, restore_id, projections)
-        # The projections stay (cached): keep the collector from walking them again and again.
+        if not pinned:  # else the projections are built when first fetched
+            self._cache(run, restore_id, projections)
+        # What stays (cached projections, the trackers' new states): keep the collector from
+        # walking it again and again.
         gc.freeze()
         return RestoreResult(restore, tuple(plan), timer.total())
 

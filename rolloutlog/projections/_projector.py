@@ -30,6 +30,9 @@ from rolloutlog.projections._tracker import EpisodeTracker
 
 logger = logging.getLogger(__name__)
 
+#: How many committed checkpoints' capture versions a projector keeps (retention keeps two).
+_CAPTURES_KEPT = 2
+
 __all__ = ["CheckpointCapture", "Projector", "RestoreReset"]
 
 
@@ -47,6 +50,8 @@ class CheckpointCapture:
     reasons: dict[str, str] = field(default_factory=dict)
     #: Episodes whose cut waits for a boundary: episode → (owners awaited, marker offset).
     waiting: dict[str, tuple[set[str], int]] = field(default_factory=dict)
+    #: Each continued episode's tracker version at its cut (see ``Projector.cut_snapshots``).
+    versions: dict[str, int] = field(default_factory=dict)
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     resolved: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -76,6 +81,8 @@ class RestoreReset:
     action: str  # continue | restart | excluded
     attempt: int
     projection: EpisodeProjection | None = None
+    #: Instead of a projection: the episode's tracker, pinned at the cut (``pin_cut_states``).
+    pinned: EpisodeTracker | None = None
 
 
 class Projector:
@@ -93,6 +100,9 @@ class Projector:
         self.committed_restores: set[int] = set()
         #: Committed restores whose resets this projector applied itself (``end_restore``).
         self._applied_restores: set[int] = set()
+        #: Per committed checkpoint this projector captured: continued episodes' versions.
+        self._captured: dict[int, dict[str, int]] = {}
+        self._pinned: list[EpisodeTracker] = []
         self._inflight_restores: dict[int, asyncio.Future[bool]] = {}
         self._restore_resets: dict[int, Mapping[str, RestoreReset]] = {}
         self._capture: CheckpointCapture | None = None
@@ -129,7 +139,7 @@ class Projector:
         ends = await self.log.end_offsets(self.run)
         refolding = set(refold)
         buffered: dict[str, list[tuple[int, dict[str, Any], bytes | None]]] = {}
-        sizes: dict[tuple[str, int], int] = {}
+        logged: dict[tuple[str, int], bytes] = {}
         for partition in range(self.partitions):
             async for offset, record in self.log.read_records(
                 self.run, partition, start_offsets[partition], ends[partition]
@@ -138,9 +148,9 @@ class Projector:
                 episode = meta.get("episode")
                 if episode in refolding:
                     buffered.setdefault(episode, []).append((offset, meta, None))
-                    sizes[(episode, offset)] = len(record)
+                    logged[(episode, offset)] = record
                 else:
-                    verdict = self._apply(partition, offset, meta, len(record), catching_up=True)
+                    verdict = self._apply(partition, offset, meta, record, catching_up=True)
                     if verdict is not None:
                         await verdict
                 self.applied[partition] = offset + 1
@@ -150,7 +160,7 @@ class Projector:
             tracker = self._tracker(episode, partition_for(episode, self.partitions))
             tracker.filters = _refold_filters(records, attempt)
             for offset, meta, _ in kept:
-                tracker.apply(offset, meta, sizes[(episode, offset)])
+                tracker.apply(offset, meta, logged[(episode, offset)])
             tracker.attempt = attempt
         if reported_below is not None:
             for episode, tracker in list(self.trackers.items()):
@@ -188,7 +198,7 @@ class Projector:
                         self.events_applied += 1
                         applied[partition] = offset + 1
                         continue
-                    verdict = apply(partition, offset, record_meta(record), len(record))
+                    verdict = apply(partition, offset, record_meta(record), record)
                     if verdict is not None:  # an in-flight restore's record: wait for it
                         await verdict
                     applied[partition] = offset + 1
@@ -230,7 +240,7 @@ class Projector:
         partition: int,
         offset: int,
         meta: dict[str, Any],
-        size: int,
+        record: bytes,
         catching_up: bool = False,
     ) -> Awaitable[None] | None:
         """Apply one record at once; only the ``attempt.started`` of a restore whose verdict is
@@ -255,7 +265,7 @@ class Projector:
             return None  # a restore that never committed changes nothing
         tracker = self._tracker(episode, partition)
         started, finished = tracker.first_offset is not None, tracker.finished
-        tracker.observe(offset, meta, size)
+        tracker.observe(offset, meta, record)
         if not started and tracker.first_offset is not None:
             self.new_starts.append(EpisodeStart(episode, partition, offset, meta["ts"]))
         if tracker.finished and not finished:
@@ -279,6 +289,7 @@ class Projector:
         if meta["attempt"] > tracker.filters.attempt:
             tracker.filters.attempt = meta["attempt"]
             tracker.attempt = meta["attempt"]
+            tracker.exact = False  # not reset to the restore's cut: its verdicts replay
 
     def _forget(self, episode: str) -> None:
         tracker = self.trackers.pop(episode, None)
@@ -298,6 +309,9 @@ class Projector:
         if self._capture is capture:
             self._capture = None
         if committed:
+            self._captured[capture.checkpoint_id] = capture.versions
+            for old in sorted(self._captured)[:-_CAPTURES_KEPT]:
+                del self._captured[old]
             for entry in capture.entries.values():
                 if entry.action == "finished":
                     self._forget(entry.episode)
@@ -318,6 +332,7 @@ class Projector:
         # One tuple per episode straight from the tracker's fields (``_entry`` inlined: this loop
         # runs for every live episode of the partition while the checkpoint waits).
         new, entry_type = tuple.__new__, ManifestEntry
+        versions = capture.versions
         for episode, tracker in self.by_partition[partition].items():
             first = tracker.first_offset
             if first is None and not tracker.attempt:
@@ -338,6 +353,7 @@ class Projector:
                 capture.reasons[episode] = "the attempt has recorded nothing yet"
             else:
                 action = "continue"
+                versions[episode] = tracker.version
             entries[episode] = new(
                 entry_type,
                 (
@@ -365,6 +381,7 @@ class Projector:
             capture.reasons[tracker.episode] = "a restart_only session is open at the cut"
         else:
             action = "continue"
+            capture.versions[tracker.episode] = tracker.version
         capture.entries[tracker.episode] = _entry(tracker, action, offset + 1)
         if not capture.waiting and len(capture.markers) == capture.partitions:
             capture.resolved.set()
@@ -388,6 +405,7 @@ class Projector:
             with collector_paused():
                 for episode, reset in resets.items():
                     self._reset(episode, reset)
+        self.release_pins()
         if future is not None and not future.done():
             future.set_result(committed)
 
@@ -397,10 +415,44 @@ class Projector:
             self.retired.add(episode)
             return
         tracker = self._tracker(episode, partition_for(episode, self.partitions))
-        if reset.action == "continue" and reset.projection is not None:
+        if reset.action == "continue" and reset.pinned is not None:
+            tracker.continue_from_pin(reset.attempt)
+        elif reset.action == "continue" and reset.projection is not None:
             tracker.continue_from(reset.projection, reset.attempt)
         else:
             tracker.restart(reset.attempt)
+
+    def pin_cut_states(
+        self, checkpoint_id: int, entries: Iterable[ManifestEntry]
+    ) -> dict[str, EpisodeTracker]:
+        """The trackers of the ``continue`` entries that have not changed since this projector
+        captured the checkpoint (and are exactly the fold's state), pinned: their state at the
+        cut stays readable (``pinned_state``) until the restore ends. A restore takes their
+        verdicts from these instead of replaying their records."""
+        versions = self._captured.get(checkpoint_id)
+        if not versions:
+            return {}
+        trackers = self.trackers
+        out: dict[str, EpisodeTracker] = {}
+        for entry in entries:
+            tracker = trackers.get(entry.episode)
+            if (
+                tracker is not None
+                and tracker.exact
+                and not tracker.finished
+                and tracker.attempt == entry.attempt
+                and versions.get(entry.episode) == tracker.version
+            ):
+                tracker.pin()
+                out[entry.episode] = tracker
+        self._pinned.extend(out.values())
+        return out
+
+    def release_pins(self) -> None:
+        """The restore that pinned trackers ended (committed or not)."""
+        for tracker in self._pinned:
+            tracker.unpin()
+        self._pinned.clear()
 
     def live_episodes(self) -> int:
         return sum(1 for tracker in self.trackers.values() if not tracker.finished)

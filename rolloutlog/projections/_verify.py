@@ -4,12 +4,13 @@ and the policy-lag rule. Pure functions: each returns why an episode cannot cont
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import replace
 
 import orjson
 
 from rolloutlog.projections._fold import ledger_digest, token_count
-from rolloutlog.projections._model import EpisodeProjection, LedgerEntry
+from rolloutlog.projections._model import EpisodeProjection
 
 
 def canonical_task_digest(task_json: bytes) -> str:
@@ -24,35 +25,56 @@ def verify_projection(projection: EpisodeProjection) -> str | None:
         return "no episode.started before the cut"
     if canonical_task_digest(projection.task.raw) != projection.task_digest:
         return "task digest does not match the task"
-    rows: dict[str, LedgerEntry] = {}
+    rows: dict[str, tuple[str, int]] = {}
     for row in projection.ledger:
-        problem = _row_problem(row, rows)
+        problem = ledger_row_problem(
+            row.parent_call_id, row.prev_len, row.cum_len, row.digest, row.token_ids_json, rows
+        )
         if problem is not None:
             return f"ledger row {row.call_id}: {problem}"
-        rows[row.call_id] = row
+        rows[row.call_id] = (row.digest, row.cum_len)
     cut = projection.generation_cut
     if cut is not None:
-        if cut.problem is not None:
-            return f"generation cut of call {cut.call_id}: {cut.problem}"
-        if cut.parent_call_id is not None and cut.parent_call_id not in rows:
-            return f"generation cut of call {cut.call_id}: its parent {cut.parent_call_id} is not in the ledger"
+        return generation_cut_problem(cut.call_id, cut.problem, cut.parent_call_id, rows)
     return None
 
 
-def _row_problem(row: LedgerEntry, rows: dict[str, LedgerEntry]) -> str | None:
-    if row.parent_call_id is None:
+def ledger_row_problem(
+    parent_call_id: str | None,
+    prev_len: int,
+    cum_len: int,
+    digest: str,
+    token_ids_json: bytes,
+    rows: Mapping[str, tuple[str, int]],
+) -> str | None:
+    """Why one ledger row does not chain to the rows before it (``rows``: call id → (digest,
+    cum_len) of the earlier rows), or None. The projector asks this of each row as it arrives."""
+    if parent_call_id is None:
         parent_digest, parent_len = "", 0
     else:
-        parent = rows.get(row.parent_call_id)
+        parent = rows.get(parent_call_id)
         if parent is None:
-            return f"parent {row.parent_call_id} is not in the ledger"
-        parent_digest, parent_len = parent.digest, parent.cum_len
-    if row.prev_len != parent_len:
-        return f"prev_len {row.prev_len} does not chain to the parent's cum_len {parent_len}"
-    if row.cum_len != row.prev_len + token_count(row.token_ids_json):
+            return f"parent {parent_call_id} is not in the ledger"
+        parent_digest, parent_len = parent
+    if prev_len != parent_len:
+        return f"prev_len {prev_len} does not chain to the parent's cum_len {parent_len}"
+    if cum_len != prev_len + token_count(token_ids_json):
         return "cum_len does not equal prev_len plus its token count"
-    if ledger_digest(parent_digest, row.token_ids_json) != row.digest:
+    if ledger_digest(parent_digest, token_ids_json) != digest:
         return "digest does not recompute"
+    return None
+
+
+def generation_cut_problem(
+    call_id: str,
+    problem: str | None,
+    parent_call_id: str | None,
+    rows: Mapping[str, tuple[str, int]],
+) -> str | None:
+    if problem is not None:
+        return f"generation cut of call {call_id}: {problem}"
+    if parent_call_id is not None and parent_call_id not in rows:
+        return f"generation cut of call {call_id}: its parent {parent_call_id} is not in the ledger"
     return None
 
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-import orjson
+from pathlib import Path
+from typing import Any
 
-from rolloutlog.log import encode_record
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rolloutlog.log import Event, encode_record, record_meta, validate_event
 from rolloutlog.log._codec import record_restore_id
-from rolloutlog.projections import CheckpointResult
+from rolloutlog.projections import CheckpointResult, project_events
+from rolloutlog.projections._tracker import EpisodeTracker
+from rolloutlog.projections._verify import verify_projection
 from tests import factories as f
-from tests.projections.conftest import Service
+from tests.projections.conftest import Service, open_service
 
 
 def test_restore_ids_are_read_off_the_service_records_only() -> None:
@@ -57,3 +64,211 @@ async def test_a_restores_own_records_are_skipped_yet_fence_and_continue(
         "continue",
         "invoke_agent",
     )
+
+
+ENV = f.participant("environment", "env-0", 1)
+POLICY = f.participant("policy", "policy-0", 1)
+RES = f.participant("resources", "res-0", 1)
+CALLS = ["c0", "c1", "c2", "c3"]
+
+
+@st.composite
+def lineage_stream(draw: st.DrawFn) -> list[Event]:
+    """One episode's events with tasks, ledger rows and generation chunks, each possibly wrong
+    in one of the ways a restore checks (digests, lengths, parents, chunk gaps)."""
+    seqs = {"env": 0, "policy": 0, "res": 0}
+    rows: dict[str, tuple[str, int]] = {}
+    events: list[Event] = []
+
+    def add(kind: str, episode_type: str, data: dict[str, Any], who: dict[str, Any]) -> None:
+        seqs[kind] += 1
+        events.append(validate_event(f.envelope(episode_type, "e", data, who=who, seq=seqs[kind])))
+
+    if draw(st.integers(0, 9)):
+        task = {"prompt": "a"}
+        add("env", "episode.started", {"task": task, "task_digest": f.task_digest(task)}, ENV)
+    for _ in range(draw(st.integers(1, 14))):
+        choice = draw(
+            st.sampled_from(["task", "row", "row", "chunk", "chunk", "boundary", "other"])
+        )
+        if choice == "task":
+            task = {"prompt": draw(st.sampled_from(["a", "b"]))}
+            wrong = draw(st.booleans()) and draw(st.booleans())
+            digest = f.task_digest({"prompt": "z"} if wrong else task)
+            add("env", "episode.started", {"task": task, "task_digest": digest}, ENV)
+        elif choice == "row":
+            call = draw(st.sampled_from(CALLS))
+            parent = draw(st.sampled_from([None, "missing", *rows, *rows, *rows]))
+            parent_digest, parent_len = rows.get(parent or "", ("", 0))
+            tokens = draw(st.lists(st.integers(0, 99), max_size=4))
+            prev_len = parent_len + draw(st.sampled_from([0, 0, 0, 0, 0, 1]))
+            cum_len = prev_len + len(tokens)  # the envelope itself checks this one
+            wrong = draw(st.integers(0, 5)) == 0
+            digest = f.ledger_digest(parent_digest, [7] if wrong else tokens)
+            rows[call] = (digest, cum_len)
+            data = {
+                "call_id": call,
+                "parent_call_id": parent,
+                "fingerprint": "fp",
+                "context_digest": "cd",
+                "policy_version": draw(st.integers(0, 3)),
+                "prev_len": prev_len,
+                "token_ids": tokens,
+                "cum_len": cum_len,
+                "digest": digest,
+                "staging_key": draw(st.sampled_from([None, f"k-{call}"])),
+                "constrained": draw(st.booleans()) and draw(st.booleans()),
+            }
+            add("policy", "ledger.row", data, POLICY)
+        elif choice == "chunk":
+            data = {
+                "call_id": draw(st.sampled_from(CALLS)),
+                "parent_call_id": draw(st.sampled_from([None, "missing", *CALLS])),
+                "request_digest": "rq",
+                "start": draw(st.sampled_from([0, 0, 2, 3, 5])),
+                "token_ids": draw(st.lists(st.integers(0, 99), max_size=3)),
+                "policy_version": draw(st.integers(0, 3)),
+                "staging_key": draw(st.sampled_from([None, "k-chunk"])),
+                "done": draw(st.booleans()) and draw(st.booleans()),
+            }
+            add("policy", "generation.chunk", data, POLICY)
+        elif choice == "boundary":
+            owner = draw(st.sampled_from(["environment", "agent-1"]))
+            state = draw(st.sampled_from([None, {"s": 1}, {"s": "long" * 5}]))
+            data = {"owner": owner, "stage": "invoke_agent", "next": None, "state": state}
+            add("env", "step.boundary", data, ENV)
+        else:
+            kind = draw(st.sampled_from(["session.started", "session.state", "session.ended"]))
+            data = {"session_id": draw(st.sampled_from(["s1", "s2"]))}
+            if kind == "session.started":
+                data["mode"] = draw(st.sampled_from(["exported", "restart_only"]))
+            elif kind == "session.state":
+                data["state"] = {"n": draw(st.integers(0, 9))}
+            add("res", kind, data, RES)
+    return events
+
+
+@settings(max_examples=300, deadline=None)
+@given(lineage_stream(), st.integers(0, 20))
+def test_the_trackers_verdict_is_the_folds(events: list[Event], cut: int) -> None:
+    tracker = EpisodeTracker("e", 0)
+    for offset, event in enumerate(events[:cut]):
+        record = encode_record(event)
+        tracker.observe(offset, record_meta(record), record)
+    projection = project_events("e", list(enumerate(events)), cut)
+    assert tracker.exact
+    assert tracker.verdict() == verify_projection(projection)
+    assert tracker.payload_bytes() == projection.payload_bytes
+    assert (tracker.first_offset, tracker.last_boundary_offset) == (
+        projection.first_offset,
+        projection.committed_through,
+    )
+    # A copy taken at a pin stays what it was while the tracker moves on.
+    tracker.pin()
+    before = (tracker.verdict(), tracker.payload_bytes(), tracker.version)
+    for offset, event in enumerate(events[cut:], start=cut):
+        record = encode_record(event)
+        tracker.observe(offset, record_meta(record), record)
+    state = tracker.pinned_state()
+    assert (state.verdict(), state.payload_bytes(), state.version) == before
+
+
+def _scenario() -> list[list[Event]]:
+    """Episodes a restore judges differently: good lineage with a generation cut in flight, a
+    wrong digest, a chunk gap, a restart_only session, a pending session state in the tail."""
+    c1 = {"call_id": "c1", "cum_len": 3, "digest": f.ledger_digest("", [1, 2, 3])}
+    bad = f.ledger_row("b", "c1", [1, 2, 3]).data.model_dump()
+    bad["digest"] = "0" * 64
+    return [
+        [
+            f.started("a"),
+            f.ledger_row("a", "c1", [1, 2, 3]),
+            f.boundary("a", "invoke_agent", {"turn": 1}),
+            f.step_started("a", "invoke_agent", "replay"),
+            f.chunk("a", "c2", 0, 4),
+            f.chunk("a", "c2", 4, 4),
+        ],
+        [
+            f.started("b"),
+            validate_event(
+                f.envelope("ledger.row", "b", bad, who=f.participant("policy", "policy-0"))
+            ),
+            f.boundary("b"),
+        ],
+        [
+            f.started("c"),
+            f.ledger_row("c", "c1", [1, 2, 3]),
+            f.boundary("c"),
+            f.chunk("c", "c2", 0, 2),
+            f.chunk("c", "c2", 5, 2),
+        ],
+        [f.started("d"), f.session_started("d", "s1", "restart_only"), f.boundary("d")],
+        [
+            f.started("e"),
+            f.session_started("e", "s1", "exported"),
+            f.boundary("e", "seed", {"turn": 1}),
+            f.session_state("e", "s1", {"n": 2}),
+            f.ledger_row("e", "c2", [4], parent=c1),
+        ],
+    ]
+
+
+async def _restore_twice(tmp_path: Path, fast: bool) -> tuple[Any, ...]:
+    service = await open_service(tmp_path)
+    try:
+        for events in _scenario():
+            await service.append(*events)
+        first = await service.checkpoint()
+        assert isinstance(first, CheckpointResult)
+        # A policy version no cut exceeds changes nothing but takes the replaying path.
+        policy = {} if fast else {"policy_version": 10**6}
+        restored = await service.restore(**policy)
+        restore_id = restored.restore.restore_id
+        assert ((service.run, restore_id) in service.coordinator._restore_cache) is not fast
+        projections = await service.coordinator.restore_projections(service.run, restore_id)
+        plan = sorted((e.episode, e.action, e.attempt, e.reason) for e in restored.entries)
+        # The replacement attempts go on; the next checkpoint's manifest comes from the trackers.
+        await service.append(
+            f.boundary("a", "verify", {"turn": 2}, attempt=1),
+            f.session_state("e", "s1", {"n": 3}, attempt=1, who=RES),
+            f.boundary("e", "verify", {"turn": 3}, attempt=1),
+        )
+        second = await service.checkpoint()
+        assert isinstance(second, CheckpointResult)
+        second_id = second.checkpoint.checkpoint_id
+        tracked = {
+            entry.episode: entry.staging_keys
+            for entry in await service.catalog.load_manifest(service.run, second_id)
+            if entry.action == "continue"
+        }
+        folded = {
+            episode: (
+                await service.coordinator.checkpoint_projection(service.run, second_id, episode)
+            ).staging_keys
+            for episode in tracked
+        }
+        bodies = {
+            episode: orjson.dumps(p.to_json(), default=lambda o: orjson.Fragment(o.raw))
+            for episode, p in projections.items()
+        }
+        return plan, bodies, tracked, folded
+    finally:
+        await service.close()
+
+
+async def test_a_restore_from_the_trackers_plans_and_serves_what_a_replay_does(
+    tmp_path: Path,
+) -> None:
+    fast = await _restore_twice(tmp_path / "fast", fast=True)
+    replayed = await _restore_twice(tmp_path / "replayed", fast=False)
+    assert fast[:2] == replayed[:2]
+    # After the restore the trackers keep what the fold keeps, the old attempt's tail included
+    # (its ledger row commits at the new attempt's boundary): the staging keys are the fold's.
+    # (A restore that replayed resets trackers from projections, which have no tail.)
+    assert fast[2] == fast[3]
+    assert fast[2]["e"] == ("stage-e-c2",)
+    plan = {episode: (action, reason) for episode, action, _, reason in fast[0]}
+    assert plan["a"] == ("continue", None)
+    assert plan["e"] == ("continue", None)
+    assert plan["b"][0] == plan["c"][0] == plan["d"][0] == "restart"
+    assert "digest" in plan["b"][1] and "contiguous" in plan["c"][1]
