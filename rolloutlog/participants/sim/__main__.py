@@ -97,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         port=settings.port,
         log_level="warning",
         access_log=False,
+        # well past httpx's 5 s keep-alive expiry: the client drops an idle connection before
+        # the server does, so a request never races the server closing it (a ReadError)
+        timeout_keep_alive=120,
         timeout_graceful_shutdown=5,
     )
 

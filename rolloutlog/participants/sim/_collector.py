@@ -107,7 +107,12 @@ class Collector:
         self.env_urls = list(env_urls)
         self.concurrency = concurrency
         self.partitions = partitions
-        self.trainer = AsyncTrainerClient(service_url, token=token)
+        # expire idle connections before the service's uvicorn does (5 s), so no request
+        # races the server closing its end
+        self._service_http = httpx.AsyncClient(
+            timeout=300.0, limits=httpx.Limits(keepalive_expiry=2.0)
+        )
+        self.trainer = AsyncTrainerClient(service_url, token=token, client=self._service_http)
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(600.0, connect=10.0),
             limits=httpx.Limits(max_connections=concurrency + 16),
@@ -139,6 +144,7 @@ class Collector:
     async def close(self) -> None:
         await self.http.aclose()
         await self.trainer.stop()
+        await self._service_http.aclose()
 
     async def setup(self) -> None:
         """Create the run (if needed) and take over its controller."""
@@ -181,16 +187,20 @@ class Collector:
             self.rollouts[episode] = rollout
             self._queue.put_nowait(rollout)
 
-    async def run(self, tasks: Iterable[Mapping[str, Any]] = ()) -> CollectorReport:
+    async def run(
+        self, tasks: Iterable[Mapping[str, Any]] = (), *, timeout_s: float = 600
+    ) -> CollectorReport:
         """Run ``tasks`` (and any added before) until every rollout is done or lost; crashes
-        in between leave rollouts ``interrupted`` until ``restore`` and ``redispatch``."""
+        in between leave rollouts ``interrupted`` until ``restore`` and ``redispatch``.
+        ``TimeoutError`` after ``timeout_s`` (a rollout interrupted with no restore to follow
+        waits for one until then)."""
         await self.setup()
         self.add(tasks)
         workers = [asyncio.create_task(self._worker()) for _ in range(self.concurrency)]
         try:
             await self.wait_for(
                 lambda c: all(r.status in ("done", "lost") for r in c.rollouts.values()),
-                timeout_s=3600,
+                timeout_s,
             )
         finally:
             for worker in workers:

@@ -163,7 +163,14 @@ class SimServer:
         self.settings = settings
         self.transport = make_transport(settings)
         self.participant = participant(self.transport)
-        self.restores = Restores(settings.service_url, token=settings.token)
+        # The service's uvicorn drops idle connections after 5 s, httpx after 5 s too: expire
+        # ours sooner so no request races the server closing its connection.
+        self.service_client = httpx.AsyncClient(
+            timeout=60.0, limits=httpx.Limits(keepalive_expiry=2.0)
+        )
+        self.restores = Restores(
+            settings.service_url, token=settings.token, client=self.service_client
+        )
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(600.0, connect=10.0),
             limits=httpx.Limits(max_connections=2000, max_keepalive_connections=500),
@@ -190,6 +197,7 @@ class SimServer:
             self.holds.release()
             await self.client.aclose()
             await self.restores.close()
+            await self.service_client.aclose()
             with contextlib.suppress(Exception):
                 await self.transport.stop()
 
