@@ -30,6 +30,12 @@ def gym_for(deployment: Deployment, **knobs: Any) -> Gym:
     )
 
 
+class EpisodeFailed(AssertionError):
+    def __init__(self, key: str, status: int, body: str) -> None:
+        super().__init__(f"{key}: the environment answered {status}: {body[:500]}")
+        self.status = status
+
+
 class Episodes:
     """Episodes dispatched to the Gym's environment server, one request each (as a collector
     does): ``start`` returns at once, ``reply`` awaits the result."""
@@ -53,7 +59,8 @@ class Episodes:
 
     async def _post(self, body: dict[str, Any]) -> dict[str, Any]:
         response = await self.client.post(self.gym.url("environment") + "/run", json=body)
-        assert response.status_code == 200, response.text
+        if response.status_code != 200:
+            raise EpisodeFailed(body["capture_key"], response.status_code, response.text)
         result: dict[str, Any] = response.json()
         return result
 
@@ -66,6 +73,11 @@ class Episodes:
             try:
                 await self.running.pop(key)
             except httpx.TransportError:
+                continue  # the environment process died with the request
+            except EpisodeFailed as e:
+                # The processes die one group after another: the environment may still answer
+                # (an error) once a process it called is gone.
+                assert e.status >= 500, e
                 continue
             raise AssertionError(f"{key}: the episode finished although it was cut off")
 
