@@ -390,9 +390,13 @@ class HttpTransport(Transport):
         *,
         token: str | None = None,
         client: httpx.AsyncClient | None = None,
+        max_event_bytes: int = 32 * 1024 * 1024,
         **options: Any,
     ) -> None:
         super().__init__(**options)
+        #: The service's body limit (``serve --max-body-mb``, 32 MiB by default): a larger event
+        #: is refused on submit, since the service would close the connection on it unread.
+        self.max_event_bytes = max_event_bytes
         self._rest = _Rest(url, token, client)
         self._events: Http1Connection | None = None
         if client is None and direct_http_url(self._rest.url):
@@ -407,7 +411,14 @@ class HttpTransport(Transport):
         await self._rest.close()
 
     def _encode(self, run: str, event: dict[str, Any]) -> bytes:
-        return encode_wire(event)
+        body = encode_wire(event)
+        if len(body) > self.max_event_bytes:
+            raise PayloadTooLarge(
+                f"event is {len(body)} bytes; the service accepts at most {self.max_event_bytes}",
+                size=len(body),
+                max_bytes=self.max_event_bytes,
+            )
+        return body
 
     async def _send(self, run: str, items: Sequence[_Pending]) -> list[Position]:
         body = b"\n".join([item.body for item in items])

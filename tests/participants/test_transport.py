@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from rolloutlog.errors import AttemptFenced, BackendUnavailable, InvalidEvent
+from rolloutlog.errors import AttemptFenced, BackendUnavailable, InvalidEvent, PayloadTooLarge
 from rolloutlog.log import Position
 from rolloutlog.participants import (
     Environment,
@@ -168,6 +168,20 @@ async def test_requests_stop_growing_at_the_byte_budget(world: World) -> None:
         big = "x" * 3000
         await asyncio.gather(*(e.boundary("seed", {"blob": big}) for e in episodes))
         assert interposer.batches[sent_before:] == [1, 1, 1, 1]
+
+
+async def test_an_event_over_the_services_body_limit_is_refused_on_submit(world: World) -> None:
+    # The service would close the connection on such a body unread (no reply to read).
+    interposer, transport = interposed(world, max_event_bytes=1000)
+    async with transport, transport._rest.client:
+        env = Environment(transport, RUN, "env-0")
+        await env.register()
+        episode = await env.start_episode("e1", {"i": 1})
+        sent = len(interposer.batches)
+        with pytest.raises(PayloadTooLarge):
+            await episode.boundary("seed", {"blob": "x" * 1000})
+        assert len(interposer.batches) == sent and transport.in_flight == 0
+        await episode.boundary("seed", {"blob": "x" * 100})
 
 
 async def test_an_invalid_event_fails_alone(world: World) -> None:
