@@ -155,11 +155,10 @@ _RESTORE_ID_WITHIN = 1024
 def record_restore_id(record: bytes) -> int | None:
     """The restore id of an ``attempt.started`` record as the service encodes it (read off its
     bytes, without decoding), or None for any other record."""
+    start = record.find(_RESTORE_ID, 0, _RESTORE_ID_WITHIN)
     # Only in the metadata: a JSON text escapes the quotes of any string that spells these
     # bytes, but the raw payload after the newline is not the metadata's to vouch for.
-    newline = record.find(_SEPARATOR, 0, _RESTORE_ID_WITHIN)
-    start = record.find(_RESTORE_ID, 0, _RESTORE_ID_WITHIN if newline < 0 else newline)
-    if start < 0:
+    if start < 0 or record.find(_SEPARATOR, 0, start) >= 0:
         return None
     start += len(_RESTORE_ID)
     end = record.find(b",", start, start + 24)

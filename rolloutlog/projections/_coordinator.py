@@ -267,7 +267,9 @@ class Coordinator:
                     capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
             timer.stage("waits")
             offsets, entries = _manifest(capture)
-            staging: set[str] = set().union(*(entry.staging_keys for entry in entries))
+            # Each key once, in the manifest's order (sorting 48,000 keys cost a S1 checkpoint
+            # tens of milliseconds).
+            staging = tuple(dict.fromkeys(key for entry in entries for key in entry.staging_keys))
             timer.stage("manifest")
             timings = timer.total()
             committed = await self.catalog.commit_checkpoint(
@@ -285,7 +287,7 @@ class Coordinator:
             raise
         projector.end_capture(capture, committed=True)
         self._spawn(self._trim(run))
-        return CheckpointResult(committed, tuple(sorted(staging)), timer.total())
+        return CheckpointResult(committed, staging, timer.total())
 
     async def _abort(
         self,
