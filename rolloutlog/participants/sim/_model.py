@@ -69,15 +69,18 @@ def make_tasks(
     rounds: int = 2,
     tokens: int = 48,
     constrained_every: int = 0,
+    long_every: int = 0,
+    long_tokens: int = 96,
 ) -> list[dict[str, Any]]:
     """``count`` tasks ``r0``, ``r1``, … cycling over ``kinds``; with ``constrained_every=k``,
-    every k-th task's first call is constrained."""
+    every k-th task's first call is constrained; with ``long_every=k``, every k-th task's calls
+    generate ``long_tokens`` tokens (long calls: generation chunks) instead of ``tokens``."""
     return [
         make_task(
             f"{prefix}{i}",
             resources=kinds[i % len(kinds)],
             rounds=rounds,
-            tokens=tokens,
+            tokens=long_tokens if long_every and i % long_every == 1 else tokens,
             constrained=(0,) if constrained_every and i % constrained_every == 0 else (),
         )
         for i in range(count)

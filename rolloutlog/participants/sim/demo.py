@@ -30,6 +30,8 @@ class DemoResult:
     timings: dict[str, float] = field(default_factory=dict)
     restore_counts: dict[str, int] = field(default_factory=dict)
     checkpoint_counts: dict[str, int] = field(default_factory=dict)
+    #: each participant's ``/sim/stats`` at the end (replacement processes'), by name
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -78,14 +80,15 @@ class _Progress:
 async def run_demo(
     rollouts: int = 300,
     *,
-    concurrency: int = 100,
+    concurrency: int = 32,
     checkpoint_after: float = 0.3,
     data_dir: str | Path | None = None,
     log_url: str | None = None,
     catalog_url: str | None = None,
     run: str = "demo",
     rounds: int = 2,
-    tokens: int = 48,
+    tokens: int = 12,
+    long_tokens: int = 64,
     out: TextIO | None = None,
 ) -> DemoResult:
     """Run the demo; returns the collector's report with the checkpoint and restore figures."""
@@ -102,7 +105,14 @@ async def run_demo(
         progress.say(
             f"service ({gym.service_url}) and participants ready in {timings['start_s']:.1f} s"
         )
-        tasks = make_tasks(rollouts, rounds=rounds, tokens=tokens, constrained_every=7)
+        tasks = make_tasks(
+            rollouts,
+            rounds=rounds,
+            tokens=tokens,
+            constrained_every=7,
+            long_every=4,
+            long_tokens=long_tokens,
+        )
         async with gym.collector(concurrency=concurrency, on_progress=progress) as collector:
             runner = asyncio.create_task(collector.run(tasks))
             await collector.wait_done(int(rollouts * checkpoint_after))
@@ -132,8 +142,9 @@ async def run_demo(
             progress.draw(collector)
             if progress.tty:
                 out.write("\n")
+        stats = {name: await gym.stats(name) for name in PARTICIPANTS}
     timings["total_s"] = time.perf_counter() - began
-    result = DemoResult(report, timings, dict(plan.restore.counts), dict(checkpoint.counts))
+    result = DemoResult(report, timings, dict(plan.restore.counts), dict(checkpoint.counts), stats)
     _print_report(out, result)
     return result
 
@@ -172,7 +183,7 @@ def _ms(timings: Any) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rolloutlog.participants.sim.demo")
     parser.add_argument("--rollouts", type=int, default=300)
-    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--data-dir", help="default: a temporary directory, removed afterwards")
     parser.add_argument("--log", dest="log_url", help="log URL, e.g. kafka://host:9092")
     parser.add_argument("--catalog", dest="catalog_url", help="postgresql+asyncpg://…")
