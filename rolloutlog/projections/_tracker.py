@@ -73,6 +73,8 @@ class EpisodeTracker:
     #: Set while a restore plans from this state (``pin``): the first change copies it first.
     pinned: bool = False
     _state_at_pin: EpisodeTracker | None = None
+    #: ``verdict``'s answer while the state stays as it is (a restore does not change it).
+    _verdict: tuple[str | None] | None = None
 
     def observe(self, offset: int, meta: dict[str, Any], record: bytes) -> None:
         """Filter (zombies, duplicates, fenced attempts) and apply one record of this episode;
@@ -85,6 +87,7 @@ class EpisodeTracker:
         if self.pinned:
             self._keep_pinned_state()
         self.version += 1
+        self._verdict = None
         if self.first_offset is None:
             self.first_offset = offset
             self.first_ts = meta.get("ts")
@@ -261,6 +264,11 @@ class EpisodeTracker:
     def verdict(self) -> str | None:
         """What ``verify_projection`` says of this episode's projection at this position: why it
         cannot continue, or None. Meaningful only while ``exact``."""
+        if self._verdict is None:
+            self._verdict = (self._judge(),)
+        return self._verdict[0]
+
+    def _judge(self) -> str | None:
         if not self.task_seen:
             return "no episode.started before the cut"
         if self.task_problem is not None:
@@ -328,6 +336,7 @@ class EpisodeTracker:
             {call: list(chunks) for call, chunks in self._tail_chunks.items()},
             set(self._tail_constrained),
             self._latest_call,
+            _verdict=self._verdict,
         )
         return copy
 
@@ -389,6 +398,7 @@ class EpisodeTracker:
         # Field by field: a restore resets thousands of trackers while the partition waits.
         self.pinned = False
         self._state_at_pin = None
+        self._verdict = None
         self.version += 1
         self.filters.attempt = attempt
         self.attempt = attempt

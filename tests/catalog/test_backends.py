@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 from sqlalchemy import text
 
 import rolloutlog.catalog as catalog_package
-from rolloutlog.catalog import ManifestEntry, PartitionOffset, capture_key, open_catalog
+from rolloutlog.catalog import (
+    ManifestEntry,
+    PartitionOffset,
+    RestoreEntry,
+    capture_key,
+    open_catalog,
+)
 from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._postgres import PostgresBackend
 from rolloutlog.errors import (
@@ -225,3 +231,29 @@ def test_integrity_conflicts_translate_by_constraint() -> None:
     second_pending, duplicate_id = (backend.translate(error) for error in errors)
     assert isinstance(second_pending, CheckpointInProgress)
     assert type(duplicate_id) is CatalogError
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"episode": "r1-a2"}, "invalid episode id"),
+        ({"episode": "has space"}, "invalid episode id"),
+        ({"episode": "a" * 200 + "\n"}, "episode must be a string"),
+        ({"episode": "r0"}, "appears twice"),
+        ({"action": "finished"}, "restore action"),
+        ({"previous_attempt": -1}, "previous_attempt"),
+        ({"attempt": 0}, "attempt must be"),
+        ({"attempt": True}, "attempt must be"),
+    ],
+)
+async def test_a_restore_plan_is_checked_entry_by_entry(
+    tmp_path: Path, change: dict[str, object], words: str
+) -> None:
+    """The whole-column check lets nothing through that the entry-by-entry check refuses, and
+    the error still names the entry."""
+    catalog = open_catalog(f"sqlite+aiosqlite:///{tmp_path}/c.sqlite3")
+    async with catalog:
+        plan = [RestoreEntry(f"r{i}", 0, 1, "continue") for i in range(50)]
+        plan[7] = plan[7]._replace(**change)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match=words):
+            await catalog.commit_restore("run", 1, 1, plan)
