@@ -292,3 +292,46 @@ async def test_a_second_crash_before_and_after_the_replacement_starts(
     assert [r["resumed"] for r in runs_of(agent, "twice-a3")] == [2]
     assert calls_of(policy, "twice-a3") == [("twice-a3.c2", "twice-a2.c1", 0, 48)]
     assert (await gym.stats("counter"))["restored"] == {"twice-a3": 2}
+
+
+async def test_the_service_killed_during_a_checkpoint_with_episodes_in_flight(
+    gym: Gym, gym_trainer: AsyncTrainerClient, episodes: Episodes
+) -> None:
+    """11, with live participants: the service is SIGKILLed while a checkpoint waits for a
+    verify step; the participants never paused, the checkpoint is gone whole, and the next
+    checkpoint, a crash of every participant and the restore continue both episodes."""
+    run, trainer = gym.run, gym_trainer
+    tasks = {"a": make_task("a"), "w": make_task("w", resources="verifier")}
+    await gym.hold("agent", "after_tool_round", "a")
+    await gym.hold("verifier", "in_verify", "w")
+    for task in tasks.values():
+        episodes.start(task)
+    await gym.wait_held("agent", "after_tool_round", "a")
+    await gym.wait_held("verifier", "in_verify", "w")
+    pending = await trainer.checkpoint(run, wait=False, deadline_s=120)
+    assert pending.status == "pending"
+
+    gym.kill_service()
+    await gym.start_service()
+    assert (await trainer.get_checkpoint(run, pending.checkpoint_id)).status == "aborted"
+    await gym.hold("environment", "before:return", "w")
+    await gym.release("verifier", "in_verify", "w")
+    await gym.wait_held("environment", "before:return", "w")
+    checkpoint = await trainer.checkpoint(run)
+    assert checkpoint.checkpoint_id > pending.checkpoint_id
+    assert dict(checkpoint.counts) == {"continue": 2, "restart": 0, "finished": 0}
+
+    gym.kill_participants()
+    await episodes.cut_off(["a", "w"])
+    restore = await trainer.restore(run)
+    assert restore.checkpoint_id == checkpoint.checkpoint_id
+    await gym.start_participants(restore.restore_id)
+    for key, task in tasks.items():
+        episodes.start(task, f"{key}-a1", "continue", restore.restore_id)
+    a, w = await episodes.reply("a-a1"), await episodes.reply("w-a1")
+    assert right(a, tasks["a"]) and right(w, tasks["w"])
+    assert (w["resumed_stage"], a["resumed_stage"]) == ("return", "invoke_agent")
+    assert calls_of(await gym.stats("policy"), "a-a1") == [
+        ("a-a1.c1", "a.c0", 0, 48),
+        ("a-a1.c2", "a-a1.c1", 0, 48),
+    ]
