@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv check test bench bench-quick bench-components clean
+.PHONY: venv check test demo bench bench-quick bench-components clean
 
 venv: $(STAMP)
 
@@ -21,10 +21,14 @@ check: venv
 test: check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The README's first command: 300 simulated rollouts, a checkpoint, SIGKILL, restore.
+demo: venv
+	$(BIN)/python -m rolloutlog.participants.sim.demo $(DEMO_ARGS)
+
 # `bench`: issue 7's suite (S1-S4 through the real service on both deployments, beside the
 # stop-the-world, pyeventsourcing and floor baselines, and the curves), then its plots and
-# benchmarks/RESULTS.md, then the component scripts with one run each (within 15 minutes here).
-# `bench-components`: the component scripts with their full repetitions.
+# benchmarks/RESULTS.md (within 15 minutes here). `bench-components`: the component scripts
+# (append, catalog, in-process checkpoint/restore, HTTP append) with their full repetitions.
 # Every script prints its figures and saves JSON under benchmarks/results/ (*_quick.json with
 # --quick, not committed).
 BENCH_STAMP := $(VENV)/.bench-installed
@@ -37,8 +41,6 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/suite.py
 	$(BIN)/python benchmarks/report.py
-	$(BIN)/python benchmarks/log_append.py --runs 1
-	$(BIN)/python benchmarks/api_append.py --runs 1 --workers 0
 
 bench-components: $(BENCH_STAMP)
 	@for b in $(COMPONENTS); do echo "== $$b"; $(BIN)/python benchmarks/$$b.py || exit 1; done

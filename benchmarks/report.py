@@ -97,12 +97,17 @@ def plot(results: dict[str, Any], suffix: str) -> list[str]:
     return made
 
 
-def seed_figures() -> str:
+def seed_figures(seed: dict[str, Any]) -> str:
     path = ROOT / SEED_NOTES
     try:
         text = path.read_text()
-    except OSError:
-        return "(../shared/SEED_NOTES.md not found beside this checkout)"
+    except OSError:  # a clone without the notes beside it: the figures the suite keeps
+        return "\n".join(
+            f"> - {key}: "
+            + ", ".join(f"{name} {value} s" for name, value in figures.items() if name != "note")
+            + f" ({figures.get('note', '')})"
+            for key, figures in seed.items()
+        )
     start = text.find("## Its figures")
     if start < 0:
         return ""
@@ -392,9 +397,13 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
         w("")
 
     # -- the seed
+    for item in results.get("skipped", []):
+        w(f"- {item}")
+    if results.get("skipped"):
+        w("")
     w("## The seed's published figures (the reference)")
     w("")
-    w(seed_figures())
+    w(seed_figures(results.get("seed", {})))
     w("")
     w(
         "The seed measured a whole Gym (its checkpoint includes parking real participants); the "

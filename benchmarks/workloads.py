@@ -17,6 +17,7 @@ participant's live state folded from them; pyeventsourcing: one aggregate event 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Iterator
@@ -30,6 +31,27 @@ TS = 1764400000.0
 
 def ledger_digest(parent: str, tokens: list[int]) -> str:
     return hashlib.sha256((parent + ":" + ",".join(map(str, tokens))).encode()).hexdigest()
+
+
+#: Token-id patterns: episode ``i`` uses pattern ``i % PATTERNS``. The lists (and their digest
+#: chains) are built once and shared between episodes, so that generating 64,000 episodes costs
+#: seconds and holding 16,000 costs little memory; every episode still carries all its ids.
+PATTERNS = 64
+
+
+@functools.cache
+def _ledger_chain(pattern: int, rows: int, tokens: int) -> tuple[tuple[list[int], str], ...]:
+    chain, parent = [], ""
+    for call in range(rows):
+        ids = [(pattern * 7 + call * 13 + t) % 50_000 for t in range(tokens)]
+        parent = ledger_digest(parent, ids)
+        chain.append((ids, parent))
+    return tuple(chain)
+
+
+@functools.cache
+def _chunk_ids() -> list[int]:
+    return list(range(64))
 
 
 def task_digest(task: dict[str, Any]) -> str:
@@ -71,10 +93,8 @@ class _Builder:
         )
 
     def ledger(self, rows: int, tokens: int, staging: bool = True) -> None:
-        parent, cum = "", 0
-        for call in range(rows):
-            ids = [(self.index * 7 + call * 13 + t) % 50_000 for t in range(tokens)]
-            digest = ledger_digest(parent, ids)
+        cum = 0
+        for call, (ids, digest) in enumerate(_ledger_chain(self.index % PATTERNS, rows, tokens)):
             self.add(
                 "policy",
                 "ledger.row",
@@ -104,7 +124,7 @@ class _Builder:
                 },
                 step=call,
             )
-            parent, cum = digest, cum + tokens
+            cum += tokens
 
 
 SHARDS = 4
@@ -118,10 +138,8 @@ def s1_episode(index: int, prefix: str = "r") -> list[dict[str, Any]]:
     b.add(
         "resources", "session.started", {"session_id": "s1", "mode": "exported", "verify": "replay"}
     )
-    parent, cum = "", 0
-    for call in range(2):
-        ids = [(index * 7 + call * 13 + t) % 50_000 for t in range(512)]
-        digest = ledger_digest(parent, ids)
+    cum = 0
+    for call, (ids, digest) in enumerate(_ledger_chain(index % PATTERNS, 2, 512)):
         b.add(
             "policy",
             "ledger.row",
@@ -140,7 +158,7 @@ def s1_episode(index: int, prefix: str = "r") -> list[dict[str, Any]]:
             },
             step=call,
         )
-        parent, cum = digest, cum + 512
+        cum += 512
         b.add(
             "resources",
             "session.state",
@@ -172,7 +190,7 @@ def s1_episode(index: int, prefix: str = "r") -> list[dict[str, Any]]:
             "parent_call_id": "c1",
             "request_digest": "rq",
             "start": 0,
-            "token_ids": list(range(64)),
+            "token_ids": _chunk_ids(),
             "policy_version": 1,
             "staging_key": f"stage-{index}-2",
         },
