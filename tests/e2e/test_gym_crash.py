@@ -250,35 +250,47 @@ async def test_a_checkpoint_without_a_crash_disturbs_nothing(
 async def test_a_second_crash_before_and_after_the_replacement_starts(
     gym: Gym, gym_trainer: AsyncTrainerClient, episodes: Episodes
 ) -> None:
-    """8: crash, restore, a checkpoint and a crash before the replacement ran, restore again;
-    then the replacement parks after a round, a checkpoint, a crash, and the third attempt
-    continues from the second's boundary."""
+    """8: crash, restore, a checkpoint and a crash before the replacements ran (an unconsumed
+    generation cut survives it), restore again; then a replacement parks after a round, a
+    checkpoint, a crash, and the third attempt continues from the second's boundary."""
     run, trainer = gym.run, gym_trainer
-    task = make_task("twice")
+    task, cut_task = make_task("twice"), make_task("cut", rounds=1, tokens=96)
     await gym.hold("agent", "after_tool_round", "twice")
+    await gym.hold("policy", "mid_generation", "cut", after_tokens=48)
     episodes.start(task)
+    episodes.start(cut_task)
     await gym.wait_held("agent", "after_tool_round", "twice")
+    await gym.wait_held("policy", "mid_generation", "cut")
     await trainer.checkpoint(run)
     gym.kill_participants()
-    await episodes.cut_off(["twice"])
+    await episodes.cut_off(["twice", "cut"])
     first = await trainer.restore(run)
     await gym.start_participants(first.restore_id)
 
-    # Before the replacement starts: a checkpoint and a second crash.
+    # Before the replacements start: a checkpoint and a second crash.
     second_checkpoint = await trainer.checkpoint(run)
-    assert dict(second_checkpoint.counts) == {"continue": 1, "restart": 0, "finished": 0}
+    assert dict(second_checkpoint.counts) == {"continue": 2, "restart": 0, "finished": 0}
     gym.kill_participants()
     second = await trainer.restore(run)
-    assert await plan_of(trainer, run, second.restore_id) == {"twice": (1, 2, "continue")}
+    assert await plan_of(trainer, run, second.restore_id) == {
+        "twice": (1, 2, "continue"),
+        "cut": (1, 2, "continue"),
+    }
+    cut = (await trainer.projection(run, "cut", restore=second.restore_id))["generation_cut"]
+    assert (cut["call_id"], cut["token_ids"]) == ("cut.c0", sim_tokens("cut", 0, 96)[:48])
     await gym.start_participants(second.restore_id)
     await gym.hold("agent", "after_tool_round", "twice-a2")
     episodes.start(task, "twice-a2", "continue", second.restore_id)
+    episodes.start(cut_task, "cut-a2", "continue", second.restore_id)
+    assert right(await episodes.reply("cut-a2"), cut_task)
     assert (await gym.wait_held("agent", "after_tool_round", "twice-a2"))["round"] == 2
     policy = await gym.stats("policy")
     assert calls_of(policy, "twice-a2") == [("twice-a2.c1", "twice.c0", 0, 48)]
+    assert calls_of(policy, "cut-a2") == [("cut.c0", None, 48, 48), ("cut-a2.c1", "cut.c0", 0, 96)]
 
     # After the replacement started: a checkpoint and a third crash.
-    await trainer.checkpoint(run)
+    third_checkpoint = await trainer.checkpoint(run)
+    assert dict(third_checkpoint.counts) == {"continue": 1, "restart": 0, "finished": 1}
     gym.kill_participants()
     await episodes.cut_off(["twice-a2"])
     third = await trainer.restore(run)
