@@ -42,6 +42,11 @@ def median(figure: dict[str, Any] | None) -> float | None:
     return figure["median"] if figure else None
 
 
+def numeric_order(points: dict[str, Any]) -> dict[str, Any]:
+    """Curve points by their x (the JSON keeps keys sorted as strings)."""
+    return dict(sorted(points.items(), key=lambda item: int(item[0])))
+
+
 def plot(results: dict[str, Any], suffix: str) -> list[str]:
     import matplotlib
 
@@ -52,9 +57,9 @@ def plot(results: dict[str, Any], suffix: str) -> list[str]:
     curves = results.get("curves") or {}
     for key, label, unit in (
         ("live_rollouts", "live rollouts", 1.0),
-        ("state_bytes", "session state size (KB)", 1024.0),
+        ("state_bytes", "session state size", 1024.0),
     ):
-        points = curves.get(key) or {}
+        points = numeric_order(curves.get(key) or {})
         if not points:
             continue
         xs = [int(x) / unit for x in points]
@@ -83,10 +88,16 @@ def plot(results: dict[str, Any], suffix: str) -> list[str]:
             )
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks(xs)
+        if key == "state_bytes":
+            ax.set_xticklabels([f"{x:g} KB" if x < 1024 else f"{x / 1024:g} MB" for x in xs])
+        else:
+            ax.set_xticklabels([f"{x:g}" if x < 1000 else f"{x / 1000:g}k" for x in xs])
+        ax.minorticks_off()
         ax.set_xlabel(label)
         ax.set_ylabel("seconds (median, bars: min-max)")
         count = f", {curves.get('state_rollouts')} rollouts" if key == "state_bytes" else ""
-        ax.set_title(f"Checkpoint and restore latency vs {label}{count} (embedded)")
+        ax.set_title(f"Checkpoint and restore vs {label}{count} (embedded)", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -373,7 +384,7 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
             ("live_rollouts", "live rollouts", ""),
             ("state_bytes", f"state size ({curves.get('state_rollouts')} rollouts)", " B"),
         ):
-            points = curves.get(key) or {}
+            points = numeric_order(curves.get(key) or {})
             if not points:
                 continue
             w(
