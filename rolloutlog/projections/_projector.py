@@ -50,7 +50,7 @@ class CheckpointCapture:
     reasons: dict[str, str] = field(default_factory=dict)
     #: Episodes whose cut waits for a boundary: episode → (owners awaited, marker offset).
     waiting: dict[str, tuple[set[str], int]] = field(default_factory=dict)
-    #: Each continued episode's tracker version at its cut (see ``Projector.cut_snapshots``).
+    #: Each continued episode's tracker version at its cut (see ``Projector.pin_cut_states``).
     versions: dict[str, int] = field(default_factory=dict)
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     resolved: asyncio.Event = field(default_factory=asyncio.Event)

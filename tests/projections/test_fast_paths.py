@@ -272,3 +272,38 @@ async def test_a_restore_from_the_trackers_plans_and_serves_what_a_replay_does(
     assert plan["e"] == ("continue", None)
     assert plan["b"][0] == plan["c"][0] == plan["d"][0] == "restart"
     assert "digest" in plan["b"][1] and "contiguous" in plan["c"][1]
+
+
+async def test_old_attempt_events_during_a_restore_stay_out_of_the_continued_state(
+    service: Service,
+) -> None:
+    await service.append(f.started("a"), f.boundary("a", "seed", {"t": 1}))
+    first = await service.checkpoint()
+    assert isinstance(first, CheckpointResult)
+    projector = service.coordinator.projectors[service.run]
+    catalog = service.catalog
+    next_restore_id = catalog.next_restore_id
+
+    async def late_event_then_next_id(run: str) -> int:
+        # The old attempt is still current while the restore plans: its late boundary reaches
+        # the (pinned) tracker, but the fold drops it (it is after the cut).
+        [late] = await service.append(f.boundary("a", "late", {"t": 9}, attempt=0))
+        await projector.wait_until({late.partition: late.offset + 1})
+        assert projector.trackers["a"].last_stage == "late"
+        return await next_restore_id(run)
+
+    catalog.next_restore_id = late_event_then_next_id  # type: ignore[method-assign]
+    restored = await service.restore()
+    assert [e.action for e in restored.entries] == ["continue"]
+    second = await service.checkpoint()
+    assert isinstance(second, CheckpointResult)
+    [entry] = await catalog.load_manifest(service.run, second.checkpoint.checkpoint_id)
+    folded = await service.coordinator.checkpoint_projection(
+        service.run, second.checkpoint.checkpoint_id, "a"
+    )
+    assert folded.boundaries["environment"].stage == "seed"
+    assert (entry.attempt, entry.last_stage, entry.size_bytes) == (
+        1,
+        "seed",
+        folded.payload_bytes,
+    )
