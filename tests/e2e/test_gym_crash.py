@@ -42,8 +42,8 @@ async def test_one_crash_with_every_kind_of_episode_in_flight(
     gym: Gym, gym_trainer: AsyncTrainerClient, episodes: Episodes
 ) -> None:
     """1 continue from the last boundary, 2 the counter's restored state gives the right reward,
-    3 token lineage and an undelivered call, 4 an in-flight generation cut and continued (and a
-    constrained one regenerated), 6 verify in flight replayed or waited for, 7 episodes
+    3 token lineage and an undelivered call, 4 an in-flight generation cut and continued (a
+    constrained one regenerated, a completed undelivered one a terminal cut), 6 verify in flight replayed or waited for, 7 episodes
     finishing before and during the checkpoint, 9 a restart-only session starting over."""
     run, trainer = gym.run, gym_trainer
     tasks = {
@@ -51,6 +51,7 @@ async def test_one_crash_with_every_kind_of_episode_in_flight(
         "undeliv": make_task("undeliv", tokens=8),  # short calls: no chunks, so no cut
         "cut": make_task("cut", rounds=1, tokens=96),
         "constr": make_task("constr", rounds=1, tokens=96, constrained=(0,)),
+        "term": make_task("term", rounds=1),
         "vrep": make_task("vrep"),
         "vwait": make_task("vwait", resources="verifier"),
         "finbefore": make_task("finbefore"),
@@ -66,6 +67,7 @@ async def test_one_crash_with_every_kind_of_episode_in_flight(
         ("agent", "after_tool_round", "undeliv"),
         ("policy", "mid_generation", "cut"),
         ("policy", "mid_generation", "constr"),
+        ("policy", "before_deliver", "term"),
         ("counter", "in_verify", "vrep"),
         ("verifier", "in_verify", "vwait"),
         ("environment", "before_finish", "finduring"),
@@ -100,13 +102,15 @@ async def test_one_crash_with_every_kind_of_episode_in_flight(
         "finbefore": "finished",
         "finduring": "continue",  # its finish came after the marker: the cut is before it
         "restart": "restart",
-        **{key: "continue" for key in ("cont", "undeliv", "cut", "constr", "vrep", "vwait")},
+        **{
+            key: "continue" for key in ("cont", "undeliv", "cut", "constr", "term", "vrep", "vwait")
+        },
     }
 
     gym.kill_participants()
     await episodes.cut_off(list(episodes.running))
     restore = await trainer.restore(run, exclude=["finduring"])
-    continued = ["cont", "undeliv", "cut", "constr", "vrep", "vwait"]
+    continued = ["cont", "undeliv", "cut", "constr", "term", "vrep", "vwait"]
     assert await plan_of(trainer, run, restore.restore_id) == {
         "finduring": (0, 1, "excluded"),
         "restart": (0, 1, "restart"),
@@ -122,6 +126,14 @@ async def test_one_crash_with_every_kind_of_episode_in_flight(
     assert cut["token_ids"] == sim_tokens("cut", 0, 96)[:48]
     constr = await trainer.projection(run, "constr", restore=restore.restore_id)
     assert constr["generation_cut"] is None
+    # A long call completed but never delivered: a terminal cut (its ledger row is in the tail).
+    term = await trainer.projection(run, "term", restore=restore.restore_id)
+    assert term["ledger"] == []
+    assert (term["generation_cut"]["call_id"], term["generation_cut"]["terminal"]) == (
+        "term.c0",
+        True,
+    )
+    assert term["generation_cut"]["token_ids"] == sim_tokens("term", 0, 48)
 
     await gym.start_participants(restore.restore_id)
     for key in continued:
@@ -153,6 +165,10 @@ async def test_one_crash_with_every_kind_of_episode_in_flight(
     # regenerates from the start.
     assert calls_of(policy, "cut-a1") == [("cut.c0", None, 48, 48), ("cut-a1.c1", "cut.c0", 0, 96)]
     assert all(c["prefix_ok"] for c in policy["calls"])
+    assert calls_of(policy, "term-a1") == [
+        ("term.c0", None, 48, 0),
+        ("term-a1.c1", "term.c0", 0, 48),
+    ]
     assert calls_of(policy, "constr-a1") == [
         ("constr-a1.c0", None, 0, 96),
         ("constr-a1.c1", "constr-a1.c0", 0, 96),
@@ -181,7 +197,7 @@ async def test_one_crash_with_every_kind_of_episode_in_flight(
     assert {c["capture_key"] for c in policy["calls"]} == keys - {"vrep-a1", "vwait-a1"}
 
     after = await trainer.checkpoint(run)
-    assert dict(after.counts) == {"continue": 0, "restart": 0, "finished": 7}
+    assert dict(after.counts) == {"continue": 0, "restart": 0, "finished": 8}
 
 
 async def test_the_counter_reward_needs_the_restored_state(
