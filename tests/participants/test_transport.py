@@ -21,7 +21,7 @@ from rolloutlog.participants import (
     RolloutContext,
     fingerprint,
 )
-from rolloutlog.participants._http1 import Http1Connection
+from rolloutlog.participants._http1 import Http1Connection, direct_http_url
 from rolloutlog.trainer import AsyncTrainerClient
 from tests._services import free_port
 from tests.api.conftest import TOKENS
@@ -360,3 +360,23 @@ async def test_the_lean_connection_reports_a_dead_service_as_unavailable() -> No
     connection = Http1Connection(f"http://127.0.0.1:{free_port()}", {})
     with pytest.raises(BackendUnavailable):
         await connection.post("/v1/runs/r/events", b"{}", "application/x-ndjson")
+
+
+async def test_a_proxy_configured_for_the_service_leaves_event_posts_to_httpx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    assert direct_http_url("http://127.0.0.1:8750")
+    assert not direct_http_url("unix:///tmp/socket")
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    assert not direct_http_url("http://service.test:8750")
+    proxied = HttpTransport("http://service.test:8750")
+    assert proxied._events is None  # httpx, which honours the proxy
+    monkeypatch.setenv("NO_PROXY", "service.test")
+    assert direct_http_url("http://service.test:8750")
+    direct = HttpTransport("http://service.test:8750")
+    assert direct._events is not None
+    for transport in (proxied, direct):
+        await transport.stop()
