@@ -266,7 +266,7 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
     row("S1 restore ≤ 1.0 s", fig("S1", "restore_s"), targets["S1.restore_s"], False, ms)
     row("S2 restore ≤ 1.5 s", fig("S2", "restore_s"), targets["S2.restore_s"], False, ms)
     row("S2 restore within 1.5x of the floor", rat("S2.restore_over_floor"), 1.5, False, times)
-    for key in ("S1", "S2", "S3"):
+    for key in ("S1", "S2"):
         row(
             f"{key} restore + fetch faster than pyeventsourcing's reconstruction",
             rat(f"{key}.restore_and_fetch_vs_eventsourcing"),
@@ -330,6 +330,16 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
                 f"{f['service_cpu_s_per_checkpoint']:.2f} s / {f['service_cpu_s_per_restore_and_fetch']:.2f} s | "
                 f"{f['service_peak_rss_mb']:,.0f} MB |"
             )
+        for key in ("S1", "S2", "S3"):
+            stages = (per.get(key) or {}).get("stages_ms") or {}
+            parts = [
+                f"{kind} " + ", ".join(f"{stage} {value:,.0f}" for stage, value in values.items())
+                for kind, values in stages.items()
+                if values
+            ]
+            if parts:
+                w("")
+                w(f"{key}, the service's own stage timings (median ms): " + "; ".join(parts) + ".")
         s4 = per.get("S4")
         if s4:
             a = s4["appends"]
