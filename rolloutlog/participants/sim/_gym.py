@@ -171,16 +171,19 @@ class Gym:
         await self.stop()
 
     async def start(self) -> None:
-        """Start the service, create the run, start every participant; wait until all answer."""
+        """Start the service and every participant (their starts overlap: participants wait
+        for the service and the run to register), create the run; wait until all answer."""
         began = time.perf_counter()
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        await self.start_service()
+        self._spawn_service()
+        self._spawn_participants(None, False)
+        await self._ready(self.service, "/readyz")
         response = await self._client.post(
             f"{self.service_url}/v1/runs", json={"run": self.run, "partitions": self.partitions}
         )
         if response.status_code not in (200, 201, 409):
             raise RuntimeError(f"creating run {self.run!r}: {response.text}")
-        await self.start_participants()
+        await self._participants_ready()
         self.timings["start_s"] = time.perf_counter() - began
 
     async def stop(self) -> None:
@@ -194,13 +197,16 @@ class Gym:
 
     async def start_service(self) -> None:
         """Start (or restart, on the same data) ``rolloutlog serve``; wait for ``/readyz``."""
+        self._spawn_service()
+        await self._ready(self.service, "/readyz")
+
+    def _spawn_service(self) -> None:
         args = ["--data-dir", str(self.data_dir / "service"), "--port", str(self.service.port)]
         if self.log_url:
             args += ["--log", self.log_url]
         if self.catalog_url:
             args += ["--catalog", self.catalog_url]
         self._spawn(self.service, ["-m", "rolloutlog.api.cli", "serve", *args, *self.service_args])
-        await self._ready(self.service, "/readyz")
 
     def kill_service(self) -> None:
         """SIGKILL the service's process group."""
@@ -212,13 +218,19 @@ class Gym:
         """Start every participant (again): each registers (a new epoch) before it is ready.
         ``restore_id``: the restore replacement attempts continue from (the policy installs its
         ledgers at start)."""
+        began = time.perf_counter()
+        self._spawn_participants(restore_id, skip_resources_restore)
+        await self._participants_ready()
+        self.timings["participants_start_s"] = time.perf_counter() - began
+
+    def _spawn_participants(self, restore_id: int | None, skip_resources_restore: bool) -> None:
         self.restore_id = restore_id
         self.skip_resources_restore = skip_resources_restore
-        began = time.perf_counter()
         for name in PARTICIPANTS:
             self._spawn(self.processes[name], self._participant_args(name))
+
+    async def _participants_ready(self) -> None:
         await asyncio.gather(*(self._ready(p, "/sim/ready") for p in self.processes.values()))
-        self.timings["participants_start_s"] = time.perf_counter() - began
 
     def kill_participants(self) -> None:
         """SIGKILL every participant process group (all at once, then reap)."""

@@ -13,7 +13,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from rolloutlog.errors import RolloutlogError, UnknownEpisode
+from rolloutlog.errors import BackendUnavailable, RolloutlogError, UnknownEpisode, UnknownRun
 from rolloutlog.participants._asgi import CAPTURE_KEY_HEADER, context_headers
 from rolloutlog.participants._participant import Participant, RolloutContext
 from rolloutlog.participants._restore import Restores
@@ -185,7 +185,7 @@ class SimServer:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         await self.transport.start()
-        await self.participant.register()
+        await self._register()
         for hook in self.on_start:
             result = hook()
             if asyncio.iscoroutine(result):
@@ -200,6 +200,19 @@ class SimServer:
             await self.service_client.aclose()
             with contextlib.suppress(Exception):
                 await self.transport.stop()
+
+    async def _register(self, timeout_s: float = 120.0) -> None:
+        # The launcher starts participants beside the service (their imports overlap its
+        # start): wait for the service and the run to exist.
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                await self.participant.register()
+                return
+            except (BackendUnavailable, UnknownRun):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
 
     def restore_id(self, request: Request | None = None, body: Any = None) -> int | None:
         """The restore a replacement attempt continues from: the request's (body or header),
