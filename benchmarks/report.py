@@ -17,6 +17,45 @@ import orjson
 from _common import RESULTS, ROOT
 
 SEED_NOTES = "../shared/SEED_NOTES.md"
+#: Why a target is missed, printed under the missed targets (kept to what the suite measures).
+WHY = {
+    "checkpoint": (
+        "**checkpoint latency**: a checkpoint writes a marker into every partition, waits until the "
+        "service's projector has folded every partition up to its marker, then commits the "
+        "manifest (one row per live episode) in one SQL transaction; the manifest and the fold "
+        "grow with live episodes (see the stage timings), and on this shared 2-core machine the "
+        "service also waits for CPU."
+    ),
+    "stop_the_world": (
+        "**against stop-the-world**: the baseline is a lower bound of the seed's design: its "
+        "episodes park at once (the seed's policy prepare stage alone took 2 s), all its "
+        "participants live in one process and write one record file each to a local disk. "
+        "Against the seed's published figures (the informative rows of the table) the ratio is larger."
+    ),
+    "s4": (
+        "**checkpoint under saturation**: the saturating appender is a process on the same 2 cores "
+        "and its appends share the service's event loop with the checkpoint, whose markers queue "
+        "behind the appends and whose fold must first catch up with them."
+    ),
+    "restore": (
+        "**restore latency**: a restore replays each partition's range up to the cuts, folds and "
+        "verifies every continued episode's ledger (digest chain) and commits one plan row per "
+        "episode in one transaction."
+    ),
+    "floor": (
+        "**restore against the floor**: the floor only reads and splits the records; the restore "
+        "also folds, verifies and commits the plan."
+    ),
+    "eventsourcing": (
+        "**restore + fetch against pyeventsourcing**: rolloutlog's figure streams every projection "
+        "over HTTP as NDJSON and decodes it in the client (large session states cross a socket "
+        "and are parsed twice); pyeventsourcing reads one snapshot row per episode in process."
+    ),
+    "flat": (
+        "**flatness**: the checkpoint's fold and manifest grow with live episodes; session states "
+        "are not re-read by a checkpoint, so state size matters less than episode count."
+    ),
+}
 DEPLOYMENTS = {"embedded": "embedded", "kafka": "Kafka (Tansu) + PostgreSQL"}
 
 
@@ -223,8 +262,16 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
     w("| target | " + " | ".join(DEPLOYMENTS[d] for d in deployments) + " |")
     w("|---|" + "---|" * len(deployments))
     missed: list[str] = []
+    reasons: list[str] = []
 
-    def row(label: str, getter: Any, target: float, higher_is_better: bool, fmt: Any) -> None:
+    def row(
+        label: str,
+        getter: Any,
+        target: float,
+        higher_is_better: bool,
+        fmt: Any,
+        why: str = "",
+    ) -> None:
         cells = []
         for name, per in deployments.items():
             value = getter(name, per)
@@ -238,6 +285,8 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
                 missed.append(
                     f"{label} on {DEPLOYMENTS[name]}: measured {fmt(value)} (missed by {by:.1f}x)"
                 )
+                if why and WHY[why] not in reasons:
+                    reasons.append(WHY[why])
         w(f"| {label} | " + " | ".join(cells) + " |")
 
     def fig(workload: str, key: str) -> Any:
@@ -246,26 +295,35 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
     def rat(key: str) -> Any:
         return lambda name, per: ratios.get(name, {}).get(key)
 
-    row("S1 checkpoint ≤ 100 ms", fig("S1", "checkpoint_s"), targets["S1.checkpoint_s"], False, ms)
-    row("S2 checkpoint ≤ 100 ms", fig("S2", "checkpoint_s"), targets["S2.checkpoint_s"], False, ms)
+    for key in ("S1", "S2"):
+        row(
+            f"{key} checkpoint ≤ 100 ms",
+            fig(key, "checkpoint_s"),
+            targets[f"{key}.checkpoint_s"],
+            False,
+            ms,
+            "checkpoint",
+        )
+    for key in ("S1", "S2"):
+        row(
+            f"{key} checkpoint ≥ 20x faster than stop-the-world",
+            rat(f"{key}.checkpoint_vs_stop_the_world"),
+            20.0,
+            True,
+            times,
+            "stop_the_world",
+        )
+    row("S4 checkpoint within 2x of S1's", rat("S4.checkpoint_over_S1"), 2.0, False, times, "s4")
+    row("S1 restore ≤ 1.0 s", fig("S1", "restore_s"), targets["S1.restore_s"], False, ms, "restore")
+    row("S2 restore ≤ 1.5 s", fig("S2", "restore_s"), targets["S2.restore_s"], False, ms, "restore")
     row(
-        "S1 checkpoint ≥ 20x faster than stop-the-world",
-        rat("S1.checkpoint_vs_stop_the_world"),
-        20.0,
-        True,
+        "S2 restore within 1.5x of the floor",
+        rat("S2.restore_over_floor"),
+        1.5,
+        False,
         times,
+        "floor",
     )
-    row(
-        "S2 checkpoint ≥ 20x faster than stop-the-world",
-        rat("S2.checkpoint_vs_stop_the_world"),
-        20.0,
-        True,
-        times,
-    )
-    row("S4 checkpoint within 2x of S1's", rat("S4.checkpoint_over_S1"), 2.0, False, times)
-    row("S1 restore ≤ 1.0 s", fig("S1", "restore_s"), targets["S1.restore_s"], False, ms)
-    row("S2 restore ≤ 1.5 s", fig("S2", "restore_s"), targets["S2.restore_s"], False, ms)
-    row("S2 restore within 1.5x of the floor", rat("S2.restore_over_floor"), 1.5, False, times)
     for key in ("S1", "S2"):
         row(
             f"{key} restore + fetch faster than pyeventsourcing's reconstruction",
@@ -273,17 +331,46 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
             1.0,
             True,
             times,
+            "eventsourcing",
         )
+    seed = results.get("seed", {})
+    for key, figure in (
+        ("S1", "checkpoint_s"),
+        ("S2", "checkpoint_s"),
+        ("S1", "restore_s"),
+        ("S2", "restore_s"),
+        ("S3", "restore_s"),
+    ):
+        published = seed.get(key, {}).get(figure)
+        if published:
+            row(
+                f"{key} {figure.split('_')[0]} faster than the seed's published {published} s "
+                "(informative: another machine)",
+                lambda name, per, k=key, f=figure, p=published: (
+                    p / median(per[k][f]) if per.get(k, {}).get(f) else None
+                ),
+                1.0,
+                True,
+                times,
+            )
     curve_ratios = ratios.get("curves", {})
     if curve_ratios:
         w("")
         w("| flatness (embedded; max/min of the medians over the curve) | measured |")
         w("|---|---|")
+        curves = results.get("curves") or {}
+        spans = {}
+        for key in ("live_rollouts", "state_bytes"):
+            xs = sorted(int(x) for x in (curves.get(key) or {}))
+            spans[key] = f"{xs[0]:,} → {xs[-1]:,}" if xs else ""
         for key, label in (
-            ("live_rollouts.checkpoint_s", "checkpoint, 1k → 64k live rollouts"),
-            ("state_bytes.checkpoint_s", "checkpoint, 1 KB → 1 MB states"),
-            ("live_rollouts.restore_s", "restore, 1k → 64k live rollouts (informative)"),
-            ("state_bytes.restore_s", "restore, 1 KB → 1 MB states (informative)"),
+            ("live_rollouts.checkpoint_s", f"checkpoint, {spans['live_rollouts']} live rollouts"),
+            ("state_bytes.checkpoint_s", f"checkpoint, {spans['state_bytes']} B states"),
+            (
+                "live_rollouts.restore_s",
+                f"restore, {spans['live_rollouts']} live rollouts (informative)",
+            ),
+            ("state_bytes.restore_s", f"restore, {spans['state_bytes']} B states (informative)"),
         ):
             value = curve_ratios.get(f"{key}.max_over_min")
             if value is None:
@@ -294,6 +381,8 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
                     missed.append(
                         f"{label} within 2x: measured {value:.2f}x (missed by {value / 2:.1f}x)"
                     )
+                    if WHY["flat"] not in reasons:
+                        reasons.append(WHY["flat"])
                 w(f"| {label} within 2x | {times(value)} {'✅' if met else '❌'} |")
             else:
                 w(f"| {label} | {times(value)} |")
@@ -306,6 +395,12 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
     else:
         w("- none")
     w("")
+    if reasons:
+        w("Why (what the measurements and the service's stage timings below show):")
+        w("")
+        for reason in reasons:
+            w(f"- {reason}")
+        w("")
 
     # -- figures
     w("## Figures")
