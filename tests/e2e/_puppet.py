@@ -9,6 +9,7 @@ without sleeps. Commands:
 - ``{"op": "participant", "name", "kind", "id", "options"?}`` → the registered epoch
 - ``{"op": "call", "target", "method", "args"?, "kwargs"?, "as"?}`` → the method's result
   (awaited when it is a coroutine; an object without a JSON form is kept under ``as``)
+- ``{"op": "get", "target", "attr", "as"?}`` → an attribute (kept under ``as``)
 - ``{"op": "restores", "url", "token"}`` then ``call`` on target ``restores``
 - ``{"op": "exit"}``
 """
@@ -33,7 +34,6 @@ from rolloutlog.participants import (
     Restores,
     Transport,
 )
-from rolloutlog.participants._policy import GenerationCut
 
 KINDS: dict[str, Any] = {
     "environment": Environment,
@@ -84,18 +84,10 @@ class Puppet:
         if op == "restores":
             self.objects["restores"] = Restores(command["url"], token=command["token"])
             return None
-        if op == "cut":  # a GenerationCut from its JSON form, for ``policy.generation(cut=…)``
-            fields = dict(command["cut"])
-            fields["token_ids"] = tuple(fields["token_ids"])
-            self.objects[command["as"]] = GenerationCut(**fields)
-            return None
         if op == "call":
             target = self.objects[command["target"]]
-            kwargs = {
-                k: self.objects[v[1:]] if isinstance(v, str) and v.startswith("@") else v
-                for k, v in command.get("kwargs", {}).items()
-            }
-            result = getattr(target, command["method"])(*command.get("args", []), **kwargs)
+            method = getattr(target, command["method"])
+            result = method(*command.get("args", []), **command.get("kwargs", {}))
             if inspect.isawaitable(result):
                 result = await result
             if inspect.isasyncgen(result):
