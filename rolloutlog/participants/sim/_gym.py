@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -42,6 +43,14 @@ def free_port() -> int:
         return port
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the launcher dies (Linux), so a killed test
+    run leaves no server behind (each runs in its own session, out of reach of the terminal)."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 @dataclass
 class _Process:
     name: str
@@ -64,6 +73,11 @@ class _Process:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+    def signal(self, signum: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signum)
 
     def terminate(self, timeout_s: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -175,19 +189,26 @@ class Gym:
         for the service and the run to register), create the run; wait until all answer."""
         began = time.perf_counter()
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self._spawn_service()
-        self._spawn_participants(None, False)
-        await self._ready(self.service, "/readyz")
-        response = await self._client.post(
-            f"{self.service_url}/v1/runs", json={"run": self.run, "partitions": self.partitions}
-        )
-        if response.status_code not in (200, 201, 409):
-            raise RuntimeError(f"creating run {self.run!r}: {response.text}")
-        await self._participants_ready()
+        try:
+            self._spawn_service()
+            self._spawn_participants(None, False)
+            await self._ready(self.service, "/readyz")
+            response = await self._client.post(
+                f"{self.service_url}/v1/runs",
+                json={"run": self.run, "partitions": self.partitions},
+            )
+            if response.status_code not in (200, 201, 409):
+                raise RuntimeError(f"creating run {self.run!r}: {response.text}")
+            await self._participants_ready()
+        except BaseException:
+            await self.stop()  # no process outlives a failed start
+            raise
         self.timings["start_s"] = time.perf_counter() - began
 
     async def stop(self) -> None:
         """Stop every participant, then the service (SIGTERM; SIGKILL after a timeout)."""
+        for process in self.processes.values():
+            process.signal(signal.SIGTERM)
         for process in self.processes.values():
             process.terminate()
         self.service.terminate(30.0)
@@ -301,6 +322,7 @@ class Gym:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
 
     async def _ready(self, process: _Process, path: str) -> None:
