@@ -63,7 +63,7 @@ async def test_the_demo_on_the_embedded_default(tmp_path: Path) -> None:
 
 @pytest.mark.kafka
 @pytest.mark.postgres
-async def test_the_demo_on_kafka_and_postgres(
+async def test_the_demo_on_kafka_and_postgres_with_direct_kafka_participants(
     tmp_path: Path, kafka_bootstrap: str, postgres_schema: str
 ) -> None:
     log_url = f"kafka://{kafka_bootstrap}?topic_prefix=sim{uuid.uuid4().hex[:8]}."
@@ -73,6 +73,7 @@ async def test_the_demo_on_kafka_and_postgres(
         data_dir=tmp_path / "gym",
         log_url=log_url,
         catalog_url=postgres_schema,
+        participant_transport="kafka",
         out=io.StringIO(),
     )
     check(result, 16)

@@ -20,14 +20,17 @@ from rolloutlog.trainer import AsyncTrainerClient, CheckpointInfo, ResumePlan, r
 
 __all__ = ["Collector", "CollectorReport", "Rollout"]
 
+_FINAL = ("done", "failed", "lost")
+
 
 @dataclass
 class Rollout:
     """One rollout as the collector tracks it across attempts.
 
-    ``status``: ``pending`` (not dispatched), ``running``, ``interrupted`` (its request failed:
-    a crash; it waits for a restore), ``done``, or ``lost`` (the checkpoint says it finished
-    before the cut but its reply never arrived). ``history``: (capture key, how it was
+    ``status``: ``pending`` (not dispatched), ``running``, ``interrupted`` (its request failed
+    with no reply, a 5xx or a fencing 409: a crash; it waits for a restore), ``done``, ``failed``
+    (the environment refused it: another 4xx, in ``error``), or ``lost`` (the checkpoint says it
+    finished before the cut but its reply never arrived). ``history``: (capture key, how it was
     dispatched: ``fresh``, ``continue`` or ``restart``) per dispatch.
     """
 
@@ -58,6 +61,7 @@ class CollectorReport:
     right: int
     wrong: list[str]
     lost: list[str]
+    failed: list[str]
     continued: int
     restarted: int
     checkpoints: list[CheckpointInfo]
@@ -67,7 +71,7 @@ class CollectorReport:
     @property
     def ok(self) -> bool:
         """Every rollout finished with its expected reward."""
-        return self.finished == self.rollouts and self.right == self.rollouts and not self.lost
+        return self.finished == self.rollouts == self.right
 
 
 class Collector:
@@ -199,7 +203,7 @@ class Collector:
         workers = [asyncio.create_task(self._worker()) for _ in range(self.concurrency)]
         try:
             await self.wait_for(
-                lambda c: all(r.status in ("done", "lost") for r in c.rollouts.values()),
+                lambda c: all(r.status in _FINAL for r in c.rollouts.values()),
                 timeout_s,
             )
         finally:
@@ -238,7 +242,8 @@ class Collector:
                 rollout.reward = float(rollout.reply["reward"])
                 rollout.status = "done"
             else:
-                rollout.status = "interrupted"
+                refused = 400 <= response.status_code < 500 and response.status_code != 409
+                rollout.status = "failed" if refused else "interrupted"
                 rollout.error = f"{response.status_code}: {response.text[:300]}"
         self._touch()
 
@@ -304,7 +309,7 @@ class Collector:
         self.restores.append(plan)
         dispatch = {d.episode: d for d in plan.dispatch}
         for rollout in self.rollouts.values():
-            if rollout.status == "done":
+            if rollout.status in ("done", "failed"):
                 continue
             entry = dispatch.get(rollout.episode)
             if entry is not None:
@@ -336,6 +341,7 @@ class Collector:
             right=sum(r.right for r in done),
             wrong=[r.episode for r in done if not r.right],
             lost=[r.episode for r in rollouts if r.status == "lost"],
+            failed=[r.episode for r in rollouts if r.status == "failed"],
             continued=sum(r.action == "continue" for r in done),
             restarted=sum(r.action == "restart" for r in done),
             checkpoints=list(self.checkpoints),

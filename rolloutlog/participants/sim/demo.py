@@ -85,6 +85,7 @@ async def run_demo(
     data_dir: str | Path | None = None,
     log_url: str | None = None,
     catalog_url: str | None = None,
+    participant_transport: str = "http",
     run: str = "demo",
     rounds: int = 2,
     tokens: int = 12,
@@ -100,7 +101,14 @@ async def run_demo(
         f"rolloutlog demo: {rollouts} rollouts, {concurrency} at a time, "
         f"{len(PARTICIPANTS)} participant processes ({', '.join(PARTICIPANTS)})"
     )
-    async with Gym(data_dir, run=run, log_url=log_url, catalog_url=catalog_url) as gym:
+    gym = Gym(
+        data_dir,
+        run=run,
+        log_url=log_url,
+        catalog_url=catalog_url,
+        participant_transport=participant_transport,
+    )
+    async with gym:
         timings["start_s"] = gym.timings["start_s"]
         progress.say(
             f"service ({gym.service_url}) and participants ready in {timings['start_s']:.1f} s"
@@ -161,13 +169,17 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
         f"    restarted            {report.restarted} (from their input, one attempt later)",
         f"  rewards right          {report.right}/{report.rollouts}",
         f"  lost                   {len(report.lost)}",
+        f"  failed                 {len(report.failed)}",
         f"  checkpoint             {timings['checkpoint_s'] * 1000:.0f} ms round trip "
         f"(service: {_ms(checkpoint.timings_ms)})",
         f"  restore                {timings['restore_s'] * 1000:.0f} ms round trip "
         f"(service: {_ms(restore.timings_ms if restore else {})})",
         f"  participants restart   {timings['participants_restart_s']:.1f} s",
         f"  total                  {timings['total_s']:.1f} s",
-        "  OK" if result.ok else f"  FAILED: wrong {report.wrong[:10]} lost {report.lost[:10]}",
+        "  OK"
+        if result.ok
+        else f"  FAILED: wrong {report.wrong[:10]} lost {report.lost[:10]} "
+        f"failed {report.failed[:10]}",
     ]
     out.write("\n".join(lines) + "\n")
     out.flush()
@@ -187,6 +199,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data-dir", help="default: a temporary directory, removed afterwards")
     parser.add_argument("--log", dest="log_url", help="log URL, e.g. kafka://host:9092")
     parser.add_argument("--catalog", dest="catalog_url", help="postgresql+asyncpg://…")
+    parser.add_argument(
+        "--transport",
+        choices=["http", "kafka"],
+        default="http",
+        help="how participants append: through the service, or straight to Kafka (--log)",
+    )
     args = parser.parse_args(argv)
     result = asyncio.run(
         run_demo(
@@ -195,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             data_dir=args.data_dir,
             log_url=args.log_url,
             catalog_url=args.catalog_url,
+            participant_transport=args.transport,
         )
     )
     return 0 if result.ok else 1
