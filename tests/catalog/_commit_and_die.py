@@ -50,7 +50,7 @@ async def main(url: str, mode: str) -> None:
             conn: AsyncConnection, table: Table, names: Sequence[str], columns: Any
         ) -> None:
             await bulk_insert(conn, table, names, columns)
-            if table.name == "manifest_entries":
+            if table.name == "manifest_parts":
                 print("INSIDE", flush=True)
                 await asyncio.sleep(3600)
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -871,3 +872,119 @@ async def test_a_commit_killed_midway_leaves_nothing_or_everything(
             assert (await catalog.get_run("crash")).latest_checkpoint_id == checkpoint_id - 1
         # The checkpoint committed before the crash is intact either way.
         assert len(await catalog.load_manifest("crash", checkpoint_id - 1)) == 10
+
+
+# -- the packed manifest and its view -------------------------------------------------------------
+
+_VIEW_SQL = (
+    "SELECT episode, attempt, action, cut_partition, cut_offset, last_stage, staging_keys, "
+    "size_bytes FROM manifest_entries WHERE run = :run AND checkpoint_id = :c ORDER BY episode"
+)
+
+
+def _as_view_rows(entries: list[ManifestEntry]) -> list[tuple[Any, ...]]:
+    return [
+        (*entry[:6], orjson.dumps(list(entry.staging_keys)).decode() or None, entry.size_bytes)
+        if entry.staging_keys
+        else (*entry[:6], None, entry.size_bytes)
+        for entry in sorted(entries)
+    ]
+
+
+async def _view_rows(url: str, checkpoint_id: int, run: str = RUN) -> list[tuple[Any, ...]]:
+    engine = raw_engine(url)
+    try:
+        async with engine.connect() as conn:
+            result = await conn.execute(text(_VIEW_SQL), {"run": run, "c": checkpoint_id})
+            return [tuple(row) for row in result.all()]
+    finally:
+        await engine.dispose()
+
+
+async def test_the_manifest_entries_view_reads_what_the_catalog_returns(
+    catalog: Catalog, catalog_url: str
+) -> None:
+    epoch = await controlled_run(catalog)
+    entries = make_entries(300, finished_every=5)
+    checkpoint_id = await commit(catalog, epoch, entries)
+    loaded = await catalog.load_manifest(RUN, checkpoint_id)
+    assert loaded == sorted(entries)
+    assert await _view_rows(catalog_url, checkpoint_id) == _as_view_rows(entries)
+    # Pages in episode order from after a key, of one action, as the REST route reads them.
+    page = await catalog.manifest_page(
+        RUN, checkpoint_id, after="r00100", limit=7, action="restart"
+    )
+    expected = [e for e in sorted(entries) if e.episode > "r00100" and e.action == "restart"][:7]
+    assert page == expected
+
+
+def _downgrade_to(connection: Connection, revision: str) -> None:
+    config = alembic_config()
+    config.attributes["connection"] = connection
+    command.downgrade(config, revision)
+
+
+async def test_a_manifest_survives_the_migration_to_packed_rows_and_back(
+    catalog_url: str,
+) -> None:
+    entries = make_entries(50, finished_every=4)
+    async with open_catalog(catalog_url) as catalog:
+        epoch = await controlled_run(catalog)
+        checkpoint_id = await commit(catalog, epoch, entries)
+    engine = raw_engine(catalog_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(_downgrade_to, "0002_restores_episodes")
+    finally:
+        await engine.dispose()
+    # One row per entry again, read by the same SQL.
+    assert await _view_rows(catalog_url, checkpoint_id) == _as_view_rows(entries)
+    async with open_catalog(catalog_url) as catalog:
+        assert catalog.migrated_from == "0002_restores_episodes"
+        assert await catalog.load_manifest(RUN, checkpoint_id) == sorted(entries)
+    assert await _view_rows(catalog_url, checkpoint_id) == _as_view_rows(entries)
+
+
+_STAGING_KEYS_SQL = {
+    "postgresql": (
+        "SELECT DISTINCT k.key FROM manifest_entries m JOIN checkpoints c USING (run, checkpoint_id) "
+        "CROSS JOIN LATERAL jsonb_array_elements_text(m.staging_keys::jsonb) AS k(key) "
+        "WHERE m.run = :run AND c.status = 'committed'"
+    ),
+    "sqlite": (
+        "SELECT DISTINCT k.value FROM manifest_entries m JOIN checkpoints c "
+        "ON c.run = m.run AND c.checkpoint_id = m.checkpoint_id, json_each(m.staging_keys) AS k "
+        "WHERE m.run = :run AND c.status = 'committed'"
+    ),
+}
+
+
+async def test_the_documented_manifest_queries_run_on_the_view(
+    catalog: Catalog, catalog_url: str
+) -> None:
+    """docs/catalog.md's examples over ``manifest_entries`` (a view since 0003)."""
+    epoch = await controlled_run(catalog)
+    entries = make_entries(40, finished_every=6)
+    await commit(catalog, epoch, entries)
+    engine = raw_engine(catalog_url)
+    try:
+        async with engine.connect() as conn:
+            keys = await conn.execute(text(_STAGING_KEYS_SQL[engine.dialect.name]), {"run": RUN})
+            assert {row[0] for row in keys} == await catalog.staging_keys(RUN)
+            per_action = await conn.execute(
+                text(
+                    "SELECT m.cut_partition, m.action, count(*), sum(m.size_bytes) FROM runs r "
+                    "JOIN manifest_entries m ON m.run = r.run "
+                    "AND m.checkpoint_id = r.latest_checkpoint_id WHERE r.run = :run "
+                    "GROUP BY m.cut_partition, m.action ORDER BY m.cut_partition, m.action"
+                ),
+                {"run": RUN},
+            )
+            counted = {(p, a): (int(n), int(b)) for p, a, n, b in per_action}
+    finally:
+        await engine.dispose()
+    expected: dict[tuple[int, str], tuple[int, int]] = {}
+    for entry in entries:
+        n, b = expected.get((entry.cut_partition, entry.action), (0, 0))
+        expected[(entry.cut_partition, entry.action)] = (n + 1, b + entry.size_bytes)
+    assert counted == expected
