@@ -4,6 +4,7 @@ restores them with ``rolloutlog.trainer``."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections import Counter
@@ -125,7 +126,11 @@ class Collector:
         self.rollouts: dict[str, Rollout] = {}
         self.checkpoints: list[CheckpointInfo] = []
         self.restores: list[ResumePlan] = []
-        self._queue: asyncio.Queue[Rollout | None] = asyncio.Queue()
+        #: rollouts to dispatch, in order (replacement attempts go first); a rollout is in it
+        #: at most once (``_queued``), and is dispatched as it stands when a worker takes it
+        self._ready: collections.deque[Rollout] = collections.deque()
+        self._queued: set[str] = set()
+        self._available = asyncio.Event()
         self._gate = asyncio.Event()
         self._gate.set()
         self._changed = asyncio.Event()
@@ -189,7 +194,17 @@ class Collector:
             episode = str(task["id"])
             rollout = Rollout(episode, dict(task), episode)
             self.rollouts[episode] = rollout
-            self._queue.put_nowait(rollout)
+            self._enqueue(rollout)
+
+    def _enqueue(self, rollout: Rollout, first: bool = False) -> None:
+        if rollout.episode in self._queued:
+            return
+        self._queued.add(rollout.episode)
+        if first:
+            self._ready.appendleft(rollout)
+        else:
+            self._ready.append(rollout)
+        self._available.set()
 
     async def run(
         self, tasks: Iterable[Mapping[str, Any]] = (), *, timeout_s: float = 600
@@ -214,11 +229,18 @@ class Collector:
 
     async def _worker(self) -> None:
         while True:
-            rollout = await self._queue.get()
-            if rollout is None:
-                return
+            if not self._ready:
+                self._available.clear()
+                await self._available.wait()
+                continue
             await self._gate.wait()
-            await self._dispatch(rollout)
+            if not self._ready:
+                continue
+            # taken only past the gate: a restore may still change a queued rollout's dispatch
+            rollout = self._ready.popleft()
+            self._queued.discard(rollout.episode)
+            if rollout.status == "pending":
+                await self._dispatch(rollout)
 
     async def _dispatch(self, rollout: Rollout) -> None:
         url = self.env_urls[self._next_env % len(self.env_urls)]
@@ -324,11 +346,15 @@ class Collector:
         return plan
 
     def redispatch(self) -> None:
-        """Queue every interrupted rollout again (as ``restore`` set it) and resume dispatch."""
-        for rollout in self.rollouts.values():
-            if rollout.status == "interrupted":
-                rollout.status = "pending"
-                self._queue.put_nowait(rollout)
+        """Queue every interrupted rollout again (as ``restore`` set it), ahead of those not
+        yet dispatched, and resume dispatch."""
+        again = [r for r in self.rollouts.values() if r.status == "interrupted"]
+        for rollout in reversed(again):
+            rollout.status = "pending"
+            self._queued.discard(rollout.episode)  # moves to the front if it was queued
+            with contextlib.suppress(ValueError):
+                self._ready.remove(rollout)
+            self._enqueue(rollout, first=True)
         self.resume_dispatch()
         self._touch()
 
