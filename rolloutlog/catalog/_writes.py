@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 
@@ -160,8 +161,10 @@ def manifest_columns(
     )
     integers = (attempts, partitions, offsets, sizes)
     lengths = set(map(len, episodes)) if set(map(type, episodes)) == {str} else {0}
-    flat_keys = (
-        [key for group in keys for key in group] if set(map(type, keys)) <= _KEY_CONTAINERS else [0]
+    key_types = (
+        set(map(type, chain.from_iterable(keys)))
+        if set(map(type, keys)) <= _KEY_CONTAINERS
+        else {int}
     )
     action_counts = Counter(actions)
     if (
@@ -171,7 +174,7 @@ def manifest_columns(
         or any(set(map(type, column)) != _INT or min(column) < 0 for column in integers)
         or not set(action_counts) <= counts.keys()
         or not set(map(type, stages)) <= _STAGE_TYPES
-        or not set(map(type, flat_keys)) <= {str}
+        or not key_types <= {str}
     ):
         raise _first_bad_entry(entries)
     for episode in episodes:

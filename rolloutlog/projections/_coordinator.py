@@ -21,6 +21,8 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import orjson
@@ -53,6 +55,8 @@ from rolloutlog.projections._projector import (
 from rolloutlog.projections._verify import apply_policy, verify_projection
 
 logger = logging.getLogger(__name__)
+
+_STAGING_KEYS = attrgetter("staging_keys")
 
 #: How long a checkpoint waits for open wait steps when the request names no deadline.
 DEFAULT_WAIT_DEADLINE_S = 30.0
@@ -269,7 +273,7 @@ class Coordinator:
             offsets, entries = _manifest(capture)
             # Each key once, in the manifest's order (sorting 48,000 keys cost a S1 checkpoint
             # tens of milliseconds).
-            staging = tuple(dict.fromkeys(key for entry in entries for key in entry.staging_keys))
+            staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, entries))))
             timer.stage("manifest")
             timings = timer.total()
             committed = await self.catalog.commit_checkpoint(
