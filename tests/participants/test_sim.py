@@ -3,6 +3,7 @@ the embedded default and on Kafka + PostgreSQL, checked rollout by rollout."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rolloutlog.log import parse_capture_key
-from rolloutlog.participants.sim import expected_answer, make_task, sim_tokens
+from rolloutlog.participants.sim import Gym, expected_answer, make_task, make_tasks, sim_tokens
 from rolloutlog.participants.sim.demo import DemoResult, run_demo
 from tests._readme import python_example
 from tests._services import ROOT
@@ -57,8 +58,8 @@ def test_the_model_is_deterministic() -> None:
 
 
 async def test_the_demo_on_the_embedded_default(tmp_path: Path) -> None:
-    result = await run_demo(24, concurrency=8, data_dir=tmp_path / "gym", out=io.StringIO())
-    check(result, 24)
+    result = await run_demo(20, concurrency=8, data_dir=tmp_path / "gym", out=io.StringIO())
+    check(result, 20)
 
 
 @pytest.mark.kafka
@@ -123,3 +124,26 @@ def test_the_sim_surface_and_a_side_effect_free_import() -> None:
     )
     # importing the package starts nothing and loads no server stack
     assert loaded == "False False"
+
+
+async def test_the_collector_across_three_crashes(tmp_path: Path) -> None:
+    """Crashes with replacement attempts queued, in flight and finished: every rollout ends
+    with its reward, each dispatch one attempt past the one before, none dispatched twice."""
+    async with Gym(tmp_path / "gym", run="thrice") as gym:
+        collector = gym.collector(concurrency=6)
+        async with collector:
+            tasks = make_tasks(24, tokens=12, long_every=3, long_tokens=48)
+            runner = asyncio.create_task(collector.run(tasks))
+            for done in (4, 10, 10):
+                await collector.wait_done(done)
+                await collector.checkpoint(pause=True)
+                gym.kill_participants()
+                plan = await collector.restore()
+                await gym.start_participants(plan.restore_id)
+                collector.redispatch()
+            report = await runner
+    assert report.ok, (report.wrong, report.lost, report.failed)
+    assert len(report.restores) == 3 and report.continued >= 1
+    for rollout in collector.rollouts.values():
+        attempts = [parse_capture_key(key)[1] for key, _ in rollout.history]
+        assert attempts == sorted(set(attempts)), rollout.history
