@@ -71,20 +71,26 @@ def make_tasks(
     constrained_every: int = 0,
     long_every: int = 0,
     long_tokens: int = 96,
+    long_token_rate: float | None = None,
 ) -> list[dict[str, Any]]:
     """``count`` tasks ``r0``, ``r1``, … cycling over ``kinds``; with ``constrained_every=k``,
     every k-th task's first call is constrained; with ``long_every=k``, every k-th task's calls
-    generate ``long_tokens`` tokens (long calls: generation chunks) instead of ``tokens``."""
-    return [
-        make_task(
-            f"{prefix}{i}",
-            resources=kinds[i % len(kinds)],
-            rounds=rounds,
-            tokens=long_tokens if long_every and i % long_every == 1 else tokens,
-            constrained=(0,) if constrained_every and i % constrained_every == 0 else (),
+    generate ``long_tokens`` tokens (long calls: generation chunks) instead of ``tokens``, at
+    ``long_token_rate`` tokens/s when given."""
+    tasks = []
+    for i in range(count):
+        long = bool(long_every) and i % long_every == 1
+        tasks.append(
+            make_task(
+                f"{prefix}{i}",
+                resources=kinds[i % len(kinds)],
+                rounds=rounds,
+                tokens=long_tokens if long else tokens,
+                constrained=(0,) if constrained_every and i % constrained_every == 0 else (),
+                token_rate=long_token_rate if long else None,
+            )
         )
-        for i in range(count)
-    ]
+    return tasks
 
 
 def _seed(*parts: object) -> int:

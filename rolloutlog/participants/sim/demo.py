@@ -120,6 +120,7 @@ async def run_demo(
             constrained_every=7,
             long_every=4,
             long_tokens=long_tokens,
+            long_token_rate=400.0,  # slow enough that some are mid-generation at the checkpoint
         )
         async with gym.collector(concurrency=concurrency, on_progress=progress) as collector:
             runner = asyncio.create_task(collector.run(tasks))
@@ -161,12 +162,20 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
     report, timings = result.report, result.timings
     checkpoint = report.checkpoints[0]
     restore = report.restores[0].restore
+    calls = result.stats.get("policy", {}).get("calls", [])
+    cuts = [c for c in calls if c["continued"] or c["terminal_cut"]]
+    restored = result.stats.get("counter", {}).get("restored", {})
+    resumed = [r for r in result.stats.get("environment", {}).get("runs", []) if r["resumed_stage"]]
     lines = [
         "",
         "rolloutlog demo report",
         f"  rollouts finished      {report.finished}/{report.rollouts}",
         f"    continued            {report.continued} (from their last boundary)",
         f"    restarted            {report.restarted} (from their input, one attempt later)",
+        f"  resumed at             {_stages(resumed)}",
+        f"  generation cuts        {len(cuts)} calls continued, "
+        f"{sum(c['continued'] for c in cuts)} tokens not generated again",
+        f"  counter states         {sum(v is not None for v in restored.values())} restored",
         f"  rewards right          {report.right}/{report.rollouts}",
         f"  lost                   {len(report.lost)}",
         f"  failed                 {len(report.failed)}",
@@ -183,6 +192,13 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
     ]
     out.write("\n".join(lines) + "\n")
     out.flush()
+
+
+def _stages(runs: list[dict[str, Any]]) -> str:
+    counts: dict[str, int] = {}
+    for run in runs:
+        counts[run["resumed_stage"]] = counts.get(run["resumed_stage"], 0) + 1
+    return ", ".join(f"{stage} {n}" for stage, n in counts.items()) or "-"
 
 
 def _ms(timings: Any) -> str:
