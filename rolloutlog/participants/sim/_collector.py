@@ -93,8 +93,13 @@ class Collector:
 
     After a restore, each ``continue`` rollout is dispatched as its replacement attempt (the
     environment resumes it from its projection), each ``restart`` one from its input one
-    attempt later, and rollouts the checkpoint never saw as they were. Rewards are checked
-    against ``expected_reward(task)``.
+    attempt later, and rollouts the checkpoint never saw as they were (after a checkpoint
+    without ``pause``, dispatch went on: rollouts started after its markers are unknown to its
+    restore, which does not fence them, and run again as attempt 0 beside their dead events;
+    ``pause=True`` before a planned crash keeps every dispatched rollout in the checkpoint).
+    A rollout the checkpoint says finished whose reply never arrived is ``lost``: the service
+    has no route that returns a finished episode's reward. Rewards are checked against
+    ``expected_reward(task)``.
     """
 
     def __init__(
