@@ -507,8 +507,8 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
             w(f"![{image}](results/{image})")
             w("")
         w(
-            "The 64k point has no stop-the-world figure: holding 64,000 S1 episodes' states as Python "
-            "objects in the benchmark process would need several GB on this shared machine."
+            "The 16,000 live-rollouts point is S1's measurement (loaded through the SDK); the other "
+            "points were preloaded in bulk. Restores at curve points: 3 runs (2 at 64,000)."
         )
         w("")
 

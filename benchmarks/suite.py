@@ -707,8 +707,7 @@ def main() -> None:
                 elif curve == "live":
                     log(f"curve: {x} live rollouts")
                     point = asyncio.run(curve_point(live_point(x), runs, 2 if x > 16_000 else 3))
-                    if x < 16_000:
-                        point["stop_the_world"] = stw_point(live_point(x), runs)
+                    point["stop_the_world"] = stw_point(live_point(x), runs)
                 else:
                     log(f"curve: {state_count} rollouts with {x} B states")
                     point = asyncio.run(curve_point(state_point(state_count, x), runs, 3))
