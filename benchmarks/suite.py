@@ -628,6 +628,11 @@ def main() -> None:
         "curves": {},
         "skipped": [],
     }
+    if "kafka" in backends and results["versions"]["postgresql"] == "unknown":
+        # A clone without the services still measures the embedded deployment (and says so).
+        backends.remove("kafka")
+        results["skipped"].append(f"Kafka + PostgreSQL deployment: no PostgreSQL at {POSTGRES}")
+        log(results["skipped"][-1])
     with broker("kafka" in backends and "main" in parts) as kafka:
         if "main" in parts:
             for name in backends:
