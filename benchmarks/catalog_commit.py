@@ -119,7 +119,8 @@ async def measure(url: str, runs: int, count: int) -> dict[str, Any]:
 
 
 def sqlite_floor(runs: int, count: int, directory: Path) -> dict[str, float]:
-    """The machine's floor: the same rows into a bare table with plain sqlite3, nothing else.
+    """The machine's floor for one row per entry (the layout before packed manifests): the same
+    rows into a bare table with plain sqlite3, nothing else. Packed rows commit below it.
 
     No validation, no encoding, no retention, no other statements: what any per-row SQLite
     catalog would pay on this machine at this moment (the box is shared and often loaded).
