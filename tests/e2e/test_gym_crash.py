@@ -311,7 +311,9 @@ async def test_a_second_crash_before_and_after_the_replacement_starts(
     await episodes.cut_off(["twice-a2"])
     third = await trainer.restore(run)
     assert await plan_of(trainer, run, third.restore_id) == {"twice": (2, 3, "continue")}
-    await gym.start_participants(third.restore_id)
+    # Started without a restore id this time: each participant fetches the episode's
+    # projection when the replacement reaches it (the restore id travels with the requests).
+    await gym.start_participants()
     episodes.start(task, "twice-a3", "continue", third.restore_id)
     reply = await episodes.reply("twice-a3")
     assert right(reply, task)
@@ -319,6 +321,7 @@ async def test_a_second_crash_before_and_after_the_replacement_starts(
     policy, agent = await gym.stats("policy"), await gym.stats("agent")
     assert [r["resumed"] for r in runs_of(agent, "twice-a3")] == [2]
     assert calls_of(policy, "twice-a3") == [("twice-a3.c2", "twice-a2.c1", 0, 48)]
+    assert policy["installed"] == {"twice-a3": 2}  # twice.c0 and twice-a2.c1, fetched
     assert (await gym.stats("counter"))["restored"] == {"twice-a3": 2}
 
 
