@@ -123,7 +123,7 @@ async def run_demo(
             long_token_rate=400.0,  # slow enough that some are mid-generation at the checkpoint
         )
         async with gym.collector(concurrency=concurrency, on_progress=progress) as collector:
-            runner = asyncio.create_task(collector.run(tasks))
+            runner = asyncio.create_task(collector.run(tasks, timeout_s=300))
             await collector.wait_done(int(rollouts * checkpoint_after))
             t0 = time.perf_counter()
             checkpoint = await collector.checkpoint(pause=True)
