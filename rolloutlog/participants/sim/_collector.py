@@ -239,7 +239,8 @@ class Collector:
                 await self._available.wait()
                 continue
             await self._gate.wait()
-            if not self._ready:
+            # a waiter woken by resume_dispatch() may run after a pause() that followed it
+            if not self._gate.is_set() or not self._ready:
                 continue
             # taken only past the gate: a restore may still change a queued rollout's dispatch
             rollout = self._ready.popleft()
