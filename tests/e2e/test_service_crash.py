@@ -149,9 +149,11 @@ async def test_killed_between_a_restores_attempts_and_its_commit(
     # ... and attempt 0 still appends (nothing fenced it), excluded e3 included.
     await env.call("e3", "boundary", "close_agent", {"observations": "late"})
 
-    # The next restore succeeds, as the first of the run, from the same checkpoint.
+    # The next restore succeeds, from the same checkpoint, and is the only one of the run.
     restore = await trainer.restore(RUN, exclude=retry_exclude)
-    assert restore.restore_id == 1
+    assert restore.checkpoint_id == checkpoint.checkpoint_id
+    listed = await get(service, "/restores")
+    assert [r["restore_id"] for r in listed.json()["restores"]] == [restore.restore_id]
     episodes = {
         e.episode: (e.previous_attempt, e.attempt, e.action)
         async for e in trainer.restore_episodes(RUN, restore.restore_id)
@@ -164,8 +166,8 @@ async def test_killed_between_a_restores_attempts_and_its_commit(
         f"{e}-a1": ("invoke_agent", {"turn": EPISODES.index(e) + 1}) for e in continued
     }
 
-    # The replacement attempts go on, and the next checkpoint and restore carry them whole:
-    # the dead restore's records (same restore id) change nothing.
+    # The next checkpoint and restore carry the continued episodes whole: the dead restore's
+    # records change nothing.
     env.kill()
     second = await trainer.checkpoint(RUN)
     assert dict(second.counts) == {"continue": len(continued), "restart": 0, "finished": 0}
