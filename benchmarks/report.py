@@ -215,7 +215,9 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
         f"Each figure is the median of {runs} runs, with min-max. rolloutlog runs as a real "
         "`rolloutlog serve` subprocess (a fresh one per workload): the workload is appended through "
         "the participant SDK (`HttpTransport` on the embedded deployment, `KafkaTransport` on Kafka + "
-        "PostgreSQL), the benchmark waits until the projector holds every live episode, then "
+        "PostgreSQL, with `validate=False`: the workloads' envelopes are checked by "
+        "`tests/test_benchmarks.py`), the benchmark waits until the projector holds every live "
+        "episode, then "
         "checkpoints and restores go over REST with `rolloutlog.trainer.AsyncTrainerClient`. "
         "**Checkpoint** = request → committed reply. **Restore** = request → committed plan; "
         "**restore + fetch** = until every continued episode's projection has been streamed "
@@ -533,6 +535,10 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
     w(
         "- Tansu stands in for Kafka: no idempotent producer (appends use `acks=all` without it), and "
         "it keeps topics in memory; Apache Kafka would differ in both directions."
+    )
+    w(
+        "- Medians of one figure move between runs on this machine with the other jobs' load "
+        "(up to 2-3x for the 16,000-episode checkpoint): compare the systems within one run."
     )
     w(
         "- The load generators, the trainer client and the baselines run on the same 2 cores as the "
