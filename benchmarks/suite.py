@@ -380,8 +380,11 @@ async def saturated_checkpoints(
 
 
 async def measure_workload(
-    deployment: Deployment, workload: Workload, runs: int, restores: int, s4: Workload | None
+    deployment: Deployment, workload: Workload, runs: int, restores: int, saturate: bool
 ) -> tuple[dict[str, Any], list[list[Any]]]:
+    """One workload on a fresh service: SDK load, checkpoints, floors, restores and fetches; with
+    ``saturate`` (S1), then S4 on the same service (its churn episodes are new ones, so the
+    restores before it do not fence them)."""
     with service(deployment) as svc:
         run = f"{workload.name.lower()}-{uuid.uuid4().hex[:6]}"
         async with AsyncTrainerClient(svc.url) as trainer:
@@ -404,7 +407,7 @@ async def measure_workload(
                 }
             )
             s4_out = None
-            if s4 is not None:
+            if saturate:
                 s4_out = await saturated_checkpoints(svc, trainer, run, workload.live, runs, 4)
             out["service_peak_rss_mb"] = svc.peak_rss_mb()
             out["service_cpu_s_total"] = svc.cpu_s()
@@ -648,7 +651,7 @@ def main() -> None:
                             workload,
                             runs,
                             runs,
-                            s1(workload.count) if key == "S1" else None,
+                            saturate=key == "S1",
                         )
                     )
                     s4 = figures.pop("S4", None)
