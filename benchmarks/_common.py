@@ -55,6 +55,16 @@ def machine() -> dict[str, Any]:
             cwd=ROOT,
             check=False,
         ).stdout.strip()
+        # Measured code that differs from the commit (the service runs from this tree) says so.
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--", "rolloutlog"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=False,
+        ).stdout.strip()
+        if commit and changed:
+            commit += "-dirty"
     except OSError:
         commit = ""
     return {
