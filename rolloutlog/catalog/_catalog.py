@@ -62,6 +62,7 @@ from rolloutlog.catalog._writes import (
     commit_restore_rows,
     lock_run,
     pending_checkpoint,
+    reserve_restore_id,
 )
 from rolloutlog.errors import (
     CatalogError,
@@ -611,8 +612,9 @@ class Catalog:
     ) -> Restore:
         """Commit a restore plan and make its new attempts current, in one transaction.
 
-        ``restore_id``, when given, must be the run's next restore id (``RestoreConflict``
-        otherwise): a caller that wrote log records naming the id before committing needs it.
+        ``restore_id``, when given, must come from ``reserve_restore_id`` and be above every
+        committed restore's id (``RestoreConflict`` otherwise): a caller that wrote log records
+        naming the id before committing needs it.
 
         The checkpoint must be committed (else ``UnknownCheckpoint``). The plan must account for
         every ``continue``/``restart`` episode of its manifest exactly once, name only episodes
@@ -637,8 +639,14 @@ class Catalog:
         self._after_bulk_commit()
         return restore
 
+    async def reserve_restore_id(self, run: str, controller_epoch: int) -> int:
+        """Reserve the run's next restore id (``StaleController`` unless ``controller_epoch`` is
+        current). A reserved id is never handed out again, committed or not."""
+        async with self._write() as conn:
+            return await reserve_restore_id(conn, run, controller_epoch)
+
     async def next_restore_id(self, run: str) -> int:
-        """The id the run's next committed restore will get."""
+        """The id the run's next restore will get (reserved or not)."""
         return await self._query(lambda conn: _reads.next_restore_id(conn, run))
 
     async def get_restore(self, run: str, restore_id: int) -> Restore:

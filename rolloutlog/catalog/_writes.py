@@ -9,7 +9,7 @@ from operator import itemgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import delete, insert, select, text, update
+from sqlalchemy import delete, func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog._gc import collector_paused
@@ -354,6 +354,35 @@ async def _apply_retention(conn: AsyncConnection, run: str, keep: int, now: floa
     )
 
 
+async def reserve_restore_id(conn: AsyncConnection, run: str, controller_epoch: int) -> int:
+    """Take the run's next restore id for a restore that writes log records before it commits.
+
+    Ids are never handed out twice, so the records of a restore that died before its commit can
+    never be mistaken for those of a later one (its id just stays unused).
+    """
+    row = await lock_run(conn, run, controller_epoch)
+    restore_id = int(row.last_restore_id) + 1
+    await conn.execute(update(runs).where(runs.c.run == run).values(last_restore_id=restore_id))
+    return restore_id
+
+
+async def check_reserved_restore_id(
+    conn: AsyncConnection, run: str, run_row: Any, restore_id: int
+) -> None:
+    """A reserved id commits once, and only while no later restore has committed."""
+    newest = (
+        await conn.execute(select(func.max(restores.c.restore_id)).where(restores.c.run == run))
+    ).scalar_one_or_none()
+    if restore_id > int(run_row.last_restore_id) or restore_id <= int(newest or 0):
+        raise RestoreConflict(
+            f"restore id {restore_id} of run {run!r} was not reserved, or a restore with this "
+            f"or a later id has committed (newest committed: {int(newest or 0)})",
+            run=run,
+            restore_id=restore_id,
+            newest_restore_id=int(newest or 0),
+        )
+
+
 async def commit_restore_rows(
     conn: AsyncConnection,
     backend: Backend,
@@ -405,17 +434,11 @@ async def commit_restore_rows(
             )
         ).all()
     )
-    next_id = int(run_row.last_restore_id) + 1
-    if restore_id is not None and restore_id != next_id:
-        # The caller wrote records naming ``restore_id`` before this transaction: another restore
-        # took that id first, so this one must not commit under another.
-        raise RestoreConflict(
-            f"restore id {restore_id} of run {run!r} is taken; the next is {next_id}",
-            run=run,
-            restore_id=restore_id,
-            next_restore_id=next_id,
-        )
-    restore_id = next_id
+    reserved = restore_id is not None
+    if restore_id is None:
+        restore_id = int(run_row.last_restore_id) + 1
+    else:
+        await check_reserved_restore_id(conn, run, run_row, restore_id)
     counts = {"continue": 0, "restart": 0, "excluded": 0}
     rows: list[tuple[Any, ...]] = []
     for entry in entries:
@@ -472,7 +495,8 @@ async def commit_restore_rows(
             f"{checkpoint_id} unaccounted for",
             episodes=missing[:20],
         )
-    await conn.execute(update(runs).where(runs.c.run == run).values(last_restore_id=restore_id))
+    if not reserved:
+        await conn.execute(update(runs).where(runs.c.run == run).values(last_restore_id=restore_id))
     encoded_timings = orjson.dumps(timings_ms).decode() if timings_ms else None
     await conn.execute(
         insert(restores).values(

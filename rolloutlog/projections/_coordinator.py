@@ -454,7 +454,9 @@ class Coordinator:
                 resets[entry.episode] = RestoreReset("restart", attempt)
                 cuts[entry.episode] = 0
         timer.stage("verify")
-        restore_id = await self.catalog.next_restore_id(run)
+        # Reserved before any record names it: a restore that dies before its commit leaves
+        # attempt records under an id no later restore can commit.
+        restore_id = await self.catalog.reserve_restore_id(run, controller_epoch)
         projector.begin_restore(restore_id, resets)
         committed = False
         try:

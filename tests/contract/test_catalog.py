@@ -658,21 +658,34 @@ async def test_a_stream_fails_when_its_checkpoint_expires_midway(catalog: Catalo
 # -- restores ------------------------------------------------------------------------------------
 
 
-async def test_restore_with_an_expected_id_commits_only_under_that_id(catalog: Catalog) -> None:
+async def test_restore_ids_are_reserved_once_and_commit_only_in_order(catalog: Catalog) -> None:
     epoch = await controlled_run(catalog)
     entries = make_entries(10, finished_every=5)
     checkpoint_id = await commit(catalog, epoch, entries)
     assert await catalog.next_restore_id(RUN) == 1
-    with pytest.raises(RestoreConflict) as caught:
-        await catalog.commit_restore(RUN, epoch, checkpoint_id, restore_plan(entries), restore_id=2)
-    assert caught.value.details["next_restore_id"] == 1
+    with pytest.raises(StaleController):
+        await catalog.reserve_restore_id(RUN, epoch + 1)
+    # A restore that reserved 1 and died before committing leaves 1 unused for good.
+    assert await catalog.reserve_restore_id(RUN, epoch) == 1
+    assert await catalog.reserve_restore_id(RUN, epoch) == 2
+    assert await catalog.next_restore_id(RUN) == 3
+    with pytest.raises(RestoreConflict) as caught:  # never reserved
+        await catalog.commit_restore(RUN, epoch, checkpoint_id, restore_plan(entries), restore_id=3)
+    assert caught.value.details["restore_id"] == 3
     assert await catalog.list_restores(RUN) == []
     assert await catalog.current_attempts(RUN) == {}
     restore = await catalog.commit_restore(
-        RUN, epoch, checkpoint_id, restore_plan(entries), restore_id=1
+        RUN, epoch, checkpoint_id, restore_plan(entries), restore_id=2
     )
-    assert restore.restore_id == 1
-    assert await catalog.next_restore_id(RUN) == 2
+    assert restore.restore_id == 2
+    # The dead reservation can no longer commit: a later restore did.
+    with pytest.raises(RestoreConflict) as caught:
+        await catalog.commit_restore(RUN, epoch, checkpoint_id, restore_plan(entries), restore_id=1)
+    assert caught.value.details["newest_restore_id"] == 2
+    assert [r.restore_id for r in await catalog.list_restores(RUN)] == [2]
+    # Without an id, a restore takes the next one in its own transaction.
+    plan = restore_plan(entries, previous=1)
+    assert (await catalog.commit_restore(RUN, epoch, checkpoint_id, plan)).restore_id == 3
 
 
 async def test_restore_commits_plan_and_new_current_attempts(catalog: Catalog) -> None:

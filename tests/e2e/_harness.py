@@ -6,9 +6,9 @@ process group so that SIGKILL takes it down whole, on both deployments.
   ``start()`` again reopens the same data.
 - ``Puppet``: a participant process (``tests/e2e/_puppet.py``) run one command at a time; it is
   idle between commands, which is where the tests kill it.
-- ``catalog_writes_held``: a SQL lock taken from the test process that makes the service's next
-  catalog write transaction wait, so that a checkpoint or restore is provably between its log
-  records and its catalog commit when the service is killed.
+- ``catalog_writes_held``: SQL locks taken from the test process that make a restore's catalog
+  commit wait, so that it is provably between its log records and its catalog commit when the
+  service is killed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -235,24 +235,27 @@ class Puppet:
         self._stderr.close()
 
 
-@contextlib.contextmanager
-def _sqlite_write_lock(path: Path) -> Iterator[None]:
-    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
-    try:
-        conn.execute("BEGIN IMMEDIATE")  # SQLite's one write lock; readers go on (WAL)
-        yield
-        conn.execute("ROLLBACK")
-    finally:
-        conn.close()
-
-
 @contextlib.asynccontextmanager
-async def catalog_writes_held(deployment: Deployment, table: str) -> AsyncIterator[CatalogHold]:
-    """Hold the catalog so that the service's writes to ``table`` wait (SQLite: the database's
-    write lock; PostgreSQL: an EXCLUSIVE lock on the table, which still lets readers read)."""
+async def catalog_writes_held(
+    deployment: Deployment, table: str, run: str
+) -> AsyncIterator[CatalogHold]:
+    """Hold the catalog so that the service's writes to ``table`` wait (PostgreSQL: an EXCLUSIVE
+    lock on the table, which still lets readers read).
+
+    SQLite has one write lock for the whole catalog, and a restore writes the catalog twice: it
+    reserves its restore id, writes its ``attempt.started`` records to the log, then commits. So
+    the run's embedded log is held first (the restore reserves its id, then waits on its records);
+    ``wait_until_blocked`` takes the catalog once the reservation is visible and lets the records
+    through, so that only the commit waits.
+    """
     if deployment.catalog_url is None:
-        with _sqlite_write_lock(deployment.data_dir / "catalog.sqlite3"):
-            yield CatalogHold(deployment, table, None, None)
+        catalog = deployment.data_dir / "catalog.sqlite3"
+        sqlite = _SqliteRestoreHold(catalog, run)
+        try:
+            sqlite.hold_log(deployment.data_dir / "log" / f"{run}.sqlite3")
+            yield CatalogHold(deployment, table, None, None, sqlite)
+        finally:
+            sqlite.release()
         return
     import asyncpg
     from sqlalchemy.engine import make_url
@@ -271,20 +274,73 @@ async def catalog_writes_held(deployment: Deployment, table: str) -> AsyncIterat
         await conn.close()
 
 
+class _SqliteRestoreHold:
+    """The embedded deployment's hold: the log's write lock until the restore has reserved its
+    id, then the catalog's."""
+
+    def __init__(self, catalog: Path, run: str) -> None:
+        self.catalog = catalog
+        self.run = run
+        self.reserved_before = self._last_restore_id()
+        self._locks: list[sqlite3.Connection] = []
+
+    def _last_restore_id(self) -> int:
+        conn = sqlite3.connect(self.catalog, timeout=30)
+        try:
+            row = conn.execute(
+                "SELECT last_restore_id FROM runs WHERE run = ?", (self.run,)
+            ).fetchone()
+            return int(row[0])
+        finally:
+            conn.close()
+
+    def _lock(self, path: Path) -> sqlite3.Connection:
+        conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+        conn.execute("BEGIN IMMEDIATE")  # SQLite's one write lock; readers go on (WAL)
+        return conn
+
+    def hold_log(self, path: Path) -> None:
+        self._locks.append(self._lock(path))
+
+    def reserved(self) -> bool:
+        return self._last_restore_id() > self.reserved_before
+
+    def swap_to_catalog(self) -> None:
+        """Take the catalog, then let the log go (the restore's records are appended)."""
+        log = self._locks.pop()
+        self._locks.append(self._lock(self.catalog))
+        log.execute("ROLLBACK")
+        log.close()
+
+    def release(self) -> None:
+        while self._locks:
+            conn = self._locks.pop()
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            conn.close()
+
+
 @dataclass
 class CatalogHold:
     deployment: Deployment
     table: str
     dsn: str | None
     schema: str | None
+    sqlite: _SqliteRestoreHold | None = None
 
     async def wait_until_blocked(self, service: Service, run: str, log_records: int) -> None:
         """Until the service is provably waiting on the held catalog: on PostgreSQL a lock on
         the table is waited for; on SQLite the log holds ``log_records`` records (what the
         operation writes before its catalog commit) and the operation has not answered."""
         deadline = time.monotonic() + 30
+        swapped = self.sqlite is None
         while time.monotonic() < deadline:
-            if await self._blocked(service, run, log_records):
+            if not swapped:
+                assert self.sqlite is not None
+                if self.sqlite.reserved():
+                    self.sqlite.swap_to_catalog()
+                    swapped = True
+            elif await self._blocked(service, run, log_records):
                 return
             await asyncio.sleep(0.02)
         raise AssertionError("the service never reached the held catalog write")

@@ -102,21 +102,12 @@ async def test_killed_while_a_checkpoint_is_pending(
 
 
 # A restore killed after its attempt.started records and before its catalog commit leaves those
-# records in the log under the restore id the retry then commits with (the catalog's next id), so
-# the fold takes the dead plan's records as committed: where the retry's plan differs (here e3,
-# excluded by the dead restore with cut 0, is continued by the retry), the next restore finds "no
-# episode.started before the cut" for e3 and restarts it. The restore id has to be unique per
-# attempt (reserved in the catalog before the records are written, or a nonce in the records).
-CHANGED_PLAN_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="a dead restore's attempt.started records share the retry's restore id "
-    "(rolloutlog/projections/_coordinator.py restore(): next_restore_id before _write_attempts)",
-)
-
-
+# records in the log under its reserved restore id, which no later restore gets: where the retry's
+# plan differs (here e3, excluded by the dead restore with cut 0, is continued by the retry), the
+# dead plan's records must change nothing.
 @pytest.mark.parametrize(
     "retry_exclude",
-    [["e3"], pytest.param([], marks=CHANGED_PLAN_BUG)],
+    [["e3"], []],
     ids=["same-plan", "changed-plan"],
 )
 async def test_killed_between_a_restores_attempts_and_its_commit(
@@ -131,7 +122,7 @@ async def test_killed_between_a_restores_attempts_and_its_commit(
     assert checkpoint.counts["continue"] == 4
     before = (await trainer.stats(RUN))["events"]["log_records"]
 
-    async with catalog_writes_held(deployment, "restores") as hold:
+    async with catalog_writes_held(deployment, "restores", RUN) as hold:
         restoring = asyncio.create_task(trainer.restore(RUN, exclude=["e3"]))
         # Its four attempt.started records are in the log; its catalog commit waits.
         await hold.wait_until_blocked(service, RUN, before + len(EPISODES))
