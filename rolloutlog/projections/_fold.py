@@ -9,7 +9,8 @@ Rules, in the order they apply to each record before the cut:
 1. ``checkpoint.marker`` records belong to no episode and are skipped.
 2. A committed ``attempt.started`` (its restore id is in ``committed_restores``, when given) makes
    its attempt current and drops every event already kept at or above its ``cut``: the new attempt
-   continues the projection of the old one at that cut.
+   continues the projection of the old one at that cut — its committed prefix and generation cut;
+   the old tail's session changes and ledger rows stay dropped.
 3. Zombies: an event of a participant epoch lower than one already seen for that participant id.
 4. Duplicates: an event whose ``seq`` is not above the highest seen for its (participant id, epoch)
    — a participant's events for one episode reach the log in ``seq`` order, so a retry can only
@@ -98,6 +99,9 @@ def select_records(
             filters.attempt = meta["attempt"]
             restore_cut = data["cut"]
             kept = [r for r in kept if r[0] < restore_cut]
+            if kept:
+                # The fold drops the old attempt's uncommitted tail here (see EpisodeFold.apply).
+                kept.append(record)
             continue
         if filters.admits(meta):
             kept.append(record)
@@ -139,6 +143,13 @@ class EpisodeFold:
     # -- applying records ------------------------------------------------------------------
 
     def apply(self, offset: int, meta: dict[str, Any], payload: bytes | None) -> None:
+        if meta["type"] == "attempt.started":
+            # A restore continued the projection at its cut: the tail's session changes and
+            # undelivered calls were dropped, so the next boundary must not commit them; the
+            # generation cut stays until the new attempt commits past it.
+            self._pending_sessions.clear()
+            self._pending_ledger.clear()
+            return
         if self.first_offset is None:
             self.first_offset = offset
         self.events += 1

@@ -366,8 +366,9 @@ class EpisodeTracker:
 
     def continue_from_pin(self, attempt: int) -> None:
         """A restore continues this episode as ``attempt`` from its state at the cut, which
-        ``pin`` kept (what the fold of the new attempt starts from: the old attempt's records
-        before the cut, tail included)."""
+        ``pin`` kept (what the fold of the new attempt starts from: the old attempt's committed
+        prefix and its tail's generation cut; the tail's session changes and undelivered calls
+        are dropped, as the fold drops them at ``attempt.started``)."""
         state = self.unpin()
         version = self.version
         if state is not self:
@@ -375,6 +376,9 @@ class EpisodeTracker:
             for name in _STATE_FIELDS:
                 setattr(self, name, getattr(state, name))
             self.filters = filters
+        self._pending_sessions = []
+        self._pending_staging = []
+        self._pending_rows = []
         self.filters.attempt = attempt
         self.attempt = attempt
         self.version = version + 1

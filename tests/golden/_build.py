@@ -376,6 +376,39 @@ def scenarios() -> dict[str, dict[str, Any]]:
         committed_restores=[1],
     )
 
+    # §4.3 across a restore: the old attempt's tail (an undelivered call's ledger row, a session
+    # change after its last boundary) was dropped by the restore and stays dropped when the new
+    # attempt's first boundary commits; the tail's generation cut is what the new attempt continues.
+    s = Stream()
+    s.add(f.started)
+    s.add(f.boundary, "invoke_agent", {"turn": 1})
+    s.add(f.session_state, "s1", {"counter": 7}, who=RES)
+    s.add(f.ledger_row, "c1", who=POLICY)
+    s.add(f.chunk, "c2", 0, 4, who=POLICY)
+    restore_cut = s.offset
+    s.raw(
+        "attempt.started",
+        {"restore_id": 1, "checkpoint_id": 1, "previous_attempt": 0, "cut": restore_cut},
+        who=f.participant("service", "rolloutlog", 1),
+        attempt=1,
+    )
+    s.add(f.boundary, "close_agent", {"turn": 2}, attempt=1)
+    scenario(
+        "tail_dropped_across_restore",
+        "§4.3/§6: an old attempt's tail stays dropped after its replacement's first boundary",
+        s,
+        s.offset,
+        {
+            "attempt": 1,
+            "boundaries": {"environment": "close_agent"},
+            "sessions": {},
+            "ledger": [],
+            "staging_keys": [],
+            "generation_cut": None,
+        },
+        committed_restores=[1],
+    )
+
     # §4.1 markers belong to no episode.
     s = Stream()
     s.add(f.started)

@@ -262,11 +262,11 @@ async def test_a_restore_from_the_trackers_plans_and_serves_what_a_replay_does(
     fast = await _restore_twice(tmp_path / "fast", fast=True)
     replayed = await _restore_twice(tmp_path / "replayed", fast=False)
     assert fast[:2] == replayed[:2]
-    # After the restore the trackers keep what the fold keeps, the old attempt's tail included
-    # (its ledger row commits at the new attempt's boundary): the staging keys are the fold's.
-    # (A restore that replayed resets trackers from projections, which have no tail.)
-    assert fast[2] == fast[3]
-    assert fast[2]["e"] == ("stage-e-c2",)
+    # After the restore the trackers keep what the fold keeps: the old attempt's tail (e's
+    # undelivered call c2) is dropped and stays dropped past the new attempt's boundary, on both
+    # paths (a restore that replayed resets trackers from projections, which have no tail).
+    assert fast[2] == fast[3] == replayed[2] == replayed[3]
+    assert fast[2]["e"] == ()
     plan = {episode: (action, reason) for episode, action, _, reason in fast[0]}
     assert plan["a"] == ("continue", None)
     assert plan["e"] == ("continue", None)
@@ -282,17 +282,17 @@ async def test_old_attempt_events_during_a_restore_stay_out_of_the_continued_sta
     assert isinstance(first, CheckpointResult)
     projector = service.coordinator.projectors[service.run]
     catalog = service.catalog
-    next_restore_id = catalog.next_restore_id
+    reserve_restore_id = catalog.reserve_restore_id
 
-    async def late_event_then_next_id(run: str) -> int:
+    async def late_event_then_reserve(run: str, controller_epoch: int) -> int:
         # The old attempt is still current while the restore plans: its late boundary reaches
         # the (pinned) tracker, but the fold drops it (it is after the cut).
         [late] = await service.append(f.boundary("a", "late", {"t": 9}, attempt=0))
         await projector.wait_until({late.partition: late.offset + 1})
         assert projector.trackers["a"].last_stage == "late"
-        return await next_restore_id(run)
+        return await reserve_restore_id(run, controller_epoch)
 
-    catalog.next_restore_id = late_event_then_next_id  # type: ignore[method-assign]
+    catalog.reserve_restore_id = late_event_then_reserve  # type: ignore[method-assign]
     restored = await service.restore()
     assert [e.action for e in restored.entries] == ["continue"]
     second = await service.checkpoint()
