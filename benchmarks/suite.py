@@ -117,24 +117,25 @@ class Service:
         extra = []
         if self.deployment.log_url:
             extra = ["--log", self.deployment.log_url, "--catalog", POSTGRES]
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rolloutlog.api.cli",
-                "serve",
-                "--data-dir",
-                str(self.data_dir),
-                "--port",
-                str(self.port),
-                "--log-level",
-                "warning",
-                *extra,
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        with self.log_path.open("ab") as errors:  # warnings and errors, shown on failure
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "rolloutlog.api.cli",
+                    "serve",
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "warning",
+                    *extra,
+                ],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=errors,
+            )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -145,6 +146,15 @@ class Service:
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise RuntimeError("the service did not become ready")
             time.sleep(0.1)
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "serve.log"
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def cpu_s(self) -> float:
         assert self.proc is not None
@@ -392,7 +402,11 @@ async def measure_workload(
             await trainer.take_over(run)
             cpu0 = svc.cpu_s()
             episodes, load_s = await sdk_load(svc, run, workload)
-            catch_up_s = await caught_up(trainer, run, workload.live)
+            try:
+                catch_up_s = await caught_up(trainer, run, workload.live)
+            except RuntimeError:
+                log(f"the service's log (last lines):\n{svc.log_tail()}")
+                raise
             load_cpu = svc.cpu_s() - cpu0
             out = await checkpoints_and_restores(svc, trainer, run, workload.live, runs, restores)
             out.update(
