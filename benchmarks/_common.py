@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +84,20 @@ def save(name: str, results: dict[str, Any]) -> Path:
     document = {"benchmark": name, "machine": machine(), **results}
     path.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
     return path
+
+
+@contextlib.contextmanager
+def kafka_broker(needed: bool = True) -> Iterator[str | None]:
+    """A Kafka bootstrap address: ``ROLLOUTLOG_BENCH_KAFKA`` when set, else a Tansu broker started
+    for the benchmark (as the tests start it); None when not ``needed``."""
+    if not needed:
+        yield None
+        return
+    explicit = os.environ.get("ROLLOUTLOG_BENCH_KAFKA")
+    if explicit:
+        yield explicit
+        return
+    from tests._services import tansu_broker
+
+    with tansu_broker() as bootstrap:
+        yield bootstrap

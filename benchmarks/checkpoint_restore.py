@@ -26,11 +26,11 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from _common import save, summary
+from _common import kafka_broker, save, summary
 
 from rolloutlog.api.cli import GC_THRESHOLDS
 from rolloutlog.catalog import open_catalog
@@ -323,21 +323,6 @@ TARGETS = {
 }
 
 
-@contextlib.contextmanager
-def broker(needed: bool) -> Iterator[str | None]:
-    if not needed:
-        yield None
-        return
-    explicit = os.environ.get("ROLLOUTLOG_BENCH_KAFKA")
-    if explicit:
-        yield explicit
-        return
-    from tests._services import tansu_broker
-
-    with tansu_broker() as bootstrap:
-        yield bootstrap
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -349,7 +334,7 @@ def main() -> None:
     backends = args.backends.split(",")
     sizes = {"S1": 2000 if args.quick else 16_000, "S2": 200 if args.quick else 1000}
     results: dict[str, Any] = {"runs": args.runs, "quick": args.quick, "backends": {}}
-    with broker("kafka" in backends) as kafka:
+    with kafka_broker("kafka" in backends) as kafka:
         for name in backends:
             results["backends"][name] = {}
             for workload, count in sizes.items():

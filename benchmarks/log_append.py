@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from _common import percentile, save, summary
+from _common import kafka_broker, percentile, save, summary
 
 from rolloutlog.log import Log, Record, encode_record, open_log, record_meta, validate_event
 from rolloutlog.log._ids import partition_for
@@ -127,13 +127,7 @@ def backend_url(name: str) -> Iterator[str]:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return
-    explicit = os.environ.get("ROLLOUTLOG_BENCH_KAFKA")
-    if explicit:
-        yield f"kafka://{explicit}"
-        return
-    from tests._services import tansu_broker
-
-    with tansu_broker() as bootstrap:
+    with kafka_broker() as bootstrap:
         yield f"kafka://{bootstrap}"
 
 

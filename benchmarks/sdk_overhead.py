@@ -40,7 +40,7 @@ from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any
 
 import httpx
-from _common import ROOT, save, summary
+from _common import ROOT, kafka_broker, save, summary
 
 from rolloutlog.log import Position
 from rolloutlog.participants import Environment, HttpTransport, KafkaTransport, Transport
@@ -106,18 +106,6 @@ def server(log_url: str | None) -> Iterator[str]:
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def kafka() -> Iterator[str]:
-    explicit = os.environ.get("ROLLOUTLOG_BENCH_KAFKA")
-    if explicit:
-        yield explicit
-        return
-    from tests._services import tansu_broker
-
-    with tansu_broker() as bootstrap:
-        yield bootstrap
-
-
 async def record(transport: Transport, run: str, events: int, tag: str) -> dict[str, float]:
     env = Environment(transport, run, f"env-{tag}")
     await env.register()
@@ -154,7 +142,7 @@ async def measure(name: str, runs: int, events: int) -> dict[str, Any]:
                 async with NullTransport() as transport:
                     samples.append(await record(transport, RUN, events, f"r{run}"))
         else:
-            bootstrap = stack.enter_context(kafka()) if name.startswith("kafka") else None
+            bootstrap = stack.enter_context(kafka_broker()) if name.startswith("kafka") else None
             log_url = f"kafka://{bootstrap}" if bootstrap else None
             url = stack.enter_context(server(log_url))
             async with AsyncTrainerClient(url, token=TOKENS["trainer"]) as trainer:

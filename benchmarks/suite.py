@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 import orjson
-from _common import ROOT, percentile, save, summary
+from _common import ROOT, kafka_broker, percentile, save, summary
 from baselines import (
     eventsourcing_reconstruct,
     eventsourcing_store,
@@ -552,21 +552,6 @@ async def saturate(url: str, run: str, seconds: float, writers: int, log_url: st
 # -- main ------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def broker(needed: bool) -> Iterator[str | None]:
-    if not needed:
-        yield None
-        return
-    explicit = os.environ.get("ROLLOUTLOG_BENCH_KAFKA")
-    if explicit:
-        yield explicit
-        return
-    from tests._services import tansu_broker
-
-    with tansu_broker() as bootstrap:
-        yield bootstrap
-
-
 def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else float("nan")
 
@@ -650,7 +635,7 @@ def main() -> None:
         backends.remove("kafka")
         results["skipped"].append(f"Kafka + PostgreSQL deployment: no PostgreSQL at {POSTGRES}")
         log(results["skipped"][-1])
-    with broker("kafka" in backends and "main" in parts) as kafka:
+    with kafka_broker("kafka" in backends and "main" in parts) as kafka:
         if "main" in parts:
             for name in backends:
                 deployment = Deployment(name, kafka if name == "kafka" else None)
