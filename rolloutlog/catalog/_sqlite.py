@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -146,9 +147,24 @@ def _on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     try:
         for pragma in _PRAGMAS:
-            cursor.execute(pragma)
+            _execute_while_locked(cursor, pragma)
     finally:
         cursor.close()
+
+
+def _execute_while_locked(cursor: Any, statement: str) -> None:
+    """Run ``statement``, waiting out the lock SQLite may refuse without calling its busy handler:
+    switching a brand-new file to WAL while other connections open it (concurrent first
+    starts). Only connection setup comes here, and only on a file being created."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute(statement)
+            return
+        except Exception as e:  # sqlite3's, or SQLAlchemy's aiosqlite adapter's OperationalError
+            if "locked" not in str(e).lower() or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _on_begin(conn: Connection) -> None:
