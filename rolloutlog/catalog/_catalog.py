@@ -617,8 +617,9 @@ class Catalog:
         naming the id before committing needs it.
 
         The checkpoint must be committed (else ``UnknownCheckpoint``). The plan must account for
-        every ``continue``/``restart`` episode of its manifest exactly once, name only episodes
-        of the manifest, never continue a finished or restart-only episode, and start from each
+        every ``continue``/``restart`` episode of its manifest exactly once, continue only
+        episodes of the manifest (others, begun after its markers, may be restarted or
+        excluded), never continue a finished or restart-only episode, and start from each
         episode's current attempt.
         """
         check_timings(timings_ms)

@@ -420,7 +420,7 @@ async def commit_restore_rows(
         manifest: dict[str, str] = {
             entry[0]: entry[2] for body in bodies.all() for entry in orjson.loads(body)
         }
-    # Current attempts of the manifest's episodes only (a plan names no others), not of the
+    # Current attempts of the manifest's episodes (and of the plan's others, below), not of the
     # whole run, whose episodes table grows with every episode.
     in_manifest = select(manifest_entries.c.episode).where(
         manifest_entries.c.run == run, manifest_entries.c.checkpoint_id == checkpoint_id
@@ -434,6 +434,20 @@ async def commit_restore_rows(
             )
         ).all()
     )
+    # Episodes the checkpoint does not name (begun after its markers) may be restarted or
+    # excluded, never continued: they have no cut to continue from.
+    beyond = [entry.episode for entry in entries if entry.episode not in manifest]
+    for start in range(0, len(beyond), 10_000):
+        current.update(
+            (
+                await conn.execute(
+                    select(episodes.c.episode, episodes.c.current_attempt).where(
+                        episodes.c.run == run,
+                        episodes.c.episode.in_(beyond[start : start + 10_000]),
+                    )
+                )
+            ).all()
+        )
     reserved = restore_id is not None
     if restore_id is None:
         restore_id = int(run_row.last_restore_id) + 1
@@ -444,7 +458,7 @@ async def commit_restore_rows(
     for entry in entries:
         episode, action = entry.episode, entry.action
         planned = manifest.get(episode)
-        if planned is None:
+        if planned is None and action == "continue":
             raise UnknownEpisode(
                 f"episode {episode!r} is not in the manifest of checkpoint {checkpoint_id}",
                 run=run,

@@ -159,20 +159,20 @@ class Coordinator:
                     offset.replay_from if offset.replay_from is not None else offset.marker
                 )
         restores = await _all_restores(self.catalog, run)
-        continued: set[str] = set()
+        restored: dict[str, int] = {}  # episode -> the attempt its latest restore made current
         retired: set[str] = set()
-        for restore in restores:
+        for restore in sorted(restores, key=lambda r: r.restore_id):
             for entry in await self.catalog.restore_episodes(run, restore.restore_id, limit=None):
-                if entry.action == "continue":
-                    continued.add(entry.episode)
-                elif entry.action == "excluded":
+                if entry.action == "excluded":
                     retired.add(entry.episode)
+                else:  # their records need the restore's truncation
+                    restored[entry.episode] = entry.attempt
         projector = Projector(self.log, run, partitions)
         await projector.start(
             start,
             committed_restores=[r.restore_id for r in restores],
             retired=retired,
-            refold=continued - retired,
+            refold={e: a for e, a in restored.items() if e not in retired},
             reported_below=markers,
         )
         self._spawn(self._record_episodes(projector))
@@ -372,11 +372,18 @@ class Coordinator:
                 current=info.controller_epoch,
             )
         checkpoint = await self._committed_checkpoint(run, checkpoint_id)
+        # Everything appended before this request is folded: the episodes begun after the
+        # markers (below) are then all known.
+        await projector.wait_until(dict(enumerate(await self.log.end_offsets(run))))
         manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
         current = await self.catalog.current_attempts(run)
         excluded = set(exclude)
         known = {entry.episode for entry in manifest}
-        unknown = sorted(excluded - known)
+        # Episodes begun after the markers are not in the checkpoint; their events belong to the
+        # timeline the restore abandons, so they restart (or are excluded) like the others.
+        markers = {o.partition: o.marker for o in checkpoint.offsets}
+        beyond = projector.begun_after(markers, known)
+        unknown = sorted(excluded - known - beyond.keys())
         if unknown:
             raise UnknownEpisode(
                 f"{len(unknown)} excluded episode(s) are not in checkpoint "
@@ -453,6 +460,17 @@ class Coordinator:
                 plan.append(RestoreEntry(entry.episode, previous, attempt, "restart", reason))
                 resets[entry.episode] = RestoreReset("restart", attempt)
                 cuts[entry.episode] = 0
+        for episode in sorted(beyond):
+            previous = current.get(episode, beyond[episode])
+            attempt = previous + 1
+            if episode in excluded:
+                plan.append(RestoreEntry(episode, previous, attempt, "excluded"))
+                resets[episode] = RestoreReset("excluded", attempt)
+            else:
+                reason = f"began after the markers of checkpoint {checkpoint.checkpoint_id}"
+                plan.append(RestoreEntry(episode, previous, attempt, "restart", reason))
+                resets[episode] = RestoreReset("restart", attempt)
+            cuts[episode] = 0
         timer.stage("verify")
         # Reserved before any record names it: a restore that dies before its commit leaves
         # attempt records under an id no later restore can commit.
@@ -519,8 +537,10 @@ class Coordinator:
         """Fold every named episode at its cut; partitions are read in parallel. ``attempts``
         labels each projection with the attempt that continues it."""
         by_partition: dict[int, dict[str, int]] = defaultdict(dict)
+        at_cut: dict[str, int] = {}
         for entry in entries:
             by_partition[entry.cut_partition][entry.episode] = entry.cut_offset
+            at_cut[entry.episode] = entry.attempt
 
         async def one(partition: int, cuts: dict[str, int]) -> dict[str, EpisodeProjection]:
             records: dict[str, list[tuple[int, bytes]]] = {episode: [] for episode in cuts}
@@ -540,6 +560,7 @@ class Coordinator:
                         cuts[episode],
                         committed_restores,
                         as_attempt=None if attempts is None else attempts.get(episode),
+                        attempt=at_cut[episode],
                     )
                     for episode in cuts
                     if records[episode]

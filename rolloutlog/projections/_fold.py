@@ -24,7 +24,7 @@ prefix is folded whole; of the tail only the generation cut survives, and wait s
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,11 +78,20 @@ class _Filters:
 
 
 def select_records(
-    records: Iterable[RecordView], cut: float, committed_restores: Container[int] | None = None
+    records: Sequence[RecordView],
+    cut: float,
+    committed_restores: Container[int] | None = None,
+    attempt: int = 0,
 ) -> tuple[list[RecordView], int]:
-    """The records of one episode that the projection at ``cut`` folds, and the current attempt."""
+    """The records of one episode that the projection at ``cut`` folds, and the current attempt.
+
+    The records may start after the episode's first event (a replay starts where the
+    checkpoint's live episodes need it to): the attempt current at their start is the
+    ``previous_attempt`` of the first committed ``attempt.started`` among them, or ``attempt``
+    (the episode's attempt at the cut) when there is none.
+    """
     kept: list[RecordView] = []
-    filters = _Filters()
+    filters = _Filters(attempt=_attempt_at_start(records, committed_restores, attempt))
     for record in records:
         offset, meta, _ = record
         if offset >= cut:
@@ -106,6 +115,17 @@ def select_records(
         if filters.admits(meta):
             kept.append(record)
     return kept, filters.attempt
+
+
+def _attempt_at_start(
+    records: Sequence[RecordView], committed_restores: Container[int] | None, attempt: int
+) -> int:
+    for _, meta, _ in records:
+        if meta["type"] == "attempt.started" and (
+            committed_restores is None or meta["data"]["restore_id"] in committed_restores
+        ):
+            return int(meta["data"]["previous_attempt"])
+    return attempt
 
 
 class EpisodeFold:
@@ -328,28 +348,35 @@ def project_episode(
     committed_restores: Container[int] | None = None,
     *,
     as_attempt: int | None = None,
+    attempt: int = 0,
 ) -> EpisodeProjection:
     """The projection of ``episode`` at ``cut`` from its records in partition order.
 
-    ``as_attempt`` labels it as the attempt that will continue it (a restore's new attempt).
+    ``as_attempt`` labels it as the attempt that will continue it (a restore's new attempt);
+    ``attempt`` is the episode's attempt at the cut, for records that start after the restore
+    that made it current (a restarted episode's replay).
     """
     listed = records if isinstance(records, list) else list(records)
     if any(meta["type"] == "attempt.started" for _, meta, _ in listed):
         # Restores truncate what earlier attempts contributed: select first, then fold.
-        kept, attempt = select_records(listed, cut, committed_restores)
-        fold = EpisodeFold(episode, attempt if as_attempt is None else as_attempt)
+        kept, current = select_records(listed, cut, committed_restores, attempt)
+        fold = EpisodeFold(episode, current if as_attempt is None else as_attempt)
         for offset, meta, payload in kept:
             fold.apply(offset, meta, payload)
         return fold.projection(cut)
-    return _fold_in_one_pass(episode, listed, cut, as_attempt)
+    return _fold_in_one_pass(episode, listed, cut, as_attempt, attempt)
 
 
 def _fold_in_one_pass(
-    episode: str, records: Iterable[RecordView], cut: int, as_attempt: int | None
+    episode: str,
+    records: Iterable[RecordView],
+    cut: int,
+    as_attempt: int | None,
+    attempt: int = 0,
 ) -> EpisodeProjection:
     """The common case (no restore truncates anything): filter and fold as the records come."""
-    fold = EpisodeFold(episode, 0 if as_attempt is None else as_attempt)
-    admits = _Filters().admits
+    fold = EpisodeFold(episode, attempt if as_attempt is None else as_attempt)
+    admits = _Filters(attempt=attempt).admits
     apply = fold.apply
     for offset, meta, payload in records:
         if offset >= cut:
@@ -369,6 +396,7 @@ def project_raw(
     committed_restores: Container[int] | None = None,
     *,
     as_attempt: int | None = None,
+    attempt: int = 0,
 ) -> EpisodeProjection:
     """``project_episode`` over raw records: each record's metadata is decoded just before it is
     folded and dropped right after, so a replay of many episodes keeps few objects alive."""
@@ -379,9 +407,10 @@ def project_raw(
             cut,
             committed_restores,
             as_attempt=as_attempt,
+            attempt=attempt,
         )
     views = ((offset, *split_record(record)) for offset, record in records)
-    return _fold_in_one_pass(episode, views, cut, as_attempt)
+    return _fold_in_one_pass(episode, views, cut, as_attempt, attempt)
 
 
 def project_events(

@@ -16,7 +16,7 @@ import contextlib
 import gc
 import logging
 import math
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,13 +122,15 @@ class Projector:
         *,
         committed_restores: Iterable[int] = (),
         retired: Iterable[str] = (),
-        refold: Iterable[str] = (),
+        refold: Mapping[str, int] | None = None,
         reported_below: Sequence[int] | None = None,
     ) -> None:
         """Catch up from ``start_offsets`` to the current end, then follow in the background.
 
-        ``refold`` names episodes continued by a committed restore: their trackers are rebuilt
-        from their records with the fold's selection (the cut truncation needs their history).
+        ``refold`` names episodes a committed restore continued or restarted, with the attempt
+        it made current: their trackers are rebuilt from their records with the fold's
+        selection (the cut truncation needs their history; a restarted one's records may start
+        after its restore).
         ``reported_below`` holds the latest committed checkpoint's markers: an episode that
         finished below its partition's marker was reported by that checkpoint or an earlier one,
         and is not tracked again.
@@ -137,7 +139,7 @@ class Projector:
         self.retired.update(retired)
         self.applied = list(start_offsets)
         ends = await self.log.end_offsets(self.run)
-        refolding = set(refold)
+        refolding = dict(refold or {})
         buffered: dict[str, list[tuple[int, dict[str, Any], bytes | None]]] = {}
         logged: dict[tuple[str, int], bytes] = {}
         for partition in range(self.partitions):
@@ -156,7 +158,9 @@ class Projector:
                 self.applied[partition] = offset + 1
             self.applied[partition] = max(self.applied[partition], ends[partition])
         for episode, records in buffered.items():
-            kept, attempt = select_records(records, math.inf, self.committed_restores)
+            kept, attempt = select_records(
+                records, math.inf, self.committed_restores, refolding[episode]
+            )
             tracker = self._tracker(episode, partition_for(episode, self.partitions))
             tracker.filters = _refold_filters(records, attempt)
             for offset, meta, _ in kept:
@@ -290,6 +294,18 @@ class Projector:
             tracker.filters.attempt = meta["attempt"]
             tracker.attempt = meta["attempt"]
             tracker.exact = False  # not reset to the restore's cut: its verdicts replay
+
+    def begun_after(self, markers: Mapping[int, int], known: Container[str]) -> dict[str, int]:
+        """Episodes (with their current attempt) whose first event is at or past their
+        partition's marker and that ``known`` (a checkpoint's manifest) does not name."""
+        return {
+            episode: tracker.attempt
+            for episode, tracker in self.trackers.items()
+            if tracker.first_offset is not None
+            and tracker.first_offset >= markers.get(tracker.partition, math.inf)
+            and episode not in known
+            and episode not in self.retired
+        }
 
     def _forget(self, episode: str) -> None:
         tracker = self.trackers.pop(episode, None)

@@ -781,6 +781,33 @@ async def test_an_invalid_restore_commits_nothing(catalog: Catalog, problem: str
     assert restore.restore_id == 1
 
 
+async def test_a_restore_may_restart_or_exclude_episodes_begun_after_the_markers(
+    catalog: Catalog,
+) -> None:
+    epoch = await controlled_run(catalog)
+    entries = make_entries(10, finished_every=5)
+    checkpoint_id = await commit(catalog, epoch, entries)
+    plan = [
+        *restore_plan(entries),
+        RestoreEntry("late-1", 0, 1, "restart", "began after the markers"),
+        RestoreEntry("late-2", 0, 1, "excluded"),
+    ]
+    restore = await catalog.commit_restore(RUN, epoch, checkpoint_id, plan)
+    assert restore.counts["restart"] == sum(e.action == "restart" for e in plan)
+    assert restore.counts["excluded"] == 1
+    current = await catalog.current_attempts(RUN)
+    assert (current["late-1"], current["late-2"]) == (1, 1)
+    # ... and the next restore of the same checkpoint starts them from their new attempt.
+    again = [
+        *restore_plan(entries, previous=1),
+        RestoreEntry("late-1", 0, 1, "restart"),
+    ]
+    with pytest.raises(InvalidRequest):  # stale: late-1 is at attempt 1
+        await catalog.commit_restore(RUN, epoch, checkpoint_id, again)
+    again[-1] = RestoreEntry("late-1", 1, 2, "restart")
+    assert (await catalog.commit_restore(RUN, epoch, checkpoint_id, again)).restore_id == 2
+
+
 async def test_attempts_must_move_forward(catalog: Catalog) -> None:
     epoch = await controlled_run(catalog)
     checkpoint_id = await commit(catalog, epoch, make_entries(2))

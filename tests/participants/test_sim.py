@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from rolloutlog.log import parse_capture_key
-from rolloutlog.participants.sim import Gym, expected_answer, make_task, make_tasks, sim_tokens
+from rolloutlog.participants.sim import (
+    Collector,
+    Gym,
+    expected_answer,
+    make_task,
+    make_tasks,
+    sim_tokens,
+)
 from rolloutlog.participants.sim.demo import DemoResult, run_demo
 from tests._readme import python_example
 from tests._services import ROOT
@@ -147,3 +154,39 @@ async def test_the_collector_across_three_crashes(tmp_path: Path) -> None:
     for rollout in collector.rollouts.values():
         attempts = [parse_capture_key(key)[1] for key, _ in rollout.history]
         assert attempts == sorted(set(attempts)), rollout.history
+
+
+async def test_rollouts_dispatched_after_an_unpaused_checkpoint_restart(tmp_path: Path) -> None:
+    """Dispatch goes on after the checkpoint; the crash catches rollouts begun after its markers:
+    the restore restarts those still running one attempt later (their dead events fenced) and
+    excludes those whose results the collector holds. Every reward still comes out right."""
+    async with Gym(tmp_path / "gym", run="unpaused") as gym:
+        collector = gym.collector(concurrency=6)
+        async with collector:
+            runner = asyncio.create_task(collector.run(make_tasks(24, tokens=12)))
+            await collector.wait_done(4)
+            await collector.checkpoint()  # dispatch resumes at once
+
+            def statuses(c: Collector) -> set[str]:
+                return {c.rollouts[e].status for e in c._since_checkpoint}
+
+            # some rollouts begun after the markers finished, others still running
+            await collector.wait_for(lambda c: {"done", "running"} <= statuses(c))
+            after = set(collector._since_checkpoint)
+            gym.kill_participants()
+            plan = await collector.restore()
+            await gym.start_participants(plan.restore_id)
+            collector.redispatch()
+            report = await runner
+    assert report.ok, (report.wrong, report.lost, report.failed)
+    restarted = {d.episode: d for d in plan.restarted}
+    begun_after = {e for e, d in restarted.items() if d.reason and "began after" in d.reason}
+    assert begun_after, plan.dispatch
+    assert begun_after <= after
+    # Finished after the markers: held and excluded, not run again.
+    assert set(plan.excluded) & after
+    for episode in begun_after:
+        assert [parse_capture_key(key)[1] for key, _ in collector.rollouts[episode].history] == [
+            0,
+            1,
+        ]

@@ -175,6 +175,57 @@ async def test_an_excluded_episode_leaves_nothing_behind(service: Service) -> No
     assert set(await manifest(service, second.checkpoint.checkpoint_id)) == {"b"}
 
 
+async def test_an_episode_begun_after_the_markers_restarts_and_its_dead_events_are_fenced(
+    service: Service,
+) -> None:
+    await service.append(f.started("a"), f.boundary("a", "seed", {"turn": 1}))
+    checkpoint = await committed(service)
+    # Dispatched after the checkpoint, then the crash: the checkpoint does not hold it.
+    await service.append(
+        f.started("late"),
+        f.session_started("late", "s1", "exported"),
+        f.session_state("late", "s1", {"counter": 5}, who=f.participant("resources", "res-0")),
+        f.boundary("late", "seed", {"turn": "dead"}),
+    )
+    restored = await service.restore()
+    entries = {e.episode: (e.action, e.previous_attempt, e.attempt) for e in restored.entries}
+    assert entries == {"a": ("continue", 0, 1), "late": ("restart", 0, 1)}
+    [late] = [e for e in restored.entries if e.episode == "late"]
+    assert (
+        late.reason
+        == f"began after the markers of checkpoint {checkpoint.checkpoint.checkpoint_id}"
+    )
+    assert restored.restore.counts == {"continue": 1, "restart": 1, "excluded": 0}
+    # The dead attempt 0 is fenced; attempt 1 starts over from the task and owes nothing to it.
+    await service.append(
+        f.boundary("late", "zombie", {"turn": "dead"}, attempt=0),
+        f.started("late", attempt=1),
+        f.boundary("late", "seed", {"turn": "new"}, attempt=1),
+    )
+    second = await committed(service)
+    assert (await manifest(service, second.checkpoint.checkpoint_id))["late"][0] == "continue"
+    again = await service.restore()
+    projection = (await service.coordinator.restore_projections("run", again.restore.restore_id))[
+        "late"
+    ]
+    assert projection.attempt == 2
+    assert projection.boundaries["environment"].state.value() == {"turn": "new"}
+    assert projection.sessions == {}
+
+
+async def test_an_episode_begun_after_the_markers_can_be_excluded(service: Service) -> None:
+    await service.append(f.started("a"), f.boundary("a"))
+    await committed(service)
+    await service.append(f.started("late"), f.boundary("late"), f.finished("late"))
+    restored = await service.restore(exclude=["late"])  # the trainer holds its result
+    assert {e.episode: e.action for e in restored.entries} == {
+        "a": "continue",
+        "late": "excluded",
+    }
+    second = await committed(service)
+    assert set(await manifest(service, second.checkpoint.checkpoint_id)) == {"a"}
+
+
 async def test_excluding_an_unknown_episode_is_refused(service: Service) -> None:
     await service.append(f.started("a"), f.boundary("a"))
     await committed(service)
@@ -356,5 +407,43 @@ async def test_a_restarted_service_rebuilds_and_serves_the_same_projections(
             2,
             "invoke_agent",
         )
+    finally:
+        await service.close()
+
+
+async def test_a_restarted_episode_continues_across_a_service_restart(
+    tmp_path: Path, deployment: dict[str, Any]
+) -> None:
+    service = await open_service(tmp_path, **deployment)
+    try:
+        await service.append(f.started("a"), f.boundary("a"))
+        # Its checkpoint says restart (a restart-only session): attempt 1 starts over.
+        await service.append(
+            f.started("r"), f.session_started("r", "s1", "restart_only"), f.boundary("r")
+        )
+        await committed(service)
+        first = await service.restore()
+        assert {e.episode: e.action for e in first.entries} == {"a": "continue", "r": "restart"}
+        await committed(service)  # moves replay_from past r's restart record
+        await service.append(
+            f.started("r", attempt=1), f.boundary("r", "seed", {"turn": "again"}, attempt=1)
+        )
+    finally:
+        await service.close()
+    # The restarted service's projector starts after r's restart record: r's records are all
+    # of attempt 1, which the restore made current.
+    service = await open_service(tmp_path, **deployment)
+    try:
+        second = await committed(service)
+        assert (await manifest(service, second.checkpoint.checkpoint_id))["r"][0] == "continue"
+        again = await service.restore()
+        assert {e.episode: (e.action, e.attempt) for e in again.entries} == {
+            "a": ("continue", 2),
+            "r": ("continue", 2),
+        }
+        projection = (
+            await service.coordinator.restore_projections("run", again.restore.restore_id)
+        )["r"]
+        assert projection.boundaries["environment"].state.value() == {"turn": "again"}
     finally:
         await service.close()

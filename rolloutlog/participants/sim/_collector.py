@@ -93,10 +93,10 @@ class Collector:
 
     After a restore, each ``continue`` rollout is dispatched as its replacement attempt (the
     environment resumes it from its projection), each ``restart`` one from its input one
-    attempt later, and rollouts the checkpoint never saw as they were (after a checkpoint
-    without ``pause``, dispatch went on: rollouts started after its markers are unknown to its
-    restore, which does not fence them, and run again as attempt 0 beside their dead events;
-    ``pause=True`` before a planned crash keeps every dispatched rollout in the checkpoint).
+    attempt later, and rollouts the checkpoint never saw as they were. (After a checkpoint
+    without ``pause``, dispatch went on: the restore restarts the rollouts begun after its
+    markers one attempt later, like any other restart, unless their results are held: those
+    are excluded.)
     A rollout the checkpoint says finished whose reply never arrived is ``lost``: the service
     has no route that returns a finished episode's reward. Rewards are checked against
     ``expected_reward(task)``.
@@ -135,6 +135,8 @@ class Collector:
         #: at most once (``_queued``), and is dispatched as it stands when a worker takes it
         self._ready: collections.deque[Rollout] = collections.deque()
         self._queued: set[str] = set()
+        #: rollouts dispatched since the latest checkpoint's quiesce (after its markers)
+        self._since_checkpoint: set[str] = set()
         self._available = asyncio.Event()
         self._gate = asyncio.Event()
         self._gate.set()
@@ -253,6 +255,7 @@ class Collector:
         self._next_env += 1
         rollout.status = "running"
         rollout.history.append((rollout.capture_key, rollout.action))
+        self._since_checkpoint.add(rollout.episode)
         body = {
             "task": rollout.task,
             "capture_key": rollout.capture_key,
@@ -304,6 +307,7 @@ class Collector:
         """Take a checkpoint. ``pause=True`` quiesces first and leaves dispatch paused (for a
         crash right after); otherwise dispatch goes on."""
         await self.quiesce()
+        self._since_checkpoint = set()
         try:
             info = await self.trainer.checkpoint(self.run_name, deadline_s=deadline_s, wait=wait)
         finally:
@@ -333,6 +337,13 @@ class Collector:
             and episode in self.rollouts
             and self.rollouts[episode].status == "done"
         ]
+        # Rollouts dispatched after the checkpoint's markers and finished: the restore would
+        # restart them (it fences every episode begun after the markers); their results are held.
+        held += sorted(
+            episode
+            for episode in self._since_checkpoint
+            if episode not in manifest and self.rollouts[episode].status == "done"
+        )
         plan = await resume_run(self.trainer, self.run_name, exclude=held)
         self.restores.append(plan)
         dispatch = {d.episode: d for d in plan.dispatch}
