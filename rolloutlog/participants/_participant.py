@@ -102,24 +102,11 @@ class Participant:
     ) -> Position:
         """Append one event of this participant and return once it is durable."""
         # emit_nowait inlined: this is the hot path, one coroutine frame less per event
-        if self.epoch is None:
-            raise RuntimeError(f"participant {self.id!r} is not registered: call register()")
+        self._check_registered()
         transport = self.transport
         if not transport.try_reserve():
             await transport.reserve()
-        self.seq += 1
-        # The codec's field order (see _encoding): records then start with the episode.
-        event = {
-            "v": 1,
-            "episode": context.episode,
-            "attempt": context.attempt,
-            "step": context.step if step is None else step,
-            "participant": self._who,
-            "seq": self.seq,
-            "ts": time.time(),
-            "type": type_,
-            "data": data,
-        }
+        event = self._next_event(type_, context, data, step)
         return await transport.submit(self.run, event, built=True)
 
     async def emit_nowait(
@@ -135,13 +122,23 @@ class Participant:
         Waiting on the budget is the only ``await`` before numbering, so ``seq`` order is
         submission order.
         """
+        self._check_registered()
+        if not self.transport.try_reserve():
+            await self.transport.reserve()
+        event = self._next_event(type_, context, data, step)
+        return self.transport.submit(self.run, event, built=True)
+
+    def _check_registered(self) -> None:
         if self.epoch is None:
             raise RuntimeError(f"participant {self.id!r} is not registered: call register()")
-        transport = self.transport
-        if not transport.try_reserve():
-            await transport.reserve()
+
+    def _next_event(
+        self, type_: str, context: RolloutContext, data: dict[str, Any], step: int | None
+    ) -> dict[str, Any]:
+        """The next envelope of this participant (numbered), in the codec's field order (see
+        ``_encoding``): records then start with the episode."""
         self.seq += 1
-        event = {
+        return {
             "v": 1,
             "episode": context.episode,
             "attempt": context.attempt,
@@ -152,7 +149,6 @@ class Participant:
             "type": type_,
             "data": data,
         }
-        return transport.submit(self.run, event, built=True)
 
 
 def opaque(value: Any) -> Opaque:
