@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -384,11 +384,6 @@ def projection_matches(
     return any(s.kind == kind for s in sessions)
 
 
-async def _iterate(values: Iterable[EpisodeProjection]) -> AsyncIterator[EpisodeProjection]:
-    for value in values:
-        yield value
-
-
 @router.get(
     "/v1/runs/{run}/restores/{restore_id}/projections",
     summary="Every continued episode's projection for one participant (NDJSON)",
@@ -416,4 +411,4 @@ async def restore_projections(
         (p for p in projections.values() if projection_matches(p, kind, participant)),
         key=lambda p: p.episode,
     )
-    return stream_ndjson(_iterate(selected), EpisodeProjection.to_json)
+    return stream_ndjson(selected, EpisodeProjection.to_json)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 import orjson
@@ -62,19 +62,29 @@ def _error_line(error: BaseException) -> bytes:
     return dumps(body) + b"\n"
 
 
+async def _each(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
 def stream_ndjson(
-    items: AsyncIterator[Any],
+    items: AsyncIterable[Any] | Iterable[Any],
     encode: Callable[[Any], Any] = lambda item: item,
     status_code: int = 200,
     on_close: Callable[[], None] | None = None,
 ) -> StreamingResponse:
-    """One JSON value per line; a failure mid-stream ends it with an ``{"error": …}`` line."""
+    """One JSON value per line (from an async or a plain iterable); a failure mid-stream ends it
+    with an ``{"error": …}`` line."""
 
     async def body() -> AsyncIterator[bytes]:
         buffer: list[bytes] = []
         size = 0
         try:
-            async for item in items:
+            async for item in _each(items):
                 line = dumps(encode(item)) + b"\n"
                 buffer.append(line)
                 size += len(line)

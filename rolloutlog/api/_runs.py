@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Query, Request
@@ -201,11 +200,6 @@ def _merged(
     return ordered if limit is None else ordered[:limit]
 
 
-async def _iterate(items: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    for item in items:
-        yield item
-
-
 @router.get(
     "/v1/runs/{run}/episodes",
     summary="Episodes with status (paged JSON, or all as NDJSON)",
@@ -227,7 +221,7 @@ async def list_episodes(
     await service.coordinator.projector(run)  # unknown_run, and the live view
     if wants_ndjson(request):
         recorded = await _catalog_episodes(service, run, status, after, None)
-        return stream_ndjson(_iterate(_merged(service, run, recorded, status, after, None)))
+        return stream_ndjson(_merged(service, run, recorded, status, after, None))
     recorded = await _catalog_episodes(service, run, status, after, limit)
     page = _merged(service, run, recorded, status, after, limit)
     next_after = page[-1]["episode"] if len(page) == limit else None
