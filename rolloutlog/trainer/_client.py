@@ -60,7 +60,12 @@ def _line(raw: bytes | str) -> Any:
 class _Calls:
     """The requests both clients send (built here once)."""
 
-    controller_epochs: dict[str, int]
+    def __init__(self, url: str | None, token: str | None, given_client: bool) -> None:
+        self.url = (url or os.environ.get("ROLLOUTLOG_URL") or DEFAULT_URL).rstrip("/")
+        # An injected client may have no base URL: prefix paths with ``url`` when one is given.
+        self._prefix = "" if not given_client or url is None else self.url
+        self._headers = _headers(token)
+        self.controller_epochs: dict[str, int] = {}
 
     def _epoch(self, run: str, controller_epoch: int | None) -> int:
         if controller_epoch is not None:
@@ -133,12 +138,9 @@ class AsyncTrainerClient(_Calls):
         client: httpx.AsyncClient | None = None,
         timeout_s: float = 300.0,
     ) -> None:
-        self.url = (url or os.environ.get("ROLLOUTLOG_URL") or DEFAULT_URL).rstrip("/")
+        super().__init__(url, token, client is not None)
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
-        self._prefix = "" if client is None or url is None else self.url
-        self._headers = _headers(token)
-        self.controller_epochs: dict[str, int] = {}
 
     async def start(self) -> None:
         """Nothing to open (httpx connects lazily); here for the lifecycle's symmetry."""
@@ -357,12 +359,9 @@ class TrainerClient(_Calls):
         client: httpx.Client | None = None,
         timeout_s: float = 300.0,
     ) -> None:
-        self.url = (url or os.environ.get("ROLLOUTLOG_URL") or DEFAULT_URL).rstrip("/")
+        super().__init__(url, token, client is not None)
         self._owns_client = client is None
         self._client = client or httpx.Client(base_url=self.url, timeout=timeout_s)
-        self._prefix = "" if client is None or url is None else self.url
-        self._headers = _headers(token)
-        self.controller_epochs: dict[str, int] = {}
 
     def close(self) -> None:
         if self._owns_client:
