@@ -101,3 +101,20 @@ def kafka_broker(needed: bool = True) -> Iterator[str | None]:
 
     with tansu_broker() as bootstrap:
         yield bootstrap
+
+
+def serve_command(data_dir: str | Path, port: int, *extra: str) -> list[str]:
+    """``rolloutlog serve`` over ``data_dir`` on ``port`` (warnings only), for a subprocess."""
+    return [
+        sys.executable,
+        "-m",
+        "rolloutlog.api.cli",
+        "serve",
+        "--data-dir",
+        str(data_dir),
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *extra,
+    ]

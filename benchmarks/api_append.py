@@ -27,14 +27,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
-from _common import ROOT, percentile, save, summary
+from _common import ROOT, percentile, save, serve_command, summary
 
 from tests._services import free_port
 
@@ -124,19 +123,7 @@ class Server:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rolloutlog.api.cli",
-                "serve",
-                "--data-dir",
-                str(self.data_dir),
-                "--port",
-                str(self.port),
-                "--log-level",
-                "warning",
-                *SERVE_ARGS,
-            ],
+            serve_command(self.data_dir, self.port, *SERVE_ARGS),
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -33,14 +33,13 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any
 
 import httpx
-from _common import ROOT, kafka_broker, save, summary
+from _common import ROOT, kafka_broker, save, serve_command, summary
 
 from rolloutlog.log import Position
 from rolloutlog.participants import Environment, HttpTransport, KafkaTransport, Transport
@@ -76,9 +75,8 @@ def server(log_url: str | None) -> Iterator[str]:
         json.dump(TOKENS, out)
     port = free_port()
     extra = ["--log", log_url] if log_url else []
-    serve = [sys.executable, "-m", "rolloutlog.api.cli", "serve", "--data-dir", data_dir]
     proc = subprocess.Popen(
-        [*serve, "--port", str(port), "--tokens", tokens, "--log-level", "warning", *extra],
+        serve_command(data_dir, port, "--tokens", tokens, *extra),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

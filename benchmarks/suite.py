@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 import orjson
-from _common import ROOT, kafka_broker, percentile, save, summary
+from _common import ROOT, kafka_broker, percentile, save, serve_command, summary
 from baselines import (
     eventsourcing_reconstruct,
     eventsourcing_store,
@@ -119,19 +119,7 @@ class Service:
             extra = ["--log", self.deployment.log_url, "--catalog", POSTGRES]
         with self.log_path.open("ab") as errors:  # warnings and errors, shown on failure
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "rolloutlog.api.cli",
-                    "serve",
-                    "--data-dir",
-                    str(self.data_dir),
-                    "--port",
-                    str(self.port),
-                    "--log-level",
-                    "warning",
-                    *extra,
-                ],
+                serve_command(self.data_dir, self.port, *extra),
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL,
                 stderr=errors,
