@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import hashlib
 import os
 import shutil
 import tempfile
@@ -30,6 +29,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+import workloads
 from _common import kafka_broker, save, summary
 
 from rolloutlog.api.cli import GC_THRESHOLDS
@@ -44,171 +44,14 @@ SEED_FIGURES = {
 }
 
 
-def _digest(parent: str, tokens: list[int]) -> str:
-    return hashlib.sha256((parent + ":" + ",".join(map(str, tokens))).encode()).hexdigest()
-
-
-def _env(kind: str, pid: str) -> dict[str, Any]:
-    return {"id": pid, "kind": kind, "epoch": 1}
-
-
 def s1_episode(index: int) -> list[Event]:
-    """~10 events: start, session, 2 x (ledger row of 512 tokens, session state, boundary), a step
-    in flight with a generation chunk."""
-    episode = f"r{index}"
-    task = {"prompt": f"solve task {index}", "id": index}
-    canonical = orjson.dumps(task, option=orjson.OPT_SORT_KEYS)
-    seq = {"environment": 0, "policy": 0, "resources": 0}
-
-    def ev(kind: str, type_: str, data: dict[str, Any], step: int | None = None) -> Event:
-        seq[kind] += 1
-        return validate_event(
-            {
-                "type": type_,
-                "episode": episode,
-                "attempt": 0,
-                "step": step,
-                "participant": _env(kind, f"{kind}-{index % 4}"),
-                "seq": index * 100 + seq[kind],
-                "ts": 1764400000.0,
-                "data": data,
-            }
-        )
-
-    events = [
-        ev(
-            "environment",
-            "episode.started",
-            {
-                "task": task,
-                "task_digest": hashlib.sha256(canonical).hexdigest(),
-                "deadline_s": 3600.0,
-            },
-        ),
-        ev(
-            "resources",
-            "session.started",
-            {"session_id": "s1", "mode": "exported", "verify": "replay"},
-        ),
-    ]
-    parent, cum = "", 0
-    for call in range(2):
-        tokens = [(index * 7 + call * 13 + t) % 50000 for t in range(512)]
-        digest = _digest(parent, tokens)
-        events.append(
-            ev(
-                "policy",
-                "ledger.row",
-                {
-                    "call_id": f"c{call}",
-                    "parent_call_id": f"c{call - 1}" if call else None,
-                    "fingerprint": f"fp{call}",
-                    "context_digest": f"cd{call}",
-                    "policy_version": 1,
-                    "prev_len": cum,
-                    "token_ids": tokens,
-                    "cum_len": cum + 512,
-                    "digest": digest,
-                    "staging_key": f"stage-{index}-{call}",
-                    "constrained": False,
-                },
-                step=call,
-            )
-        )
-        parent, cum = digest, cum + 512
-        events.append(
-            ev(
-                "resources",
-                "session.state",
-                {"session_id": "s1", "state": {"turn": call, "files": ["a.py"]}},
-                call,
-            )
-        )
-        events.append(
-            ev(
-                "environment",
-                "step.boundary",
-                {
-                    "owner": "environment",
-                    "stage": "invoke_agent",
-                    "next": "invoke_agent",
-                    "state": {"turn": call},
-                },
-                call,
-            )
-        )
-    events.append(
-        ev(
-            "environment",
-            "step.started",
-            {"owner": "environment", "stage": "invoke_agent", "mode": "replay"},
-            2,
-        )
-    )
-    events.append(
-        ev(
-            "policy",
-            "generation.chunk",
-            {
-                "call_id": "c2",
-                "parent_call_id": "c1",
-                "request_digest": "rq",
-                "start": 0,
-                "token_ids": list(range(64)),
-                "policy_version": 1,
-                "staging_key": f"stage-{index}-2",
-            },
-            2,
-        )
-    )
-    return events
+    """The suite's S1 rollout (``workloads.s1_episode``), as validated events."""
+    return [validate_event(event) for event in workloads.s1_episode(index)]
 
 
 def s2_episode(index: int, blob: Opaque) -> list[Event]:
-    episode = f"big{index}"
-    task = {"prompt": f"sandbox {index}"}
-    canonical = orjson.dumps(task, option=orjson.OPT_SORT_KEYS)
-    who = _env("resources", "res-0")
-    env = _env("environment", "env-0")
-    base = {"episode": episode, "attempt": 0, "ts": 1764400000.0}
-    return [
-        validate_event(
-            {
-                **base,
-                "type": "episode.started",
-                "participant": env,
-                "seq": index * 10 + 1,
-                "data": {"task": task, "task_digest": hashlib.sha256(canonical).hexdigest()},
-            }
-        ),
-        validate_event(
-            {
-                **base,
-                "type": "session.started",
-                "participant": who,
-                "seq": index * 10 + 1,
-                "data": {"session_id": "s1", "mode": "exported"},
-            }
-        ),
-        validate_event(
-            {
-                **base,
-                "type": "session.state",
-                "participant": who,
-                "seq": index * 10 + 2,
-                "data": {"session_id": "s1", "state": blob},
-            }
-        ),
-        validate_event(
-            {
-                **base,
-                "type": "step.boundary",
-                "participant": env,
-                "seq": index * 10 + 2,
-                "data": {"owner": "environment", "stage": "seed", "state": {"ok": 1}},
-            }
-        ),
-    ]
+    """The suite's S2 rollout (``workloads.state_episode``) holding ``blob`` (encoded once)."""
+    return [validate_event(event) for event in workloads.state_episode(index, blob)]  # type: ignore[arg-type]
 
 
 @contextlib.asynccontextmanager
