@@ -646,10 +646,6 @@ class Catalog:
         async with self._write() as conn:
             return await reserve_restore_id(conn, run, controller_epoch)
 
-    async def next_restore_id(self, run: str) -> int:
-        """The id the run's next restore will get (reserved or not)."""
-        return await self._query(lambda conn: _reads.next_restore_id(conn, run))
-
     async def get_restore(self, run: str, restore_id: int) -> Restore:
         return await self._query(lambda conn: _reads.get_restore(conn, run, restore_id))
 

@@ -491,12 +491,3 @@ async def run_stats(conn: AsyncConnection, run: str) -> RunStats:
         checkpoint_duration_ms_last=float(latest.ms) if latest is not None else None,
         last_restore_at=last_restore_at,
     )
-
-
-async def next_restore_id(conn: AsyncConnection, run: str) -> int:
-    row = (
-        await conn.execute(select(runs.c.last_restore_id).where(runs.c.run == run))
-    ).one_or_none()
-    if row is None:
-        raise UnknownRun(f"no run {run!r}", run=run)
-    return int(row[0]) + 1
