@@ -34,6 +34,7 @@ from rolloutlog.catalog import (
     ManifestEntry,
     PartitionOffset,
     Restore,
+    RestoreAction,
     RestoreEntry,
 )
 from rolloutlog.errors import (
@@ -52,6 +53,7 @@ from rolloutlog.projections._projector import (
     Projector,
     RestoreReset,
 )
+from rolloutlog.projections._tracker import EpisodeTracker
 from rolloutlog.projections._verify import apply_policy, verify_projection
 
 logger = logging.getLogger(__name__)
@@ -417,30 +419,39 @@ class Coordinator:
         plan: list[RestoreEntry] = []
         resets: dict[str, RestoreReset] = {}
         cuts: dict[str, int] = {}
-        for entry in manifest:
-            previous = current.get(entry.episode, entry.attempt)
+
+        def decide(
+            episode: str,
+            previous: int,
+            action: RestoreAction,
+            reason: str | None = None,
+            cut: int = 0,
+            projection: EpisodeProjection | None = None,
+            pinned: EpisodeTracker | None = None,
+        ) -> None:
             attempt = previous + 1
-            if entry.episode in excluded:
-                plan.append(RestoreEntry(entry.episode, previous, attempt, "excluded"))
-                resets[entry.episode] = RestoreReset("excluded", attempt)
-                cuts[entry.episode] = 0
+            plan.append(RestoreEntry(episode, previous, attempt, action, reason))
+            resets[episode] = RestoreReset(action, attempt, projection, pinned)
+            cuts[episode] = cut
+
+        for entry in manifest:
+            episode = entry.episode
+            previous = current.get(episode, entry.attempt)
+            if episode in excluded:
+                decide(episode, previous, "excluded")
                 continue
             if entry.action == "finished":
                 continue
             reason = "the checkpoint's manifest says restart" if entry.action == "restart" else None
-            tracker = pinned.get(entry.episode) if entry.action == "continue" else None
+            tracker = pinned.get(episode) if entry.action == "continue" else None
             if tracker is not None:
                 reason = tracker.pinned_state().verdict()
                 if reason is None:
-                    plan.append(RestoreEntry(entry.episode, previous, attempt, "continue"))
-                    resets[entry.episode] = RestoreReset("continue", attempt, pinned=tracker)
-                    cuts[entry.episode] = entry.cut_offset
+                    decide(episode, previous, "continue", cut=entry.cut_offset, pinned=tracker)
                 else:
-                    plan.append(RestoreEntry(entry.episode, previous, attempt, "restart", reason))
-                    resets[entry.episode] = RestoreReset("restart", attempt)
-                    cuts[entry.episode] = 0
+                    decide(episode, previous, "restart", reason)
                 continue
-            projection = projections.get(entry.episode)
+            projection = projections.get(episode)
             if entry.action == "continue":
                 if projection is None:
                     reason = "no events before the cut"
@@ -451,26 +462,18 @@ class Coordinator:
                             projection, policy_version, max_policy_lag
                         )
             if reason is None and projection is not None:
-                projections[entry.episode] = projection
-                plan.append(RestoreEntry(entry.episode, previous, attempt, "continue"))
-                resets[entry.episode] = RestoreReset("continue", attempt, projection)
-                cuts[entry.episode] = entry.cut_offset
+                projections[episode] = projection
+                decide(episode, previous, "continue", cut=entry.cut_offset, projection=projection)
             else:
-                projections.pop(entry.episode, None)
-                plan.append(RestoreEntry(entry.episode, previous, attempt, "restart", reason))
-                resets[entry.episode] = RestoreReset("restart", attempt)
-                cuts[entry.episode] = 0
+                projections.pop(episode, None)
+                decide(episode, previous, "restart", reason)
+        after_markers = f"began after the markers of checkpoint {checkpoint.checkpoint_id}"
         for episode in sorted(beyond):
             previous = current.get(episode, beyond[episode])
-            attempt = previous + 1
             if episode in excluded:
-                plan.append(RestoreEntry(episode, previous, attempt, "excluded"))
-                resets[episode] = RestoreReset("excluded", attempt)
+                decide(episode, previous, "excluded")
             else:
-                reason = f"began after the markers of checkpoint {checkpoint.checkpoint_id}"
-                plan.append(RestoreEntry(episode, previous, attempt, "restart", reason))
-                resets[episode] = RestoreReset("restart", attempt)
-            cuts[episode] = 0
+                decide(episode, previous, "restart", after_markers)
         timer.stage("verify")
         # Reserved before any record names it: a restore that dies before its commit leaves
         # attempt records under an id no later restore can commit.
