@@ -131,6 +131,43 @@ class Log(abc.ABC):
             else:
                 await asyncio.sleep(poll_s)
 
+    async def follow_run(
+        self, run: str, starts: Sequence[int], *, poll_s: float = 0.05
+    ) -> AsyncIterator[tuple[int, list[tuple[int, bytes]]]]:
+        """``(partition, page)`` for every partition ``p`` from ``starts[p]`` on, each partition's
+        pages in order; it never ends by itself (cancel the consuming task to stop).
+
+        One follower per run, so that what a follower holds (connections, threads) does not grow
+        with runs x partitions. This default merges per-partition ``follow`` iterators (one
+        task each); backends override it with a single reader.
+        """
+        queue: asyncio.Queue[tuple[int, list[tuple[int, bytes]]] | BaseException] = asyncio.Queue(
+            maxsize=len(starts) or 1
+        )
+
+        async def pump(partition: int, start: int) -> None:
+            try:
+                async for page in self.follow(run, partition, start, poll_s=poll_s):
+                    await queue.put((partition, page))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # handed to the consumer, which raises it
+                await queue.put(e)
+
+        tasks = [
+            asyncio.create_task(pump(partition, start)) for partition, start in enumerate(starts)
+        ]
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def ping(self) -> None:  # noqa: B027 - optional hook: most backends need no probe
         """Raise ``BackendUnavailable`` when the backend cannot be reached."""
 

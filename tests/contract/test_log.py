@@ -95,6 +95,35 @@ async def test_end_offsets_follow_appends(log: Log) -> None:
         assert ends[p] == last.get(p, -1) + 1
 
 
+async def test_follow_run_sees_every_partition_from_its_start(log: Log) -> None:
+    await log.ensure_run("run", P)
+    first = await log.append("run", [f.started(f"r{i}") for i in range(12)])
+    starts = [0] * P
+    skipped = first[0]  # following from past one record leaves that record out
+    starts[skipped.partition] = skipped.offset + 1
+    expected = {(pos.partition, pos.offset) for pos in first if pos != skipped}
+    seen: set[tuple[int, int]] = set()
+    last: dict[int, int] = {}
+
+    pages = log.follow_run("run", starts)
+
+    async def consume() -> None:
+        async for partition, page in pages:
+            for offset, _ in page:
+                assert offset > last.get(partition, -1)  # in order, each once
+                last[partition] = offset
+                seen.add((partition, offset))
+            if expected <= seen:
+                return
+
+    await asyncio.wait_for(consume(), timeout=30)
+    later = await log.append("run", [f.started(f"s{i}") for i in range(8)])
+    expected |= {(pos.partition, pos.offset) for pos in later}
+    await asyncio.wait_for(consume(), timeout=30)
+    await pages.aclose()
+    assert seen == expected
+
+
 async def test_per_episode_order_under_concurrent_appenders(log: Log) -> None:
     await log.ensure_run("run", P)
     appenders, batches, per_batch = 16, 8, 5

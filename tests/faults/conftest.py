@@ -1,0 +1,4 @@
+"""The fault-injection suite: every test causes a real fault (a stopped or killed process, a reset
+connection, a full disk, a bad record) and asserts the invariant: an acknowledged event is in the
+log and in the fold, or its append was refused; the service stays up (or refuses to start with one
+clear line) and recovers by itself when the fault ends."""
