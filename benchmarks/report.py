@@ -16,7 +16,6 @@ from typing import Any
 import orjson
 from _common import RESULTS, ROOT
 
-SEED_NOTES = "../shared/SEED_NOTES.md"
 #: Why a target is missed, printed under the missed targets (kept to what the suite measures).
 WHY = {
     "checkpoint": (
@@ -148,21 +147,13 @@ def plot(results: dict[str, Any], suffix: str) -> list[str]:
 
 
 def seed_figures(seed: dict[str, Any]) -> str:
-    path = ROOT / SEED_NOTES
-    try:
-        text = path.read_text()
-    except OSError:  # a clone without the notes beside it: the figures the suite keeps
-        return "\n".join(
-            f"> - {key}: "
-            + ", ".join(f"{name} {value} s" for name, value in figures.items() if name != "note")
-            + f" ({figures.get('note', '')})"
-            for key, figures in seed.items()
-        )
-    start = text.find("## Its figures")
-    if start < 0:
-        return ""
-    section = text[start:].split("\n## ", 2)[0].splitlines()[1:]
-    return "\n".join("> " + line for line in section if line.strip())
+    """The seed system's published figures, as the suite keeps them (``suite.SEED``)."""
+    return "\n".join(
+        f"> - {key}: "
+        + ", ".join(f"{name} {value} s" for name, value in figures.items() if name != "note")
+        + f" ({figures.get('note', '')})"
+        for key, figures in seed.items()
+    )
 
 
 def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
