@@ -29,12 +29,11 @@ any topic a metadata request mentions. This backend degrades to a plain producer
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -60,8 +59,8 @@ from rolloutlog.log._interface import (
     Record,
     check_run_name,
 )
+from rolloutlog.log._kafka_reads import KafkaReads, ReadTopic, check_partition
 from rolloutlog.log._kafka_wire import (
-    EARLIEST,
     LATEST,
     REQUEST_ERRORS,
     ByteBudget,
@@ -134,26 +133,14 @@ class _Lane:
 
 
 @dataclass(eq=False)
-class _Topic:
+class _Topic(ReadTopic):
     """What this instance knows of one run's topic."""
 
-    name: str
-    partitions: int
-    leaders: list[int]
-    #: Next offset per partition as acknowledged to this instance; -1 before its first ack.
-    acked_ends: list[int]
     #: Partition ``p`` is written through ``lanes[p % len(lanes)]`` only, which keeps its order.
     lanes: list[_Lane]
 
 
-@dataclass(slots=True)
-class _Page:
-    records: list[tuple[int, bytes]]
-    next_offset: int
-    highwater: int
-
-
-class KafkaLog(Log):
+class KafkaLog(KafkaReads, Log):
     """The log on a Kafka-protocol broker; one topic ``{topic_prefix}{run}`` per run.
 
     Options: ``idempotence`` None detects (True requires, False never asks);
@@ -205,7 +192,8 @@ class KafkaLog(Log):
         self._budget = ByteBudget(max(in_flight_bytes, 1))
         self._read_connections = read_connections
         self._readers = ClientPool(self._new_client, read_connections)
-        self._wakers: dict[tuple[str, int], asyncio.Event] = {}
+        #: Followers of a topic, woken by this instance's acks.
+        self._wakers: dict[str, set[asyncio.Event]] = {}
         self._admin: Any = None
         self._control: Any = None
         self._producer_count = producers
@@ -357,6 +345,9 @@ class KafkaLog(Log):
         request = MetadataRequest([name], allow_auto_topic_creation=False)
         response = await self._control_send(request, f"describe topic {name}")
         return describe(response, name)
+
+    async def _read_topic(self, run: str) -> ReadTopic:
+        return await self._topic(run)
 
     async def _topic(self, run: str) -> _Topic:
         topic = self._topics.get(run)
@@ -603,147 +594,8 @@ class KafkaLog(Log):
             offset = append.acknowledged(indexes, offset)
         if offset > topic.acked_ends[partition]:
             topic.acked_ends[partition] = offset
-        waker = self._wakers.get((topic.name, partition))
-        if waker is not None:
+        for waker in self._wakers.get(topic.name, ()):
             waker.set()
-
-    # -- reads -----------------------------------------------------------------------------------
-
-    def _check_partition(self, topic: _Topic, partition: int) -> None:
-        if not 0 <= partition < topic.partitions:
-            raise InvalidRequest(
-                f"partition {partition} out of range: {topic.name} has {topic.partitions}",
-                topic=topic.name,
-            )
-
-    async def read_records(
-        self, run: str, partition: int, start: int, end: int
-    ) -> AsyncIterator[tuple[int, bytes]]:
-        topic = await self._topic(run)
-        self._check_partition(topic, partition)
-        start = max(start, 0)
-        if end <= start:
-            return
-        client = await self._readers.acquire()
-        following: asyncio.Task[_Page] | None = None
-        try:
-            offset = start
-            page_bytes = self._fetch_bytes
-            page = await self._fetch_page(client, topic, partition, offset, end, page_bytes)
-            while True:
-                done = page.next_offset >= end or page.next_offset >= page.highwater
-                if not done and page.next_offset == offset and not page.records:
-                    # No whole batch fitted the page: the next batch is larger than the page.
-                    page_bytes = self._grow_page(topic, partition, offset, page_bytes)
-                    page = await self._fetch_page(client, topic, partition, offset, end, page_bytes)
-                    continue
-                if not done:
-                    following = asyncio.create_task(
-                        self._fetch_page(
-                            client, topic, partition, page.next_offset, end, page_bytes
-                        )
-                    )
-                for item in page.records:
-                    yield item
-                if following is None:
-                    return
-                offset = page.next_offset
-                page = await following
-                following = None
-        finally:
-            if following is not None:
-                following.cancel()
-                with contextlib.suppress(BaseException):
-                    await following
-            await self._readers.release(client)
-
-    async def follow(
-        self, run: str, partition: int, start: int, *, poll_s: float = 0.1
-    ) -> AsyncIterator[list[tuple[int, bytes]]]:
-        """Pages from ``start`` on, from its own reader connection. Records this instance
-        appends wake it at once; other writers' records are found by polling every ``poll_s``."""
-        topic = await self._topic(run)
-        self._check_partition(topic, partition)
-        waker = self._wakers.setdefault((topic.name, partition), asyncio.Event())
-        client = await self._readers.acquire()
-        try:
-            offset = max(start, 0)
-            page_bytes = self._fetch_bytes
-            while True:
-                waker.clear()
-                page = await self._fetch_page(client, topic, partition, offset, 1 << 62, page_bytes)
-                if page.records:
-                    offset = page.next_offset
-                    yield page.records
-                elif page.next_offset > offset:
-                    offset = page.next_offset  # a trimmed range, or a gap
-                elif offset < page.highwater:
-                    page_bytes = self._grow_page(topic, partition, offset, page_bytes)
-                else:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(poll_s):
-                            await waker.wait()
-        finally:
-            await self._readers.release(client)
-
-    def _grow_page(self, topic: _Topic, partition: int, offset: int, page_bytes: int) -> int:
-        limit = 4 * self._max_message_bytes
-        if page_bytes >= limit:
-            raise LogError(
-                f"{topic.name}[{partition}] at offset {offset}: no complete record batch in "
-                f"{page_bytes} bytes",
-                topic=topic.name,
-                partition=partition,
-                offset=offset,
-            )
-        return min(page_bytes * 2, limit)
-
-    async def _fetch_page(
-        self, client: Any, topic: _Topic, partition: int, offset: int, end: int, page_bytes: int
-    ) -> _Page:
-        """The records of one Fetch from ``offset`` (below ``end``), retried across leader moves
-        until the request timeout."""
-        where = f"read {topic.name}[{partition}]"
-        deadline = time.monotonic() + self._request_timeout_ms / 1000
-        while True:
-            try:
-                answers = await fetch(
-                    client, topic.name, topic.leaders, {partition: offset}, page_bytes
-                )
-                answer = answers.get(partition)
-                if answer is not None and answer.error is kafka_errors.NoError:
-                    records, following = parse_records(answer.data, offset, end)
-                    return _Page(records, following, answer.highwater)
-                if answer is not None and answer.error is kafka_errors.OffsetOutOfRangeError:
-                    found = await list_offsets(
-                        client, topic.name, topic.leaders, [partition], EARLIEST
-                    )
-                    if offset < found.get(partition, 0):
-                        offset = found[partition]  # trimmed: the range's rest starts here
-                        continue
-                    return _Page([], offset, offset)  # past the end: nothing more exists
-            except REQUEST_ERRORS as e:
-                raise translate(e, where, topic=topic.name, partition=partition) from e
-            if answer is not None:
-                if answer.error is kafka_errors.UnknownTopicOrPartitionError and (
-                    await self._describe(topic.name) is None
-                ):
-                    raise UnknownRun(f"{where}: the topic no longer exists", topic=topic.name)
-                if not answer.error.retriable:
-                    raise translate(answer.error(), where, topic=topic.name, partition=partition)
-            if time.monotonic() > deadline:
-                raise BackendUnavailable(
-                    f"{where}: no answer for offset {offset} within {self._request_timeout_ms} ms",
-                    topic=topic.name,
-                    partition=partition,
-                )
-            await self._refresh_leaders(topic)
-            await asyncio.sleep(_BACKOFF_S)
-
-    async def _refresh_leaders(self, topic: _Topic) -> None:
-        described = await self._describe(topic.name)
-        if described is not None and described[0] >= topic.partitions:
-            topic.leaders[:] = described[1][: topic.partitions]
 
     # -- ends and trimming -----------------------------------------------------------------------
 
@@ -777,7 +629,7 @@ class KafkaLog(Log):
                 answers = await fetch(client, topic.name, topic.leaders, unsure, 64 * 1024)
                 for partition, answer in answers.items():
                     if answer.error is kafka_errors.NoError:
-                        records, _ = parse_records(answer.data, unsure[partition], 1 << 62)
+                        records = parse_records(answer.data, unsure[partition], 1 << 62).records
                         last = records[-1][0] + 1 if records else 0
                         ends[partition] = max(unsure[partition], answer.highwater, last)
                         del unsure[partition]
@@ -796,7 +648,7 @@ class KafkaLog(Log):
         """``DeleteRecords`` below ``before`` (clamped to the high-water mark); False where the
         broker does not implement it (Tansu closes the connection), decided once per instance."""
         topic = await self._topic(run)
-        self._check_partition(topic, partition)
+        check_partition(topic, partition)
         if self._trim_supported is False:
             return False
         target = TopicPartition(topic.name, partition)
