@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import aiokafka.client
 import aiokafka.errors as kafka_errors
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
@@ -49,6 +50,7 @@ from rolloutlog.errors import (
     InvalidRequest,
     LogError,
     PayloadTooLarge,
+    RunLost,
     UnknownRun,
 )
 from rolloutlog.log._interface import (
@@ -84,6 +86,22 @@ _TOPIC_PREFIX = re.compile(r"[a-zA-Z0-9._-]{0,140}")
 #: Room for a record's key, headers and its batch's header beyond the value itself.
 _RECORD_OVERHEAD = 64 * 1024
 _BACKOFF_S = 0.05
+
+
+class _MetadataRequest(MetadataRequest):  # type: ignore[misc]
+    """aiokafka's clients ask for metadata with ``allow_auto_topic_creation`` on, so a broker
+    that lost a topic (Tansu restarted empty) recreates it, empty, as soon as a producer
+    refreshes its metadata, and appends then land at offsets the lost records had. This
+    backend creates topics in ``ensure_run`` only: the clients' requests never allow it."""
+
+    def __init__(
+        self, topics: list[str] | None = None, allow_auto_topic_creation: bool | None = None
+    ) -> None:
+        super().__init__(topics, bool(allow_auto_topic_creation))
+
+
+# aiokafka builds these requests inside ``AIOKafkaClient._metadata_update`` with no setting for it.
+aiokafka.client.MetadataRequest = _MetadataRequest
 
 
 @dataclass(eq=False, slots=True)
@@ -565,8 +583,11 @@ class KafkaLog(KafkaReads, Log):
             acked = await producer.send_batch(builder, topic.name, partition=partition)
         except Exception as e:  # closed producer, stale metadata: these records fail
             self._budget.release(granted)
+            error: BaseException = e
+            if isinstance(e, kafka_errors.UnknownTopicOrPartitionError):
+                error = _lost(topic, partition, "the broker no longer knows the topic")
             for append, _ in members:
-                append.fail(e, topic.name)
+                append.fail(error, topic.name)
             return
         acked.add_done_callback(
             functools.partial(self._acknowledged, topic, partition, members, granted)
@@ -585,6 +606,17 @@ class KafkaLog(KafkaReads, Log):
             error: BaseException | None = BackendUnavailable("the produce request was cancelled")
         else:
             error = acked.exception()
+        if isinstance(error, kafka_errors.UnknownTopicOrPartitionError):
+            error = _lost(topic, partition, "the broker no longer knows the topic")
+        if error is None and acked.result().offset < topic.acked_ends[partition]:
+            # Written below what this instance had acknowledged: the broker lost the partition's
+            # records and took these at offsets that named others. Not acknowledged.
+            error = _lost(
+                topic,
+                partition,
+                f"records landed at {acked.result().offset}, below the acknowledged end "
+                f"{topic.acked_ends[partition]}",
+            )
         if error is not None:
             for append, _ in members:
                 append.fail(error, topic.name)
@@ -682,6 +714,14 @@ class KafkaLog(KafkaReads, Log):
             self._trim_supported = True
             return True
         raise LogError(f"trim {topic.name}[{partition}] below {before} failed", topic=topic.name)
+
+
+def _lost(topic: _Topic, partition: int, why: str) -> RunLost:
+    return RunLost(
+        f"{topic.name}[{partition}]: {why}: the broker lost the run's records (restarted empty?)",
+        topic=topic.name,
+        partition=partition,
+    )
 
 
 def _flag(value: str) -> bool | None:
