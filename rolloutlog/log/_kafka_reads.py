@@ -49,6 +49,8 @@ _RETRY_S = 0.01
 #: How long a high-water mark below a known offset must last before the run counts as lost.
 _LOSS_CONFIRM_S = 3.0
 _FOREVER = 1 << 62
+#: Between a follower's attempts to reach a broker it lost.
+_RECONNECT_S = 0.25
 
 
 @dataclass(eq=False)
@@ -182,9 +184,10 @@ class KafkaReads:
             await asyncio.Event().wait()  # nothing to follow, ever
         waker = asyncio.Event()
         self._wakers.setdefault(topic.name, set()).add(waker)
-        client = await self._readers.acquire()
-        broken = False
+        client: Any = None
         retry_s = _RETRY_S
+        #: Since when every round failed to reach the broker.
+        failing_since: float | None = None
         turn = 0
         try:
             while True:
@@ -192,7 +195,24 @@ class KafkaReads:
                 # Rotate the order: a broker fills the first partitions of an answer first.
                 order = cursors[turn:] + cursors[:turn]
                 turn = (turn + 1) % len(cursors)
-                states = await self._step_all(client, topic, order)
+                try:
+                    if client is None:
+                        client = await self._readers.acquire()
+                    states = await self._step_all(client, topic, order)
+                except BackendUnavailable:
+                    # A reset connection or a stalled broker: reconnect and go on from the
+                    # cursors, up to the request timeout; past it, the caller's supervisor
+                    # decides (the error is retriable).
+                    now = time.monotonic()
+                    failing_since = now if failing_since is None else failing_since
+                    if client is not None:
+                        await self._readers.release(client, broken=True)
+                        client = None
+                    if now - failing_since > self._request_timeout_ms / 1000:
+                        raise
+                    await asyncio.sleep(_RECONNECT_S)
+                    continue
+                failing_since = None
                 progressed = False
                 for cursor, state in zip(order, states, strict=True):
                     if state == _PROGRESS:
@@ -210,16 +230,14 @@ class KafkaReads:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(poll_s):
                         await waker.wait()
-        except Exception:
-            broken = True
-            raise
         finally:
             wakers = self._wakers.get(topic.name)
             if wakers is not None:
                 wakers.discard(waker)
                 if not wakers:
                     del self._wakers[topic.name]
-            await self._readers.release(client, broken=broken)
+            if client is not None:
+                await self._readers.release(client)
 
     # -- one round ---------------------------------------------------------------------------------
 

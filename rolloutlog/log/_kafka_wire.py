@@ -39,6 +39,7 @@ __all__ = [
     "fetch",
     "list_offsets",
     "parse_records",
+    "send",
     "translate",
 ]
 
@@ -204,6 +205,16 @@ class Answer:
     data: bytes | None
 
 
+async def send(client: Any, node: Any, request: Any) -> Any:
+    """``client.send``, with uvloop's error for a write to a connection the broker reset
+    (``RuntimeError``: the handler is closed, which aiokafka lets through) made a connection
+    error like any other."""
+    try:
+        return await client.send(node, request)
+    except RuntimeError as e:
+        raise kafka_errors.KafkaConnectionError(f"connection to node {node} lost: {e}") from e
+
+
 def _by_leader(leaders: Sequence[int], partitions: Sequence[int]) -> dict[int, list[int]]:
     grouped: dict[int, list[int]] = {}
     for partition in partitions:
@@ -236,7 +247,7 @@ async def fetch(
                 )
             ],
         )
-        return await client.send(leader, request)
+        return await send(client, leader, request)
 
     grouped = _by_leader(leaders, list(offsets))
     responses = await asyncio.gather(*(one(leader, led) for leader, led in grouped.items()))
@@ -259,7 +270,7 @@ async def list_offsets(
     found: dict[int, int] = {}
     for leader, led in _by_leader(leaders, partitions).items():
         request = OffsetRequest(-1, _READ_UNCOMMITTED, [(topic, [(p, which) for p in led])])
-        response = await client.send(leader, request)
+        response = await send(client, leader, request)
         for _, answers in response.topics:
             for partition, code, *info in answers:
                 error = kafka_errors.for_code(code)

@@ -29,6 +29,7 @@ any topic a metadata request mentions. This backend degrades to a plain producer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import re
@@ -72,6 +73,7 @@ from rolloutlog.log._kafka_wire import (
     fetch,
     list_offsets,
     parse_records,
+    send,
     translate,
 )
 
@@ -145,7 +147,8 @@ class _Lane:
     """One producer's share of a topic: the records waiting for it, and the task handing them
     over (it exists while there are any)."""
 
-    producer: Any
+    #: Which of the log's producers writes this lane's records.
+    index: int
     pending: list[_Share] = field(default_factory=list)
     writer: asyncio.Task[None] | None = None
 
@@ -218,6 +221,7 @@ class KafkaLog(KafkaReads, Log):
         self._producers: list[Any] = []
         self._topics: dict[str, _Topic] = {}
         self._create_lock = asyncio.Lock()
+        self._replace_lock = asyncio.Lock()
         #: None until the first trim tells whether the broker implements DeleteRecords.
         self._trim_supported: bool | None = None
         self._closing = False
@@ -350,7 +354,7 @@ class KafkaLog(KafkaReads, Log):
             raise BackendUnavailable(f"{what}: no broker of {self.bootstrap_servers} is known")
         try:
             async with asyncio.timeout(self._request_timeout_ms / 1000):
-                return await client.send(node, request)
+                return await send(client, node, request)
         except (kafka_errors.KafkaError, OSError, TimeoutError) as e:
             raise translate(e, f"{what} ({self.bootstrap_servers})") from e
 
@@ -386,21 +390,53 @@ class KafkaLog(KafkaReads, Log):
         existing = self._topics.get(run)
         if existing is not None:
             return existing
-        # A producer checks explicit partitions against its own metadata: make sure each one has
-        # seen them all before the first append.
-        deadline = time.monotonic() + self._request_timeout_ms / 1000
         for producer in self._producers:
-            while True:
-                try:
-                    known = await producer.partitions_for(name)
-                except kafka_errors.KafkaError as e:
-                    raise translate(e, f"metadata of {name}") from e
-                if len(known) >= count or time.monotonic() > deadline:
-                    break
-                await producer.client.force_metadata_update()
-                await asyncio.sleep(_BACKOFF_S)
-        lanes = [_Lane(producer) for producer in self._producers]
+            await self._producer_knows(producer, name, count)
+        lanes = [_Lane(index) for index in range(len(self._producers))]
         return self._topics.setdefault(run, _Topic(name, count, leaders, [-1] * count, lanes))
+
+    async def _producer_knows(self, producer: Any, name: str, count: int) -> None:
+        """A producer checks explicit partitions against its own metadata: make sure it has seen
+        all ``count`` before it takes a batch for the topic."""
+        deadline = time.monotonic() + self._request_timeout_ms / 1000
+        while True:
+            try:
+                known = await producer.partitions_for(name)
+            except kafka_errors.KafkaError as e:
+                raise translate(e, f"metadata of {name}") from e
+            if len(known) >= count or time.monotonic() > deadline:
+                return
+            await producer.client.force_metadata_update()
+            await asyncio.sleep(_BACKOFF_S)
+
+    async def _producer(self, index: int) -> Any:
+        """Producer ``index``, replaced first if it died.
+
+        aiokafka's sender task can die of an error it does not expect (under uvloop, a write to
+        a connection the broker reset raises RuntimeError), and then fails every later batch:
+        only a new producer recovers, without restarting the service."""
+        producer = self._producers[index]
+        if not _dead(producer):
+            return producer
+        async with self._replace_lock:
+            producer = self._producers[index]
+            if not _dead(producer):
+                return producer
+            log.warning("kafka log %s: producer %d died; starting a new one", self.url, index)
+            fresh = self._new_producer(self.idempotent)
+            try:
+                async with asyncio.timeout(self._request_timeout_ms / 1000):
+                    await fresh.start()
+                    for topic in list(self._topics.values()):
+                        await self._producer_knows(fresh, topic.name, topic.partitions)
+            except Exception as e:
+                await fresh.stop()
+                raise translate(e, f"restart producer {index} ({self.bootstrap_servers})") from e
+            self._producers[index] = fresh
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._request_timeout_ms / 1000):
+                    await producer.stop()
+            return fresh
 
     async def _await_leaders(self, name: str, expected: int) -> tuple[int, list[int]]:
         """Poll metadata until the topic shows at least ``expected`` partitions, all led."""
@@ -530,13 +566,14 @@ class KafkaLog(KafkaReads, Log):
             while lane.pending:
                 pending, lane.pending = lane.pending, []
                 try:
-                    batches = self._build_batches(lane.producer, pending)
-                except Exception as e:  # a record the batch builder refuses: fail them all
+                    producer = await self._producer(lane.index)
+                    batches = self._build_batches(producer, pending)
+                except Exception as e:  # no producer, or a record the batch builder refuses
                     for append, _ in pending:
                         append.fail(e, topic.name)
                     continue
                 for partition, builder, members in batches:
-                    await self._submit(topic, lane.producer, partition, builder, members)
+                    await self._submit(topic, producer, partition, builder, members)
         finally:
             lane.writer = None
 
@@ -583,19 +620,20 @@ class KafkaLog(KafkaReads, Log):
             acked = await producer.send_batch(builder, topic.name, partition=partition)
         except Exception as e:  # closed producer, stale metadata: these records fail
             self._budget.release(granted)
-            error: BaseException = e
+            error: BaseException = _producer_error(producer, e)
             if isinstance(e, kafka_errors.UnknownTopicOrPartitionError):
                 error = _lost(topic, partition, "the broker no longer knows the topic")
             for append, _ in members:
                 append.fail(error, topic.name)
             return
         acked.add_done_callback(
-            functools.partial(self._acknowledged, topic, partition, members, granted)
+            functools.partial(self._acknowledged, topic, producer, partition, members, granted)
         )
 
     def _acknowledged(
         self,
         topic: _Topic,
+        producer: Any,
         partition: int,
         members: list[_Run],
         granted: int,
@@ -606,6 +644,8 @@ class KafkaLog(KafkaReads, Log):
             error: BaseException | None = BackendUnavailable("the produce request was cancelled")
         else:
             error = acked.exception()
+            if error is not None:
+                error = _producer_error(producer, error)
         if isinstance(error, kafka_errors.UnknownTopicOrPartitionError):
             error = _lost(topic, partition, "the broker no longer knows the topic")
         if error is None and acked.result().offset < topic.acked_ends[partition]:
@@ -714,6 +754,23 @@ class KafkaLog(KafkaReads, Log):
             self._trim_supported = True
             return True
         raise LogError(f"trim {topic.name}[{partition}] below {before} failed", topic=topic.name)
+
+
+def _dead(producer: Any) -> bool:
+    """Whether a started producer's sender task has ended (aiokafka exposes no public check)."""
+    sender = getattr(producer, "_sender", None)
+    task = getattr(sender, "sender_task", None)
+    return task is not None and task.done()
+
+
+def _producer_error(producer: Any, error: BaseException) -> BaseException:
+    """A batch that failed because its producer died is refused as retriable: the next append
+    gets a new producer."""
+    if _dead(producer) and not isinstance(error, BackendUnavailable):
+        unavailable = BackendUnavailable(f"the producer failed ({error!r}); it is being replaced")
+        unavailable.__cause__ = error
+        return unavailable
+    return error
 
 
 def _lost(topic: _Topic, partition: int, why: str) -> RunLost:

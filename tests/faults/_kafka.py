@@ -17,7 +17,7 @@ import struct
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import IO, Any
 
 import httpx
@@ -313,13 +313,23 @@ class HttpLoad:
                 async with asyncio.timeout(every_s):
                     await self.stop.wait()
 
-    async def run_for(self, seconds: float, *, checkpoint_every_s: float = 1.0) -> None:
-        """Appenders and checkpoints for ``seconds``; then one last checkpoint."""
+    async def run_for(
+        self,
+        seconds: float,
+        *,
+        checkpoint_every_s: float | None = 1.0,
+        fault: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Appenders (and checkpoints) for ``seconds``, with ``fault`` started alongside; then
+        one last checkpoint, which must commit."""
         async with httpx.AsyncClient(
             timeout=120, limits=httpx.Limits(max_connections=64)
         ) as client:
             tasks = [asyncio.create_task(self.appender(i, client)) for i in range(self.appenders)]
-            tasks.append(asyncio.create_task(self.checkpointer(checkpoint_every_s)))
+            if checkpoint_every_s is not None:
+                tasks.append(asyncio.create_task(self.checkpointer(checkpoint_every_s)))
+            if fault is not None:
+                tasks.append(asyncio.create_task(fault()))
             try:
                 done, _ = await asyncio.wait(
                     tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION

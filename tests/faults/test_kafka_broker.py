@@ -14,15 +14,19 @@ import asyncio
 import contextlib
 import time
 import uuid
+from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
 
 from rolloutlog.errors import BackendUnavailable, RolloutlogError, RunLost, UnknownRun
-from rolloutlog.log import Position, Record, partition_for
+from rolloutlog.log import Position, Record, open_log, partition_for
 from rolloutlog.log.kafka import KafkaLog, from_url
-from tests.faults._kafka import FaultyKafka, faulty_kafka
+from rolloutlog.trainer import AsyncTrainerClient
+from tests.api.conftest import TOKENS
+from tests.e2e._harness import Deployment, Service, kafka_log_url
+from tests.faults._kafka import FaultyKafka, HttpLoad, faulty_kafka
 
 pytestmark = pytest.mark.kafka
 
@@ -232,3 +236,74 @@ async def refusal(operation: Callable[[], Awaitable[object]]) -> RunLost:
             await asyncio.sleep(0.2)
             continue
         pytest.fail(f"{result!r} from a broker that lost the run")
+
+
+# -- through the service ---------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    broker: FaultyKafka, catalog_url: str, workdir: Path
+) -> AsyncIterator[tuple[Service, Deployment]]:
+    """A real ``rolloutlog serve`` on the faulty broker and a PostgreSQL schema of its own."""
+    log_url = f"{kafka_log_url(broker.bootstrap)}&request_timeout_ms=10000"
+    deployment = Deployment("kafka", workdir / "data", log_url, catalog_url)
+    service = Service(deployment, workdir)
+    await service.start()
+    try:
+        yield service, deployment
+    finally:
+        service.stop()
+
+
+async def service_survives(
+    broker: FaultyKafka, catalog_url: str, workdir: Path, fault: Callable[[], Awaitable[None]]
+) -> None:
+    """Appenders over HTTP through ``fault``; then every acknowledged event is in the log and the
+    fold, and a checkpoint after the fault commits, with the same service process."""
+    async with serving(broker, catalog_url, workdir) as (service, deployment):
+        async with AsyncTrainerClient(service.url, token=TOKENS["admin"], timeout_s=60) as trainer:
+            await trainer.create_run("run", partitions=P)
+            await trainer.take_over("run")
+            load = HttpLoad(service.url, "run", trainer, appenders=4)
+            await load.checkpoint()
+            ended: list[float] = []
+
+            async def timed_fault() -> None:
+                await asyncio.sleep(1)
+                await fault()
+                ended.append(time.monotonic())
+
+            await load.run_for(14, checkpoint_every_s=None, fault=timed_fault)
+            assert ended and any(at > ended[0] + 1 for at in load.acked_at), "no recovery"
+            assert service.proc is not None and service.proc.poll() is None
+            await load.assert_in_the_fold()
+            kept_from = await load.kept_from()
+        async with open_log(deployment.log_url or "") as log:
+            await load.assert_in_the_log(log, kept_from)
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+async def test_service_through_every_connection_reset(
+    kafka: FaultyKafka, postgres_schema: str, tmp_path: Path
+) -> None:
+    async def reset() -> None:
+        for _ in range(3):
+            assert kafka.proxy.reset_all() > 0
+            await asyncio.sleep(1)
+
+    await service_survives(kafka, postgres_schema, tmp_path, reset)
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+async def test_service_through_a_broker_stalled_8s(
+    kafka: FaultyKafka, postgres_schema: str, tmp_path: Path
+) -> None:
+    async def stall() -> None:
+        kafka.tansu.stall()
+        await asyncio.sleep(8)
+        kafka.tansu.resume()
+
+    await service_survives(kafka, postgres_schema, tmp_path, stall)
