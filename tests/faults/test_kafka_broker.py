@@ -14,9 +14,9 @@ import asyncio
 import contextlib
 import time
 import uuid
-from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
