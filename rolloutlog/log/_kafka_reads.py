@@ -88,7 +88,8 @@ class KafkaReads:
     """The read side of ``KafkaLog`` (a mixin: the log supplies the attributes below)."""
 
     _readers: ClientPool
-    _wakers: dict[str, set[asyncio.Event]]
+    #: Followers to wake by (topic, partition); partition -1 wakes a whole run's follower.
+    _wakers: dict[tuple[str, int], set[asyncio.Event]]
     _fetch_bytes: int
     _max_message_bytes: int
     _request_timeout_ms: int
@@ -150,9 +151,8 @@ class KafkaReads:
         appends wake it at once; other writers' records are found by polling every ``poll_s``."""
         topic = await self._read_topic(run)
         check_partition(topic, partition)
-        async for _, page in self._follow(
-            topic, [_Cursor(partition, max(start, 0), _FOREVER, 0)], poll_s
-        ):
+        cursor = _Cursor(partition, max(start, 0), _FOREVER, 0)
+        async for _, page in self._follow(topic, [cursor], poll_s, partition):
             yield page
 
     async def follow_run(
@@ -170,20 +170,23 @@ class KafkaReads:
         cursors = [
             _Cursor(partition, max(start, 0), _FOREVER, 0) for partition, start in enumerate(starts)
         ]
-        async for item in self._follow(topic, cursors, poll_s):
+        async for item in self._follow(topic, cursors, poll_s, -1):
             yield item
 
     # -- the follow loop -----------------------------------------------------------------------------
 
     async def _follow(
-        self, topic: ReadTopic, cursors: list[_Cursor], poll_s: float
+        self, topic: ReadTopic, cursors: list[_Cursor], poll_s: float, woken_by: int
     ) -> AsyncIterator[tuple[int, list[tuple[int, bytes]]]]:
+        """Pages of ``cursors``' partitions; ``woken_by`` is the partition whose acks wake it
+        (-1: any of the run's)."""
         for cursor in cursors:
             cursor.page_bytes = self._fetch_bytes
         if not cursors:
             await asyncio.Event().wait()  # nothing to follow, ever
         waker = asyncio.Event()
-        self._wakers.setdefault(topic.name, set()).add(waker)
+        key = (topic.name, woken_by)
+        self._wakers.setdefault(key, set()).add(waker)
         client: Any = None
         retry_s = _RETRY_S
         #: Since when every round failed to reach the broker.
@@ -231,11 +234,11 @@ class KafkaReads:
                     async with asyncio.timeout(poll_s):
                         await waker.wait()
         finally:
-            wakers = self._wakers.get(topic.name)
+            wakers = self._wakers.get(key)
             if wakers is not None:
                 wakers.discard(waker)
                 if not wakers:
-                    del self._wakers[topic.name]
+                    del self._wakers[key]
             if client is not None:
                 await self._readers.release(client)
 

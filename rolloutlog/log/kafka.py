@@ -214,7 +214,7 @@ class KafkaLog(KafkaReads, Log):
         self._read_connections = read_connections
         self._readers = ClientPool(self._new_client, read_connections)
         #: Followers of a topic, woken by this instance's acks.
-        self._wakers: dict[str, set[asyncio.Event]] = {}
+        self._wakers: dict[tuple[str, int], set[asyncio.Event]] = {}
         self._admin: Any = None
         self._control: Any = None
         self._producer_count = producers
@@ -666,8 +666,9 @@ class KafkaLog(KafkaReads, Log):
             offset = append.acknowledged(indexes, offset)
         if offset > topic.acked_ends[partition]:
             topic.acked_ends[partition] = offset
-        for waker in self._wakers.get(topic.name, ()):
-            waker.set()
+        for key in ((topic.name, partition), (topic.name, -1)):
+            for waker in self._wakers.get(key, ()):
+                waker.set()
 
     # -- ends and trimming -----------------------------------------------------------------------
 
