@@ -159,6 +159,9 @@ class _Topic(ReadTopic):
 
     #: Partition ``p`` is written through ``lanes[p % len(lanes)]`` only, which keeps its order.
     lanes: list[_Lane]
+    #: A produce failed since the topic was last seen: look it up before the next append, so
+    #: that a lost topic refuses appends at once instead of after the producer's retries.
+    suspect: bool = False
 
 
 class KafkaLog(KafkaReads, Log):
@@ -526,6 +529,9 @@ class KafkaLog(KafkaReads, Log):
         topic = await self._topic(run)
         if not records:
             return []
+        if topic.suspect:
+            await self._check_exists(topic)  # RunLost when it is gone
+            topic.suspect = False
         for index, record in enumerate(records):
             if not 0 <= record.partition < topic.partitions:
                 raise InvalidRequest(
@@ -620,6 +626,7 @@ class KafkaLog(KafkaReads, Log):
             acked = await producer.send_batch(builder, topic.name, partition=partition)
         except Exception as e:  # closed producer, stale metadata: these records fail
             self._budget.release(granted)
+            topic.suspect = True
             error: BaseException = _producer_error(producer, e)
             if isinstance(e, kafka_errors.UnknownTopicOrPartitionError):
                 error = _lost(topic, partition, "the broker no longer knows the topic")
@@ -645,6 +652,7 @@ class KafkaLog(KafkaReads, Log):
         else:
             error = acked.exception()
             if error is not None:
+                topic.suspect = True
                 error = _producer_error(producer, error)
         if isinstance(error, kafka_errors.UnknownTopicOrPartitionError):
             error = _lost(topic, partition, "the broker no longer knows the topic")

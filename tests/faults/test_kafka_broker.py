@@ -212,6 +212,9 @@ async def test_broker_killed_and_restarted_empty(kafka: FaultyKafka) -> None:
         # collide with the lost ones (the catalog's checkpoint markers name those).
         lost = [Record(p, b"k", b"after") for p in range(P)]
         await refusal(lambda: log.append_records("run", lost))
+        with pytest.raises(RunLost):  # and the next one without waiting for the producer
+            async with asyncio.timeout(REQUEST_TIMEOUT_MS / 1000):
+                await log.append_records("run", lost)
         ends = [max(pos.offset for pos in work.acked if pos.partition == p) + 1 for p in range(P)]
         await refusal(lambda: anext(log.follow_run("run", ends)))
         await refusal(lambda: anext(log.read_records("run", 0, 0, ends[0])))
