@@ -218,6 +218,9 @@ async def test_broker_killed_and_restarted_empty(kafka: FaultyKafka) -> None:
         ends = [max(pos.offset for pos in work.acked if pos.partition == p) + 1 for p in range(P)]
         await refusal(lambda: anext(log.follow_run("run", ends)))
         await refusal(lambda: anext(log.read_records("run", 0, 0, ends[0])))
+        # The log itself recovered: a new run works on the restarted broker.
+        await log.ensure_run("next", P)
+        assert await log.append_records("next", lost) == [Position(p, 0) for p in range(P)]
         # Another instance (a restarted service) does not recreate the topic.
         async with kafka_log(kafka) as fresh:
             fresh.topic_prefix = log.topic_prefix
