@@ -25,6 +25,7 @@ __all__ = [
     "RestoreConflict",
     "RolloutlogError",
     "RunExists",
+    "RunLost",
     "StaleController",
     "Unauthorized",
     "UnknownCheckpoint",
@@ -168,3 +169,12 @@ class CatalogVersionError(CatalogError):
     """The catalog's schema is newer than this code understands."""
 
     code = "catalog_too_new"
+
+
+class RunLost(LogError):
+    """A run's records are gone from the log: its topic vanished, or a partition holds fewer
+    records than offsets known to exist (a broker that restarted empty). Retrying cannot bring
+    them back; an operator must."""
+
+    code = "run_lost"
+    http_status = 503

@@ -9,9 +9,10 @@ record set directly is several times faster (measured on Tansu: ~700,000 against
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiokafka.errors as kafka_errors
 from aiokafka.protocol.fetch import FetchRequest
@@ -30,6 +31,7 @@ __all__ = [
     "EARLIEST",
     "LATEST",
     "Answer",
+    "Parsed",
     "ByteBudget",
     "ClientPool",
     "chained",
@@ -37,6 +39,7 @@ __all__ = [
     "fetch",
     "list_offsets",
     "parse_records",
+    "send",
     "translate",
 ]
 
@@ -63,6 +66,8 @@ _TOO_LARGE = (
     kafka_errors.RecordListTooLargeError,
     kafka_errors.RecordTooLargeError,
 )
+#: A record batch starts with its base offset and the length of what follows.
+_BATCH_LENGTH = struct.Struct(">qi")
 #: What a request to a broker may raise.
 REQUEST_ERRORS = (kafka_errors.KafkaError, OSError, TimeoutError)
 
@@ -154,9 +159,10 @@ class ClientPool:
         self._lent.add(client)
         return client
 
-    async def release(self, client: Any) -> None:
+    async def release(self, client: Any, *, broken: bool = False) -> None:
+        """Take a client back; a ``broken`` one (its read failed) is closed, not kept."""
         self._lent.discard(client)
-        if self._closed or len(self._idle) >= self._keep:
+        if broken or self._closed or len(self._idle) >= self._keep:
             await client.close()
         else:
             self._idle.append(client)
@@ -199,6 +205,16 @@ class Answer:
     data: bytes | None
 
 
+async def send(client: Any, node: Any, request: Any) -> Any:
+    """``client.send``, with uvloop's error for a write to a connection the broker reset
+    (``RuntimeError``: the handler is closed, which aiokafka lets through) made a connection
+    error like any other."""
+    try:
+        return await client.send(node, request)
+    except RuntimeError as e:
+        raise kafka_errors.KafkaConnectionError(f"connection to node {node} lost: {e}") from e
+
+
 def _by_leader(leaders: Sequence[int], partitions: Sequence[int]) -> dict[int, list[int]]:
     grouped: dict[int, list[int]] = {}
     for partition in partitions:
@@ -211,20 +227,27 @@ async def fetch(
     topic: str,
     leaders: Sequence[int],
     offsets: Mapping[int, int],
-    page_bytes: int,
+    page_bytes: int | Mapping[int, int],
 ) -> dict[int, Answer]:
     """One Fetch per leader for ``offsets`` (partition → offset), at most ``page_bytes`` per
-    partition. A partition the broker left out of its answer is missing from the result."""
+    partition (one size for all, or per partition). A partition the broker left out of its
+    answer is missing from the result."""
+    sizes = page_bytes if isinstance(page_bytes, Mapping) else dict.fromkeys(offsets, page_bytes)
 
     async def one(leader: int, partitions: list[int]) -> Any:
         request = FetchRequest(
             FETCH_WAIT_MS,
             1,
-            page_bytes * len(partitions),
+            sum(sizes[partition] for partition in partitions),
             _READ_UNCOMMITTED,
-            [(topic, [(partition, offsets[partition], page_bytes) for partition in partitions])],
+            [
+                (
+                    topic,
+                    [(partition, offsets[partition], sizes[partition]) for partition in partitions],
+                )
+            ],
         )
-        return await client.send(leader, request)
+        return await send(client, leader, request)
 
     grouped = _by_leader(leaders, list(offsets))
     responses = await asyncio.gather(*(one(leader, led) for leader, led in grouped.items()))
@@ -247,7 +270,7 @@ async def list_offsets(
     found: dict[int, int] = {}
     for leader, led in _by_leader(leaders, partitions).items():
         request = OffsetRequest(-1, _READ_UNCOMMITTED, [(topic, [(p, which) for p in led])])
-        response = await client.send(leader, request)
+        response = await send(client, leader, request)
         for _, answers in response.topics:
             for partition, code, *info in answers:
                 error = kafka_errors.for_code(code)
@@ -260,20 +283,34 @@ async def list_offsets(
     return found
 
 
-def parse_records(data: bytes | None, offset: int, end: int) -> tuple[list[tuple[int, bytes]], int]:
+class Parsed(NamedTuple):
+    """What one partition's fetched record set holds from the requested offset on."""
+
+    records: list[tuple[int, bytes]]
+    #: The offset to fetch next (past whole batches).
+    following: int
+    #: Declared size of a batch the record set holds only the start of (0 when none): the
+    #: broker cut it at the page size, so only a larger page can read it.
+    truncated: int
+
+
+def parse_records(data: bytes | None, offset: int, end: int) -> Parsed:
     """``(offset, value)`` of the records of a fetched record set with ``offset <= o < end``,
     and the offset to fetch next (past whole batches: compaction gaps and control batches are
-    stepped over). A truncated last batch is left for the next fetch."""
+    stepped over). A truncated last batch is left for the next fetch; when it is the only
+    batch, ``truncated`` says how large it is."""
     records: list[tuple[int, bytes]] = []
     following = offset
     if not data:
-        return records, following
+        return Parsed(records, following, 0)
     batches = MemoryRecords(data)
     append = records.append
+    whole = 0
     while batches.has_next():
         batch = batches.next_batch()
         if batch is None:
             break
+        whole += 1
         if not batch.validate_crc():
             raise LogError(f"corrupt record batch at offset {batch.base_offset}")
         if not batch.is_control_batch:
@@ -286,7 +323,13 @@ def parse_records(data: bytes | None, offset: int, end: int) -> tuple[list[tuple
                 value = record.value
                 if value is not None:
                     append((position, value))
-        following = batch.next_offset
+        # A batch wholly before ``offset`` (a broker answering from an earlier batch) must not
+        # move the read backwards.
+        following = max(following, batch.next_offset)
         if following >= end:
             break
-    return records, following
+    truncated = 0
+    if whole == 0 and len(data) >= _BATCH_LENGTH.size:
+        # base offset (int64) then the length of the rest of the batch (int32)
+        truncated = _BATCH_LENGTH.unpack_from(data)[1] + _BATCH_LENGTH.size
+    return Parsed(records, following, truncated)

@@ -34,11 +34,12 @@ import functools
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import aiokafka.client
 import aiokafka.errors as kafka_errors
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
@@ -50,6 +51,7 @@ from rolloutlog.errors import (
     InvalidRequest,
     LogError,
     PayloadTooLarge,
+    RunLost,
     UnknownRun,
 )
 from rolloutlog.log._interface import (
@@ -60,8 +62,8 @@ from rolloutlog.log._interface import (
     Record,
     check_run_name,
 )
+from rolloutlog.log._kafka_reads import KafkaReads, ReadTopic, check_partition
 from rolloutlog.log._kafka_wire import (
-    EARLIEST,
     LATEST,
     REQUEST_ERRORS,
     ByteBudget,
@@ -71,6 +73,7 @@ from rolloutlog.log._kafka_wire import (
     fetch,
     list_offsets,
     parse_records,
+    send,
     translate,
 )
 
@@ -85,6 +88,22 @@ _TOPIC_PREFIX = re.compile(r"[a-zA-Z0-9._-]{0,140}")
 #: Room for a record's key, headers and its batch's header beyond the value itself.
 _RECORD_OVERHEAD = 64 * 1024
 _BACKOFF_S = 0.05
+
+
+class _MetadataRequest(MetadataRequest):  # type: ignore[misc]
+    """aiokafka's clients ask for metadata with ``allow_auto_topic_creation`` on, so a broker
+    that lost a topic (Tansu restarted empty) recreates it, empty, as soon as a producer
+    refreshes its metadata, and appends then land at offsets the lost records had. This
+    backend creates topics in ``ensure_run`` only: the clients' requests never allow it."""
+
+    def __init__(
+        self, topics: list[str] | None = None, allow_auto_topic_creation: bool | None = None
+    ) -> None:
+        super().__init__(topics, bool(allow_auto_topic_creation))
+
+
+# aiokafka builds these requests inside ``AIOKafkaClient._metadata_update`` with no setting for it.
+aiokafka.client.MetadataRequest = _MetadataRequest
 
 
 @dataclass(eq=False, slots=True)
@@ -128,32 +147,24 @@ class _Lane:
     """One producer's share of a topic: the records waiting for it, and the task handing them
     over (it exists while there are any)."""
 
-    producer: Any
+    #: Which of the log's producers writes this lane's records.
+    index: int
     pending: list[_Share] = field(default_factory=list)
     writer: asyncio.Task[None] | None = None
 
 
 @dataclass(eq=False)
-class _Topic:
+class _Topic(ReadTopic):
     """What this instance knows of one run's topic."""
 
-    name: str
-    partitions: int
-    leaders: list[int]
-    #: Next offset per partition as acknowledged to this instance; -1 before its first ack.
-    acked_ends: list[int]
     #: Partition ``p`` is written through ``lanes[p % len(lanes)]`` only, which keeps its order.
     lanes: list[_Lane]
+    #: A produce failed since the topic was last seen: look it up before the next append, so
+    #: that a lost topic refuses appends at once instead of after the producer's retries.
+    suspect: bool = False
 
 
-@dataclass(slots=True)
-class _Page:
-    records: list[tuple[int, bytes]]
-    next_offset: int
-    highwater: int
-
-
-class KafkaLog(Log):
+class KafkaLog(KafkaReads, Log):
     """The log on a Kafka-protocol broker; one topic ``{topic_prefix}{run}`` per run.
 
     Options: ``idempotence`` None detects (True requires, False never asks);
@@ -205,13 +216,15 @@ class KafkaLog(Log):
         self._budget = ByteBudget(max(in_flight_bytes, 1))
         self._read_connections = read_connections
         self._readers = ClientPool(self._new_client, read_connections)
-        self._wakers: dict[tuple[str, int], asyncio.Event] = {}
+        #: Followers of a topic, woken by this instance's acks.
+        self._wakers: dict[tuple[str, int], set[asyncio.Event]] = {}
         self._admin: Any = None
         self._control: Any = None
         self._producer_count = producers
         self._producers: list[Any] = []
         self._topics: dict[str, _Topic] = {}
         self._create_lock = asyncio.Lock()
+        self._replace_lock = asyncio.Lock()
         #: None until the first trim tells whether the broker implements DeleteRecords.
         self._trim_supported: bool | None = None
         self._closing = False
@@ -344,7 +357,7 @@ class KafkaLog(Log):
             raise BackendUnavailable(f"{what}: no broker of {self.bootstrap_servers} is known")
         try:
             async with asyncio.timeout(self._request_timeout_ms / 1000):
-                return await client.send(node, request)
+                return await send(client, node, request)
         except (kafka_errors.KafkaError, OSError, TimeoutError) as e:
             raise translate(e, f"{what} ({self.bootstrap_servers})") from e
 
@@ -357,6 +370,9 @@ class KafkaLog(Log):
         request = MetadataRequest([name], allow_auto_topic_creation=False)
         response = await self._control_send(request, f"describe topic {name}")
         return describe(response, name)
+
+    async def _read_topic(self, run: str) -> ReadTopic:
+        return await self._topic(run)
 
     async def _topic(self, run: str) -> _Topic:
         topic = self._topics.get(run)
@@ -377,21 +393,53 @@ class KafkaLog(Log):
         existing = self._topics.get(run)
         if existing is not None:
             return existing
-        # A producer checks explicit partitions against its own metadata: make sure each one has
-        # seen them all before the first append.
-        deadline = time.monotonic() + self._request_timeout_ms / 1000
         for producer in self._producers:
-            while True:
-                try:
-                    known = await producer.partitions_for(name)
-                except kafka_errors.KafkaError as e:
-                    raise translate(e, f"metadata of {name}") from e
-                if len(known) >= count or time.monotonic() > deadline:
-                    break
-                await producer.client.force_metadata_update()
-                await asyncio.sleep(_BACKOFF_S)
-        lanes = [_Lane(producer) for producer in self._producers]
+            await self._producer_knows(producer, name, count)
+        lanes = [_Lane(index) for index in range(len(self._producers))]
         return self._topics.setdefault(run, _Topic(name, count, leaders, [-1] * count, lanes))
+
+    async def _producer_knows(self, producer: Any, name: str, count: int) -> None:
+        """A producer checks explicit partitions against its own metadata: make sure it has seen
+        all ``count`` before it takes a batch for the topic."""
+        deadline = time.monotonic() + self._request_timeout_ms / 1000
+        while True:
+            try:
+                known = await producer.partitions_for(name)
+            except kafka_errors.KafkaError as e:
+                raise translate(e, f"metadata of {name}") from e
+            if len(known) >= count or time.monotonic() > deadline:
+                return
+            await producer.client.force_metadata_update()
+            await asyncio.sleep(_BACKOFF_S)
+
+    async def _producer(self, index: int) -> Any:
+        """Producer ``index``, replaced first if it died.
+
+        aiokafka's sender task can die of an error it does not expect (under uvloop, a write to
+        a connection the broker reset raises RuntimeError), and then fails every later batch:
+        only a new producer recovers, without restarting the service."""
+        producer = self._producers[index]
+        if not _dead(producer):
+            return producer
+        async with self._replace_lock:
+            producer = self._producers[index]
+            if not _dead(producer):
+                return producer
+            log.warning("kafka log %s: producer %d died; starting a new one", self.url, index)
+            fresh = self._new_producer(self.idempotent)
+            try:
+                async with asyncio.timeout(self._request_timeout_ms / 1000):
+                    await fresh.start()
+                    for topic in list(self._topics.values()):
+                        await self._producer_knows(fresh, topic.name, topic.partitions)
+            except Exception as e:
+                await fresh.stop()
+                raise translate(e, f"restart producer {index} ({self.bootstrap_servers})") from e
+            self._producers[index] = fresh
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._request_timeout_ms / 1000):
+                    await producer.stop()
+            return fresh
 
     async def _await_leaders(self, name: str, expected: int) -> tuple[int, list[int]]:
         """Poll metadata until the topic shows at least ``expected`` partitions, all led."""
@@ -481,6 +529,9 @@ class KafkaLog(Log):
         topic = await self._topic(run)
         if not records:
             return []
+        if topic.suspect:
+            await self._check_exists(topic)  # RunLost when it is gone
+            topic.suspect = False
         for index, record in enumerate(records):
             if not 0 <= record.partition < topic.partitions:
                 raise InvalidRequest(
@@ -521,13 +572,14 @@ class KafkaLog(Log):
             while lane.pending:
                 pending, lane.pending = lane.pending, []
                 try:
-                    batches = self._build_batches(lane.producer, pending)
-                except Exception as e:  # a record the batch builder refuses: fail them all
+                    producer = await self._producer(lane.index)
+                    batches = self._build_batches(producer, pending)
+                except Exception as e:  # no producer, or a record the batch builder refuses
                     for append, _ in pending:
                         append.fail(e, topic.name)
                     continue
                 for partition, builder, members in batches:
-                    await self._submit(topic, lane.producer, partition, builder, members)
+                    await self._submit(topic, producer, partition, builder, members)
         finally:
             lane.writer = None
 
@@ -574,16 +626,21 @@ class KafkaLog(Log):
             acked = await producer.send_batch(builder, topic.name, partition=partition)
         except Exception as e:  # closed producer, stale metadata: these records fail
             self._budget.release(granted)
+            topic.suspect = True
+            error: BaseException = _producer_error(producer, e)
+            if isinstance(e, kafka_errors.UnknownTopicOrPartitionError):
+                error = _lost(topic, partition, "the broker no longer knows the topic")
             for append, _ in members:
-                append.fail(e, topic.name)
+                append.fail(error, topic.name)
             return
         acked.add_done_callback(
-            functools.partial(self._acknowledged, topic, partition, members, granted)
+            functools.partial(self._acknowledged, topic, producer, partition, members, granted)
         )
 
     def _acknowledged(
         self,
         topic: _Topic,
+        producer: Any,
         partition: int,
         members: list[_Run],
         granted: int,
@@ -594,6 +651,20 @@ class KafkaLog(Log):
             error: BaseException | None = BackendUnavailable("the produce request was cancelled")
         else:
             error = acked.exception()
+            if error is not None:
+                topic.suspect = True
+                error = _producer_error(producer, error)
+        if isinstance(error, kafka_errors.UnknownTopicOrPartitionError):
+            error = _lost(topic, partition, "the broker no longer knows the topic")
+        if error is None and acked.result().offset < topic.acked_ends[partition]:
+            # Written below what this instance had acknowledged: the broker lost the partition's
+            # records and took these at offsets that named others. Not acknowledged.
+            error = _lost(
+                topic,
+                partition,
+                f"records landed at {acked.result().offset}, below the acknowledged end "
+                f"{topic.acked_ends[partition]}",
+            )
         if error is not None:
             for append, _ in members:
                 append.fail(error, topic.name)
@@ -603,147 +674,9 @@ class KafkaLog(Log):
             offset = append.acknowledged(indexes, offset)
         if offset > topic.acked_ends[partition]:
             topic.acked_ends[partition] = offset
-        waker = self._wakers.get((topic.name, partition))
-        if waker is not None:
-            waker.set()
-
-    # -- reads -----------------------------------------------------------------------------------
-
-    def _check_partition(self, topic: _Topic, partition: int) -> None:
-        if not 0 <= partition < topic.partitions:
-            raise InvalidRequest(
-                f"partition {partition} out of range: {topic.name} has {topic.partitions}",
-                topic=topic.name,
-            )
-
-    async def read_records(
-        self, run: str, partition: int, start: int, end: int
-    ) -> AsyncIterator[tuple[int, bytes]]:
-        topic = await self._topic(run)
-        self._check_partition(topic, partition)
-        start = max(start, 0)
-        if end <= start:
-            return
-        client = await self._readers.acquire()
-        following: asyncio.Task[_Page] | None = None
-        try:
-            offset = start
-            page_bytes = self._fetch_bytes
-            page = await self._fetch_page(client, topic, partition, offset, end, page_bytes)
-            while True:
-                done = page.next_offset >= end or page.next_offset >= page.highwater
-                if not done and page.next_offset == offset and not page.records:
-                    # No whole batch fitted the page: the next batch is larger than the page.
-                    page_bytes = self._grow_page(topic, partition, offset, page_bytes)
-                    page = await self._fetch_page(client, topic, partition, offset, end, page_bytes)
-                    continue
-                if not done:
-                    following = asyncio.create_task(
-                        self._fetch_page(
-                            client, topic, partition, page.next_offset, end, page_bytes
-                        )
-                    )
-                for item in page.records:
-                    yield item
-                if following is None:
-                    return
-                offset = page.next_offset
-                page = await following
-                following = None
-        finally:
-            if following is not None:
-                following.cancel()
-                with contextlib.suppress(BaseException):
-                    await following
-            await self._readers.release(client)
-
-    async def follow(
-        self, run: str, partition: int, start: int, *, poll_s: float = 0.1
-    ) -> AsyncIterator[list[tuple[int, bytes]]]:
-        """Pages from ``start`` on, from its own reader connection. Records this instance
-        appends wake it at once; other writers' records are found by polling every ``poll_s``."""
-        topic = await self._topic(run)
-        self._check_partition(topic, partition)
-        waker = self._wakers.setdefault((topic.name, partition), asyncio.Event())
-        client = await self._readers.acquire()
-        try:
-            offset = max(start, 0)
-            page_bytes = self._fetch_bytes
-            while True:
-                waker.clear()
-                page = await self._fetch_page(client, topic, partition, offset, 1 << 62, page_bytes)
-                if page.records:
-                    offset = page.next_offset
-                    yield page.records
-                elif page.next_offset > offset:
-                    offset = page.next_offset  # a trimmed range, or a gap
-                elif offset < page.highwater:
-                    page_bytes = self._grow_page(topic, partition, offset, page_bytes)
-                else:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(poll_s):
-                            await waker.wait()
-        finally:
-            await self._readers.release(client)
-
-    def _grow_page(self, topic: _Topic, partition: int, offset: int, page_bytes: int) -> int:
-        limit = 4 * self._max_message_bytes
-        if page_bytes >= limit:
-            raise LogError(
-                f"{topic.name}[{partition}] at offset {offset}: no complete record batch in "
-                f"{page_bytes} bytes",
-                topic=topic.name,
-                partition=partition,
-                offset=offset,
-            )
-        return min(page_bytes * 2, limit)
-
-    async def _fetch_page(
-        self, client: Any, topic: _Topic, partition: int, offset: int, end: int, page_bytes: int
-    ) -> _Page:
-        """The records of one Fetch from ``offset`` (below ``end``), retried across leader moves
-        until the request timeout."""
-        where = f"read {topic.name}[{partition}]"
-        deadline = time.monotonic() + self._request_timeout_ms / 1000
-        while True:
-            try:
-                answers = await fetch(
-                    client, topic.name, topic.leaders, {partition: offset}, page_bytes
-                )
-                answer = answers.get(partition)
-                if answer is not None and answer.error is kafka_errors.NoError:
-                    records, following = parse_records(answer.data, offset, end)
-                    return _Page(records, following, answer.highwater)
-                if answer is not None and answer.error is kafka_errors.OffsetOutOfRangeError:
-                    found = await list_offsets(
-                        client, topic.name, topic.leaders, [partition], EARLIEST
-                    )
-                    if offset < found.get(partition, 0):
-                        offset = found[partition]  # trimmed: the range's rest starts here
-                        continue
-                    return _Page([], offset, offset)  # past the end: nothing more exists
-            except REQUEST_ERRORS as e:
-                raise translate(e, where, topic=topic.name, partition=partition) from e
-            if answer is not None:
-                if answer.error is kafka_errors.UnknownTopicOrPartitionError and (
-                    await self._describe(topic.name) is None
-                ):
-                    raise UnknownRun(f"{where}: the topic no longer exists", topic=topic.name)
-                if not answer.error.retriable:
-                    raise translate(answer.error(), where, topic=topic.name, partition=partition)
-            if time.monotonic() > deadline:
-                raise BackendUnavailable(
-                    f"{where}: no answer for offset {offset} within {self._request_timeout_ms} ms",
-                    topic=topic.name,
-                    partition=partition,
-                )
-            await self._refresh_leaders(topic)
-            await asyncio.sleep(_BACKOFF_S)
-
-    async def _refresh_leaders(self, topic: _Topic) -> None:
-        described = await self._describe(topic.name)
-        if described is not None and described[0] >= topic.partitions:
-            topic.leaders[:] = described[1][: topic.partitions]
+        for key in ((topic.name, partition), (topic.name, -1)):
+            for waker in self._wakers.get(key, ()):
+                waker.set()
 
     # -- ends and trimming -----------------------------------------------------------------------
 
@@ -777,7 +710,7 @@ class KafkaLog(Log):
                 answers = await fetch(client, topic.name, topic.leaders, unsure, 64 * 1024)
                 for partition, answer in answers.items():
                     if answer.error is kafka_errors.NoError:
-                        records, _ = parse_records(answer.data, unsure[partition], 1 << 62)
+                        records = parse_records(answer.data, unsure[partition], 1 << 62).records
                         last = records[-1][0] + 1 if records else 0
                         ends[partition] = max(unsure[partition], answer.highwater, last)
                         del unsure[partition]
@@ -796,7 +729,7 @@ class KafkaLog(Log):
         """``DeleteRecords`` below ``before`` (clamped to the high-water mark); False where the
         broker does not implement it (Tansu closes the connection), decided once per instance."""
         topic = await self._topic(run)
-        self._check_partition(topic, partition)
+        check_partition(topic, partition)
         if self._trim_supported is False:
             return False
         target = TopicPartition(topic.name, partition)
@@ -830,6 +763,31 @@ class KafkaLog(Log):
             self._trim_supported = True
             return True
         raise LogError(f"trim {topic.name}[{partition}] below {before} failed", topic=topic.name)
+
+
+def _dead(producer: Any) -> bool:
+    """Whether a started producer's sender task has ended (aiokafka exposes no public check)."""
+    sender = getattr(producer, "_sender", None)
+    task = getattr(sender, "sender_task", None)
+    return task is not None and task.done()
+
+
+def _producer_error(producer: Any, error: BaseException) -> BaseException:
+    """A batch that failed because its producer died is refused as retriable: the next append
+    gets a new producer."""
+    if _dead(producer) and not isinstance(error, BackendUnavailable):
+        unavailable = BackendUnavailable(f"the producer failed ({error!r}); it is being replaced")
+        unavailable.__cause__ = error
+        return unavailable
+    return error
+
+
+def _lost(topic: _Topic, partition: int, why: str) -> RunLost:
+    return RunLost(
+        f"{topic.name}[{partition}]: {why}: the broker lost the run's records (restarted empty?)",
+        topic=topic.name,
+        partition=partition,
+    )
 
 
 def _flag(value: str) -> bool | None:

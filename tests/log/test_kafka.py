@@ -26,6 +26,7 @@ from rolloutlog.errors import (
     InvalidRequest,
     LogError,
     PayloadTooLarge,
+    RunLost,
     UnknownRun,
 )
 from rolloutlog.log import Record, open_log, partition_for
@@ -255,7 +256,10 @@ async def test_reads_are_exact_across_pages_and_stop_at_what_exists(open_kafka: 
     # A range reaching past the end yields what exists and returns promptly.
     async with asyncio.timeout(10):
         assert len(await read_all(log, "run", 0, 2990, 10_000)) == 10
-        assert await read_all(log, "run", 0, 5000, 6000) == []
+        assert await read_all(log, "run", 0, 3000, 6000) == []
+    # One starting past the end names records that are not there: the run lost them.
+    with pytest.raises(RunLost):
+        await read_all(log, "run", 0, 5000, 6000)
 
 
 @pytest.mark.kafka
@@ -394,8 +398,67 @@ def test_parse_records_keeps_the_range_and_leaves_partial_batches() -> None:
     assert parse_records(first + second, 1, 5) == (
         [(1, b"b"), (2, b"c"), (3, b"d"), (4, b"e")],
         6,
+        0,
     )
-    # A truncated last batch is left for the next fetch, which starts where it starts.
-    assert parse_records(first + second[:-5], 0, 100) == ([(0, b"a"), (1, b"b"), (2, b"c")], 3)
-    assert parse_records(second[:-5], 3, 100) == ([], 3)
-    assert parse_records(None, 7, 100) == ([], 7)
+    # A truncated last batch is left for the next fetch, which starts where it starts; alone,
+    # it says how large it is (the page to ask for).
+    assert parse_records(first + second[:-5], 0, 100) == ([(0, b"a"), (1, b"b"), (2, b"c")], 3, 0)
+    assert parse_records(second[:-5], 3, 100) == ([], 3, len(second))
+    assert parse_records(None, 7, 100) == ([], 7, 0)
+    assert parse_records(b"", 7, 100) == ([], 7, 0)
+    # A batch wholly before the offset never moves the read backwards.
+    assert parse_records(first, 5, 100) == ([], 5, 0)
+
+
+@pytest.mark.kafka
+async def test_empty_answers_below_the_high_water_mark_are_asked_again(
+    open_kafka: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11's load failure: under concurrent appends Tansu answers some Fetches with no data
+    although the high-water mark is past the offset. Followers took each such answer for a batch
+    larger than the page and doubled the page for good, until it passed its limit and the
+    follower died ("no complete record batch in 67371008 bytes"). Here every page's first answer
+    is empty, as Tansu gives it: reads and follows must ask again and deliver everything."""
+    import rolloutlog.log._kafka_reads as reads
+    from rolloutlog.log._kafka_wire import Answer
+
+    real_fetch = reads.fetch
+    emptied: set[tuple[int, int]] = set()
+
+    async def tansu_under_load(*args: Any, **kwargs: Any) -> dict[int, Answer]:
+        answers = await real_fetch(*args, **kwargs)
+        offsets = args[3]
+        for partition, answer in answers.items():
+            where = (partition, offsets[partition])
+            if answer.data and where not in emptied:
+                emptied.add(where)
+                answers[partition] = Answer(answer.error, answer.highwater, b"")
+        return answers
+
+    monkeypatch.setattr(reads, "fetch", tansu_under_load)
+    log = await open_kafka()
+    await log.ensure_run("run", 2)
+    written: list[Record] = []
+    followed: list[bytes] = []
+    follower = log.follow("run", 0, 0)
+    async with asyncio.timeout(30):
+        for round_ in range(8):  # a page, and an empty first answer, per round
+            batch = [Record(0, b"k", b"%d" % (round_ * 2 + i)) for i in range(2)]
+            written.extend(batch)
+            await log.append_records("run", batch)
+            while len(followed) < len(written):
+                followed.extend(value for _, value in await anext(follower))
+            got = await read_all(log, "run", 0, round_ * 2, round_ * 2 + 2)
+            assert [value for _, value in got] == [r.value for r in batch]
+        await follower.aclose()
+        assert followed == [r.value for r in written]
+        both = [Record(p, b"k", b"p%d-%d" % (p, i)) for i in range(6) for p in range(2)]
+        for start in range(0, len(both), 2):
+            await log.append_records("run", both[start : start + 2])
+        seen: dict[int, list[bytes]] = {0: [], 1: []}
+        async for partition, page in log.follow_run("run", [len(written), 0]):
+            seen[partition].extend(value for _, value in page)
+            if len(seen[0]) + len(seen[1]) >= len(both):
+                break
+        assert seen == {p: [r.value for r in both if r.partition == p] for p in range(2)}
+    assert len(emptied) >= 8

@@ -1,0 +1,396 @@
+"""Reads of the Kafka log backend: ranges, follows of one partition or of a whole run, and the
+detection of a lost run.
+
+Every read keeps a cursor per partition and decides what a Fetch answer means for it
+(``_Cursor.take``): records to hand over, a range stepped over, the end of what exists, a batch
+the broker cut at the page size (grow the page for it, once), or an empty answer below the
+high-water mark. Tansu gives the last one under concurrent appends: it raises the high-water
+mark before the batch below it can be fetched, for a few milliseconds. Such an answer is not a
+large batch (Tansu returns a batch larger than the page whole, and Apache Kafka cuts it), so the
+read backs off and asks again, and only an answer that stays empty past the request timeout is
+an error (``BackendUnavailable``, retriable). Growing the page for it instead, and keeping the
+grown page, is what used to kill followers under load: every transient empty answer doubled the
+page until it passed its limit ("no complete record batch in 67371008 bytes").
+
+A run is lost (``RunLost``) when its topic vanished or lost partitions, or a partition's high-water
+mark stays below an offset known to exist there (this instance's acknowledged end, or where a read
+is): a broker that restarted empty, with the topic recreated behind it. Apache Kafka's high-water
+mark can lag for a moment after a leader moves, so a short one is trusted only after it has
+stayed short for ``_LOSS_CONFIRM_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiokafka.errors as kafka_errors
+
+from rolloutlog.errors import BackendUnavailable, InvalidRequest, LogError, RunLost
+from rolloutlog.log._kafka_wire import (
+    EARLIEST,
+    REQUEST_ERRORS,
+    Answer,
+    ClientPool,
+    fetch,
+    list_offsets,
+    parse_records,
+    translate,
+)
+
+__all__ = ["KafkaReads", "ReadTopic", "check_partition"]
+
+#: First wait after an answer that must be asked again; doubled up to the poll interval.
+_RETRY_S = 0.01
+#: How long a high-water mark below a known offset must last before the run counts as lost.
+_LOSS_CONFIRM_S = 3.0
+_FOREVER = 1 << 62
+#: Between a follower's attempts to reach a broker it lost.
+_RECONNECT_S = 0.25
+
+
+@dataclass(eq=False)
+class ReadTopic:
+    """What reads need to know of a run's topic (``kafka._Topic`` is one)."""
+
+    name: str
+    partitions: int
+    leaders: list[int]
+    #: Next offset per partition as acknowledged to this instance; -1 before its first ack.
+    acked_ends: list[int]
+
+
+# What a cursor makes of one answer.
+_PROGRESS, _AT_END, _AGAIN, _WAIT = range(4)
+
+
+@dataclass(eq=False, slots=True)
+class _Cursor:
+    """One partition's read position and what its last answers said."""
+
+    partition: int
+    offset: int
+    end: int
+    page_bytes: int
+    #: When the current offset first got an empty answer below the high-water mark.
+    empty_since: float | None = None
+    #: When a high-water mark below a known offset was first seen.
+    short_since: float | None = None
+    records: list[tuple[int, bytes]] = field(default_factory=list)
+    highwater: int = 0
+
+
+class KafkaReads:
+    """The read side of ``KafkaLog`` (a mixin: the log supplies the attributes below)."""
+
+    _readers: ClientPool
+    #: Followers to wake by (topic, partition); partition -1 wakes a whole run's follower.
+    _wakers: dict[tuple[str, int], set[asyncio.Event]]
+    _fetch_bytes: int
+    _max_message_bytes: int
+    _request_timeout_ms: int
+
+    async def _read_topic(self, run: str) -> ReadTopic:
+        raise NotImplementedError
+
+    async def _describe(self, name: str) -> tuple[int, list[int]] | None:
+        raise NotImplementedError
+
+    # -- public reads ------------------------------------------------------------------------------
+
+    async def read_records(
+        self, run: str, partition: int, start: int, end: int
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        """Records of ``start <= offset < end``, fetching the next page while the caller consumes
+        the current one. A range reaching past the end yields what exists; one starting past the
+        end of a partition is a lost run (``RunLost``): reads start at offsets known to exist."""
+        topic = await self._read_topic(run)
+        check_partition(topic, partition)
+        start = max(start, 0)
+        if end <= start:
+            return
+        cursor = _Cursor(partition, start, end, self._fetch_bytes)
+        client = await self._readers.acquire()
+        following: asyncio.Task[int] | None = None
+        broken = False
+        try:
+            while True:
+                if following is None:
+                    state = await self._step(client, topic, cursor)
+                else:
+                    state, following = await following, None
+                if state == _AT_END:
+                    return
+                if state != _PROGRESS:
+                    continue
+                records = cursor.records
+                if cursor.offset < min(end, cursor.highwater):
+                    following = asyncio.create_task(self._step(client, topic, cursor))
+                for item in records:
+                    yield item
+                if following is None and cursor.offset >= end:
+                    return
+        except Exception:
+            broken = True
+            raise
+        finally:
+            if following is not None:
+                following.cancel()
+                with contextlib.suppress(BaseException):
+                    await following
+            await self._readers.release(client, broken=broken)
+
+    async def follow(
+        self, run: str, partition: int, start: int, *, poll_s: float = 0.1
+    ) -> AsyncIterator[list[tuple[int, bytes]]]:
+        """Pages from ``start`` on, from its own reader connection. Records this instance
+        appends wake it at once; other writers' records are found by polling every ``poll_s``."""
+        topic = await self._read_topic(run)
+        check_partition(topic, partition)
+        cursor = _Cursor(partition, max(start, 0), _FOREVER, 0)
+        async for _, page in self._follow(topic, [cursor], poll_s, partition):
+            yield page
+
+    async def follow_run(
+        self, run: str, starts: Sequence[int], *, poll_s: float = 0.05
+    ) -> AsyncIterator[tuple[int, list[tuple[int, bytes]]]]:
+        """Every partition ``p`` from ``starts[p]`` on, from one reader connection: each round is
+        one Fetch per leader for all partitions at their own offsets. This instance's acks wake
+        it at once; other writers' records are found by polling every ``poll_s``."""
+        topic = await self._read_topic(run)
+        if len(starts) > topic.partitions:
+            raise InvalidRequest(
+                f"{len(starts)} start offsets for {topic.name}, which has {topic.partitions}",
+                topic=topic.name,
+            )
+        cursors = [
+            _Cursor(partition, max(start, 0), _FOREVER, 0) for partition, start in enumerate(starts)
+        ]
+        async for item in self._follow(topic, cursors, poll_s, -1):
+            yield item
+
+    # -- the follow loop -----------------------------------------------------------------------------
+
+    async def _follow(
+        self, topic: ReadTopic, cursors: list[_Cursor], poll_s: float, woken_by: int
+    ) -> AsyncIterator[tuple[int, list[tuple[int, bytes]]]]:
+        """Pages of ``cursors``' partitions; ``woken_by`` is the partition whose acks wake it
+        (-1: any of the run's)."""
+        for cursor in cursors:
+            cursor.page_bytes = self._fetch_bytes
+        if not cursors:
+            await asyncio.Event().wait()  # nothing to follow, ever
+        waker = asyncio.Event()
+        key = (topic.name, woken_by)
+        self._wakers.setdefault(key, set()).add(waker)
+        client: Any = None
+        retry_s = _RETRY_S
+        #: Since when every round failed to reach the broker.
+        failing_since: float | None = None
+        turn = 0
+        try:
+            while True:
+                waker.clear()
+                # Rotate the order: a broker fills the first partitions of an answer first.
+                order = cursors[turn:] + cursors[:turn]
+                turn = (turn + 1) % len(cursors)
+                try:
+                    if client is None:
+                        client = await self._readers.acquire()
+                    states = await self._step_all(client, topic, order)
+                except BackendUnavailable:
+                    # A reset connection or a stalled broker: reconnect and go on from the
+                    # cursors, up to the request timeout; past it, the caller's supervisor
+                    # decides (the error is retriable).
+                    now = time.monotonic()
+                    failing_since = now if failing_since is None else failing_since
+                    if client is not None:
+                        await self._readers.release(client, broken=True)
+                        client = None
+                    if now - failing_since > self._request_timeout_ms / 1000:
+                        raise
+                    await asyncio.sleep(_RECONNECT_S)
+                    continue
+                failing_since = None
+                progressed = False
+                for cursor, state in zip(order, states, strict=True):
+                    if state == _PROGRESS:
+                        progressed = True
+                        if cursor.records:
+                            yield cursor.partition, cursor.records
+                if progressed or _AGAIN in states:
+                    retry_s = _RETRY_S
+                    continue
+                if _WAIT in states:
+                    await asyncio.sleep(min(retry_s, poll_s))
+                    retry_s *= 2
+                    continue
+                retry_s = _RETRY_S
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(poll_s):
+                        await waker.wait()
+        finally:
+            wakers = self._wakers.get(key)
+            if wakers is not None:
+                wakers.discard(waker)
+                if not wakers:
+                    del self._wakers[key]
+            if client is not None:
+                await self._readers.release(client)
+
+    # -- one round ---------------------------------------------------------------------------------
+
+    async def _step(self, client: Any, topic: ReadTopic, cursor: _Cursor) -> int:
+        """One round for the one cursor of a bounded read; it backs off itself when it must
+        ask again later."""
+        (state,) = await self._step_all(client, topic, [cursor])
+        if state == _WAIT:
+            await asyncio.sleep(_RETRY_S * 5)
+        return state
+
+    async def _step_all(self, client: Any, topic: ReadTopic, cursors: list[_Cursor]) -> list[int]:
+        """Fetch every cursor's next page in one request per leader; what each answer means."""
+        where = f"read {topic.name}"
+        offsets = {cursor.partition: cursor.offset for cursor in cursors}
+        pages = {cursor.partition: cursor.page_bytes for cursor in cursors}
+        try:
+            async with asyncio.timeout(self._request_timeout_ms / 1000):
+                answers = await fetch(client, topic.name, topic.leaders, offsets, pages)
+        except REQUEST_ERRORS as e:
+            raise translate(e, where, topic=topic.name) from e
+        states = []
+        refresh = False
+        for cursor in cursors:
+            answer = answers.get(cursor.partition)
+            state = await self._take(client, topic, cursor, answer)
+            refresh = refresh or (
+                state == _WAIT and (answer is None or answer.error is not kafka_errors.NoError)
+            )
+            states.append(state)
+        if refresh:
+            await self._refresh_leaders(topic)
+        return states
+
+    async def _take(
+        self, client: Any, topic: ReadTopic, cursor: _Cursor, answer: Answer | None
+    ) -> int:
+        """What ``answer`` means for ``cursor``; moves it past what it delivered."""
+        partition, offset = cursor.partition, cursor.offset
+        where = f"read {topic.name}[{partition}] at offset {offset}"
+        cursor.records = []
+        now = time.monotonic()
+        if answer is None:  # left out of the answer: ask again
+            return self._still_empty(topic, cursor, now, "the broker left the partition out")
+        error = answer.error
+        if error is kafka_errors.OffsetOutOfRangeError:
+            try:
+                earliest = await list_offsets(
+                    client, topic.name, topic.leaders, [partition], EARLIEST
+                )
+            except REQUEST_ERRORS as e:
+                raise translate(e, where, topic=topic.name, partition=partition) from e
+            if offset < earliest.get(partition, 0):
+                cursor.offset = earliest[partition]  # trimmed: the range's rest starts there
+                return _PROGRESS
+            return self._short(topic, cursor, now, -1)
+        if error is kafka_errors.UnknownTopicOrPartitionError:
+            await self._check_exists(topic)
+        if error is not kafka_errors.NoError:
+            if not error.retriable:
+                raise translate(error(), where, topic=topic.name, partition=partition)
+            return self._still_empty(topic, cursor, now, error.__name__)
+        known = max(
+            offset, topic.acked_ends[partition] if partition < len(topic.acked_ends) else -1
+        )
+        if answer.highwater < known:
+            return self._short(topic, cursor, now, answer.highwater)
+        cursor.short_since = None
+        cursor.highwater = answer.highwater
+        parsed = parse_records(answer.data, offset, cursor.end)
+        if parsed.records or parsed.following > offset:
+            cursor.records = parsed.records
+            cursor.offset = parsed.following
+            cursor.empty_since = None
+            cursor.page_bytes = self._fetch_bytes
+            return _PROGRESS
+        if offset >= answer.highwater or offset >= cursor.end:
+            cursor.empty_since = None
+            return _AT_END
+        if parsed.truncated > cursor.page_bytes:
+            # The broker cut the next batch at the page size: ask once more with room for it.
+            limit = 4 * self._max_message_bytes
+            if parsed.truncated > limit:
+                raise LogError(
+                    f"{where}: a record batch of {parsed.truncated} bytes, larger than the "
+                    f"{limit} this log reads",
+                    topic=topic.name,
+                    partition=partition,
+                    offset=offset,
+                )
+            cursor.page_bytes = parsed.truncated
+            return _AGAIN
+        return self._still_empty(
+            topic, cursor, now, f"no records below the high-water mark {answer.highwater}"
+        )
+
+    def _still_empty(self, topic: ReadTopic, cursor: _Cursor, now: float, why: str) -> int:
+        """An answer without records that should have had some: wait and ask again, up to the
+        request timeout."""
+        if cursor.empty_since is None:
+            cursor.empty_since = now
+        elif now - cursor.empty_since > self._request_timeout_ms / 1000:
+            raise BackendUnavailable(
+                f"read {topic.name}[{cursor.partition}] at offset {cursor.offset}: {why} for "
+                f"{self._request_timeout_ms} ms",
+                topic=topic.name,
+                partition=cursor.partition,
+                offset=cursor.offset,
+            )
+        return _WAIT
+
+    def _short(self, topic: ReadTopic, cursor: _Cursor, now: float, highwater: int) -> int:
+        """The partition ends below an offset known to exist there."""
+        if cursor.short_since is None:
+            cursor.short_since = now
+        if now - cursor.short_since < _LOSS_CONFIRM_S:
+            return _WAIT
+        partition = cursor.partition
+        known = max(cursor.offset, topic.acked_ends[partition])
+        ends = f"ends at {highwater}" if highwater >= 0 else "ends"
+        raise RunLost(
+            f"{topic.name}[{partition}] {ends}, below offset {known}, which existed: the broker "
+            "lost the run's records (restarted empty?)",
+            topic=topic.name,
+            partition=partition,
+            offset=known,
+        )
+
+    async def _check_exists(self, topic: ReadTopic) -> tuple[int, list[int]]:
+        """The topic's partitions and leaders; ``RunLost`` when a topic this instance knew is
+        gone or has lost partitions."""
+        described = await self._describe(topic.name)
+        if described is None or 0 < described[0] < topic.partitions:
+            what = "is gone" if described is None else f"has {described[0]} partitions"
+            raise RunLost(
+                f"topic {topic.name} {what}; it had {topic.partitions}: the broker lost the run",
+                topic=topic.name,
+            )
+        return described
+
+    async def _refresh_leaders(self, topic: ReadTopic) -> None:
+        """New leaders where partitions moved; ``RunLost`` when the topic is gone."""
+        described = await self._check_exists(topic)
+        if described[0] >= topic.partitions:
+            topic.leaders[:] = described[1][: topic.partitions]
+
+
+def check_partition(topic: ReadTopic, partition: int) -> None:
+    if not 0 <= partition < topic.partitions:
+        raise InvalidRequest(
+            f"partition {partition} out of range: {topic.name} has {topic.partitions}",
+            topic=topic.name,
+        )
