@@ -25,6 +25,7 @@ __all__ = [
     "RestoreConflict",
     "RolloutlogError",
     "RunExists",
+    "RunLost",
     "StaleController",
     "Unauthorized",
     "UnknownCheckpoint",
@@ -155,6 +156,14 @@ class LogError(RolloutlogError):
 
     code = "log_error"
     http_status = 500
+
+
+class RunLost(LogError):
+    """The run's log lost records the catalog names (its topic vanished or was recreated empty):
+    it cannot make progress without an operator, and appends to it are refused."""
+
+    code = "run_lost"
+    http_status = 503
 
 
 class CatalogError(RolloutlogError):
