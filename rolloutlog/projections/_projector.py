@@ -213,6 +213,11 @@ class Projector:
                 await self._read_to_end()
                 if not self.caught_up:
                     self._finish_catch_up()
+                if self.health.status != "ok" and self._failures:
+                    # The failed reads' tracebacks may hold the driver's cursors in reference
+                    # cycles (an embedded log's open cursor keeps a read snapshot, which blocks
+                    # the WAL's checkpoints): collect them now rather than whenever.
+                    gc.collect()
                 self._set_health("ok", None)
                 self.settled.set()
                 await self._follow()
@@ -225,17 +230,19 @@ class Projector:
                 return
             except Exception as e:  # any other failure: degraded, and try again
                 self._failures += 1
+                transient = _transient(e)
                 if self._failures == 1:
                     logger.exception("projector of run %s failed; retrying", self.run)
                 else:
                     logger.warning("projector of run %s failed again: %s", self.run, e)
                 self._set_health("degraded", _describe(e))
                 self.settled.set()
-                async with self._progress:
-                    self._progress.notify_all()
-                base, cap = _BACKOFF_TRANSIENT if _transient(e) else _BACKOFF_PERSISTENT
-                delay = min(cap, base * 2 ** min(self._failures - 1, 16))
-                await asyncio.sleep(delay / 2 + random.random() * delay / 2)
+            # Only a failure gets here.
+            async with self._progress:
+                self._progress.notify_all()
+            base, cap = _BACKOFF_TRANSIENT if transient else _BACKOFF_PERSISTENT
+            delay = min(cap, base * 2 ** min(self._failures - 1, 16))
+            await asyncio.sleep(delay / 2 + random.random() * delay / 2)
 
     def _set_health(self, status: HealthStatus, error: str | None) -> None:
         current = self.health
