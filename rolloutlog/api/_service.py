@@ -206,6 +206,7 @@ class Service:
             fencing = self.fencing.get(run)
             if fencing is None:
                 await self.coordinator.projector(run)  # UnknownRun when there is no such run
+                self.coordinator.check_appendable(run)
                 fencing = RunFencing(attempts=await self.catalog.current_attempts(run))
                 await self._load_epochs(run, fencing)
                 self.fencing[run] = fencing
