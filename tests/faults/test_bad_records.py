@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from rolloutlog.log import Record, encode_record, partition_for
+from rolloutlog.projections._quarantine import metadata_problem
 from rolloutlog.projections._tracker import EpisodeTracker
 from tests import factories as f
 from tests.api.conftest import RUN, Api, bearer, open_api, settings_for, wire
@@ -207,3 +209,30 @@ async def test_bad_records_produced_into_the_topic_kafka(
             assert {e["episode"] for e in manifest.json()["episodes"]} == {"a", "b"}
     finally:
         service.stop()
+
+
+def test_the_metadata_check_names_what_is_wrong() -> None:
+    good = orjson.loads(encode_record(f.ledger_row("a", token_ids=[1, 2])).split(b"\n")[0])
+    assert metadata_problem(good) is None
+    assert metadata_problem(orjson.loads(encode_record(f.started("a")).split(b"\n")[0])) is None
+
+    def broken(**changes: Any) -> str | None:
+        meta = orjson.loads(orjson.dumps(good))
+        for path, value in changes.items():
+            *parents, last = path.split("__")
+            target = meta
+            for parent in parents:
+                target = target[parent]
+            target[last] = value
+        return metadata_problem(meta)
+
+    assert metadata_problem([1, 2]) == "the record is JSON but not an object (list)"
+    assert broken(type=["x"]) == "its type is not a string"
+    assert broken(type="no.such") == "unknown event type 'no.such'"
+    assert "data is not an object" in str(broken(data=[]))
+    assert "participant" in str(broken(participant__epoch="1"))
+    assert "seq and attempt" in str(broken(seq=True))
+    assert "ts must be a number" in str(broken(ts="now"))
+    assert "episode id" in str(broken(episode="not an id"))
+    assert broken(data__cum_len="3") == "ledger.row: data.cum_len has the wrong type"
+    assert broken(data__constrained=1) == "ledger.row: data.constrained has the wrong type"
