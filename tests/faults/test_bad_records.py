@@ -7,6 +7,7 @@ into the run's topic, under a real ``rolloutlog serve``."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +237,29 @@ def test_the_metadata_check_names_what_is_wrong() -> None:
     assert "episode id" in str(broken(episode="not an id"))
     assert broken(data__cum_len="3") == "ledger.row: data.cum_len has the wrong type"
     assert broken(data__constrained=1) == "ledger.row: data.constrained has the wrong type"
+
+
+async def test_quarantine_records_wait_for_a_catalog_that_is_down(tmp_path: Path) -> None:
+    async with open_api(settings_for(tmp_path / "data")) as api:
+        await api.seed(["a"])
+        projector = api.service.coordinator.projectors[RUN]
+        await api.service.catalog.stop()  # the catalog goes away
+        try:
+            home = partition_for("a", PARTITIONS)
+            await api.service.log.append_records(RUN, [Record(home, b"a", b"not json")])
+            await api.service.log.append(RUN, [f.boundary("a", "while-down")])
+
+            async def folded() -> bool:
+                tracker = projector.trackers["a"]
+                return projector.quarantined_count == 1 and tracker.last_stage == "while-down"
+
+            await eventually(folded, 10, "the projector going on past the bad record")
+            await asyncio.sleep(1.5)  # a recording attempt fails meanwhile
+            assert projector.new_quarantined  # kept for the next attempt
+        finally:
+            await api.service.catalog.start()
+
+        async def listed() -> bool:
+            return len(await _quarantine(api)) == 1
+
+        await eventually(listed, 10, "the quarantine listing after the catalog is back")
