@@ -564,7 +564,8 @@ async def quarantine_rows(
             "run": run,
             "partition": record.partition,
             "offset": record.offset,
-            "reason": record.reason[:2000],
+            # PostgreSQL's text cannot hold NUL.
+            "reason": record.reason[:2000].replace("\x00", "\\x00"),
             "size": record.size,
             "first_bytes": bytes(record.first_bytes[:QUARANTINE_FIRST_BYTES]),
             "recorded_at": now,
