@@ -323,6 +323,7 @@ class Coordinator:
                         await capture.resolved.wait()
                 except TimeoutError:
                     capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
+            projector.check_running()  # a run whose log was lost meanwhile commits nothing
             timer.stage("waits")
             offsets, entries = _manifest(capture)
             # Each key once, in the manifest's order (sorting 48,000 keys cost a S1 checkpoint

@@ -15,9 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
+from rolloutlog.errors import RunLost
 from rolloutlog.log import open_log
 from tests import factories as f
-from tests.api.conftest import bearer, wire
+from tests.api.conftest import bearer, open_api, settings_for, wire
 from tests.e2e._harness import Deployment
 from tests.faults._supervise import UnreadyService, eventually, own_tansu
 
@@ -281,3 +282,39 @@ async def test_kafka_broker_restarted_empty_stops_the_run(
                 assert (await _committed(client, "fresh"))["status"] == "committed"
         finally:
             service.stop()
+
+
+async def test_a_log_that_reports_the_run_lost_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a backend raises when it finds the topic gone while the service runs (Kafka's own
+    detection): the run is stopped, appends and checkpoints refused, other runs go on."""
+    async with open_api(settings_for(tmp_path / "data")) as api:
+        await api.seed(["a"])
+        log = api.service.log
+        follow_run = log.follow_run
+
+        async def lost(run: str, starts: Any, **kw: Any) -> Any:
+            if run == "run":
+                raise RunLost("the topic of run 'run' is gone", run=run)
+            async for item in follow_run(run, starts, **kw):
+                yield item
+
+        monkeypatch.setattr(log, "follow_run", lost)
+        await api.service.coordinator.projectors["run"].stop()
+        del api.service.coordinator.projectors["run"]
+        await api.service.coordinator.projector("run")
+        run = (await api.call("GET", "/v1/runs/run", "analyst", 200)).json()
+        assert run["health"]["status"] == "stopped", run
+        assert "gone" in run["health"]["error"]
+        refused = await api.append(f.boundary("a", "later"), expect=503)
+        assert refused.json()["error"]["code"] == "run_lost"
+        assert (await api.checkpoint(expect=503))["error"]["code"] == "run_lost"
+        ready = await api.client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["runs"]["run"]["status"] == "stopped"
+        await api.create_run("other")
+        api.run = "other"
+        await api.register()
+        await api.take_over()
+        await api.append(f.started("b"), f.boundary("b"))
+        assert (await api.checkpoint())["status"] == "committed"
