@@ -158,6 +158,14 @@ class LogError(RolloutlogError):
     http_status = 500
 
 
+class RunLost(LogError):
+    """The run's log lost records the catalog names (its topic vanished or was recreated empty):
+    it cannot make progress without an operator, and appends to it are refused."""
+
+    code = "run_lost"
+    http_status = 503
+
+
 class CatalogError(RolloutlogError):
     """The catalog failed in a way that is not a connectivity problem."""
 

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from rolloutlog.api import _append, _checkpoints, _runs
+from rolloutlog.api import _append, _checkpoints, _quarantine, _runs
 from rolloutlog.api._auth import Role, public
 from rolloutlog.api._http import dumps, json_response
 from rolloutlog.api._models import Health
@@ -190,7 +190,7 @@ def _ops_routes(app: FastAPI) -> None:
 
     @app.get(
         "/readyz",
-        summary="Readiness: the log and the catalog are reachable",
+        summary="Readiness: the log and the catalog are reachable, every run's projector is ok",
         response_model=Health,
         dependencies=open_route,
         responses={503: {"model": Health}},
@@ -210,9 +210,20 @@ def _ops_routes(app: FastAPI) -> None:
             checks["catalog"] = f"{type(e).__name__}: {e}"
         if service.draining:
             checks["service"] = "shutting down"
-        ready = all(value == "ok" for value in checks.values())
+        # A run whose projector cannot make progress makes the service unready (its checkpoints
+        # cannot commit), with the reason per run.
+        runs = {run: health.view() for run, health in sorted(service.coordinator.health().items())}
+        ready = all(value == "ok" for value in checks.values()) and all(
+            health["status"] == "ok" for health in runs.values()
+        )
         return json_response(
-            {"status": "ready" if ready else "unavailable", "checks": checks},
+            {
+                "status": "ready" if ready else "unready",
+                "log": checks["log"],
+                "catalog": checks["catalog"],
+                "runs": runs,
+                "checks": checks,
+            },
             200 if ready else 503,
         )
 
@@ -258,7 +269,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _ops_routes(app)
     # The routers' routes join the app's own table as they are (no prefix, no extra
     # dependencies), so that ``app.routes`` lists every route for ``route_roles``.
-    for module in (_runs, _append, _checkpoints):
+    for module in (_runs, _append, _checkpoints, _quarantine):
         app.router.routes.extend(module.router.routes)
     app.add_middleware(
         BodyLimit,

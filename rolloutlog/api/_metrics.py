@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-__all__ = ["Counter", "Gauge", "Histogram", "Registry"]
+__all__ = ["Counter", "Gauge", "Histogram", "ReadCounter", "Registry"]
 
 Labels = tuple[str, ...]
 M = TypeVar("M", bound="_Metric")
@@ -111,6 +111,12 @@ class Gauge(_Metric):
             f"{self.name}{_labels(self.label_names, key)} {_number(value)}"
             for key, value in sorted(self.read())
         ]
+
+
+class ReadCounter(Gauge):
+    """A counter read at scrape time (from what a projector counts), like ``Gauge``."""
+
+    kind = "counter"
 
 
 class Histogram(_Metric):

@@ -106,6 +106,15 @@ class ErrorOut(_Response):
     error: ErrorBody
 
 
+class RunHealthOut(_Response):
+    """``ok``; ``degraded`` (its projector hit ``error`` and retries: it recovers by itself);
+    ``stopped`` (its log lost records: an operator must act). ``since``: unix time."""
+
+    status: Literal["ok", "degraded", "stopped"]
+    error: str | None = None
+    since: float
+
+
 class RunOut(_Response):
     run: str
     partitions: int
@@ -114,6 +123,7 @@ class RunOut(_Response):
     latest_checkpoint_id: int | None = None
     created_at: float | None = None
     counts: dict[str, Any] = {}
+    health: RunHealthOut | None = None
 
 
 class RunList(_Response):
@@ -288,4 +298,22 @@ class StatsOut(_Response):
 
 class Health(_Response):
     status: str
+    log: str | None = None
+    catalog: str | None = None
+    runs: dict[str, RunHealthOut] = {}
     checks: dict[str, str] = {}
+
+
+class QuarantinedOut(_Response):
+    partition: int
+    offset: int
+    reason: str
+    size: int
+    #: The record's first bytes (at most 256), as text with undecodable bytes replaced.
+    first_bytes: str
+    recorded_at: float
+
+
+class QuarantineList(_Response):
+    records: list[QuarantinedOut]
+    next_after: str | None = None

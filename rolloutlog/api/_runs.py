@@ -26,7 +26,7 @@ from rolloutlog.api._models import (
 )
 from rolloutlog.api._service import Service
 from rolloutlog.api._views import episode_view, participant_view, run_view
-from rolloutlog.catalog import Episode, capture_key
+from rolloutlog.catalog import Episode, RunSummary, capture_key
 from rolloutlog.errors import UnknownRun
 
 __all__ = ["router"]
@@ -49,6 +49,19 @@ def _service(request: Request) -> Service:
 def _live(service: Service, run: str) -> int | None:
     projector = service.coordinator.projectors.get(run)
     return projector.live_episodes() if projector is not None else None
+
+
+def _run_out(service: Service, summary: RunSummary) -> dict[str, Any]:
+    """A run's view with its projector's health (``ok`` for a run this service does not
+    follow yet: nothing has failed)."""
+    run = summary.run.run
+    projector = service.coordinator.projectors.get(run)
+    health = (
+        projector.health.view()
+        if projector is not None
+        else {"status": "ok", "error": None, "since": summary.run.created_at}
+    )
+    return {**run_view(summary, _live(service, run)), "health": health}
 
 
 @router.post(
@@ -79,7 +92,7 @@ async def list_runs(request: Request, after: After = None, limit: Limit = 100) -
     summaries = await service.catalog.list_runs(after=after, limit=limit)
     return json_response(
         {
-            "runs": [run_view(s, _live(service, s.run.run)) for s in summaries],
+            "runs": [_run_out(service, s) for s in summaries],
             "next_after": summaries[-1].run.run if len(summaries) == limit else None,
         }
     )
@@ -94,7 +107,7 @@ async def list_runs(request: Request, after: After = None, limit: Limit = 100) -
 )
 async def get_run(request: Request, run: RunPath) -> Response:
     service = _service(request)
-    return json_response(run_view(await service.catalog.run_summary(run), _live(service, run)))
+    return json_response(_run_out(service, await service.catalog.run_summary(run)))
 
 
 @router.post(

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rolloutlog.api._metrics import Counter, Gauge, Histogram, Labels, Registry
+from rolloutlog.api._metrics import Counter, Gauge, Histogram, Labels, ReadCounter, Registry
 from rolloutlog.api._prepare import Preparer
 from rolloutlog.api._settings import Settings
 from rolloutlog.catalog import Catalog, open_catalog
@@ -72,6 +72,28 @@ class Metrics:
                 "rolloutlog_projector_events_applied",
                 "Records the projector has applied since the service started.",
                 service.events_applied,
+                ("run",),
+            )
+        )
+        add(
+            ReadCounter(
+                "rolloutlog_quarantined_records_total",
+                "Log records the projector skipped and quarantined since the service started.",
+                lambda: [
+                    ((run,), float(projector.quarantined_count))
+                    for run, projector in list(service.coordinator.projectors.items())
+                ],
+                ("run",),
+            )
+        )
+        add(
+            Gauge(
+                "rolloutlog_run_healthy",
+                "1 while the run's projector is ok, 0 while it is degraded or stopped.",
+                lambda: [
+                    ((run,), 1.0 if health.status == "ok" else 0.0)
+                    for run, health in service.coordinator.health().items()
+                ],
                 ("run",),
             )
         )
@@ -173,6 +195,9 @@ class Service:
 
     async def run_fencing(self, run: str) -> RunFencing:
         """The run's fencing state, loaded from the catalog on first use."""
+        # A run whose log lost records refuses appends (run_lost): they would land at offsets
+        # its checkpoints already name.
+        self.coordinator.check_appendable(run)
         fencing = self.fencing.get(run)
         if fencing is not None:
             return fencing
@@ -181,6 +206,7 @@ class Service:
             fencing = self.fencing.get(run)
             if fencing is None:
                 await self.coordinator.projector(run)  # UnknownRun when there is no such run
+                self.coordinator.check_appendable(run)
                 fencing = RunFencing(attempts=await self.catalog.current_attempts(run))
                 await self._load_epochs(run, fencing)
                 self.fencing[run] = fencing

@@ -7,11 +7,9 @@ controller epoch holds until its transaction commits.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from operator import gt
 from types import TracebackType
 from typing import TypeVar
 
@@ -22,7 +20,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from rolloutlog.catalog import _migrate, _reads
 from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._schema import (
-    NAME_LENGTH,
     checkpoint_offsets,
     checkpoints,
     runs,
@@ -39,7 +36,6 @@ from rolloutlog.catalog._values import (
     DEFAULT_KEEP_COMMITTED,
     DEFAULT_PARTITIONS,
     PARTICIPANT_KINDS,
-    RESTORE_ACTIONS,
     Checkpoint,
     CheckpointStatus,
     Episode,
@@ -50,6 +46,7 @@ from rolloutlog.catalog._values import (
     ManifestEntry,
     Participant,
     PartitionOffset,
+    QuarantinedRecord,
     Restore,
     RestoreAction,
     RestoreEntry,
@@ -58,10 +55,12 @@ from rolloutlog.catalog._values import (
     RunSummary,
 )
 from rolloutlog.catalog._writes import (
+    check_plan,
     commit_checkpoint_rows,
     commit_restore_rows,
     lock_run,
     pending_checkpoint,
+    quarantine_rows,
     reserve_restore_id,
 )
 from rolloutlog.errors import (
@@ -74,7 +73,6 @@ from rolloutlog.errors import (
     StaleController,
     UnknownCheckpoint,
 )
-from rolloutlog.log._ids import NAME_PATTERN, episode_id_problem
 
 T = TypeVar("T")
 
@@ -623,8 +621,7 @@ class Catalog:
         episode's current attempt.
         """
         check_timings(timings_ms)
-        if not _plan_looks_valid(entries):
-            _check_plan(entries)
+        check_plan(entries)
         async with self._write() as conn:
             restore = await commit_restore_rows(
                 conn,
@@ -725,6 +722,22 @@ class Catalog:
                     ],
                 )
 
+    # -- quarantine ----------------------------------------------------------------------------
+
+    async def quarantine(self, run: str, records: Sequence[QuarantinedRecord]) -> None:
+        """Record log records the projector skipped (a record recorded before stays as it was)."""
+        if records:
+            async with self._write() as conn:
+                await quarantine_rows(conn, run, records, self._clock())
+
+    async def quarantined(
+        self, run: str, *, after: tuple[int, int] | None = None, limit: int | None = 1000
+    ) -> list[QuarantinedRecord]:
+        """The run's quarantined records by (partition, offset); page with ``after``."""
+        if limit is not None:
+            check_count(limit, "limit", minimum=1)
+        return await self._query(lambda conn: _reads.quarantined(conn, run, after, limit))
+
     async def get_episode(self, run: str, episode: str) -> Episode:
         return await self._query(lambda conn: _reads.get_episode(conn, run, episode))
 
@@ -761,48 +774,3 @@ async def _checkpoint_status(conn: AsyncConnection, run: str, checkpoint_id: int
             f"run {run!r} has no checkpoint {checkpoint_id}", run=run, checkpoint_id=checkpoint_id
         )
     return str(status)
-
-
-_EPISODE_NAME = re.compile(NAME_PATTERN)
-
-
-def _plan_looks_valid(entries: Sequence[RestoreEntry]) -> bool:
-    """``_check_plan``'s checks over whole columns with C-level builtins (a restore commits
-    16,000 entries); when this says no, ``_check_plan`` finds the entry to name."""
-    if not entries:
-        return True
-    if set(map(type, entries)) != {RestoreEntry}:
-        return False
-    episodes, previous, attempts, actions, _ = zip(*entries, strict=True)
-    return (
-        set(map(type, episodes)) == {str}
-        and len(set(episodes)) == len(episodes)
-        and max(map(len, episodes)) <= NAME_LENGTH
-        and all(map(_EPISODE_NAME.match, episodes))
-        and not any("-a" in episode and episode_id_problem(episode) for episode in episodes)
-        and set(actions) <= RESTORE_ACTIONS
-        and set(map(type, previous)) == {int}
-        and set(map(type, attempts)) == {int}
-        and min(previous) >= 0
-        and all(map(gt, attempts, previous))
-    )
-
-
-def _check_plan(entries: Sequence[RestoreEntry]) -> None:
-    """Raise the error naming the first invalid entry of a restore plan."""
-    seen: set[str] = set()
-    for entry in entries:
-        check_episode(entry.episode)
-        if entry.episode in seen:
-            raise InvalidRequest(
-                f"episode {entry.episode!r} appears twice in the restore plan",
-                episode=entry.episode,
-            )
-        seen.add(entry.episode)
-        if entry.action not in RESTORE_ACTIONS:
-            raise InvalidRequest(
-                f"restore action must be one of {sorted(RESTORE_ACTIONS)}",
-                episode=entry.episode,
-            )
-        check_count(entry.previous_attempt, "previous_attempt")
-        check_count(entry.attempt, "attempt", minimum=entry.previous_attempt + 1)

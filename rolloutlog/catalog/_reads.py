@@ -19,6 +19,7 @@ from rolloutlog.catalog._schema import (
     manifest_entries,
     manifest_parts,
     participants,
+    quarantined_records,
     restore_episodes,
     restores,
     runs,
@@ -33,6 +34,7 @@ from rolloutlog.catalog._values import (
     Participant,
     ParticipantKind,
     PartitionOffset,
+    QuarantinedRecord,
     Restore,
     RestoreAction,
     RestoreEntry,
@@ -491,3 +493,29 @@ async def run_stats(conn: AsyncConnection, run: str) -> RunStats:
         checkpoint_duration_ms_last=float(latest.ms) if latest is not None else None,
         last_restore_at=last_restore_at,
     )
+
+
+async def quarantined(
+    conn: AsyncConnection, run: str, after: tuple[int, int] | None, limit: int | None
+) -> list[QuarantinedRecord]:
+    """A run's quarantined records by (partition, offset), after ``after``."""
+    await get_run(conn, run)
+    table = quarantined_records.c
+    query = select(quarantined_records).where(table.run == run)
+    if after is not None:
+        query = query.where(
+            (table.partition > after[0])
+            | ((table.partition == after[0]) & (table.offset > after[1]))
+        )
+    query = query.order_by(table.partition, table.offset).limit(limit)
+    return [
+        QuarantinedRecord(
+            int(row.partition),
+            int(row.offset),
+            row.reason,
+            int(row.size),
+            bytes(row.first_bytes),
+            float(row.recorded_at),
+        )
+        for row in await conn.execute(query)
+    ]

@@ -17,6 +17,7 @@ from sqlalchemy import (
     ForeignKeyConstraint,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -227,4 +228,19 @@ episodes = Table(
     CheckConstraint("status IN ('running', 'finished', 'excluded')", name="status_known"),
     ForeignKeyConstraint(["run"], ["runs.run"]),
     Index("ix_episodes_run_status_episode", "run", "status", "episode"),
+)
+
+quarantined_records = Table(
+    "quarantined_records",
+    metadata,
+    Column("run", Name, primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    Column("offset", BigInteger, primary_key=True),
+    Column("reason", Text, nullable=False),
+    # The record's whole size, and its first bytes (at most 256) as logged.
+    Column("size", BigInteger, nullable=False),
+    Column("first_bytes", LargeBinary, nullable=False),
+    Column("recorded_at", Double, nullable=False),
+    # No foreign key to runs: a record is quarantined while the run's rows are written elsewhere,
+    # and the projector's batch must never fail on an ordering between the two.
 )

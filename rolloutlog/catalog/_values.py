@@ -178,6 +178,23 @@ class EpisodeFinish:
 
 
 @dataclass(frozen=True, slots=True)
+class QuarantinedRecord:
+    """A log record the projector skipped: not a valid envelope, or the fold could not apply it."""
+
+    partition: int
+    offset: int
+    reason: str
+    size: int
+    #: The record's first bytes (at most ``QUARANTINE_FIRST_BYTES``), for an operator to look at.
+    first_bytes: bytes
+    recorded_at: float = 0.0
+
+
+#: How many of a quarantined record's first bytes the catalog keeps.
+QUARANTINE_FIRST_BYTES = 256
+
+
+@dataclass(frozen=True, slots=True)
 class Episode:
     run: str
     episode: str

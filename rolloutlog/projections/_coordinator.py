@@ -38,6 +38,7 @@ from rolloutlog.catalog import (
     RestoreEntry,
 )
 from rolloutlog.errors import (
+    BackendUnavailable,
     InvalidRequest,
     StaleController,
     UnknownCheckpoint,
@@ -48,10 +49,12 @@ from rolloutlog.log import Log, Record, partition_for, record_episode
 from rolloutlog.log._events import SERVICE_PARTICIPANT_ID
 from rolloutlog.projections._fold import project_raw
 from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.projections._plan import all_restores, start_plan
 from rolloutlog.projections._projector import (
     CheckpointCapture,
     Projector,
     RestoreReset,
+    RunHealth,
 )
 from rolloutlog.projections._tracker import EpisodeTracker
 from rolloutlog.projections._verify import apply_policy, verify_projection
@@ -60,8 +63,13 @@ logger = logging.getLogger(__name__)
 
 _STAGING_KEYS = attrgetter("staging_keys")
 
-#: How long a checkpoint waits for open wait steps when the request names no deadline.
+#: How long a checkpoint waits for open wait steps when the request names no deadline; also how
+#: long a checkpoint or restore waits for the projector to reach the log's offsets.
 DEFAULT_WAIT_DEADLINE_S = 30.0
+#: How long the service's start waits for its runs' projectors to catch up with their logs.
+START_WAIT_S = 30.0
+#: How long a request waits for a starting projector's first catch-up.
+SETTLE_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,15 +117,24 @@ class Coordinator:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start a projector for every run in the catalog (each rebuilds itself from the log)."""
+        """Start a projector for every run in the catalog (each rebuilds itself from the log).
+
+        One run's trouble never fails the start: its projector goes on in the background under
+        its supervisor (reported ``degraded`` or ``stopped``) while the others serve. The start
+        waits up to ``START_WAIT_S`` for the runs to catch up with their logs.
+        """
         after: str | None = None
+        launched: list[Projector] = []
         while True:
             page = await self.catalog.list_runs(after=after, limit=100)
             for summary in page:
-                await self.projector(summary.run.run)
+                launched.append(await self._launch(summary.run.run))
             if len(page) < 100:
-                return
+                break
             after = page[-1].run.run
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(START_WAIT_S):
+                await asyncio.gather(*(projector.settled.wait() for projector in launched))
 
     async def stop(self) -> None:
         for task in list(self._background):
@@ -132,53 +149,75 @@ class Coordinator:
     async def create_run(self, run: str, partitions: int | None = None) -> int:
         """Create (or find, with the same settings) a run in the catalog and its log topic."""
         created = await self.catalog.create_run(run, partitions=partitions, log_url=self.log.url)
+        projector = self.projectors.get(run)
+        if projector is not None:
+            projector.check_running()  # never re-create a lost run's topic
+            return projector.partitions
         actual = await self.log.ensure_run(run, created.partitions)
         await self.projector(run)
         return actual
 
     async def projector(self, run: str) -> Projector:
+        """The run's projector (started on first use; ``UnknownRun`` for no such run). Waits up
+        to ``SETTLE_WAIT_S`` for a starting projector's first catch-up."""
+        projector = self.projectors.get(run)
+        if projector is None:
+            async with self._start_lock:
+                projector = self.projectors.get(run)
+                if projector is None:
+                    projector = await self._launch(run)
+        if not projector.settled.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SETTLE_WAIT_S):
+                    await projector.settled.wait()
+        return projector
+
+    def health(self) -> dict[str, RunHealth]:
+        """Every started run's projector health."""
+        return {run: projector.health for run, projector in list(self.projectors.items())}
+
+    def check_appendable(self, run: str) -> None:
+        """``RunLost`` when the run's projector stopped: its log lost records the catalog names,
+        and an append would land at offsets its checkpoints already name."""
         projector = self.projectors.get(run)
         if projector is not None:
-            return projector
-        async with self._start_lock:
-            if run in self.projectors:
-                return self.projectors[run]
-            projector = await self._start_projector(run)
-            self.projectors[run] = projector
-            return projector
+            projector.check_running()
 
-    async def _start_projector(self, run: str) -> Projector:
+    async def _launch(self, run: str) -> Projector:
+        """Create the run's projector and start it under its supervisor (in the background)."""
         info = await self.catalog.get_run(run)
-        partitions = await self.log.ensure_run(run, info.partitions)
-        start = [0] * partitions
-        markers: list[int] | None = None
-        if info.latest_checkpoint_id is not None:
-            latest = await self.catalog.get_checkpoint(run, info.latest_checkpoint_id)
-            markers = [0] * partitions
-            for offset in latest.offsets:
-                markers[offset.partition] = offset.marker
-                start[offset.partition] = (
-                    offset.replay_from if offset.replay_from is not None else offset.marker
-                )
-        restores = await _all_restores(self.catalog, run)
-        restored: dict[str, int] = {}  # episode -> the attempt its latest restore made current
-        retired: set[str] = set()
-        for restore in sorted(restores, key=lambda r: r.restore_id):
-            for entry in await self.catalog.restore_episodes(run, restore.restore_id, limit=None):
-                if entry.action == "excluded":
-                    retired.add(entry.episode)
-                else:  # their records need the restore's truncation
-                    restored[entry.episode] = entry.attempt
-        projector = Projector(self.log, run, partitions)
-        await projector.start(
-            start,
-            committed_restores=[r.restore_id for r in restores],
-            retired=retired,
-            refold={e: a for e, a in restored.items() if e not in retired},
-            reported_below=markers,
-        )
+        projector = Projector(self.log, run, info.partitions)
+        self.projectors[run] = projector
+        projector.launch(lambda: start_plan(self.log, self.catalog, run))
         self._spawn(self._record_episodes(projector))
+        self._spawn(self._record_quarantine(projector))
         return projector
+
+    async def _record_quarantine(self, projector: Projector, every_s: float = 1.0) -> None:
+        """Record the projector's quarantined records in the catalog, in batches; a batch the
+        catalog refuses (it is down) stays and is tried again (the projector never waits)."""
+        try:
+            while True:
+                await asyncio.sleep(every_s)
+                await self._flush_quarantine(projector)
+        finally:
+            with contextlib.suppress(Exception):
+                await self._flush_quarantine(projector)
+
+    async def _flush_quarantine(self, projector: Projector) -> None:
+        while projector.new_quarantined:
+            batch = projector.new_quarantined[:1000]
+            try:
+                await self.catalog.quarantine(projector.run, batch)
+            except Exception as e:  # the catalog is down: keep the batch for the next tick
+                logger.warning(
+                    "could not record %d quarantined record(s) of run %s: %s",
+                    len(batch),
+                    projector.run,
+                    e,
+                )
+                return
+            del projector.new_quarantined[: len(batch)]
 
     async def _record_episodes(self, projector: Projector, every_s: float = 1.0) -> None:
         """Feed the catalog's episodes table (for analysts) from the projector, in batches."""
@@ -225,6 +264,7 @@ class Coordinator:
         """Take a checkpoint. Returns the committed result, or (``wait=False`` while wait steps
         are still open) the id of the checkpoint that stays ``pending`` and commits later."""
         projector = await self.projector(run)
+        projector.check_running()
         timer = _Timer()
         checkpoint_id = await self.catalog.begin_checkpoint(
             run, controller_epoch, trigger=trigger, deadline_s=deadline_s
@@ -235,8 +275,20 @@ class Coordinator:
             markers = await self.log.write_markers(run, checkpoint_id, controller_epoch)
             marked_at = time.time()
             timer.stage("markers")
-            await projector.wait_until({p: o + 1 for p, o in enumerate(markers)})
-            await capture.reached.wait()
+            # A degraded projector may not get there: the checkpoint then fails (``unavailable``)
+            # at its deadline instead of hanging, and the next one succeeds once it recovers.
+            await projector.wait_until(
+                {p: o + 1 for p, o in enumerate(markers)},
+                timeout_s=deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S,
+            )
+            if not capture.reached.is_set():  # applied while the projector was catching up
+                raise BackendUnavailable(
+                    f"the projector of run {run!r} was catching up with the log when the "
+                    f"markers of checkpoint {checkpoint_id} arrived; retry",
+                    run=run,
+                    health=projector.health.view(),
+                )
+            projector.check_running()
             timer.stage("projector")
         except BaseException:
             await self._abort(run, checkpoint_id, controller_epoch, capture, "marking failed")
@@ -271,6 +323,7 @@ class Coordinator:
                         await capture.resolved.wait()
                 except TimeoutError:
                     capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
+            projector.check_running()  # a run whose log was lost meanwhile commits nothing
             timer.stage("waits")
             offsets, entries = _manifest(capture)
             # Each key once, in the manifest's order (sorting 48,000 keys cost a S1 checkpoint
@@ -338,6 +391,7 @@ class Coordinator:
     ) -> RestoreResult:
         """Plan and commit a restore from a committed checkpoint, all or nothing."""
         projector = await self.projector(run)
+        projector.check_running()
         async with self._run_locks[run]:
             with collector_paused():
                 try:
@@ -376,7 +430,9 @@ class Coordinator:
         checkpoint = await self._committed_checkpoint(run, checkpoint_id)
         # Everything appended before this request is folded: the episodes begun after the
         # markers (below) are then all known.
-        await projector.wait_until(dict(enumerate(await self.log.end_offsets(run))))
+        await projector.wait_until(
+            dict(enumerate(await self.log.end_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
+        )
         manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
         current = await self.catalog.current_attempts(run)
         excluded = set(exclude)
@@ -398,7 +454,7 @@ class Coordinator:
             o.partition: o.replay_from if o.replay_from is not None else o.marker
             for o in checkpoint.offsets
         }
-        restores = {r.restore_id for r in await _all_restores(self.catalog, run)}
+        restores = {r.restore_id for r in await all_restores(self.catalog, run)}
         new_attempts = {e.episode: current.get(e.episode, e.attempt) + 1 for e in to_continue}
         # Episodes untouched since this service captured the checkpoint have their verdict in
         # the projector already; only the others are replayed. Their projections are built when
@@ -545,29 +601,42 @@ class Coordinator:
             by_partition[entry.cut_partition][entry.episode] = entry.cut_offset
             at_cut[entry.episode] = entry.attempt
 
+        projector = self.projectors.get(run)
+        quarantined = projector.quarantined if projector is not None else set()
+
         async def one(partition: int, cuts: dict[str, int]) -> dict[str, EpisodeProjection]:
             records: dict[str, list[tuple[int, bytes]]] = {episode: [] for episode in cuts}
             end = max(cuts.values())
             start = replay_from.get(partition, 0)
             async for page in self.log.read_pages(run, partition, start, end):
                 for item in page:
-                    wanted = records.get(record_episode(item[1]))  # type: ignore[arg-type]
+                    if quarantined and (partition, item[0]) in quarantined:
+                        continue  # the projector skipped it: so does the fold
+                    try:
+                        episode = record_episode(item[1])
+                    except ValueError:  # not an envelope (the projector quarantines it)
+                        continue
+                    wanted = records.get(episode)  # type: ignore[arg-type]
                     if wanted is not None:
                         wanted.append(item)
 
+            out: dict[str, EpisodeProjection] = {}
             with collector_paused():
-                return {
-                    episode: project_raw(
-                        episode,
-                        records[episode],
-                        cuts[episode],
-                        committed_restores,
-                        as_attempt=None if attempts is None else attempts.get(episode),
-                        attempt=at_cut[episode],
-                    )
-                    for episode in cuts
-                    if records[episode]
-                }
+                for episode in cuts:
+                    if not records[episode]:
+                        continue
+                    try:
+                        out[episode] = project_raw(
+                            episode,
+                            records[episode],
+                            cuts[episode],
+                            committed_restores,
+                            as_attempt=None if attempts is None else attempts.get(episode),
+                            attempt=at_cut[episode],
+                        )
+                    except Exception:  # a record the fold cannot apply: it has no projection
+                        logger.exception("run %s: could not fold episode %s", run, episode)
+            return out
 
         results = await asyncio.gather(*(one(p, cuts) for p, cuts in by_partition.items()))
         merged: dict[str, EpisodeProjection] = {}
@@ -655,9 +724,7 @@ class Coordinator:
             for o in checkpoint.offsets
         }
         restores = {
-            r.restore_id
-            for r in await _all_restores(self.catalog, run)
-            if r.restore_id < restore_id
+            r.restore_id for r in await all_restores(self.catalog, run) if r.restore_id < restore_id
         }
         attempts = {e.episode: e.attempt for e in entries}
         result = await self.replay(run, wanted, replay_from, restores, attempts)
@@ -683,7 +750,7 @@ class Coordinator:
             o.partition: o.replay_from if o.replay_from is not None else o.marker
             for o in checkpoint.offsets
         }
-        restores = {r.restore_id for r in await _all_restores(self.catalog, run)}
+        restores = {r.restore_id for r in await all_restores(self.catalog, run)}
         projections = await self.replay(run, [entry], replay_from, restores)
         projection = projections.get(episode)
         if projection is None:
@@ -699,14 +766,3 @@ def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[M
         for partition, marker in sorted(capture.markers.items())
     ]
     return offsets, list(capture.entries.values())
-
-
-async def _all_restores(catalog: Catalog, run: str) -> list[Restore]:
-    out: list[Restore] = []
-    before: int | None = None
-    while True:
-        page = await catalog.list_restores(run, before=before, limit=500)
-        out.extend(page)
-        if len(page) < 500:
-            return out
-        before = page[-1].restore_id

@@ -16,16 +16,21 @@ import contextlib
 import gc
 import logging
 import math
-from collections.abc import Awaitable, Container, Iterable, Mapping, Sequence
+import random
+import time
+from collections.abc import Awaitable, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 from rolloutlog._gc import collector_paused
-from rolloutlog.catalog import EpisodeFinish, EpisodeStart, ManifestEntry
+from rolloutlog.catalog import EpisodeFinish, EpisodeStart, ManifestEntry, QuarantinedRecord
+from rolloutlog.catalog._values import QUARANTINE_FIRST_BYTES
+from rolloutlog.errors import BackendUnavailable, RolloutlogError, RunLost, UnknownRun
 from rolloutlog.log import Log, partition_for, record_meta
 from rolloutlog.log._codec import record_restore_id
 from rolloutlog.projections._fold import _Filters, select_records
 from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.projections._quarantine import metadata_problem
 from rolloutlog.projections._tracker import EpisodeTracker
 
 logger = logging.getLogger(__name__)
@@ -33,7 +38,7 @@ logger = logging.getLogger(__name__)
 #: How many committed checkpoints' capture versions a projector keeps (retention keeps two).
 _CAPTURES_KEPT = 2
 
-__all__ = ["CheckpointCapture", "Projector", "RestoreReset"]
+__all__ = ["CheckpointCapture", "Projector", "RestoreReset", "RunHealth", "StartPlan"]
 
 
 @dataclass
@@ -85,8 +90,65 @@ class RestoreReset:
     pinned: EpisodeTracker | None = None
 
 
+#: How a run's projector is doing (``RunHealth.status``): ``ok``; ``degraded`` (it hit an error and
+#: retries with backoff: it recovers by itself); ``stopped`` (it cannot go on without an operator).
+HealthStatus = Literal["ok", "degraded", "stopped"]
+
+#: Backoff of a projector that failed: transient errors from 0.1 s up to 5 s, others (a
+#: non-retriable error that persists) from 1 s up to 30 s; each delay jittered by half.
+_BACKOFF_TRANSIENT = (0.1, 5.0)
+_BACKOFF_PERSISTENT = (1.0, 30.0)
+
+
+@dataclass(frozen=True, slots=True)
+class RunHealth:
+    """A run projector's health, as ``GET /v1/runs/{run}`` and ``/readyz`` report it."""
+
+    status: HealthStatus
+    error: str | None
+    #: Since when (unix time) the status holds.
+    since: float
+
+    def view(self) -> dict[str, Any]:
+        return {"status": self.status, "error": self.error, "since": self.since}
+
+
+@dataclass(frozen=True, slots=True)
+class StartPlan:
+    """Where a projector starts and what the catalog says about what it will read."""
+
+    start_offsets: list[int]
+    committed_restores: Iterable[int] = ()
+    retired: Iterable[str] = ()
+    #: Episodes a committed restore continued or restarted, with the attempt it made current:
+    #: their trackers are rebuilt from their records with the fold's selection (the cut
+    #: truncation needs their history; a restarted one's records may start after its restore).
+    refold: Mapping[str, int] = field(default_factory=dict)
+    #: The latest committed checkpoint's markers: an episode that finished below its partition's
+    #: marker was reported by that checkpoint or an earlier one, and is not tracked again.
+    reported_below: Sequence[int] | None = None
+    #: Positions (partition, offset) the catalog has quarantined already.
+    quarantined: Iterable[tuple[int, int]] = ()
+
+
+def _transient(error: BaseException) -> bool:
+    if isinstance(error, RolloutlogError):
+        return error.retriable
+    return isinstance(error, OSError | TimeoutError | ConnectionError)
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return text if isinstance(error, RolloutlogError) else f"{type(error).__name__}: {text}"
+
+
 class Projector:
-    """Follows one run's partitions; one instance per run per service."""
+    """Follows one run's partitions; one instance per run per service.
+
+    ``start`` runs it under a supervisor: a failure (the log unreachable, a read error) makes it
+    ``degraded`` and it starts again from its last applied offsets after a jittered backoff; a
+    lost log (``RunLost``, ``UnknownRun``) stops it. Records it cannot fold are quarantined.
+    """
 
     def __init__(self, log: Log, run: str, partitions: int) -> None:
         self.log = log
@@ -107,65 +169,148 @@ class Projector:
         self._restore_resets: dict[int, Mapping[str, RestoreReset]] = {}
         self._capture: CheckpointCapture | None = None
         self._progress = asyncio.Condition()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._failure: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
         self.events_applied = 0
         #: Starts and finishes not yet recorded in the catalog's episodes table (for analysts).
         self.new_starts: list[EpisodeStart] = []
         self.new_finishes: list[EpisodeFinish] = []
+        #: Quarantined records not yet recorded in the catalog, and every quarantined position.
+        self.new_quarantined: list[QuarantinedRecord] = []
+        self.quarantined: set[tuple[int, int]] = set()
+        self.quarantined_count = 0
+        self.health = RunHealth("degraded", "starting: catching up with the log", time.time())
+        #: Set once the first catch-up ended (caught up, or failed: the supervisor goes on).
+        self.settled = asyncio.Event()
+        self.caught_up = False
+        self._failures = 0
+        # While catching up the first time: records of the episodes to refold, buffered.
+        self._refolding: dict[str, int] = {}
+        self._buffered: dict[str, list[tuple[int, dict[str, Any], bytes]]] = {}
+        self._reported_below: Sequence[int] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    async def start(
-        self,
-        start_offsets: list[int],
-        *,
-        committed_restores: Iterable[int] = (),
-        retired: Iterable[str] = (),
-        refold: Mapping[str, int] | None = None,
-        reported_below: Sequence[int] | None = None,
-    ) -> None:
-        """Catch up from ``start_offsets`` to the current end, then follow in the background.
+    def launch(self, prepare: Callable[[], Awaitable[StartPlan]]) -> None:
+        """Follow the log in the background under the supervisor; ``prepare`` says where to
+        start (it runs again until it succeeds). ``settled`` is set once caught up with the
+        log's end or once the first try failed (``degraded``: it keeps trying)."""
+        self._task = asyncio.create_task(self._supervise(prepare))
 
-        ``refold`` names episodes a committed restore continued or restarted, with the attempt
-        it made current: their trackers are rebuilt from their records with the fold's
-        selection (the cut truncation needs their history; a restarted one's records may start
-        after its restore).
-        ``reported_below`` holds the latest committed checkpoint's markers: an episode that
-        finished below its partition's marker was reported by that checkpoint or an earlier one,
-        and is not tracked again.
-        """
-        self.committed_restores.update(committed_restores)
-        self.retired.update(retired)
-        self.applied = list(start_offsets)
-        ends = await self.log.end_offsets(self.run)
-        refolding = dict(refold or {})
-        buffered: dict[str, list[tuple[int, dict[str, Any], bytes | None]]] = {}
-        logged: dict[tuple[str, int], bytes] = {}
-        for partition in range(self.partitions):
-            async for offset, record in self.log.read_records(
-                self.run, partition, start_offsets[partition], ends[partition]
-            ):
-                meta = record_meta(record)
-                episode = meta.get("episode")
-                if episode in refolding:
-                    buffered.setdefault(episode, []).append((offset, meta, None))
-                    logged[(episode, offset)] = record
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _supervise(self, prepare: Callable[[], Awaitable[StartPlan]]) -> None:
+        planned = False
+        while True:
+            try:
+                if not planned:
+                    self._begin(await prepare())
+                    planned = True
+                await self._read_to_end()
+                if not self.caught_up:
+                    self._finish_catch_up()
+                if self.health.status != "ok" and self._failures:
+                    # The failed reads' tracebacks may hold the driver's cursors in reference
+                    # cycles (an embedded log's open cursor keeps a read snapshot, which blocks
+                    # the WAL's checkpoints): collect them now rather than whenever.
+                    gc.collect()
+                self._set_health("ok", None)
+                self.settled.set()
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except (RunLost, UnknownRun) as e:
+                error = e if isinstance(e, RunLost) else RunLost(str(e), run=self.run)
+                logger.error("projector of run %s stopped: %s", self.run, error.message)
+                await self._halt(error.message)
+                return
+            except Exception as e:  # any other failure: degraded, and try again
+                self._failures += 1
+                transient = _transient(e)
+                if self._failures == 1:
+                    logger.exception("projector of run %s failed; retrying", self.run)
                 else:
-                    verdict = self._apply(partition, offset, meta, record, catching_up=True)
-                    if verdict is not None:
-                        await verdict
-                self.applied[partition] = offset + 1
-            self.applied[partition] = max(self.applied[partition], ends[partition])
-        for episode, records in buffered.items():
+                    logger.warning("projector of run %s failed again: %s", self.run, e)
+                self._set_health("degraded", _describe(e))
+                self.settled.set()
+            # Only a failure gets here.
+            async with self._progress:
+                self._progress.notify_all()
+            base, cap = _BACKOFF_TRANSIENT if transient else _BACKOFF_PERSISTENT
+            delay = min(cap, base * 2 ** min(self._failures - 1, 16))
+            await asyncio.sleep(delay / 2 + random.random() * delay / 2)
+
+    def _set_health(self, status: HealthStatus, error: str | None) -> None:
+        current = self.health
+        if current.status != status or current.error != error:
+            since = current.since if current.status == status else time.time()
+            self.health = RunHealth(status, error, since)
+            if status == "ok" and current.status != "ok":
+                logger.info("projector of run %s is following the log again", self.run)
+
+    async def _halt(self, error: str) -> None:
+        """The run's log lost records: stop for good, release everyone waiting."""
+        self._set_health("stopped", error)
+        self.settled.set()
+        if self._capture is not None:
+            self._capture.reached.set()
+            self._capture.resolved.set()
+        async with self._progress:
+            self._progress.notify_all()
+
+    def _begin(self, plan: StartPlan) -> None:
+        if len(plan.start_offsets) != self.partitions:  # the log's count wins over the catalog's
+            self.partitions = len(plan.start_offsets)
+            self.by_partition = [{} for _ in range(self.partitions)]
+        self.committed_restores.update(plan.committed_restores)
+        self.retired.update(plan.retired)
+        self.applied = list(plan.start_offsets)
+        self._refolding = dict(plan.refold)
+        self._reported_below = plan.reported_below
+        self.quarantined.update(plan.quarantined)
+
+    async def _read_to_end(self) -> None:
+        """Read (for real: this is also how a restarted projector knows it reads again) every
+        partition up to the log's current end."""
+        ends = await self.log.end_offsets(self.run)
+        applied = self.applied
+        for partition in range(self.partitions):
+            if applied[partition] < ends[partition]:
+                async for page in self.log.read_pages(
+                    self.run, partition, applied[partition], ends[partition]
+                ):
+                    for offset, record in page:
+                        if offset < applied[partition]:
+                            continue
+                        verdict = self._take(partition, offset, record)
+                        if verdict is not None:
+                            await verdict
+                        applied[partition] = offset + 1
+            applied[partition] = max(applied[partition], ends[partition])
+        async with self._progress:
+            self._progress.notify_all()
+
+    def _finish_catch_up(self) -> None:
+        for episode, records in self._buffered.items():
             kept, attempt = select_records(
-                records, math.inf, self.committed_restores, refolding[episode]
+                records, math.inf, self.committed_restores, self._refolding[episode]
             )
             tracker = self._tracker(episode, partition_for(episode, self.partitions))
             tracker.filters = _refold_filters(records, attempt)
-            for offset, meta, _ in kept:
-                tracker.apply(offset, meta, logged[(episode, offset)])
+            for offset, meta, kept_record in kept:
+                record = cast(bytes, kept_record)  # buffered records are whole
+                try:
+                    tracker.apply(offset, meta, record)
+                except Exception as e:  # the fold cannot apply it: skip it, as while following
+                    self._quarantine(tracker.partition, offset, record, _fold_failure(e))
             tracker.attempt = attempt
+        self._buffered.clear()
+        self._refolding.clear()
+        reported_below = self._reported_below
         if reported_below is not None:
             for episode, tracker in list(self.trackers.items()):
                 if (
@@ -174,60 +319,113 @@ class Projector:
                 ):
                     self._forget(episode)
                     self.retired.add(episode)
+        self.caught_up = True
         # What catching up built lives on: keep the cyclic collector from walking it again.
         gc.freeze()
-        for partition in range(self.partitions):
-            self._tasks.append(asyncio.create_task(self._follow(partition)))
 
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
-
-    async def _follow(self, partition: int) -> None:
-        try:
-            async for page in self.log.follow(self.run, partition, self.applied[partition]):
-                applied = self.applied
-                apply = self._apply
-                own_restores = self._applied_restores
-                for offset, record in page:
-                    if offset < applied[partition]:
-                        continue
-                    if own_restores and record_restore_id(record) in own_restores:
-                        # This projector applied the restore's resets when it committed: its
-                        # 16,000 records change nothing more, so skip them undecoded.
-                        self.events_applied += 1
-                        applied[partition] = offset + 1
-                        continue
-                    verdict = apply(partition, offset, record_meta(record), record)
-                    if verdict is not None:  # an in-flight restore's record: wait for it
-                        await verdict
+    async def _follow(self) -> None:
+        """One follower for every partition of the run, from the last applied offsets."""
+        applied = self.applied
+        take = self._take
+        own_restores = self._applied_restores
+        async for partition, page in self.log.follow_run(self.run, list(applied)):
+            for offset, record in page:
+                if offset < applied[partition]:
+                    continue
+                if own_restores and record_restore_id(record) in own_restores:
+                    # This projector applied the restore's resets when it committed: its
+                    # 16,000 records change nothing more, so skip them undecoded.
+                    self.events_applied += 1
                     applied[partition] = offset + 1
-                async with self._progress:
-                    self._progress.notify_all()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # keep the reason for whoever waits on the projector
-            logger.exception("projector of run %s, partition %d failed", self.run, partition)
-            self._failure = e
-            if self._capture is not None:
-                self._capture.reached.set()
-                self._capture.resolved.set()
-            raise
+                    continue
+                verdict = take(partition, offset, record)
+                if verdict is not None:  # an in-flight restore's record: wait for it
+                    await verdict
+                applied[partition] = offset + 1
+            self._failures = 0
+            async with self._progress:
+                self._progress.notify_all()
 
-    async def wait_until(self, offsets: Mapping[int, int]) -> None:
-        """Wait until every partition has applied everything below the given offsets."""
+    async def wait_until(self, offsets: Mapping[int, int], timeout_s: float | None = None) -> None:
+        """Wait until every partition has applied everything below the given offsets.
+
+        ``BackendUnavailable`` when that takes longer than ``timeout_s`` (a degraded projector
+        may get there later), ``RunLost`` when the projector stopped.
+        """
 
         def reached() -> bool:
             return all(self.applied[p] >= o for p, o in offsets.items())
 
-        async with self._progress:
-            await self._progress.wait_for(lambda: reached() or self._failure is not None)
-        if self._failure is not None:
-            raise self._failure
+        try:
+            async with asyncio.timeout(timeout_s), self._progress:
+                await self._progress.wait_for(lambda: reached() or self.health.status == "stopped")
+        except TimeoutError as e:
+            health = self.health
+            why = f" ({health.status}: {health.error})" if health.status != "ok" else ""
+            raise BackendUnavailable(
+                f"the projector of run {self.run!r} did not reach the log's offsets within "
+                f"{timeout_s} s{why}; retry",
+                run=self.run,
+                health=health.view(),
+            ) from e
+        self.check_running()
+
+    def check_running(self) -> None:
+        """``RunLost`` if the projector stopped (the run's log lost records)."""
+        if self.health.status == "stopped":
+            raise RunLost(self.health.error or f"run {self.run!r} is stopped", run=self.run)
+
+    # -- quarantine ------------------------------------------------------------------------
+
+    def _take(self, partition: int, offset: int, record: bytes) -> Awaitable[None] | None:
+        """Check one record and apply it, or quarantine it (never raise: one bad record must
+        not stop the run)."""
+        try:
+            meta = record_meta(record)
+        except ValueError as e:  # orjson's JSONDecodeError
+            self._quarantine(partition, offset, record, f"not a JSON envelope: {e}")
+            return None
+        problem = metadata_problem(meta)
+        if problem is None:
+            episode = meta.get("episode")
+            if episode is not None:
+                tracker = self.trackers.get(episode)
+                home = (
+                    tracker.partition
+                    if tracker is not None
+                    else partition_for(episode, self.partitions)
+                )
+                if home != partition:
+                    problem = f"episode {episode!r} belongs in partition {home}, not {partition}"
+        if problem is not None:
+            self._quarantine(partition, offset, record, problem)
+            return None
+        if self._refolding and meta.get("episode") in self._refolding:
+            self._buffered.setdefault(meta["episode"], []).append((offset, meta, record))
+            return None
+        try:
+            return self._apply(partition, offset, meta, record)
+        except Exception as e:  # the fold cannot apply it: skip it, keep the run going
+            self._quarantine(partition, offset, record, _fold_failure(e))
+            return None
+
+    def _quarantine(self, partition: int, offset: int, record: bytes, reason: str) -> None:
+        if (partition, offset) in self.quarantined:
+            return  # found again by a restarted projector: recorded already
+        self.quarantined.add((partition, offset))
+        self.quarantined_count += 1
+        logger.warning(
+            "run %s: quarantined the record at partition %d offset %d: %s",
+            self.run,
+            partition,
+            offset,
+            reason,
+        )
+        self.new_quarantined.append(
+            QuarantinedRecord(
+                partition, offset, reason, len(record), bytes(record[:QUARANTINE_FIRST_BYTES])
+            )
+        )
 
     # -- applying records ------------------------------------------------------------------
 
@@ -245,7 +443,6 @@ class Projector:
         offset: int,
         meta: dict[str, Any],
         record: bytes,
-        catching_up: bool = False,
     ) -> Awaitable[None] | None:
         """Apply one record at once; only the ``attempt.started`` of a restore whose verdict is
         still out returns something to await (synchronous otherwise: a restore's 16,000 records
@@ -253,7 +450,7 @@ class Projector:
         self.events_applied += 1
         kind = meta["type"]
         if kind == "checkpoint.marker":
-            if not catching_up:
+            if self.caught_up:  # else no checkpoint of this service can be waiting for it
                 self._on_marker(partition, offset, meta["data"]["checkpoint_id"])
             return None
         episode = meta["episode"]
@@ -487,8 +684,12 @@ def _entry(tracker: EpisodeTracker, action: str, cut: int) -> ManifestEntry:
     )
 
 
+def _fold_failure(error: Exception) -> str:
+    return f"the fold could not apply it: {type(error).__name__}: {error}"
+
+
 def _refold_filters(
-    records: list[tuple[int, dict[str, Any], bytes | None]], attempt: int
+    records: Sequence[tuple[int, dict[str, Any], bytes | None]], attempt: int
 ) -> _Filters:
     """The filter state after a whole history (so later zombies and duplicates stay filtered)."""
     filters = _Filters()

@@ -39,6 +39,7 @@ EXPECTED = {
     ("GET", "/v1/runs/{run}/restores/{restore_id}/projections"): Role.PARTICIPANT,
     ("GET", "/v1/runs/{run}/episodes"): Role.ANALYST,
     ("GET", "/v1/runs/{run}/stats"): Role.ANALYST,
+    ("GET", "/v1/runs/{run}/quarantine"): Role.ANALYST,
 }
 
 

@@ -48,6 +48,7 @@ def test_public_surface_is_pinned() -> None:
             "Participant",
             "ParticipantKind",
             "PartitionOffset",
+            "QuarantinedRecord",
             "Restore",
             "RestoreAction",
             "RestoreEntry",

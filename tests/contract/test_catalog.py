@@ -22,6 +22,7 @@ from rolloutlog.catalog import (
     EpisodeStart,
     ManifestEntry,
     PartitionOffset,
+    QuarantinedRecord,
     RestoreEntry,
     head_revision,
     open_catalog,
@@ -1026,3 +1027,45 @@ async def test_the_documented_manifest_queries_run_on_the_view(
         n, b = expected.get((entry.cut_partition, entry.action), (0, 0))
         expected[(entry.cut_partition, entry.action)] = (n + 1, b + entry.size_bytes)
     assert counted == expected
+
+
+async def test_quarantined_records_are_kept_once_and_listed_in_order(
+    catalog: Catalog, catalog_url: str
+) -> None:
+    await controlled_run(catalog)
+    first = [
+        QuarantinedRecord(2, 7, "not a JSON envelope", 9, b"\xff\xfegarbage"),
+        QuarantinedRecord(0, 3, "the record has no event type", 12, b'{"v": 1}'),
+        QuarantinedRecord(1, 0, "a NUL\x00 in the reason", 1, b"\x00"),
+        QuarantinedRecord(2, 1, "x" * 5000, 1 << 20, bytes(range(256)) * 4),
+    ]
+    await catalog.quarantine(RUN, first)
+    # Found again by a restarted projector: the first row stays.
+    await catalog.quarantine(RUN, [QuarantinedRecord(0, 3, "again", 1, b"again")])
+    listed = await catalog.quarantined(RUN)
+    assert [(r.partition, r.offset) for r in listed] == [(0, 3), (1, 0), (2, 1), (2, 7)]
+    assert listed[1].reason == "a NUL\\x00 in the reason" and listed[1].first_bytes == b"\x00"
+    del listed[1]
+    assert listed[0].reason == "the record has no event type" and listed[0].size == 12
+    assert listed[0].first_bytes == b'{"v": 1}' and listed[0].recorded_at > 0
+    assert listed[1].first_bytes == bytes(range(256)) and len(listed[1].reason) == 2000
+    assert listed[2].first_bytes == b"\xff\xfegarbage"
+    page = await catalog.quarantined(RUN, after=(0, 3), limit=1)
+    assert [(r.partition, r.offset) for r in page] == [(1, 0)]
+    assert await catalog.quarantined(RUN, after=(2, 7)) == []
+    with pytest.raises(UnknownRun):
+        await catalog.quarantined("no-such-run")
+    # Analysts read the table with SQL too (docs/catalog.md).
+    engine = raw_engine(catalog_url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(
+                text(
+                    'SELECT partition, "offset", reason FROM quarantined_records '
+                    'WHERE run = :run ORDER BY partition, "offset"'
+                ),
+                {"run": RUN},
+            )
+            assert [(p, o) for p, o, _ in rows] == [(0, 3), (1, 0), (2, 1), (2, 7)]
+    finally:
+        await engine.dispose()

@@ -1,0 +1,99 @@
+"""Where a run's projector starts: the catalog's latest checkpoint and restores, and a check
+that the log still holds what the catalog names (a run whose log lost records is ``RunLost``)."""
+
+from __future__ import annotations
+
+from rolloutlog.catalog import Catalog, Restore
+from rolloutlog.errors import RunLost, UnknownRun
+from rolloutlog.log import Log
+from rolloutlog.projections._projector import StartPlan
+
+__all__ = ["all_restores", "start_plan"]
+
+
+async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:
+    """Where the run's projector starts, from the catalog; checks that the log still holds
+    what the catalog names (``RunLost`` otherwise)."""
+    summary = await catalog.run_summary(run)
+    info = summary.run
+    history = (
+        info.latest_checkpoint_id is not None
+        or summary.checkpoint_counts
+        or summary.participant_count
+        or summary.episode_count
+        or summary.restore_count
+    )
+    if history:
+        # An existing run is never re-created in the log: a missing topic means it was lost.
+        try:
+            partitions = await log.partitions(run)
+        except UnknownRun as e:
+            raise RunLost(
+                f"run {run!r} has no log topic any more, but the catalog holds its history "
+                "(checkpoints, participants or episodes): the log lost its records (a broker "
+                "restarted empty, or the topic was deleted). Appends are refused; delete the "
+                "run, or restore its topic and restart the service",
+                run=run,
+            ) from e
+    else:
+        partitions = await log.ensure_run(run, info.partitions)
+    start = [0] * partitions
+    markers: list[int] | None = None
+    if info.latest_checkpoint_id is not None:
+        latest = await catalog.get_checkpoint(run, info.latest_checkpoint_id)
+        markers = [0] * partitions
+        for offset in latest.offsets:
+            markers[offset.partition] = offset.marker
+            start[offset.partition] = (
+                offset.replay_from if offset.replay_from is not None else offset.marker
+            )
+        await _check_log_holds(log, run, latest.checkpoint_id, markers)
+    restores = await all_restores(catalog, run)
+    restored: dict[str, int] = {}  # episode -> the attempt its latest restore made current
+    retired: set[str] = set()
+    for restore in sorted(restores, key=lambda r: r.restore_id):
+        for entry in await catalog.restore_episodes(run, restore.restore_id, limit=None):
+            if entry.action == "excluded":
+                retired.add(entry.episode)
+            else:  # their records need the restore's truncation
+                restored[entry.episode] = entry.attempt
+    quarantined = await catalog.quarantined(run, limit=None)
+    return StartPlan(
+        start,
+        committed_restores=[r.restore_id for r in restores],
+        retired=retired,
+        refold={e: a for e, a in restored.items() if e not in retired},
+        reported_below=markers,
+        quarantined=[(q.partition, q.offset) for q in quarantined],
+    )
+
+
+async def _check_log_holds(log: Log, run: str, checkpoint_id: int, markers: list[int]) -> None:
+    ends = await log.end_offsets(run)
+    short = [
+        (partition, end, marker)
+        for partition, (end, marker) in enumerate(zip(ends, markers, strict=False))
+        if end < marker + 1
+    ]
+    if len(ends) < len(markers) or short:
+        where = ", ".join(f"partition {p} ends at {e}, marker at {m}" for p, e, m in short[:4])
+        raise RunLost(
+            f"the log of run {run!r} no longer holds the records its committed checkpoint "
+            f"{checkpoint_id} names ({where or 'fewer partitions'}): it lost records (a broker "
+            "restarted empty, or the topic was recreated). Appends are refused: they would "
+            "land at offsets the checkpoint names. Delete the run, or restore its topic and "
+            "restart the service",
+            run=run,
+            checkpoint_id=checkpoint_id,
+        )
+
+
+async def all_restores(catalog: Catalog, run: str) -> list[Restore]:
+    out: list[Restore] = []
+    before: int | None = None
+    while True:
+        page = await catalog.list_restores(run, before=before, limit=500)
+        out.extend(page)
+        if len(page) < 500:
+            return out
+        before = page[-1].restore_id
