@@ -13,12 +13,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import gc
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -28,10 +31,17 @@ from rolloutlog.api._tokens import ENV_PREFIX, MIN_TOKEN_LENGTH, Role, Tokens, i
 from rolloutlog.errors import RolloutlogError
 from rolloutlog.trainer import TrainerClient
 
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
 __all__ = ["GC_THRESHOLDS", "main", "parser"]
 
 #: The garbage collector's thresholds while serving (see ``serve``).
 GC_THRESHOLDS = (50_000, 50, 1_000)
+
+#: ``details["backend"]`` of the catalog's errors: a start-up failure names the catalog's URL.
+CATALOG_BACKENDS = frozenset({"postgresql", "sqlite"})
 
 
 def no_tokens_message(host: str) -> str:
@@ -169,14 +179,17 @@ def serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.shutdown_timeout,
         validation_workers=max(0, args.validation_workers),
     )
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=args.host,
         port=args.port,
         log_config=uvicorn_log_config(args.log_level, args.access_log),
         access_log=args.access_log,
         timeout_graceful_shutdown=args.shutdown_timeout,
-        lifespan="on",
+        # The lifespan (opening the log and the catalog) runs in ``_start_then_serve`` before
+        # uvicorn starts: a start-up failure is then one line on stderr, not a logged traceback.
+        lifespan="off",
         server_header=False,
     )
     server = uvicorn.Server(config)
@@ -190,8 +203,40 @@ def serve(args: argparse.Namespace) -> int:
     stopped_by: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, frame: stopped_by.append(number))
-    server.run()
-    return 0 if server.started else 1
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        if not runner.run(_start_then_serve(app, server, settings, stopped_by)):
+            return 1
+    return 0 if server.started or stopped_by else 1
+
+
+async def _start_then_serve(
+    app: FastAPI, server: uvicorn.Server, settings: Settings, stopped_by: list[int]
+) -> bool:
+    """Open the service (the app's lifespan), then serve until a signal; False when it could
+    not start, after printing why as one line on stderr."""
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            await stack.enter_async_context(app.router.lifespan_context(app))
+        except Exception as e:  # whatever stopped the start, the operator needs its cause
+            print(start_failure_message(e, settings), file=sys.stderr)
+            return False
+        if not stopped_by:  # a SIGTERM during start-up: stop as soon as it is up
+            await server.serve()
+    return True
+
+
+def start_failure_message(error: BaseException, settings: Settings) -> str:
+    """One line naming why ``serve`` could not start (and which catalog, when it was that)."""
+    if isinstance(error, RolloutlogError):
+        cause = error.message
+        if error.details.get("backend") in CATALOG_BACKENDS:
+            from sqlalchemy.engine import make_url
+
+            url = make_url(settings.resolved_catalog_url).render_as_string(hide_password=True)
+            cause += f" (catalog {url})"
+    else:
+        cause = f"{type(error).__name__}: {error}"
+    return "rolloutlog serve: cannot start: " + " ".join(cause.split())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import asyncpg  # type: ignore[import-untyped]
-from sqlalchemy import Table, text
+from sqlalchemy import Table, event, text
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -51,7 +52,7 @@ class PostgresBackend(Backend):
             for name, value in url.query.items()
             if name not in _CONNECT_PARAMETERS
         }
-        return create_async_engine(
+        engine = create_async_engine(
             url.difference_update_query(settings),
             pool_size=5,
             max_overflow=5,
@@ -60,6 +61,8 @@ class PostgresBackend(Backend):
                 "server_settings": {"application_name": "rolloutlog-catalog", **settings},
             },
         )
+        event.listen(engine.sync_engine.pool, "checkout", _closed_by_the_server)
+        return engine
 
     def read_engine(self, engine: AsyncEngine) -> AsyncEngine:
         return engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
@@ -106,3 +109,13 @@ class PostgresBackend(Backend):
                 backend=self.name,
             )
         return None
+
+
+def _closed_by_the_server(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+    """Swap a pooled connection that the server closed (a restarted or failed-over PostgreSQL,
+    an idle timeout) for a new one before it is used, so that the first request after an outage
+    does not fail on it. SQLAlchemy's ``pool_pre_ping`` would ask the server instead: three
+    round trips on every checkout with asyncpg (BEGIN, ``;``, ROLLBACK), measured +0.4 ms on a
+    1 ms catalog read; asyncpg already knows when the server hung up."""
+    if dbapi_connection.driver_connection.is_closed():
+        raise sa_exc.DisconnectionError("the server closed this pooled catalog connection")

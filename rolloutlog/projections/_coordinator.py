@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import random
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -40,6 +41,7 @@ from rolloutlog.catalog import (
 from rolloutlog.errors import (
     BackendUnavailable,
     InvalidRequest,
+    RolloutlogError,
     StaleController,
     UnknownCheckpoint,
     UnknownEpisode,
@@ -70,6 +72,12 @@ DEFAULT_WAIT_DEADLINE_S = 30.0
 START_WAIT_S = 30.0
 #: How long a request waits for a starting projector's first catch-up.
 SETTLE_WAIT_S = 10.0
+
+#: Catalog writes the service owes (episode records, a failed checkpoint's abort) are retried
+#: with exponential backoff capped here, jittered so that runs and replicas spread out.
+_RETRY_MAX_S = 5.0
+#: The episode records' last flush on the way out waits at most this for the catalog.
+_LAST_FLUSH_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,25 +228,64 @@ class Coordinator:
             del projector.new_quarantined[: len(batch)]
 
     async def _record_episodes(self, projector: Projector, every_s: float = 1.0) -> None:
-        """Feed the catalog's episodes table (for analysts) from the projector, in batches."""
+        """Feed the catalog's episodes table (for analysts) from the projector, in batches.
+
+        While the catalog is unavailable the batches stay queued and are retried with jittered
+        backoff: an episode that finishes during an outage must not stay ``running`` for good.
+        """
+        failures = 0
         try:
             while True:
-                await asyncio.sleep(every_s)
-                await self._flush_episodes(projector)
+                await asyncio.sleep(_backoff_s(failures, every_s) if failures else every_s)
+                try:
+                    await self._flush_episodes(projector)
+                except RolloutlogError as e:  # retriable: the batch is kept
+                    failures += 1
+                    if failures == 1:
+                        logger.warning(
+                            "could not record episodes of run %s; retrying until the catalog "
+                            "takes them: %s",
+                            projector.run,
+                            e.message,
+                        )
+                    continue
+                if failures:
+                    logger.info(
+                        "recorded the episodes of run %s after %d failed attempts",
+                        projector.run,
+                        failures,
+                    )
+                failures = 0
         finally:
+            # Last flush on the way out, bounded: a hung catalog must not hold up the stop.
             with contextlib.suppress(Exception):
-                await self._flush_episodes(projector)
+                async with asyncio.timeout(_LAST_FLUSH_S):
+                    await self._flush_episodes(projector)
 
     async def _flush_episodes(self, projector: Projector) -> None:
+        """Record the projector's new starts and finishes. A retriable catalog error keeps the
+        batch queued and is raised; any other error drops that batch (the catalog refused it)."""
         while projector.new_starts or projector.new_finishes:
             starts, projector.new_starts = projector.new_starts[:5000], projector.new_starts[5000:]
             finishes = projector.new_finishes[:5000]
             projector.new_finishes = projector.new_finishes[5000:]
+            done = False
             try:
                 await self.catalog.record_episodes(projector.run, starts, finishes)
-            except Exception:
-                logger.exception("could not record episodes of run %s", projector.run)
-                return
+                done = True
+            except Exception as e:
+                if isinstance(e, RolloutlogError) and e.retriable:
+                    raise
+                done = True  # dropped: retrying what the catalog refuses would block the run
+                logger.exception("the catalog refused episodes of run %s", projector.run)
+            finally:
+                if not done:
+                    # Unavailable, or cancelled mid-write: back in front, in order (the
+                    # projector may have queued more meanwhile). Sending a batch again whose
+                    # commit did land is harmless: starts keep the first position, finishes
+                    # are idempotent.
+                    projector.new_starts[:0] = starts
+                    projector.new_finishes[:0] = finishes
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.create_task(coroutine)
@@ -359,8 +406,43 @@ class Coordinator:
         self.projectors[run].end_capture(capture, committed=False)
         try:
             await self.catalog.abort_checkpoint(run, checkpoint_id, controller_epoch, reason)
-        except Exception:  # the original failure matters more; start-up aborts it otherwise
+        except RolloutlogError as e:
+            if not e.retriable:  # the original failure matters more
+                logger.exception("could not abort checkpoint %d of run %s", checkpoint_id, run)
+                return
+            # Left pending, it would refuse every later checkpoint of the run until a restart.
+            logger.warning(
+                "checkpoint %d of run %s could not be aborted yet (%s); retrying until the "
+                "catalog takes it",
+                checkpoint_id,
+                run,
+                e.message,
+            )
+            self._spawn(self._abort_until_landed(run, checkpoint_id, controller_epoch, reason))
+        except Exception:  # as above; start-up aborts it otherwise
             logger.exception("could not abort checkpoint %d of run %s", checkpoint_id, run)
+
+    async def _abort_until_landed(
+        self, run: str, checkpoint_id: int, controller_epoch: int, reason: str
+    ) -> None:
+        """Retry a failed checkpoint's abort with jittered backoff until the catalog takes it."""
+        failures = 0
+        while True:
+            failures += 1
+            await asyncio.sleep(_backoff_s(failures, 0.5))
+            try:
+                await self.catalog.abort_checkpoint(run, checkpoint_id, controller_epoch, reason)
+            except RolloutlogError as e:
+                if e.retriable:
+                    continue
+                # Committed after all (its reply was lost), or a new controller's take-over
+                # aborted it: either way it no longer blocks the run.
+                logger.info("checkpoint %d of run %s: %s", checkpoint_id, run, e.message)
+                return
+            logger.info(
+                "aborted checkpoint %d of run %s after %d attempts", checkpoint_id, run, failures
+            )
+            return
 
     async def _trim(self, run: str) -> None:
         """Drop log records no retained checkpoint needs (where the backend can)."""
@@ -758,6 +840,13 @@ class Coordinator:
                 f"episode {episode!r} has no events before its cut", episode=episode
             )
         return projection
+
+
+def _backoff_s(failures: int, first_s: float) -> float:
+    """The delay before retry number ``failures`` (1, 2, …): doubling from ``first_s`` up to
+    ``_RETRY_MAX_S``, times a random factor in [0.5, 1]."""
+    delay: float = min(_RETRY_MAX_S, first_s * 2.0 ** min(failures - 1, 16))
+    return delay * random.uniform(0.5, 1.0)
 
 
 def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[ManifestEntry]]:

@@ -146,27 +146,53 @@ async def test_postgres_server_settings_travel_in_the_url(postgres_schema: str) 
         await engine.dispose()
 
 
+async def _terminate_backends(url: str, name: str) -> None:
+    """Kill every server backend of the catalog named ``name`` (as a server restart would) and
+    wait until they are gone."""
+    admin = backend_for(url).create_engine()
+    try:
+        async with admin.connect() as conn:
+            await conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = :name"
+                ),
+                {"name": name},
+            )
+            left = 1
+            while left:
+                await asyncio.sleep(0.02)
+                result = await conn.execute(
+                    text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :name"),
+                    {"name": name},
+                )
+                left = result.scalar_one()
+                await conn.commit()  # pg_stat_activity holds still within a transaction
+    finally:
+        await admin.dispose()
+
+
 @pytest.mark.postgres
 async def test_postgres_lost_connection_is_unavailable(postgres_schema: str) -> None:
     # A name of its own, so that only this catalog's server backends get killed.
     name = f"rolloutlog-test-{uuid.uuid4().hex[:8]}"
     async with open_catalog(f"{postgres_schema}&application_name={name}") as catalog:
         await catalog.create_run("r")
-        # Kill every server backend of this catalog's pool, as a server restart would.
-        admin = backend_for(postgres_schema).create_engine()
-        try:
-            async with admin.connect() as conn:
-                await conn.execute(
-                    text(
-                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                        "WHERE application_name = :name"
-                    ),
-                    {"name": name},
-                )
-        finally:
-            await admin.dispose()
+        # Pooled connections the server closed are replaced before use: no failed call.
+        await _terminate_backends(postgres_schema, name)
+        await asyncio.sleep(0.05)  # the event loop sees the hang-ups
+        assert (await catalog.get_run("r")).run == "r"
+
+        # A connection lost in the middle of a statement is unavailable (retriable).
+        async def sleep_in_the_catalog() -> None:
+            async with catalog._write() as conn:
+                await conn.execute(text("SELECT pg_sleep(30)"))
+
+        sleeping = asyncio.create_task(sleep_in_the_catalog())
+        await asyncio.sleep(0.2)
+        await _terminate_backends(postgres_schema, name)
         with pytest.raises(BackendUnavailable):
-            await catalog.get_run("r")
+            await sleeping
         # The pool recovers on the next call.
         assert (await catalog.get_run("r")).run == "r"
 
