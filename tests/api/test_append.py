@@ -238,10 +238,78 @@ async def test_epochs_registered_elsewhere_are_learned(api: Api) -> None:
     await api.seed(["a"])
     # Another replica registers env-0 again: the catalog knows, this service's cache does not.
     await api.service.catalog.register_participant(RUN, "env-0", "environment")
-    api.service.fencing[RUN].epochs_loaded_at = 0.0
     await api.append(f.boundary("a", "x", who=f.participant(epoch=2)))
     response = await api.append(f.boundary("a", "zombie"), expect=409)
     assert response.json()["error"]["code"] == "participant_fenced"
+    # Again at once: a refusal reloads the registrations first (no rate limit can refuse it).
+    await api.service.catalog.register_participant(RUN, "env-0", "environment")
+    await api.append(f.boundary("a", "y", who=f.participant(epoch=3)))
+    # An epoch nobody granted stays refused after the reload.
+    response = await api.append(f.boundary("a", "z", who=f.participant(epoch=4)), expect=409)
+    error = response.json()["error"]
+    assert error["code"] == "participant_fenced"
+    assert (error["details"]["epoch"], error["details"]["registered_epoch"]) == (4, 3)
+
+
+_CONTROL = ["\n", "\r", "\t", "\x00", "\x1b", "\u2028"]
+
+
+@pytest.mark.parametrize("suffix", _CONTROL)
+@pytest.mark.parametrize("where", ["episode", "participant", "owner", "stage", "session", "call"])
+async def test_ids_with_a_newline_or_control_character_are_refused(
+    api: Api, where: str, suffix: str
+) -> None:
+    await api.seed([])
+    if where in ("session", "call"):
+        [event] = wire(f.session_started("a") if where == "session" else f.ledger_row("a"))
+        key = "session_id" if where == "session" else "call_id"
+        event["data"][key] += suffix
+    else:
+        [event] = wire(f.boundary("a", "seed", {"turn": 1}))
+        if where == "episode":
+            event["episode"] += suffix
+        elif where == "participant":
+            event["participant"]["id"] += suffix
+        else:
+            event["data"][where] += suffix
+    response = await post(api, orjson.dumps([event]))
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["code"] == "invalid_event"
+    assert sum(await api.log_ends()) == 0
+
+
+async def test_names_elsewhere_are_matched_whole(api: Api) -> None:
+    await api.seed([])
+    refused = await api.call("POST", "/v1/runs", "trainer", 400, json={"run": "r\n"})
+    assert refused.json()["error"]["code"] == "invalid_request"
+    register = f"/v1/runs/{RUN}/participants"
+    refused = await api.call(
+        "POST", register, "participant", 400, json={"id": "env-9\n", "kind": "environment"}
+    )
+    assert refused.json()["error"]["code"] == "invalid_request"
+    restore = await api.call(
+        "POST",
+        f"/v1/runs/{RUN}/restores",
+        "trainer",
+        400,
+        json={"controller_epoch": api.epoch, "checkpoint_id": "latest", "exclude": ["a\n"]},
+    )
+    assert restore.json()["error"]["code"] == "invalid_request"
+
+
+async def test_ids_accepted_before_are_still_accepted(api: Api) -> None:
+    await api.seed([])
+    for episode in ("r17", "a", "A.b_c:d-e", "x" * 200, "r17-b2", "r17-a"):
+        await api.append(f.started(episode), f.boundary(episode, "seed", {"turn": 1}))
+    checkpoint = (await api.checkpoint())["checkpoint_id"]
+    for episode in ("r17", "A.b_c:d-e"):
+        projection = await api.call(
+            "GET",
+            f"/v1/runs/{RUN}/episodes/{episode}/projection?checkpoint={checkpoint}",
+            "participant",
+            200,
+        )
+        assert projection.json()["episode"] == episode
 
 
 def test_parse_body_accepts_crlf_ndjson() -> None:
