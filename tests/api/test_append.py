@@ -251,6 +251,26 @@ async def test_epochs_registered_elsewhere_are_learned(api: Api) -> None:
     assert (error["details"]["epoch"], error["details"]["registered_epoch"]) == (4, 3)
 
 
+async def test_attempts_begun_elsewhere_are_learned_and_others_refused(api: Api) -> None:
+    await api.seed(["a"])
+    await api.checkpoint()
+    await api.restore()  # a continues as attempt 1
+    # As if another replica had restored: this service's cache and projector are behind.
+    api.service.fencing[RUN].attempts.clear()
+    tracker = api.service.coordinator.projectors[RUN].trackers["a"]
+    tracker.attempt, seen = 0, tracker.attempt
+    try:
+        await api.append(f.boundary("a", "next", attempt=1))
+    finally:
+        tracker.attempt = max(tracker.attempt, seen)
+    before = await api.log_ends()
+    response = await api.append(f.boundary("a", "ahead", attempt=2), expect=409)
+    error = response.json()["error"]
+    assert error["code"] == "attempt_fenced"
+    assert (error["details"]["attempt"], error["details"]["current_attempt"]) == (2, 1)
+    assert await api.log_ends() == before
+
+
 _CONTROL = ["\n", "\r", "\t", "\x00", "\x1b", "\u2028"]
 
 
@@ -332,3 +352,41 @@ async def test_a_worker_process_prepares_what_the_service_process_would() -> Non
         assert refused.value.details["field"] == "extra"
     finally:
         await preparer.stop()
+
+
+async def test_big_bodies_prepared_in_slices_match_the_one_call_prepare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rolloutlog.api import _prepare
+    from rolloutlog.errors import RolloutlogError
+
+    monkeypatch.setattr(_prepare, "SLICE_BYTES", 64)  # many slices, many false splits
+    events = wire(
+        *(
+            f.boundary(f"e{i}", "s", {"rows": [{"a": 1}, {"b": "},{"}], "t": "}, {"})
+            for i in range(40)
+        )
+    )
+    compact = orjson.dumps(events)
+    spaced = b" [\n" + b" ,\r\n\t".join(orjson.dumps(e) for e in events) + b"\n] "
+    ndjson = b"\n".join(orjson.dumps(e) for e in events)
+    for body, is_ndjson in ((compact, False), (spaced, False), (ndjson, True), (b"[]", False)):
+        expected = _prepare.prepare(body, is_ndjson, 4, 1 << 20)
+        assert await _prepare.prepare_sliced(body, is_ndjson, 4, 1 << 20) == expected
+
+    bad = [
+        compact[:-1] + b",]",  # trailing comma
+        compact.replace(b'"e20"', b'"e20\\n"'),  # a bad id in the middle
+        compact[: len(compact) // 2],  # cut short
+        compact.replace(b"},{", b"}\x0c,{", 1),  # not JSON whitespace between elements
+        b'{"not": "an array"}',
+        b"[1, 2]",
+    ]
+    for body in bad:
+        try:
+            _prepare.prepare(body, False, 4, 1 << 20)
+        except RolloutlogError as e:
+            expected_error: RolloutlogError = e
+        with pytest.raises(type(expected_error)) as caught:
+            await _prepare.prepare_sliced(body, False, 4, 1 << 20)
+        assert caught.value.details.get("index") == expected_error.details.get("index")
