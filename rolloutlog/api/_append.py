@@ -58,8 +58,18 @@ def _fence(
     epochs = fencing.epochs
     for (episode, attempt, participant, epoch), index in batch.keys.items():
         current = service.current_attempt(run, fencing, episode)
-        if attempt != current:
+        if service.excluded(run, episode):
             error: RolloutlogError = AttemptFenced(
+                f"event {index}: episode {episode!r} was excluded by a restore (the trainer "
+                "holds its result); it has no current attempt",
+                index=index,
+                episode=episode,
+                attempt=attempt,
+                current_attempt=current,
+            )
+            return error, False, False
+        if attempt != current:
+            error = AttemptFenced(
                 f"event {index}: attempt {attempt} of episode {episode!r} is "
                 + ("fenced" if attempt < current else "not one a restore began")
                 + f"; the current attempt is {current}",

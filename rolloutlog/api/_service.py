@@ -99,6 +99,8 @@ class _Refresh:
         while self.loaded_at < since:
             if self._task is None:
                 self._task = asyncio.create_task(self._run(time.monotonic()))
+                # Its waiters may all be gone (clients disconnected): retrieve its outcome anyway.
+                self._task.add_done_callback(lambda task: task.cancelled() or task.exception())
             await asyncio.shield(self._task)
 
     async def _run(self, started: float) -> None:
@@ -284,6 +286,11 @@ class Service:
             if tracker is not None and tracker.attempt > attempt:
                 return tracker.attempt
         return attempt
+
+    def excluded(self, run: str, episode: str) -> bool:
+        """Whether a restore excluded the episode (the projector ignores its later events)."""
+        projector = self.coordinator.projectors.get(run)
+        return projector is not None and episode in projector.retired
 
     def note_epoch(self, run: str, participant_id: str, epoch: int) -> None:
         # A new epoch counts its seqs from 1: its first event may not jump past max_seq_gap.

@@ -271,6 +271,18 @@ async def test_attempts_begun_elsewhere_are_learned_and_others_refused(api: Api)
     assert await api.log_ends() == before
 
 
+async def test_an_excluded_episode_takes_no_more_events(api: Api) -> None:
+    await api.seed(["a", "b"])
+    await api.checkpoint()
+    await api.restore(exclude=["b"])
+    before = await api.log_ends()
+    for attempt in (0, 1):
+        response = await api.append(f.boundary("b", "late", attempt=attempt), expect=409)
+        assert response.json()["error"]["code"] == "attempt_fenced"
+    assert await api.log_ends() == before
+    await api.append(f.boundary("a", "next", attempt=1))
+
+
 _CONTROL = ["\n", "\r", "\t", "\x00", "\x1b", "\u2028"]
 
 
