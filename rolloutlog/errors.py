@@ -22,6 +22,7 @@ __all__ = [
     "LogError",
     "ParticipantFenced",
     "PayloadTooLarge",
+    "RequestTimeout",
     "RestoreConflict",
     "RolloutlogError",
     "RunExists",
@@ -70,6 +71,14 @@ class InvalidRequest(RolloutlogError):
 class PayloadTooLarge(RolloutlogError):
     code = "payload_too_large"
     http_status = 413
+
+
+class RequestTimeout(RolloutlogError):
+    """A client sent its request's headers or body too slowly; the connection is closed."""
+
+    code = "request_timeout"
+    http_status = 408
+    retriable = True
 
 
 class UnknownRun(RolloutlogError):

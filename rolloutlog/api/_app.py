@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
@@ -19,7 +20,7 @@ from rolloutlog.api._http import dumps, json_response
 from rolloutlog.api._models import Health
 from rolloutlog.api._service import Service
 from rolloutlog.api._settings import Settings
-from rolloutlog.errors import PayloadTooLarge, RolloutlogError
+from rolloutlog.errors import PayloadTooLarge, RequestTimeout, RolloutlogError
 
 __all__ = ["PUBLIC_PATHS", "create_app", "route_roles"]
 
@@ -51,6 +52,48 @@ class _BodyTooLarge(HTTPException):
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"the request body exceeds {limit} bytes")
         self.limit = limit
+
+
+class _BodyTimeout(HTTPException):
+    """Raised from ``receive`` when a body stalls (an ``HTTPException``, as ``_BodyTooLarge``)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"no part of the request body arrived for {timeout_s:g} s")
+        self.timeout_s = timeout_s
+
+
+class BodyTimeout:
+    """Refuses a request whose body stalls: every ``receive`` of a body not yet complete must
+    return within ``timeout_s``, or the request is answered ``408 request_timeout`` and its
+    connection closed. (uvicorn times out idle keep-alive connections only; headers are timed by
+    ``_protocol``.) Once the body is complete, ``receive`` is left alone: a streaming response
+    waits on it for the disconnect."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        complete = False
+        timeout_s = self.timeout_s
+
+        async def timed() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                raise _BodyTimeout(timeout_s) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                complete = True
+            return message
+
+        await self.app(scope, timed, send)
 
 
 class BodyLimit:
@@ -116,10 +159,17 @@ def _error_response(request: Request, error: RolloutlogError) -> Response:
     service: Service | None = getattr(request.app.state, "service", None)
     if service is not None:
         service.metrics.refusals.inc(labels=(error.code,))
-    if error.http_status >= 500:
+    headers: dict[str, str] = {}
+    if error.http_status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    elif error.http_status == 408:
+        headers["Connection"] = "close"  # the rest of the body may never come
+    retry_after = error.details.get("retry_after_s")
+    if isinstance(retry_after, int):
+        headers["Retry-After"] = str(retry_after)
+    elif error.http_status >= 500:
         logger.error("request failed: %s", error.message, extra={"code": error.code})
-    headers = {"WWW-Authenticate": "Bearer"} if error.http_status == 401 else None
-    return json_response(error.to_dict(), error.http_status, headers=headers)
+    return json_response(error.to_dict(), error.http_status, headers=headers or None)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -153,6 +203,8 @@ def _install_error_handlers(app: FastAPI) -> None:
             error: RolloutlogError = PayloadTooLarge(
                 f"the request body exceeds {exc.limit} bytes", max_bytes=exc.limit
             )
+        elif isinstance(exc, _BodyTimeout):
+            error = RequestTimeout(str(exc.detail), timeout_s=exc.timeout_s)
         else:
             code = _HTTP_CODES.get(exc.status_code, "invalid_request")
             message = str(exc.detail) if exc.detail else code
@@ -276,6 +328,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         events_limit=settings.max_events_bytes,
         other_limit=settings.max_request_bytes,
     )
+    app.add_middleware(BodyTimeout, timeout_s=settings.body_timeout_s)
     return app
 
 

@@ -3,26 +3,37 @@
 The body is read in chunks up to the route's byte limit (the body-limit middleware refuses more
 without buffering it), parsed once with orjson (which refuses invalid UTF-8, NaN and nesting
 deeper than 1024), validated envelope by envelope and encoded (``_prepare``: in a worker process
-when the service has one), fenced, and appended as one all-or-nothing batch. Nothing is appended
-unless every envelope passes.
+when the service has one, a slice at a time when it is big), fenced, and appended as one
+all-or-nothing batch. Nothing is appended unless every envelope passes.
 
-Fencing here is the service's early refusal; the fold stays authoritative (an append racing a
-restore's commit lands after its ``attempt.started`` record and is ignored there).
+Fencing refuses every event the fold would drop once acknowledged (retries of an acknowledged
+``seq`` excepted): attempts other than the current one, epochs other than the registered one, and
+seqs that jump absurdly (docs/api.md, "Acknowledged means kept"). A refusal that another
+replica's registration or restore could lift waits for a fresh reload from the catalog first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Sequence
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
 from rolloutlog.api._auth import Role, require
 from rolloutlog.api._http import NDJSON
 from rolloutlog.api._models import AppendOut, ErrorOut, RunPath
-from rolloutlog.api._prepare import Batch, records
+from rolloutlog.api._prepare import Batch, records, records_sliced, release
 from rolloutlog.api._service import RunFencing, Service
-from rolloutlog.errors import AttemptFenced, ParticipantFenced
+from rolloutlog.errors import (
+    AttemptFenced,
+    InvalidEvent,
+    InvalidRequest,
+    ParticipantFenced,
+    RolloutlogError,
+)
 
 __all__ = ["check_fencing", "router"]
 
@@ -39,40 +50,119 @@ _EVENTS_BODY = {
 }
 
 
-def check_fencing(service: Service, run: str, batch: Batch, fencing: RunFencing) -> bool:
-    """Refuse fenced attempts and fenced participant epochs.
-
-    Returns True when an event names a participant id (or epoch) the epoch cache has not seen,
-    so the caller may refresh the cache and check again.
-    """
+def _fence(
+    service: Service, run: str, batch: Batch, fencing: RunFencing
+) -> tuple[RolloutlogError | None, bool, bool]:
+    """The refusal of the batch's first fenced event (None if none), and whether a reload of the
+    registrations or of the attempts could lift it (another replica may have made the change)."""
     epochs = fencing.epochs
-    unknown = False
-    for index, episode in enumerate(batch.episodes):
-        attempt = batch.attempts[index]
+    for (episode, attempt, participant, epoch), index in batch.keys.items():
         current = service.current_attempt(run, fencing, episode)
-        if attempt < current:
-            raise AttemptFenced(
-                f"event {index}: attempt {attempt} of episode {episode!r} is fenced; "
-                f"the current attempt is {current}",
+        if service.excluded(run, episode):
+            error: RolloutlogError = AttemptFenced(
+                f"event {index}: episode {episode!r} was excluded by a restore (the trainer "
+                "holds its result); it has no current attempt",
                 index=index,
                 episode=episode,
                 attempt=attempt,
                 current_attempt=current,
             )
-        participant, epoch = batch.participants[index]
+            return error, False, False
+        if attempt != current:
+            error = AttemptFenced(
+                f"event {index}: attempt {attempt} of episode {episode!r} is "
+                + ("fenced" if attempt < current else "not one a restore began")
+                + f"; the current attempt is {current}",
+                index=index,
+                episode=episode,
+                attempt=attempt,
+                current_attempt=current,
+            )
+            return error, False, attempt > current
         registered = epochs.get(participant)
-        if registered is None or epoch > registered:
-            unknown = True
-        elif epoch < registered:
-            raise ParticipantFenced(
-                f"event {index}: participant {participant!r} epoch {epoch} is fenced; "
-                f"its registered epoch is {registered}",
+        if registered is None or epoch != registered:
+            if registered is None:
+                reason = f"participant {participant!r} is not registered in run {run!r}"
+            elif epoch < registered:
+                reason = (
+                    f"participant {participant!r} epoch {epoch} is fenced; "
+                    f"its registered epoch is {registered}"
+                )
+            else:
+                reason = (
+                    f"participant {participant!r} was never granted epoch {epoch}; "
+                    f"its registered epoch is {registered}"
+                )
+            error = ParticipantFenced(
+                f"event {index}: {reason}",
                 index=index,
                 participant=participant,
                 epoch=epoch,
                 registered_epoch=registered,
             )
-    return unknown
+            return error, registered is None or epoch > registered, False
+    return None, False, False
+
+
+def _seq_jump(
+    service: Service, run: str, batch: Batch, fencing: RunFencing, look_in_log: bool
+) -> InvalidEvent | None:
+    """The refusal of a ``seq`` more than ``max_seq_gap`` past its participant epoch's highest
+    (this service's own, or also the log's with ``look_in_log``), or None."""
+    gap = service.settings.max_seq_gap
+    for participant, (lowest, highest, index) in batch.seqs.items():
+        known = fencing.seqs.get(participant)
+        if known is None or look_in_log:
+            seen = service.highest_seq(run, fencing, participant)
+            known = seen if seen is not None else known
+        base = lowest if known is None else known
+        if highest > base + gap:
+            return InvalidEvent(
+                f"event {index}: seq {highest} of participant {participant[0]!r} epoch "
+                f"{participant[1]} jumps more than {gap} past its highest seq {base}",
+                index=index,
+                field="seq",
+                seq=highest,
+                highest_seq=base,
+                max_seq_gap=gap,
+            )
+    return None
+
+
+async def check_fencing(service: Service, run: str, batch: Batch, fencing: RunFencing) -> None:
+    """Refuse every event the fold would drop once appended, duplicates excepted (docs/api.md):
+    fenced or not-yet-begun attempts, epochs lower or higher than the registered one, and seqs
+    that jump absurdly. A refusal a reload could lift is checked again after one."""
+    since = time.monotonic()
+    error, epochs_stale, attempts_stale = _fence(service, run, batch, fencing)
+    if error is not None and (epochs_stale or attempts_stale):
+        if epochs_stale:
+            await service.refresh_epochs(fencing, since)
+        if attempts_stale:
+            await service.refresh_attempts(fencing, since)
+        error, _, _ = _fence(service, run, batch, fencing)
+    if error is None and _seq_jump(service, run, batch, fencing, False) is not None:
+        error = _seq_jump(service, run, batch, fencing, True)
+    if error is not None:
+        raise error
+
+
+#: Batches of more events than this are turned into records, answered and freed a slice at a time.
+SLICED_EVENTS = 8192
+
+
+async def _offsets_body(positions: Sequence[tuple[int, int]]) -> bytes:
+    parts = []
+    for start in range(0, len(positions), SLICED_EVENTS):
+        parts.append(
+            b",".join(
+                b'{"partition":%d,"offset":%d}' % position
+                for position in positions[start : start + SLICED_EVENTS]
+            )
+        )
+        if len(positions) > SLICED_EVENTS:
+            await asyncio.sleep(0)  # a 200,000-event reply is built a slice at a time
+    return b'{"offsets":[' + b",".join(parts) + b"]}"
 
 
 @router.post(
@@ -83,9 +173,11 @@ def check_fencing(service: Service, run: str, batch: Batch, fencing: RunFencing)
     openapi_extra={"requestBody": _EVENTS_BODY},
     responses={
         404: {"model": ErrorOut, "description": "unknown_run"},
+        408: {"model": ErrorOut, "description": "request_timeout"},
         409: {"model": ErrorOut, "description": "attempt_fenced, participant_fenced"},
         413: {"model": ErrorOut, "description": "payload_too_large"},
         422: {"model": ErrorOut, "description": "invalid_event"},
+        503: {"model": ErrorOut, "description": "unavailable"},
     },
 )
 async def append_events(request: Request, run: RunPath) -> Response:
@@ -96,25 +188,32 @@ async def append_events(request: Request, run: RunPath) -> Response:
         fencing = await service.run_fencing(run)
         chunks = []
         size = 0
-        async for chunk in request.stream():
-            chunks.append(chunk)
-            size += len(chunk)
+        try:
+            async for chunk in request.stream():
+                chunks.append(chunk)
+                size += len(chunk)
+        except ClientDisconnect as e:
+            raise InvalidRequest("the client went away before its body was complete") from e
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         ndjson = request.headers.get("content-type", "").startswith(NDJSON)
         log = service.log
         batch = await service.preparer.prepare(
             body, ndjson, await log.partitions(run), log.max_record_bytes
         )
-        if check_fencing(service, run, batch, fencing):
-            await service.refresh_epochs(run, fencing)
-            check_fencing(service, run, batch, fencing)
-        positions = await log.append_records(run, records(batch))
+        await check_fencing(service, run, batch, fencing)
+        big = len(batch.values) > SLICED_EVENTS
+        prepared = await records_sliced(batch) if big else records(batch)
+        positions = await log.append_records(run, prepared)
+        service.note_seqs(fencing, ((who, seqs[1]) for who, seqs in batch.seqs.items()))
+        count = len(positions)
+        reply = await _offsets_body(positions)
+        if big:
+            await release(prepared, batch.values, batch.episodes, batch.partitions, positions)
     finally:
         service.end_append()
     metrics = service.metrics
     metrics.appends.inc()
-    metrics.events.inc(len(positions))
+    metrics.events.inc(count)
     metrics.bytes.inc(size)
     metrics.append_latency.observe(time.perf_counter() - started)
-    offsets = b",".join(b'{"partition":%d,"offset":%d}' % position for position in positions)
-    return Response(b'{"offsets":[' + offsets + b"]}", media_type="application/json")
+    return Response(reply, media_type="application/json")

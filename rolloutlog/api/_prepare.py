@@ -24,10 +24,11 @@ import logging
 import multiprocessing
 import pickle
 import queue
+import re
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+import time
 from typing import Any, NamedTuple
 
 import orjson
@@ -39,10 +40,21 @@ from rolloutlog.log import (
     Record,
     encode_record,
     partition_for,
+    validate_event,
     validate_events,
 )
 
-__all__ = ["Batch", "Preparer", "parse_body", "prepare", "records"]
+__all__ = [
+    "Batch",
+    "FenceKey",
+    "Preparer",
+    "parse_body",
+    "prepare",
+    "prepare_sliced",
+    "records",
+    "records_sliced",
+    "release",
+]
 
 logger = logging.getLogger("rolloutlog.api")
 
@@ -51,14 +63,25 @@ NDJSON = "application/x-ndjson"
 INLINE_BYTES = 8 * 1024
 
 
+#: (episode, attempt, participant id, epoch): what fencing checks, once per distinct key.
+FenceKey = tuple[str, int, str, int]
+
+
 class Batch(NamedTuple):
     """A validated batch: per event its record's partition and value, and what fencing reads."""
 
     partitions: list[int]
     values: list[bytes]
     episodes: list[str]
-    attempts: list[int]
-    participants: list[tuple[str, int]]
+    #: Each distinct fencing key with the index of its first event (fencing checks a 200,000-event
+    #: batch of one participant once, not 200,000 times).
+    keys: dict[FenceKey, int]
+    #: Per (participant id, epoch): the lowest and highest ``seq`` and the index of the highest.
+    seqs: dict[tuple[str, int], tuple[int, int, int]]
+
+
+def _new_batch() -> Batch:
+    return Batch([], [], [], {}, {})
 
 
 def parse_body(body: bytes | bytearray, ndjson: bool) -> list[Any]:
@@ -92,33 +115,184 @@ def parse_body(body: bytes | bytearray, ndjson: bool) -> list[Any]:
     return value
 
 
+def _add(batch: Batch, index: int, event: Any, partitions: int, max_record_bytes: int) -> None:
+    """Check one validated event and add its record to the batch."""
+    if event.type in SERVICE_EVENT_TYPES or event.participant.kind == "service":
+        raise InvalidEvent(
+            f"event {index}: {event.type} events are written by the service only",
+            index=index,
+            field="type" if event.type in SERVICE_EVENT_TYPES else "participant.kind",
+        )
+    episode = event.episode
+    assert episode is not None  # only service events have none
+    value = encode_record(event)
+    if len(value) > max_record_bytes:
+        raise PayloadTooLarge(
+            f"event {index} is {len(value)} bytes; the log accepts at most {max_record_bytes}",
+            index=index,
+            size=len(value),
+            max_bytes=max_record_bytes,
+        )
+    batch.partitions.append(partition_for(episode, partitions))
+    batch.values.append(value)
+    batch.episodes.append(episode)
+    who = event.participant
+    batch.keys.setdefault((episode, event.attempt, who.id, who.epoch), index)
+    seq = event.seq
+    seen = batch.seqs.get((who.id, who.epoch))
+    if seen is None:
+        batch.seqs[(who.id, who.epoch)] = (seq, seq, index)
+    elif seq < seen[0] or seq > seen[1]:
+        low, high, at = seen
+        batch.seqs[(who.id, who.epoch)] = (
+            min(low, seq),
+            max(high, seq),
+            index if seq > high else at,
+        )
+
+
 def prepare(body: bytes, ndjson: bool, partitions: int, max_record_bytes: int) -> Batch:
     """Parse, validate and encode a body; raise the refusal of its first bad event."""
-    events = validate_events(parse_body(body, ndjson))
-    batch = Batch([], [], [], [], [])
-    for index, event in enumerate(events):
-        if event.type in SERVICE_EVENT_TYPES or event.participant.kind == "service":
-            raise InvalidEvent(
-                f"event {index}: {event.type} events are written by the service only",
-                index=index,
-                field="type" if event.type in SERVICE_EVENT_TYPES else "participant.kind",
-            )
-        episode = event.episode
-        assert episode is not None  # only service events have none
-        value = encode_record(event)
-        if len(value) > max_record_bytes:
-            raise PayloadTooLarge(
-                f"event {index} is {len(value)} bytes; the log accepts at most {max_record_bytes}",
-                index=index,
-                size=len(value),
-                max_bytes=max_record_bytes,
-            )
-        batch.partitions.append(partition_for(episode, partitions))
-        batch.values.append(value)
-        batch.episodes.append(episode)
-        batch.attempts.append(event.attempt)
-        batch.participants.append((event.participant.id, event.participant.epoch))
+    batch = _new_batch()
+    for index, value in enumerate(parse_body(body, ndjson)):
+        _add(batch, index, validate_event(value, index), partitions, max_record_bytes)
     return batch
+
+
+# -- big bodies, in slices ---------------------------------------------------------------------
+#
+# A 32 MiB body of tiny events is ~190,000 envelopes: parsing it in one orjson call and validating
+# it in one loop held the event loop for seconds (``/healthz`` included). Bodies over
+# ``SLICED_BYTES`` are parsed a slice at a time and validated a few milliseconds at a time, with
+# the loop let through in between; the result and every refusal are those of ``prepare``.
+
+#: Bodies at least this big are prepared in slices.
+SLICED_BYTES = 1 << 20
+#: Longest stretch of work between two yields to the event loop.
+SLICE_S = 0.002
+#: Bytes of a JSON array parsed per orjson call.
+SLICE_BYTES = 128 * 1024
+#: Where a top-level array of envelopes can split: between two objects. A match inside a string
+#: or a nested value makes that slice fail to parse, and the slice grows to the next match.
+_BOUNDARY = re.compile(rb"\}[ \t\n\r]*,[ \t\n\r]*\{")
+#: Failed split attempts (a nested ``},{``) before the rest is parsed in one call.
+_SPLIT_ATTEMPTS = 4
+
+
+class _Yielder:
+    """Lets the event loop run once ``SLICE_S`` of work has passed since it last did."""
+
+    def __init__(self) -> None:
+        self.deadline = time.perf_counter() + SLICE_S
+
+    async def __call__(self) -> None:
+        if time.perf_counter() >= self.deadline:
+            await asyncio.sleep(0)
+            self.deadline = time.perf_counter() + SLICE_S
+
+
+async def _parse_array_sliced(body: bytes, pause: _Yielder) -> list[Any]:
+    """``orjson.loads`` of a JSON array, a slice of elements at a time.
+
+    A slice runs from a top-level element's start to just before a comma; if ``[slice]`` parses,
+    the comma is a top-level one (the parser's state after the slice is the same as in the whole
+    body), so the elements are exactly those the whole parse would give.
+    """
+    start = len(body) - len(body.lstrip())
+    if not body.startswith(b"[", start):
+        return parse_body(body, False)  # not an array: the one-call parse says why
+    values: list[Any] = []
+    position = start + 1
+    failures = 0
+    search = position + SLICE_BYTES
+    while failures < _SPLIT_ATTEMPTS:
+        match = _BOUNDARY.search(body, search)
+        if match is None:
+            break
+        cut = match.start() + 1
+        try:
+            values.extend(orjson.loads(b"[" + body[position:cut] + b"]"))
+        except orjson.JSONDecodeError:
+            failures += 1
+            search = cut
+            continue
+        failures = 0
+        position = body.index(b",", cut) + 1
+        search = position + SLICE_BYTES
+        await pause()
+    try:
+        values.extend(orjson.loads(b"[" + body[position:]))
+    except orjson.JSONDecodeError as e:
+        raise InvalidEvent(f"the body is not valid JSON: {e}", field="(body)", reason=str(e)) from e
+    return values
+
+
+async def _parse_ndjson_sliced(body: bytes, pause: _Yielder) -> list[Any]:
+    values: list[Any] = []
+    for line in body.splitlines():
+        if not line.strip():
+            continue
+        try:
+            values.append(orjson.loads(line))
+        except orjson.JSONDecodeError as e:
+            index = len(values)
+            raise InvalidEvent(
+                f"event {index}: not valid JSON: {e}",
+                index=index,
+                field="(envelope)",
+                reason=str(e),
+            ) from e
+        if not len(values) & 255:
+            await pause()
+    return values
+
+
+async def prepare_sliced(
+    body: bytes, ndjson: bool, partitions: int, max_record_bytes: int
+) -> Batch:
+    """``prepare``, letting the event loop run every ``SLICE_S``."""
+    pause = _Yielder()
+    if ndjson:
+        values = await _parse_ndjson_sliced(body, pause)
+    else:
+        values = await _parse_array_sliced(body, pause)
+    batch = _new_batch()
+    for index, value in enumerate(values):
+        _add(batch, index, validate_event(value, index), partitions, max_record_bytes)
+        # Freed as we go: 200,000 parsed envelopes freed at once held the loop ~0.3 s.
+        values[index] = None
+        if not index & 15:
+            await pause()
+    return batch
+
+
+async def release(*lists: list[Any]) -> None:
+    """Empty big lists a slice at a time (freeing 200,000 records at once stalls the loop)."""
+    pause = _Yielder()
+    for items in lists:
+        while items:
+            del items[-4096:]
+            await pause()
+
+
+async def records_sliced(batch: Batch) -> list[Record]:
+    """``records``, letting the event loop run every ``SLICE_S``."""
+    pause = _Yielder()
+    result: list[Record] = []
+    size = len(batch.values)
+    for start in range(0, size, 4096):
+        end = min(start + 4096, size)
+        result.extend(
+            Record(partition, episode.encode(), value)
+            for partition, episode, value in zip(
+                batch.partitions[start:end],
+                batch.episodes[start:end],
+                batch.values[start:end],
+                strict=True,
+            )
+        )
+        await pause()
+    return result
 
 
 def _prepare_in_worker(
@@ -274,6 +448,8 @@ class Preparer:
     ) -> Batch:
         pool = [worker for worker in self._pool if worker.alive]
         if not pool or len(body) < INLINE_BYTES:
+            if len(body) >= SLICED_BYTES:
+                return await prepare_sliced(body, ndjson, partitions, max_record_bytes)
             return prepare(body, ndjson, partitions, max_record_bytes)
         self._turn += 1
         worker = min(pool, key=lambda w: (len(w.pending), (w.next_id + self._turn) % 7))
@@ -281,13 +457,13 @@ class Preparer:
             result = await worker.submit((body, ndjson, partitions, max_record_bytes))
         except _WorkerDied as e:
             logger.error("a validation worker died (%s); validating in the service process", e)
-            return prepare(body, ndjson, partitions, max_record_bytes)
+            return await prepare_sliced(body, ndjson, partitions, max_record_bytes)
         if isinstance(result, Batch):
             return result
         raise _refusal(*result)
 
 
-def records(batch: Batch) -> Sequence[Record]:
+def records(batch: Batch) -> list[Record]:
     """The batch's log records (keyed by episode, as ``Log.append`` keys them)."""
     return [
         Record(partition, episode.encode(), value)

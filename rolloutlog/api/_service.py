@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,10 +21,6 @@ from rolloutlog.projections import Coordinator
 __all__ = ["Metrics", "RunFencing", "Service"]
 
 logger = logging.getLogger("rolloutlog.api")
-
-#: A participant id missing from the epoch cache reloads it from the catalog at most this often
-#: (another replica may have registered it).
-EPOCH_REFRESH_S = 1.0
 
 
 class Metrics:
@@ -110,13 +106,44 @@ class Metrics:
             histogram.observe(ms / 1000.0, (stage, outcome))
 
 
+class _Refresh:
+    """A single-flight reload: ``fresh(since)`` returns once a load that *began* at or after
+    ``since`` has finished, joining one in flight when it began late enough. A refusal waits for
+    one, so that a registration or restore committed on another replica before the request's
+    check is seen; concurrent requests share one catalog query."""
+
+    def __init__(self, load: Callable[[], Awaitable[None]]) -> None:
+        self._load = load
+        self._task: asyncio.Task[None] | None = None
+        self.loaded_at = float("-inf")
+
+    async def fresh(self, since: float) -> None:
+        while self.loaded_at < since:
+            if self._task is None:
+                self._task = asyncio.create_task(self._run(time.monotonic()))
+                # Its waiters may all be gone (clients disconnected): retrieve its outcome anyway.
+                self._task.add_done_callback(lambda task: task.cancelled() or task.exception())
+            await asyncio.shield(self._task)
+
+    async def _run(self, started: float) -> None:
+        try:
+            await self._load()
+            self.loaded_at = max(self.loaded_at, started)
+        finally:
+            self._task = None
+
+
 @dataclass
 class RunFencing:
-    """What the append path checks per run: current attempts and registered epochs."""
+    """What the append path checks per run: current attempts, registered epochs, and the highest
+    ``seq`` per participant epoch (what ``max_seq_gap`` is measured from)."""
 
     attempts: dict[str, int] = field(default_factory=dict)
     epochs: dict[str, int] = field(default_factory=dict)
     epochs_loaded_at: float = 0.0
+    seqs: dict[tuple[str, int], int] = field(default_factory=dict)
+    epochs_refresh: _Refresh | None = None
+    attempts_refresh: _Refresh | None = None
 
 
 class Service:
@@ -132,6 +159,8 @@ class Service:
         self.metrics = Metrics(self)
         self.preparer = Preparer(settings.validation_workers)
         self.fencing: dict[str, RunFencing] = {}
+        # Epochs registered here before the run's fencing state was first loaded.
+        self._new_epochs: dict[str, set[tuple[str, int]]] = {}
         self._fencing_locks: dict[str, asyncio.Lock] = {}
         self.inflight = 0
         self.draining = False
@@ -183,6 +212,17 @@ class Service:
     def begin_append(self) -> None:
         if self.draining:
             raise BackendUnavailable("the service is shutting down; retry against another one")
+        limit = self.settings.max_inflight_appends
+        if self.inflight >= limit:
+            # Refused at once rather than queued: a queue would hold the bodies' memory anyway,
+            # and the client (the SDK) backs off and retries a 503.
+            raise BackendUnavailable(
+                f"{self.inflight} appends are in flight, the most this service takes at once; "
+                "retry shortly",
+                inflight=self.inflight,
+                max_inflight_appends=limit,
+                retry_after_s=1,
+            )
         self.inflight += 1
         self._drained.clear()
 
@@ -209,6 +249,18 @@ class Service:
                 self.coordinator.check_appendable(run)
                 fencing = RunFencing(attempts=await self.catalog.current_attempts(run))
                 await self._load_epochs(run, fencing)
+                for participant in self._new_epochs.pop(run, ()):
+                    fencing.seqs.setdefault(participant, 0)
+                loaded = fencing
+
+                async def epochs() -> None:
+                    await self._load_epochs(run, loaded)
+
+                async def attempts() -> None:
+                    self.note_attempts(run, (await self.catalog.current_attempts(run)).items())
+
+                fencing.epochs_refresh = _Refresh(epochs)
+                fencing.attempts_refresh = _Refresh(attempts)
                 self.fencing[run] = fencing
             return fencing
 
@@ -219,11 +271,36 @@ class Service:
             fencing.epochs[participant.participant_id] = max(known, participant.epoch)
         fencing.epochs_loaded_at = time.monotonic()
 
-    async def refresh_epochs(self, run: str, fencing: RunFencing) -> None:
-        """Reload registered epochs (rate-limited): a participant may have registered elsewhere."""
-        if time.monotonic() - fencing.epochs_loaded_at >= EPOCH_REFRESH_S:
-            fencing.epochs_loaded_at = time.monotonic()
-            await self._load_epochs(run, fencing)
+    async def refresh_epochs(self, fencing: RunFencing, since: float) -> None:
+        """Reload registered epochs unless a load began after ``since`` (another replica may have
+        registered the participant)."""
+        assert fencing.epochs_refresh is not None
+        await fencing.epochs_refresh.fresh(since)
+
+    async def refresh_attempts(self, fencing: RunFencing, since: float) -> None:
+        """Reload current attempts unless a load began after ``since`` (another replica's
+        restore)."""
+        assert fencing.attempts_refresh is not None
+        await fencing.attempts_refresh.fresh(since)
+
+    def highest_seq(
+        self, run: str, fencing: RunFencing, participant: tuple[str, int]
+    ) -> int | None:
+        """The highest ``seq`` of a participant epoch this service appended, or that the
+        projector saw in the log (appends through other replicas or Kafka); None if neither."""
+        high = fencing.seqs.get(participant)
+        projector = self.coordinator.projectors.get(run)
+        if projector is not None:
+            for tracker in list(projector.trackers.values()):
+                seen = tracker.filters.last_seq.get(participant)
+                if seen is not None and (high is None or seen > high):
+                    high = seen
+        return high
+
+    def note_seqs(self, fencing: RunFencing, seqs: Iterable[tuple[tuple[str, int], int]]) -> None:
+        for participant, seq in seqs:
+            if seq > fencing.seqs.get(participant, -1):
+                fencing.seqs[participant] = seq
 
     def current_attempt(self, run: str, fencing: RunFencing, episode: str) -> int:
         """The episode's current attempt: the catalog's (kept up to date by this service's
@@ -236,10 +313,19 @@ class Service:
                 return tracker.attempt
         return attempt
 
+    def excluded(self, run: str, episode: str) -> bool:
+        """Whether a restore excluded the episode (the projector ignores its later events)."""
+        projector = self.coordinator.projectors.get(run)
+        return projector is not None and episode in projector.retired
+
     def note_epoch(self, run: str, participant_id: str, epoch: int) -> None:
+        # A new epoch counts its seqs from 1: its first event may not jump past max_seq_gap.
         fencing = self.fencing.get(run)
-        if fencing is not None:
-            fencing.epochs[participant_id] = max(fencing.epochs.get(participant_id, 0), epoch)
+        if fencing is None:
+            self._new_epochs.setdefault(run, set()).add((participant_id, epoch))
+            return
+        fencing.epochs[participant_id] = max(fencing.epochs.get(participant_id, 0), epoch)
+        fencing.seqs.setdefault((participant_id, epoch), 0)
 
     def note_attempts(self, run: str, attempts: Iterable[tuple[str, int]]) -> None:
         fencing = self.fencing.get(run)

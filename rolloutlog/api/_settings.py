@@ -33,6 +33,18 @@ class Settings:
     validation_workers: int = 0
     #: Longest a graceful shutdown waits for in-flight appends.
     drain_timeout_s: float = 30.0
+    #: A connection must deliver a request's complete headers within this many seconds of its
+    #: first byte (or of the connection's opening); otherwise it is closed (``408``).
+    header_timeout_s: float = 10.0
+    #: A request body may go this long without a new chunk before it is refused (``408``) and its
+    #: connection closed.
+    body_timeout_s: float = 30.0
+    #: Appends processed at once (body read included); one more is refused at once with
+    #: ``503 unavailable`` (retriable): a bound on the memory that bodies in flight can take.
+    max_inflight_appends: int = 64
+    #: An event whose ``seq`` lies more than this past the highest its participant epoch has
+    #: appended through this service is refused (``invalid_event``): see docs/api.md, fencing.
+    max_seq_gap: int = 1 << 20
 
     @property
     def resolved_log_url(self) -> str:

@@ -66,6 +66,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="rolloutlog", description="Event-sourced checkpoint log for RL rollouts."
@@ -97,6 +104,24 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--access-log", action="store_true", help="log every request")
     serve.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests"
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=_positive_float,
+        default=Settings.header_timeout_s,
+        help="seconds a request's headers may take (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=Settings.body_timeout_s,
+        help="seconds a request body may stall (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-inflight-appends",
+        type=_positive_int,
+        default=Settings.max_inflight_appends,
+        help="appends processed at once; more get 503 (default: %(default)s)",
     )
 
     def client_options(sub: argparse.ArgumentParser) -> None:
@@ -159,6 +184,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from rolloutlog.api._app import create_app
     from rolloutlog.api._logging import configure_logging, uvicorn_log_config
+    from rolloutlog.api._protocol import http_protocol
 
     try:
         tokens = Tokens.load(args.tokens)
@@ -178,10 +204,14 @@ def serve(args: argparse.Namespace) -> int:
         max_events_bytes=args.max_body_mb * 1024 * 1024,
         drain_timeout_s=args.shutdown_timeout,
         validation_workers=max(0, args.validation_workers),
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_inflight_appends=args.max_inflight_appends,
     )
     app = create_app(settings)
     config = uvicorn.Config(
         app,
+        http=http_protocol(settings.header_timeout_s),
         host=args.host,
         port=args.port,
         log_config=uvicorn_log_config(args.log_level, args.access_log),

@@ -31,6 +31,11 @@ EpisodeId = Annotated[str, AfterValidator(_check_episode)]
 #: Participant, session, owner, stage and call ids (checked by pydantic-core's regex, no Python call).
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 NonNegative = Annotated[int, Field(ge=0)]
+#: ``seq`` stays below 2^53: a larger one could not round-trip through JSON readers that use
+#: doubles, and no honest participant gets near it; one near 2^63 would make the fold drop every
+#: later event of its participant epoch in the episode as a duplicate.
+MAX_SEQ = 2**53
+Seq = Annotated[int, Field(ge=0, lt=MAX_SEQ)]
 Digest = Annotated[str, Field(min_length=1, max_length=128)]
 #: Token ids: plain ints (a per-item bound would cost 4x the validation time of a 512-token row).
 TokenIds = list[int]
@@ -145,7 +150,7 @@ class _Envelope(_Frozen):
     attempt: NonNegative = 0
     step: NonNegative | None = None
     participant: Participant
-    seq: NonNegative
+    seq: Seq
     ts: float
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+#: For pydantic (whose Rust regex ``$`` matches only at the very end). Python's ``re`` also lets
+#: ``$`` match before a trailing newline, so Python code must ``fullmatch`` (``_NAME``), never
+#: ``match``: an id ending in a newline was once accepted and then could never be fetched.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
-_NAME = re.compile(NAME_PATTERN)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _ATTEMPT_SUFFIX = re.compile(r"-a\d+\Z")
 _CAPTURE_KEY = re.compile(r"(.+?)(?:-a(\d+))?")
@@ -14,7 +17,7 @@ _CAPTURE_KEY = re.compile(r"(.+?)(?:-a(\d+))?")
 
 def episode_id_problem(episode: str) -> str | None:
     """Why ``episode`` is not a valid episode id, or None when it is."""
-    if not _NAME.match(episode):
+    if not _NAME.fullmatch(episode):
         return "must be 1-200 characters of letters, digits and '._:-', starting alphanumeric"
     if _ATTEMPT_SUFFIX.search(episode):
         return "may not end in '-a<digits>' (that suffix names an attempt)"
@@ -23,7 +26,7 @@ def episode_id_problem(episode: str) -> str | None:
 
 def name_problem(name: str) -> str | None:
     """Why ``name`` is not a valid participant id or session id, or None when it is."""
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         return "must be 1-200 characters of letters, digits and '._:-', starting alphanumeric"
     return None
 

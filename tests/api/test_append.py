@@ -238,10 +238,110 @@ async def test_epochs_registered_elsewhere_are_learned(api: Api) -> None:
     await api.seed(["a"])
     # Another replica registers env-0 again: the catalog knows, this service's cache does not.
     await api.service.catalog.register_participant(RUN, "env-0", "environment")
-    api.service.fencing[RUN].epochs_loaded_at = 0.0
     await api.append(f.boundary("a", "x", who=f.participant(epoch=2)))
     response = await api.append(f.boundary("a", "zombie"), expect=409)
     assert response.json()["error"]["code"] == "participant_fenced"
+    # Again at once: a refusal reloads the registrations first (no rate limit can refuse it).
+    await api.service.catalog.register_participant(RUN, "env-0", "environment")
+    await api.append(f.boundary("a", "y", who=f.participant(epoch=3)))
+    # An epoch nobody granted stays refused after the reload.
+    response = await api.append(f.boundary("a", "z", who=f.participant(epoch=4)), expect=409)
+    error = response.json()["error"]
+    assert error["code"] == "participant_fenced"
+    assert (error["details"]["epoch"], error["details"]["registered_epoch"]) == (4, 3)
+
+
+async def test_attempts_begun_elsewhere_are_learned_and_others_refused(api: Api) -> None:
+    await api.seed(["a"])
+    await api.checkpoint()
+    await api.restore()  # a continues as attempt 1
+    # As if another replica had restored: this service's cache and projector are behind.
+    api.service.fencing[RUN].attempts.clear()
+    tracker = api.service.coordinator.projectors[RUN].trackers["a"]
+    tracker.attempt, seen = 0, tracker.attempt
+    try:
+        await api.append(f.boundary("a", "next", attempt=1))
+    finally:
+        tracker.attempt = max(tracker.attempt, seen)
+    before = await api.log_ends()
+    response = await api.append(f.boundary("a", "ahead", attempt=2), expect=409)
+    error = response.json()["error"]
+    assert error["code"] == "attempt_fenced"
+    assert (error["details"]["attempt"], error["details"]["current_attempt"]) == (2, 1)
+    assert await api.log_ends() == before
+
+
+async def test_an_excluded_episode_takes_no_more_events(api: Api) -> None:
+    await api.seed(["a", "b"])
+    await api.checkpoint()
+    await api.restore(exclude=["b"])
+    before = await api.log_ends()
+    for attempt in (0, 1):
+        response = await api.append(f.boundary("b", "late", attempt=attempt), expect=409)
+        assert response.json()["error"]["code"] == "attempt_fenced"
+    assert await api.log_ends() == before
+    await api.append(f.boundary("a", "next", attempt=1))
+
+
+_CONTROL = ["\n", "\r", "\t", "\x00", "\x1b", "\u2028"]
+
+
+@pytest.mark.parametrize("suffix", _CONTROL)
+@pytest.mark.parametrize("where", ["episode", "participant", "owner", "stage", "session", "call"])
+async def test_ids_with_a_newline_or_control_character_are_refused(
+    api: Api, where: str, suffix: str
+) -> None:
+    await api.seed([])
+    if where in ("session", "call"):
+        [event] = wire(f.session_started("a") if where == "session" else f.ledger_row("a"))
+        key = "session_id" if where == "session" else "call_id"
+        event["data"][key] += suffix
+    else:
+        [event] = wire(f.boundary("a", "seed", {"turn": 1}))
+        if where == "episode":
+            event["episode"] += suffix
+        elif where == "participant":
+            event["participant"]["id"] += suffix
+        else:
+            event["data"][where] += suffix
+    response = await post(api, orjson.dumps([event]))
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["code"] == "invalid_event"
+    assert sum(await api.log_ends()) == 0
+
+
+async def test_names_elsewhere_are_matched_whole(api: Api) -> None:
+    await api.seed([])
+    refused = await api.call("POST", "/v1/runs", "trainer", 400, json={"run": "r\n"})
+    assert refused.json()["error"]["code"] == "invalid_request"
+    register = f"/v1/runs/{RUN}/participants"
+    refused = await api.call(
+        "POST", register, "participant", 400, json={"id": "env-9\n", "kind": "environment"}
+    )
+    assert refused.json()["error"]["code"] == "invalid_request"
+    restore = await api.call(
+        "POST",
+        f"/v1/runs/{RUN}/restores",
+        "trainer",
+        400,
+        json={"controller_epoch": api.epoch, "checkpoint_id": "latest", "exclude": ["a\n"]},
+    )
+    assert restore.json()["error"]["code"] == "invalid_request"
+
+
+async def test_ids_accepted_before_are_still_accepted(api: Api) -> None:
+    await api.seed([])
+    for episode in ("r17", "a", "A.b_c:d-e", "x" * 200, "r17-b2", "r17-a"):
+        await api.append(f.started(episode), f.boundary(episode, "seed", {"turn": 1}))
+    checkpoint = (await api.checkpoint())["checkpoint_id"]
+    for episode in ("r17", "A.b_c:d-e"):
+        projection = await api.call(
+            "GET",
+            f"/v1/runs/{RUN}/episodes/{episode}/projection?checkpoint={checkpoint}",
+            "participant",
+            200,
+        )
+        assert projection.json()["episode"] == episode
 
 
 def test_parse_body_accepts_crlf_ndjson() -> None:
@@ -264,3 +364,41 @@ async def test_a_worker_process_prepares_what_the_service_process_would() -> Non
         assert refused.value.details["field"] == "extra"
     finally:
         await preparer.stop()
+
+
+async def test_big_bodies_prepared_in_slices_match_the_one_call_prepare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rolloutlog.api import _prepare
+    from rolloutlog.errors import RolloutlogError
+
+    monkeypatch.setattr(_prepare, "SLICE_BYTES", 64)  # many slices, many false splits
+    events = wire(
+        *(
+            f.boundary(f"e{i}", "s", {"rows": [{"a": 1}, {"b": "},{"}], "t": "}, {"})
+            for i in range(40)
+        )
+    )
+    compact = orjson.dumps(events)
+    spaced = b" [\n" + b" ,\r\n\t".join(orjson.dumps(e) for e in events) + b"\n] "
+    ndjson = b"\n".join(orjson.dumps(e) for e in events)
+    for body, is_ndjson in ((compact, False), (spaced, False), (ndjson, True), (b"[]", False)):
+        expected = _prepare.prepare(body, is_ndjson, 4, 1 << 20)
+        assert await _prepare.prepare_sliced(body, is_ndjson, 4, 1 << 20) == expected
+
+    bad = [
+        compact[:-1] + b",]",  # trailing comma
+        compact.replace(b'"e20"', b'"e20\\n"'),  # a bad id in the middle
+        compact[: len(compact) // 2],  # cut short
+        compact.replace(b"},{", b"}\x0c,{", 1),  # not JSON whitespace between elements
+        b'{"not": "an array"}',
+        b"[1, 2]",
+    ]
+    for body in bad:
+        try:
+            _prepare.prepare(body, False, 4, 1 << 20)
+        except RolloutlogError as e:
+            expected_error: RolloutlogError = e
+        with pytest.raises(type(expected_error)) as caught:
+            await _prepare.prepare_sliced(body, False, 4, 1 << 20)
+        assert caught.value.details.get("index") == expected_error.details.get("index")

@@ -58,6 +58,7 @@ async def test_the_service_on_kafka_and_postgresql(
     async with open_api(settings) as api:
         assert (await api.client.get("/readyz")).json()["status"] == "ready"
         await api.seed(["a", "b"])
+        await api.register("policy-0", "policy")  # an unregistered participant is refused
         await api.append(
             f.ledger_row("a", "c1", [1, 2, 3]), f.boundary("a", "invoke_agent", {"turn": 2})
         )

@@ -228,6 +228,7 @@ async def test_manifest_as_json_and_ndjson(api: Api) -> None:
 
 async def test_restore_and_its_episodes(api: Api) -> None:
     await api.seed(["a", "b", "c"])
+    await api.register("res-0", "resources")  # an unregistered participant is refused
     await api.append(f.session_started("c", "s1", "restart_only"), f.boundary("c", "x"))
     checkpoint = await api.checkpoint()
     result = await api.restore(exclude=["b"])
@@ -291,6 +292,8 @@ async def test_restore_errors_change_nothing(api: Api) -> None:
 
 async def _restored(api: Api) -> int:
     await api.seed(["a", "b", "c"])
+    await api.register("policy-0", "policy")  # an unregistered participant is refused
+    await api.register("res-0", "resources")
     await api.append(
         f.session_started("a", "s1", "exported", who=f.participant("resources", "res-0")),
         f.session_state("a", "s1", {"files": ["x"], "ünï": "code"}),

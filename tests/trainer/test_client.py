@@ -177,6 +177,7 @@ async def test_resume_run_dispatches_continued_and_restarted_rollouts(
     api: Api, trainer: AsyncTrainerClient
 ) -> None:
     await api.seed(["a", "b", "c", "d"])
+    await api.register("res-0", "resources")  # an unregistered participant is refused
     await api.append(f.session_started("c", "s1", "restart_only"), f.boundary("c", "x"))
     await api.append(f.finished("d"))
     await trainer.take_over("run")

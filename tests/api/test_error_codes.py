@@ -1,0 +1,43 @@
+"""Every code the service can answer is documented in docs/api.md's Errors section."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+from rolloutlog import errors
+from rolloutlog.api import _app
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+
+
+def _errors_section() -> str:
+    text = DOCS.read_text()
+    start = text.index("\n## Errors\n")
+    end = text.index("\n## ", start + 1)
+    return text[start:end]
+
+
+def _answered_codes() -> set[str]:
+    codes = {
+        cls.code
+        for _, cls in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(cls, errors.RolloutlogError)
+    }
+    codes.update(_app._HTTP_CODES.values())  # HTTP-level refusals (no route, no method)
+    codes.add("invalid_request")  # request validation, and other HTTP statuses
+    return codes
+
+
+def test_every_answered_code_is_documented() -> None:
+    documented = set(re.findall(r"`([a-z_]+)`", _errors_section()))
+    missing = _answered_codes() - documented
+    assert not missing, f"codes answered but not in docs/api.md's Errors section: {missing}"
+
+
+def test_every_error_class_has_its_own_code_and_a_status() -> None:
+    for _, cls in inspect.getmembers(errors, inspect.isclass):
+        if issubclass(cls, errors.RolloutlogError):
+            assert re.fullmatch(r"[a-z_]+", cls.code), cls
+            assert 400 <= cls.http_status < 600, cls

@@ -1,0 +1,158 @@
+"""A real ``rolloutlog serve`` process (embedded log, SQLite catalog, no tokens, loopback) for the
+API slice's fault tests, with raw-socket helpers for clients that misbehave on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests._services import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+START_S = 60.0
+
+
+@dataclass
+class Served:
+    url: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    output: Path
+
+    def tail(self) -> str:
+        return self.output.read_text(errors="replace")[-3000:]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def _spawn(args: list[str], output: Path) -> subprocess.Popen[bytes]:
+    with open(output, "ab") as out:
+        return subprocess.Popen(
+            args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+@contextlib.asynccontextmanager
+async def serve(workdir: Path, *flags: str) -> AsyncIterator[Served]:
+    """Start ``rolloutlog serve`` on a free port and wait for ``/readyz``; stop it (by its PID)
+    afterwards."""
+    port = free_port()
+    output = workdir / f"serve-{port}.log"
+    args = [sys.executable, "-m", "rolloutlog.api.cli", "serve", "--port", str(port)]
+    args += ["--data-dir", str(workdir / "data"), "--log-level", "warning", *flags]
+    proc = _spawn(args, output)
+    served = Served(f"http://127.0.0.1:{port}", port, proc, output)
+    try:
+        deadline = time.monotonic() + START_S
+        async with httpx.AsyncClient(timeout=2) as client:
+            while True:
+                assert proc.poll() is None, f"the service exited: {served.tail()}"
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{served.url}/readyz")).status_code == 200:
+                        break
+                assert time.monotonic() < deadline, f"not ready: {served.tail()}"
+                await asyncio.sleep(0.05)
+        yield served
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def envelope(
+    episode: str,
+    seq: int,
+    *,
+    pid: str = "env-0",
+    epoch: int = 1,
+    attempt: int = 0,
+    type_: str = "step.boundary",
+    stage: str = "seed",
+) -> dict[str, Any]:
+    """An environment event (a boundary unless ``type_`` says otherwise)."""
+    data: dict[str, Any]
+    if type_ == "episode.started":
+        data = {"task": {"prompt": episode}, "task_digest": "d" * 64}
+    elif type_ == "step.started":
+        data = {"owner": "environment", "stage": stage, "mode": "replay"}
+    else:
+        data = {"owner": "environment", "stage": stage, "state": {"stage": stage}}
+    return {
+        "v": 1,
+        "type": type_,
+        "episode": episode,
+        "attempt": attempt,
+        "participant": {"id": pid, "kind": "environment", "epoch": epoch},
+        "seq": seq,
+        "ts": 1.0,
+        "data": data,
+    }
+
+
+async def create_run(client: httpx.AsyncClient, run: str, partitions: int = 2) -> None:
+    response = await client.post("/v1/runs", json={"run": run, "partitions": partitions})
+    assert response.status_code == 201, response.text
+
+
+async def register(client: httpx.AsyncClient, run: str, pid: str = "env-0") -> int:
+    response = await client.post(
+        f"/v1/runs/{run}/participants", json={"id": pid, "kind": "environment"}
+    )
+    assert response.status_code == 201, response.text
+    epoch: int = response.json()["epoch"]
+    return epoch
+
+
+async def take_over(client: httpx.AsyncClient, run: str) -> int:
+    response = await client.post(f"/v1/runs/{run}/controller", json={})
+    assert response.status_code == 200, response.text
+    epoch: int = response.json()["controller_epoch"]
+    return epoch
+
+
+async def append(
+    client: httpx.AsyncClient, run: str, events: Sequence[dict[str, Any]]
+) -> httpx.Response:
+    return await client.post(f"/v1/runs/{run}/events", json=list(events))
+
+
+def raw_connection(port: int, first_bytes: bytes) -> socket.socket:
+    """A connection that has sent ``first_bytes`` and then goes quiet."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(first_bytes)
+    return sock
+
+
+def closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """Whether the server closes ``sock`` within ``seconds``, and what it sent before."""
+    sock.settimeout(0.2)
+    received = b""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return True, received
+        if not chunk:
+            return True, received
+        received += chunk
+    return False, received
