@@ -16,6 +16,7 @@ __all__ = [
     "CatalogVersionError",
     "CheckpointInProgress",
     "CheckpointNotPending",
+    "DataDirLocked",
     "Forbidden",
     "InvalidEvent",
     "InvalidRequest",
@@ -148,6 +149,13 @@ class BackendUnavailable(RolloutlogError):
     code = "unavailable"
     http_status = 503
     retriable = True
+
+
+class DataDirLocked(RolloutlogError):
+    """Another process holds the embedded data directory's lock; this one must not start."""
+
+    code = "data_dir_locked"
+    http_status = 503
 
 
 class LogError(RolloutlogError):
