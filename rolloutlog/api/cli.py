@@ -4,6 +4,7 @@
     rolloutlog serve [--data-dir DIR] [--host H] [--port P] [--log URL] [--catalog URL]
                      [--tokens FILE]
     rolloutlog runs [--url URL] [--token TOKEN] [--json]
+    rolloutlog runs delete RUN [--url URL] [--token TOKEN]
     rolloutlog checkpoint RUN [--deadline S] [--no-wait] [--take-over | --epoch N]
     rolloutlog restore RUN [--checkpoint ID|latest] [--exclude EPISODE]... [--episodes]
     rolloutlog checkpoints RUN [--status S]
@@ -107,7 +108,9 @@ def parser() -> argparse.ArgumentParser:
         group.add_argument("--take-over", action="store_true", help="take over the controller")
         group.add_argument("--epoch", type=int, help="controller epoch (default: the current one)")
 
-    runs = commands.add_parser("runs", help="list runs")
+    runs = commands.add_parser("runs", help="list runs, or delete one (runs delete RUN)")
+    runs.add_argument("action", nargs="?", choices=["list", "delete"], default="list")
+    runs.add_argument("run", nargs="?", help="the run to delete")
     client_options(runs)
 
     checkpoint = commands.add_parser("checkpoint", help="take a checkpoint")
@@ -169,6 +172,10 @@ def serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.shutdown_timeout,
         validation_workers=max(0, args.validation_workers),
     )
+    problem = _data_dir_in_use(settings)
+    if problem is not None:
+        print(f"rolloutlog serve: {problem}", file=sys.stderr)
+        return 1
     config = uvicorn.Config(
         create_app(settings),
         host=args.host,
@@ -192,6 +199,23 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda number, frame: stopped_by.append(number))
     server.run()
     return 0 if server.started else 1
+
+
+def _data_dir_in_use(settings: Settings) -> str | None:
+    """Why the embedded data directory cannot be ours, before anything opens it. The log takes
+    the lock for good when the service starts (a process that wins the race in between makes
+    that start fail instead, still before the catalog is touched)."""
+    url = settings.resolved_log_url
+    if not url.startswith("embedded://"):
+        return None
+    from rolloutlog.log._lock import DataDirLock
+    from rolloutlog.log.embedded import from_url
+
+    try:
+        DataDirLock.acquire(from_url(url).data_dir).release()
+    except RolloutlogError as e:
+        return e.message
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from operator import itemgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import delete, func, insert, select, text, update
+from sqlalchemy import delete, func, insert, inspect, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog._gc import collector_paused
@@ -21,6 +21,7 @@ from rolloutlog.catalog._schema import (
     episodes,
     manifest_entries,
     manifest_parts,
+    participants,
     restore_episodes,
     restores,
     runs,
@@ -541,3 +542,32 @@ async def commit_restore_rows(
         excluded_count=counts["excluded"],
         timings_ms=timings_ms,
     )
+
+
+# -- run deletion (helper ``embedded``) --------------------------------------------------------
+
+#: Tables holding a run's rows, children before the tables they reference.
+_RUN_TABLES = (
+    restore_episodes,
+    restores,
+    manifest_parts,
+    checkpoint_offsets,
+    checkpoints,
+    episodes,
+    participants,
+)
+#: Tables a later migration may add (quarantine); deleted from when the database has them.
+_OPTIONAL_RUN_TABLES = ("quarantined_records",)
+
+
+async def delete_run_rows(conn: AsyncConnection, run: str) -> None:
+    """Delete every row of ``run`` (``UnknownRun`` if it has none), the run's own row last."""
+    await lock_run(conn, run)
+    present = await conn.run_sync(
+        lambda sync: [name for name in _OPTIONAL_RUN_TABLES if inspect(sync).has_table(name)]
+    )
+    for name in present:
+        await conn.execute(text(f'DELETE FROM "{name}" WHERE run = :run'), {"run": run})
+    for table in _RUN_TABLES:
+        await conn.execute(delete(table).where(table.c.run == run))
+    await conn.execute(delete(runs).where(runs.c.run == run))
