@@ -12,9 +12,12 @@ one commit group appended become one row (split at ``_SEGMENT_BYTES``), whose id
 offset, a range read is one index range scan, and a group of thousands of small events costs a few
 row inserts instead of thousands.
 
-Resources stay bounded however many runs there are: ``_WRITER_THREADS`` writer threads in all,
-write connections opened on demand and the least recently used closed beyond a budget taken from
-the descriptor limit, one reader per ``follow_run`` that closes when idle. A commit group that
+Resources stay bounded however many runs there are: ``_WRITER_THREADS`` writer threads in all;
+a run file's write connection and its one idle reader open on demand, and the least recently
+written run files close them beyond a budget taken from the descriptor limit; at most
+``_READERS_PER_RUN`` readers per run at once, borrowed for one step at a time (SQLite keeps the
+descriptor of a closed connection open while others hold the file, so the most connections a file
+ever had at once is what it keeps). A commit group that
 fails (a full disk) leaves nothing behind: its transaction rolls back, its blob bytes are cut off
 and its offsets are handed out again; the append is refused with ``BackendUnavailable``.
 """
@@ -62,10 +65,10 @@ _OFFSET_BITS = 40
 _WRITER_THREADS = 4
 #: A drain hands its thread back after this many commit groups (busy runs share the pool).
 _GROUPS_PER_TURN = 8
-#: Run files with an open write connection, at most (less under a low descriptor limit).
-_MAX_OPEN_WRITERS = 64
-#: A follower closes its reader after this long without new records.
-_READER_IDLE_S = 2.0
+#: Run files with open connections, at most (fewer under a low descriptor limit).
+_MAX_OPEN_FILES = 32
+#: Read connections of one run file at once, at most.
+_READERS_PER_RUN = 4
 #: A commit group stops growing at this many bytes (bounds the writer's memory and latency).
 _GROUP_BYTES = 64 * 1024 * 1024
 #: A segment stops growing at this many bytes (a larger record is a segment of its own).
@@ -156,12 +159,12 @@ def _connect(path: Path, synchronous: str) -> sqlite3.Connection:
 
 
 def _open_files_budget() -> int:
-    """How many run files may keep a write connection open (about 4 descriptors each): a
-    sixteenth of the process's descriptor limit, within 4..64."""
+    """How many run files may keep connections open (up to ~8 descriptors each, see the module
+    docstring): a thirty-second of the process's descriptor limit, within 4..32."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        return _MAX_OPEN_WRITERS
-    return max(4, min(_MAX_OPEN_WRITERS, soft // 16))
+        return _MAX_OPEN_FILES
+    return max(4, min(_MAX_OPEN_FILES, soft // 32))
 
 
 @dataclass(slots=True)
@@ -265,6 +268,10 @@ class _RunFile:
         self.schedule_lock = threading.Lock()
         self.deleted = False
         self.wal_bytes = 0
+        #: One idle read connection kept for the next reader; ``readers_lock`` guards it.
+        self.idle_reader: sqlite3.Connection | None = None
+        self.readers_lock = threading.Lock()
+        self.reader_slots = asyncio.Semaphore(_READERS_PER_RUN)
         #: Followers waiting for the next commit: (their loop, their event).
         self.waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self.waiters_lock = threading.Lock()
@@ -327,8 +334,8 @@ class _RunFile:
         return self.conn
 
     def release_files(self, *, block: bool) -> bool:
-        """Close the write connection and the blob descriptor unless a writer uses them
-        (``block``: wait for it); True when they are closed."""
+        """Close the write connection, the idle reader and the blob descriptor unless a writer
+        uses them (``block``: wait for it); True when they are closed."""
         if not self.busy.acquire(blocking=block):
             return False
         try:
@@ -336,9 +343,33 @@ class _RunFile:
             if conn is not None:
                 conn.close()
             self.blobs.close()
+            with self.readers_lock:
+                idle, self.idle_reader = self.idle_reader, None
+            if idle is not None:
+                idle.close()
         finally:
             self.busy.release()
         return True
+
+    @contextlib.asynccontextmanager
+    async def reader(self) -> AsyncIterator[_Reader]:
+        """A read connection for one step (a page, a replay): the idle one, or a new one."""
+        async with self.reader_slots:
+            with self.readers_lock:
+                conn, self.idle_reader = self.idle_reader, None
+            if conn is None:
+                conn = await asyncio.to_thread(_connect, self.path, self.synchronous)
+            reader = _Reader(conn)
+            try:
+                yield reader
+            finally:
+                await reader.finish()
+                with self.readers_lock:
+                    keep = self.idle_reader is None and not self.deleted
+                    if keep:
+                        self.idle_reader = conn
+                if not keep:
+                    conn.close()
 
     # -- on the draining thread ----------------------------------------------------------------
 
@@ -637,20 +668,18 @@ class EmbeddedLog(Log):
         if end <= start:
             return
         try:
-            reader = await _Reader.open(run_file.path, run_file.synchronous)
-        except sqlite3.Error as e:
-            raise _translate(e, run_file.path) from e
-        try:
-            cursor = await reader.run(_open_range, reader.conn, partition, start, end)
-            while True:
-                page = await reader.run(_fetch_page, cursor, start, end, run_file.blobs)
-                if not page:
-                    return
-                yield page
+            async with run_file.reader() as reader:
+                cursor = await reader.run(_open_range, reader.conn, partition, start, end)
+                try:
+                    while True:
+                        page = await reader.run(_fetch_page, cursor, start, end, run_file.blobs)
+                        if not page:
+                            return
+                        yield page
+                finally:
+                    await reader.run(cursor.close)  # ends the read transaction
         except (sqlite3.Error, OSError) as e:
             raise _translate(e, run_file.path) from e
-        finally:
-            await reader.close()
 
     async def follow(
         self, run: str, partition: int, start: int, *, poll_s: float = 0.05
@@ -667,8 +696,8 @@ class EmbeddedLog(Log):
     async def follow_run(
         self, run: str, starts: Sequence[int], *, poll_s: float = 0.05
     ) -> AsyncIterator[tuple[int, list[tuple[int, bytes]]]]:
-        """Every partition's pages from ``starts`` on, through one reader connection that is
-        opened when there is something to read and closed after ``_READER_IDLE_S`` without."""
+        """Every partition's pages from ``starts`` on: one follower, which borrows a reader of
+        the run file for each step (none while it waits for a commit)."""
         run_file = await self._run(run)
         if len(starts) != run_file.partitions:
             raise InvalidRequest(
@@ -686,13 +715,11 @@ class EmbeddedLog(Log):
         next_offsets = [
             max(s, first) for s, first in zip(starts, run_file.start_offsets, strict=True)
         ]
-        reader: _Reader | None = None
         try:
             while True:
                 woken = asyncio.Event()
-                waiter = (loop, woken)
                 with run_file.waiters_lock:
-                    run_file.waiters.add(waiter)
+                    run_file.waiters.add((loop, woken))
                 if run_file.deleted:
                     raise UnknownRun(f"run file {run_file.path.name} was deleted")
                 ends = run_file.next_offsets
@@ -700,31 +727,17 @@ class EmbeddedLog(Log):
                     (p, next_offsets[p], ends[p]) for p in partitions if ends[p] > next_offsets[p]
                 ]
                 if not ranges:
-                    if reader is None:
-                        await woken.wait()
-                        continue
-                    try:
-                        async with asyncio.timeout(_READER_IDLE_S):
-                            await woken.wait()
-                    except TimeoutError:
-                        with run_file.waiters_lock:
-                            run_file.waiters.discard(waiter)
-                        await reader.close()
-                        reader = None
+                    await woken.wait()
                     continue
                 with run_file.waiters_lock:
-                    run_file.waiters.discard(waiter)
-                if reader is None:
-                    reader = await _Reader.open(run_file.path, run_file.synchronous)
-                pages = await reader.run(_read_ranges, reader.conn, ranges, run_file.blobs)
+                    run_file.waiters.discard((loop, woken))
+                async with run_file.reader() as reader:
+                    pages = await reader.run(_read_ranges, reader.conn, ranges, run_file.blobs)
                 for partition, page in pages:
                     next_offsets[partition] = page[-1][0] + 1
                     yield partition, page
         except (sqlite3.Error, OSError) as e:
             raise _translate(e, run_file.path) from e
-        finally:
-            if reader is not None:
-                await reader.close()
 
     async def trim(self, run: str, partition: int, before: int) -> bool:
         run_file = await self._run(run)
@@ -774,17 +787,13 @@ def _delete_files(path: Path) -> None:
 
 
 class _Reader:
-    """A read connection whose blocking calls run in a worker thread. ``close`` waits for a call
-    still running there (say, when the reading task was cancelled) before closing the connection
-    under it."""
+    """A read connection whose blocking calls run in a worker thread. ``finish`` waits for a call
+    still running there (say, when the reading task was cancelled) before the connection is
+    handed on or closed."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self._running: asyncio.Future[Any] | None = None
-
-    @classmethod
-    async def open(cls, path: Path, synchronous: str) -> _Reader:
-        return cls(await asyncio.to_thread(_connect, path, synchronous))
 
     async def run(self, function: Callable[..., Any], *args: Any) -> Any:
         self._running = asyncio.ensure_future(asyncio.to_thread(function, *args))
@@ -792,12 +801,11 @@ class _Reader:
         self._running = None
         return result
 
-    async def close(self) -> None:
+    async def finish(self) -> None:
         running, self._running = self._running, None
         if running is not None:
             with contextlib.suppress(BaseException):
                 await running
-        self.conn.close()
 
 
 def _open_range(conn: sqlite3.Connection, partition: int, start: int, end: int) -> sqlite3.Cursor:
@@ -817,7 +825,11 @@ def _read_range(
     conn: sqlite3.Connection, partition: int, start: int, end: int, blobs: BlobStore
 ) -> list[tuple[int, bytes]]:
     """The first page of ``[start, end)`` (a follower's step)."""
-    return _fetch_page(_open_range(conn, partition, start, end), start, end, blobs)
+    cursor = _open_range(conn, partition, start, end)
+    try:
+        return _fetch_page(cursor, start, end, blobs)
+    finally:
+        cursor.close()  # ends the read transaction before the connection goes back to the pool
 
 
 def _read_ranges(
