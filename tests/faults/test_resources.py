@@ -10,16 +10,22 @@ answering, hold a bounded number of descriptors and threads, and restart.
 
 from __future__ import annotations
 
+import asyncio
 import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from rolloutlog.log._interface import MAX_PARTITIONS
 from tests import factories as f
+from tests._services import ROOT
+from tests.api.conftest import TOKENS
 from tests.faults._embedded import Client, LimitedService
 
 NOFILE = 256
+CLI = (sys.executable, "-m", "rolloutlog.api.cli")
 RUNS = 40
 
 pytestmark = pytest.mark.slow
@@ -58,8 +64,17 @@ async def test_many_runs_and_the_widest_run_under_a_low_descriptor_limit(tmp_pat
         assert service.open_descriptors() < NOFILE * 3 // 4
         assert service.threads() < 40
 
-        # A deleted run releases its files; a fresh run reuses the name.
-        await client.call("DELETE", "/v1/runs/run-0", "trainer", 200)
+        # A deleted run (here with the CLI) releases its files; a fresh run reuses the name.
+        deleted = await asyncio.to_thread(
+            subprocess.run,
+            [*CLI, "runs", "delete", "run-0", "--url", service.url, "--token", TOKENS["trainer"]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert deleted.returncode == 0, deleted.stderr
+        assert deleted.stdout.strip() == "deleted run run-0"
         assert not (data_dir / "log" / "run-0.sqlite3").exists()
         await client.call("GET", "/v1/runs/run-0", expect=404)
         await client.create_run("run-0", 4)
