@@ -559,10 +559,11 @@ class EmbeddedLog(Log):
 
     async def ensure_run(self, run: str, partitions: int = DEFAULT_PARTITIONS) -> int:
         check_run_name(run)
-        check_partitions(partitions)
         async with self._lock:
             if run in self._runs:
                 return self._runs[run].partitions
+            if not await asyncio.to_thread(self._path(run).exists):
+                check_partitions(partitions)  # new runs only: older, wider ones still open
             run_file = await asyncio.to_thread(self._open_run, run, partitions)
             self._runs[run] = run_file
             return run_file.partitions

@@ -412,7 +412,6 @@ class KafkaLog(Log):
 
     async def ensure_run(self, run: str, partitions: int = DEFAULT_PARTITIONS) -> int:
         check_run_name(run)
-        check_partitions(partitions)
         known = self._topics.get(run)
         if known is not None:
             return known.partitions
@@ -424,6 +423,7 @@ class KafkaLog(Log):
                 return known.partitions
             described = await self._describe(name)
             if described is None:
+                check_partitions(partitions)  # new topics only: older, wider ones still open
                 created = await self._create_topic(name, partitions)
                 # Someone else's concurrent creation wins, with whatever partitions it chose.
                 expected = partitions if created else 1
@@ -833,8 +833,8 @@ class KafkaLog(Log):
     # -- run deletion (helper ``embedded``) -------------------------------------------------------
 
     async def delete_run(self, run: str) -> bool:
-        """``DeleteTopics`` on the run's topic; False when it had none. Appends still in flight
-        to it fail; a later ``ensure_run`` creates the topic afresh."""
+        """``DeleteTopics`` on the run's topic; False when it had none. Later appends to the run
+        fail with ``UnknownRun``; a later ``ensure_run`` creates the topic afresh."""
         self._require_started()
         check_run_name(run)
         name = self.topic_name(run)

@@ -16,6 +16,7 @@ import pytest
 
 from rolloutlog.errors import BackendUnavailable, DataDirLocked, InvalidRequest
 from rolloutlog.log import _blobs, open_log
+from rolloutlog.log._interface import MAX_PARTITIONS
 from rolloutlog.log.embedded import EmbeddedLog
 from tests import factories as f
 from tests.log._append_forever import BATCH
@@ -216,3 +217,13 @@ async def test_follow_run_holds_no_connection_while_it_waits(tmp_path: Path) -> 
         # Between steps the reader is back in the pool: none is borrowed.
         assert run_file.reader_slots._value == 4
         await pages.aclose()
+
+
+async def test_a_run_wider_than_the_limit_made_before_it_still_opens(tmp_path: Path) -> None:
+    async with open_log(tmp_path) as log:
+        assert isinstance(log, EmbeddedLog)
+        await asyncio.to_thread(log._open_run, "legacy", MAX_PARTITIONS + 44)  # as before the limit
+    async with open_log(tmp_path) as log:
+        assert await log.ensure_run("legacy", MAX_PARTITIONS + 44) == MAX_PARTITIONS + 44
+        with pytest.raises(InvalidRequest):
+            await log.ensure_run("new", MAX_PARTITIONS + 1)
