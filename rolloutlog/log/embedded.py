@@ -6,25 +6,23 @@ concurrent appenders cost one fsync. An append's future resolves only after its 
 (``synchronous=FULL``: durable across a SIGKILL of the process and across power loss). Readers use
 their own connections; WAL lets them read while the writer writes.
 
-Records are stored in *segments*, like Kafka's record batches: the records of one partition that
-one commit group appended become one row (split at ``_SEGMENT_BYTES``), whose id is
-``partition << 40 | first offset``. The table's own primary key then orders segments by partition and
-offset, a range read is one index range scan, and a group of thousands of small events costs a few
-row inserts instead of thousands.
+Records are stored in *segments*, like Kafka's record batches (``_segments``): a group of
+thousands of small events costs a few row inserts instead of thousands.
 
 Resources stay bounded however many runs there are: ``_WRITER_THREADS`` writer threads in all;
 a run file's write connection and its one idle reader open on demand, and the least recently
 written run files close them beyond a budget taken from the descriptor limit; at most
-``_READERS_PER_RUN`` readers per run at once, borrowed for one step at a time (SQLite keeps the
-descriptor of a closed connection open while others hold the file, so the most connections a file
-ever had at once is what it keeps). A commit group that
-fails (a full disk) leaves nothing behind: its transaction rolls back, its blob bytes are cut off
-and its offsets are handed out again; the append is refused with ``BackendUnavailable``.
+``_READERS_PER_RUN`` readers per run at once, each borrowed for one step (SQLite keeps the
+descriptor of a closed connection open while others hold the file, so a file keeps as many as
+it ever had open at once).
+
+A commit group that fails (a full disk) leaves nothing behind: its transaction rolls back, its
+blob bytes are cut off and its offsets are handed out again; its appends are refused with
+``BackendUnavailable``.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import functools
@@ -33,7 +31,6 @@ import queue
 import resource
 import shutil
 import sqlite3
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -44,7 +41,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from rolloutlog.errors import BackendUnavailable, InvalidRequest, LogError, UnknownRun
-from rolloutlog.log._blobs import BLOB_THRESHOLD, BlobStore
+from rolloutlog.log._blobs import BlobStore
 from rolloutlog.log._interface import (
     DEFAULT_MAX_RECORD_BYTES,
     DEFAULT_PARTITIONS,
@@ -55,12 +52,22 @@ from rolloutlog.log._interface import (
     check_run_name,
 )
 from rolloutlog.log._lock import DataDirLock
+from rolloutlog.log._segments import (
+    OFFSET_MASK,
+    SEGMENT_BYTES,
+    connect,
+    fetch_page,
+    open_range,
+    read_ranges,
+    read_run_file,
+    row_id,
+    segment_row,
+)
 
 __all__ = ["EmbeddedLog", "from_url"]
 
 logger = logging.getLogger(__name__)
 
-_OFFSET_BITS = 40
 #: Writer threads shared by every run file of a log.
 _WRITER_THREADS = 4
 #: A drain hands its thread back after this many commit groups (busy runs share the pool).
@@ -71,91 +78,8 @@ _MAX_OPEN_FILES = 32
 _READERS_PER_RUN = 4
 #: A commit group stops growing at this many bytes (bounds the writer's memory and latency).
 _GROUP_BYTES = 64 * 1024 * 1024
-#: A segment stops growing at this many bytes (a larger record is a segment of its own).
-_SEGMENT_BYTES = 1024 * 1024
-#: A read page stops at this many bytes or segments, whichever comes first.
-_PAGE_BYTES = 8 * 1024 * 1024
-_PAGE_SEGMENTS = 64
 #: The checkpointer runs after this many bytes were committed to the WAL.
 _CHECKPOINT_BYTES = 32 * 1024 * 1024
-_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
-_LITTLE_ENDIAN = sys.byteorder == "little"
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS segments (
-    id INTEGER PRIMARY KEY,  -- partition << 40 | offset of the first record
-    count INTEGER NOT NULL,
-    blob_file INTEGER,       -- the lowest blob file the segment refers to, if any
-    value BLOB NOT NULL      -- count little-endian uint32 lengths, then the records
-);
-CREATE INDEX IF NOT EXISTS segments_blob_file ON segments (blob_file) WHERE blob_file IS NOT NULL;
-CREATE TABLE IF NOT EXISTS partitions (
-    partition INTEGER PRIMARY KEY,
-    start_offset INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS settings (name TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
-
-
-def _row_id(partition: int, offset: int) -> int:
-    return (partition << _OFFSET_BITS) | offset
-
-
-#: A length with this bit set says the record is in a blob file; its body is the reference.
-_EXTERNAL = 0x80000000
-
-
-def _encode_segment(values: list[bytes], blobs: BlobStore) -> tuple[bytes, int | None]:
-    """A segment's bytes, and the lowest blob file it refers to (large records go there)."""
-    lengths = array.array("I")
-    bodies: list[bytes] = []
-    lowest: int | None = None
-    for value in values:
-        if len(value) >= BLOB_THRESHOLD:
-            if lowest is None:
-                lowest = blobs.current
-            value = blobs.stage(value)
-            lengths.append(_EXTERNAL | len(value))
-        else:
-            lengths.append(len(value))
-        bodies.append(value)
-    if not _LITTLE_ENDIAN:
-        lengths.byteswap()
-    return lengths.tobytes() + b"".join(bodies), lowest
-
-
-def _decode_segment(
-    first: int, count: int, blob: bytes, start: int, end: int, blobs: BlobStore
-) -> list[tuple[int, bytes]]:
-    """The records of a segment whose offsets fall in ``[start, end)``."""
-    lengths = array.array("I")
-    lengths.frombytes(blob[: 4 * count])
-    if not _LITTLE_ENDIAN:
-        lengths.byteswap()
-    view = memoryview(blob)
-    position = 4 * count
-    out: list[tuple[int, bytes]] = []
-    for index, length in enumerate(lengths):
-        offset = first + index
-        size = length & ~_EXTERNAL
-        if start <= offset < end:
-            body = view[position : position + size]
-            out.append((offset, blobs.read(body) if length & _EXTERNAL else bytes(body)))
-        position += size
-    return out
-
-
-def _connect(path: Path, synchronous: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
-    # Small pages: a commit rewrites the last leaf page of every partition it appends to, and
-    # big payloads cost little more in 4 KiB overflow pages (the WAL is copied off-thread).
-    conn.execute("PRAGMA page_size=4096")
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute(f"PRAGMA synchronous={synchronous}")
-    # WAL checkpoints copy every committed byte a second time; ``_Writers.checkpoint`` does that
-    # beside the writer instead of inside whichever commit crosses the threshold.
-    conn.execute("PRAGMA wal_autocheckpoint=0")
-    return conn
 
 
 def _open_files_budget() -> int:
@@ -227,7 +151,7 @@ class _Writers:
 
 def _checkpoint(path: Path, synchronous: str) -> None:
     try:
-        conn = _connect(path, synchronous)
+        conn = connect(path, synchronous)
         try:
             conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
         finally:
@@ -329,7 +253,7 @@ class _RunFile:
 
     def _connection(self) -> sqlite3.Connection:
         if self.conn is None:
-            self.conn = _connect(self.path, self.synchronous)
+            self.conn = connect(self.path, self.synchronous)
         self.writers.opened(self)
         return self.conn
 
@@ -358,7 +282,7 @@ class _RunFile:
             with self.readers_lock:
                 conn, self.idle_reader = self.idle_reader, None
             if conn is None:
-                conn = await asyncio.to_thread(_connect, self.path, self.synchronous)
+                conn = await asyncio.to_thread(connect, self.path, self.synchronous)
             reader = _Reader(conn)
             try:
                 yield reader
@@ -392,8 +316,8 @@ class _RunFile:
                     next_offsets[partition] = offset + 1
                     positions.append(Position(partition, offset))
                     segment = open_segments.get(partition)
-                    if segment is not None and segment[2][0] + len(record.value) > _SEGMENT_BYTES:
-                        rows.append(_segment_row(partition, segment, blobs))
+                    if segment is not None and segment[2][0] + len(record.value) > SEGMENT_BYTES:
+                        rows.append(segment_row(partition, segment, blobs))
                         segment = None
                     if segment is None:
                         open_segments[partition] = (offset, [record.value], [len(record.value)])
@@ -401,7 +325,7 @@ class _RunFile:
                         segment[1].append(record.value)
                         segment[2][0] += len(record.value)
                 results.append(positions)
-            rows.extend(_segment_row(p, segment, blobs) for p, segment in open_segments.items())
+            rows.extend(segment_row(p, segment, blobs) for p, segment in open_segments.items())
             conn = self._connection()
             blobs.flush()  # before the segments that refer to it
             conn.execute("BEGIN IMMEDIATE")
@@ -450,14 +374,6 @@ class _RunFile:
             call.loop.call_soon_threadsafe(_resolve_all, [(call.future, result)])
 
 
-def _segment_row(
-    partition: int, segment: tuple[int, list[bytes], list[int]], blobs: BlobStore
-) -> tuple[int, int, int | None, bytes]:
-    first, values, _ = segment
-    encoded, lowest_blob_file = _encode_segment(values, blobs)
-    return _row_id(partition, first), len(values), lowest_blob_file, encoded
-
-
 def _resolve_all(done: list[tuple[asyncio.Future[Any], Any]]) -> None:
     for future, result in done:
         if not future.done():
@@ -473,34 +389,6 @@ def _translate(error: sqlite3.Error | OSError, path: Path) -> Exception:
     if isinstance(error, sqlite3.OperationalError | OSError):
         return BackendUnavailable(f"embedded log {path}: {error}", path=str(path))
     return LogError(f"embedded log {path}: {error}", path=str(path))
-
-
-def _read_run_file(
-    path: Path, partitions: int | None, synchronous: str
-) -> tuple[int, list[int], list[int]]:
-    """Create the file's schema if needed; its partition count, start and next offsets."""
-    conn = _connect(path, synchronous)
-    try:
-        conn.executescript(_SCHEMA)
-        conn.execute(
-            "INSERT OR IGNORE INTO settings (name, value) VALUES ('partitions', ?)",
-            (str(partitions),),
-        )
-        (stored,) = conn.execute("SELECT value FROM settings WHERE name = 'partitions'").fetchone()
-        count = int(stored)
-        starts = dict(conn.execute("SELECT partition, start_offset FROM partitions").fetchall())
-        start_offsets = [starts.get(p, 0) for p in range(count)]
-        next_offsets = []
-        for p in range(count):
-            last = conn.execute(
-                "SELECT id, count FROM segments WHERE id >= ? AND id < ? ORDER BY id DESC LIMIT 1",
-                (_row_id(p, 0), _row_id(p + 1, 0)),
-            ).fetchone()
-            following = 0 if last is None else (last[0] & _OFFSET_MASK) + last[1]
-            next_offsets.append(max(following, start_offsets[p]))
-    finally:
-        conn.close()
-    return count, start_offsets, next_offsets
 
 
 class EmbeddedLog(Log):
@@ -590,7 +478,7 @@ class EmbeddedLog(Log):
         if partitions is None and not path.exists():
             raise UnknownRun(f"run {run!r} has no log", run=run)
         try:
-            count, start_offsets, next_offsets = _read_run_file(path, partitions, self.synchronous)
+            count, start_offsets, next_offsets = read_run_file(path, partitions, self.synchronous)
             return _RunFile(
                 path,
                 count,
@@ -670,10 +558,10 @@ class EmbeddedLog(Log):
             return
         try:
             async with run_file.reader() as reader:
-                cursor = await reader.run(_open_range, reader.conn, partition, start, end)
+                cursor = await reader.run(open_range, reader.conn, partition, start, end)
                 try:
                     while True:
-                        page = await reader.run(_fetch_page, cursor, start, end, run_file.blobs)
+                        page = await reader.run(fetch_page, cursor, start, end, run_file.blobs)
                         if not page:
                             return
                         yield page
@@ -733,7 +621,7 @@ class EmbeddedLog(Log):
                 with run_file.waiters_lock:
                     run_file.waiters.discard((loop, woken))
                 async with run_file.reader() as reader:
-                    pages = await reader.run(_read_ranges, reader.conn, ranges, run_file.blobs)
+                    pages = await reader.run(read_ranges, reader.conn, ranges, run_file.blobs)
                 for partition, page in pages:
                     next_offsets[partition] = page[-1][0] + 1
                     yield partition, page
@@ -753,7 +641,7 @@ class EmbeddedLog(Log):
                 # skip its trimmed head (they start at the partition's start offset).
                 conn.execute(
                     "DELETE FROM segments WHERE id >= ? AND id < ? AND (id & ?) + count <= ?",
-                    (_row_id(partition, 0), _row_id(partition, before), _OFFSET_MASK, before),
+                    (row_id(partition, 0), row_id(partition, before), OFFSET_MASK, before),
                 )
                 conn.execute(
                     "INSERT INTO partitions (partition, start_offset) VALUES (?, ?) "
@@ -807,64 +695,6 @@ class _Reader:
         if running is not None:
             with contextlib.suppress(BaseException):
                 await running
-
-
-def _open_range(conn: sqlite3.Connection, partition: int, start: int, end: int) -> sqlite3.Cursor:
-    # The first segment may begin before ``start``: begin the scan at the last one that does.
-    row = conn.execute(
-        "SELECT max(id) FROM segments WHERE id >= ? AND id <= ?",
-        (_row_id(partition, 0), _row_id(partition, start)),
-    ).fetchone()
-    first = row[0] if row[0] is not None else _row_id(partition, start)
-    return conn.execute(
-        "SELECT id, count, value FROM segments WHERE id >= ? AND id < ? ORDER BY id",
-        (first, _row_id(partition, end)),
-    )
-
-
-def _read_range(
-    conn: sqlite3.Connection, partition: int, start: int, end: int, blobs: BlobStore
-) -> list[tuple[int, bytes]]:
-    """The first page of ``[start, end)`` (a follower's step)."""
-    cursor = _open_range(conn, partition, start, end)
-    try:
-        return _fetch_page(cursor, start, end, blobs)
-    finally:
-        cursor.close()  # ends the read transaction before the connection goes back to the pool
-
-
-def _read_ranges(
-    conn: sqlite3.Connection, ranges: list[tuple[int, int, int]], blobs: BlobStore
-) -> list[tuple[int, list[tuple[int, bytes]]]]:
-    """A follower's step over several partitions: each one's first page, ``_PAGE_BYTES`` in
-    all at most (partitions left out are still behind, so the next step reads them)."""
-    pages: list[tuple[int, list[tuple[int, bytes]]]] = []
-    size = 0
-    for partition, start, end in ranges:
-        page = _read_range(conn, partition, start, end, blobs)
-        if page:
-            pages.append((partition, page))
-            size += sum(len(value) for _, value in page)
-            if size >= _PAGE_BYTES:
-                break
-    return pages
-
-
-def _fetch_page(
-    cursor: sqlite3.Cursor, start: int, end: int, blobs: BlobStore
-) -> list[tuple[int, bytes]]:
-    page: list[tuple[int, bytes]] = []
-    size = 0
-    segments = 0
-    while segments < _PAGE_SEGMENTS and size < _PAGE_BYTES:
-        row = cursor.fetchone()
-        if row is None:
-            break
-        row_id, count, blob = row
-        page.extend(_decode_segment(row_id & _OFFSET_MASK, count, blob, start, end, blobs))
-        size += len(blob)
-        segments += 1
-    return page
 
 
 def from_url(url: str, **options: Any) -> EmbeddedLog:
