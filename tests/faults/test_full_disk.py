@@ -76,6 +76,16 @@ async def test_full_disk_refuses_appends_cleanly_and_recovers(tmp_path: Path) ->
             small = f.boundary(episodes[index % 4], "seed", {"turn": index}, who=who)
             statuses.append(await append(small))
         assert 503 in statuses, "the limit did not bite"
+        # No file may grow at all (the catalog neither): a checkpoint commits or is refused (503),
+        # never a 500, and leaves no pending checkpoint behind (the one after recovery commits).
+        service.set_limit(resource.RLIMIT_FSIZE, 0)
+        refused_checkpoint = await client.call(
+            "POST",
+            f"/v1/runs/{RUN}/checkpoints",
+            "trainer",
+            json={"controller_epoch": controller, "wait": True},
+        )
+        assert refused_checkpoint.status_code in (201, 503), refused_checkpoint.text
         assert service.proc is not None and service.proc.poll() is None, service.tail()
 
         # Space returns: appends go through again, without a restart.
