@@ -105,12 +105,13 @@ class BlobStore:
         self._pending.clear()
         self.close()
         self.current, self.position = mark
+        # Never raises: it runs while a failure (maybe of this very directory) is reported.
         with contextlib.suppress(OSError):
             os.truncate(self._path(mark.number), mark.position)
-        for path in self.directory.iterdir():
-            if path.name.isdigit() and int(path.name) > mark.number:
-                with contextlib.suppress(OSError):
-                    path.unlink()
+        with contextlib.suppress(OSError):
+            for path in self.directory.iterdir():
+                if path.name.isdigit() and int(path.name) > mark.number:
+                    path.unlink(missing_ok=True)
 
     def read(self, reference: bytes | memoryview) -> bytes:
         number, position, length = _REFERENCE.unpack(reference)

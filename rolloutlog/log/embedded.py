@@ -222,7 +222,10 @@ class _RunFile:
                             self.scheduled = False
                             return
                     continue
-                self._handle(item)
+                try:
+                    self._handle(item)
+                except Exception:  # never lose the run's writer over one request
+                    logger.exception("embedded log %s: a write request failed", self.path)
         if not self.writers.schedule(self.drain):
             self.drain()
 
@@ -333,7 +336,7 @@ class _RunFile:
                 "INSERT INTO segments (id, count, blob_file, value) VALUES (?, ?, ?, ?)", rows
             )
             conn.execute("COMMIT")
-        except (sqlite3.Error, OSError) as e:
+        except Exception as e:  # whatever failed, every appender gets an answer
             # Nothing of the group stays: its offsets are handed out again, its blob bytes cut
             # off, its transaction (if it began) rolled back.
             self.next_offsets[:] = saved
@@ -341,7 +344,11 @@ class _RunFile:
             if conn is not None and conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
-            failure = _translate(e, self.path)
+            if isinstance(e, sqlite3.Error | OSError):
+                failure = _translate(e, self.path)
+            else:
+                logger.exception("embedded log %s: a commit group failed", self.path)
+                failure = LogError(f"embedded log {self.path}: {e!r}", path=str(self.path))
             for request in group:
                 request.loop.call_soon_threadsafe(_fail, request.future, failure)
             return

@@ -227,3 +227,22 @@ async def test_a_run_wider_than_the_limit_made_before_it_still_opens(tmp_path: P
         assert await log.ensure_run("legacy", MAX_PARTITIONS + 44) == MAX_PARTITIONS + 44
         with pytest.raises(InvalidRequest):
             await log.ensure_run("new", MAX_PARTITIONS + 1)
+
+
+async def test_a_missing_blob_directory_refuses_the_append_and_the_writer_lives_on(
+    tmp_path: Path,
+) -> None:
+    state = {"b": os.urandom(50_000).hex()}
+    async with open_log(tmp_path) as log:
+        await log.ensure_run("run", 1)
+        blobs = tmp_path / "log" / "run.blobs"
+        away = blobs.with_name("run.blobs.away")
+        blobs.rename(away)
+        async with asyncio.timeout(30):
+            with pytest.raises(BackendUnavailable):
+                await log.append("run", [f.session_state("r1", state=state)])
+            away.rename(blobs)
+            [position] = await log.append("run", [f.session_state("r1", state=state)])
+        assert position.offset == 0
+        [(_, event)] = [item async for item in log.read("run", 0, 0, 1)]
+        assert event.data.state.value() == state
