@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from rolloutlog.errors import UnknownRun
+from rolloutlog.trainer import AsyncTrainerClient
 from tests import factories as f
-from tests.api.conftest import Api, open_api, settings_for
+from tests.api.conftest import TOKENS, Api, open_api, settings_for
 
 
 async def test_deleted_run_is_released_and_its_name_reusable(api: Api) -> None:
@@ -65,3 +67,13 @@ async def deleted_and_reused(api: Api) -> None:
 async def test_deleting_an_unknown_run_is_404(api: Api) -> None:
     reply = await api.call("DELETE", "/v1/runs/never", "trainer", 404)
     assert reply.json()["error"]["code"] == "unknown_run"
+
+
+async def test_trainer_client_deletes_a_run(api: Api) -> None:
+    await api.create_run()
+    async with AsyncTrainerClient(token=TOKENS["trainer"], client=api.client) as client:
+        await client.take_over(api.run)
+        assert await client.delete_run(api.run) == {"run": api.run, "deleted": True}
+        assert api.run not in client.controller_epochs
+        with pytest.raises(UnknownRun):
+            await client.get_run(api.run)
