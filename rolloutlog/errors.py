@@ -16,6 +16,7 @@ __all__ = [
     "CatalogVersionError",
     "CheckpointInProgress",
     "CheckpointNotPending",
+    "DataDirLocked",
     "Forbidden",
     "InvalidEvent",
     "InvalidRequest",
@@ -160,19 +161,18 @@ class BackendUnavailable(RolloutlogError):
     retriable = True
 
 
+class DataDirLocked(RolloutlogError):
+    """Another process holds the embedded data directory's lock; this one must not start."""
+
+    code = "data_dir_locked"
+    http_status = 503
+
+
 class LogError(RolloutlogError):
     """The log backend failed in a way that is not a connectivity problem."""
 
     code = "log_error"
     http_status = 500
-
-
-class RunLost(LogError):
-    """The run's log lost records the catalog names (its topic vanished or was recreated empty):
-    it cannot make progress without an operator, and appends to it are refused."""
-
-    code = "run_lost"
-    http_status = 503
 
 
 class CatalogError(RolloutlogError):
@@ -191,7 +191,7 @@ class CatalogVersionError(CatalogError):
 class RunLost(LogError):
     """A run's records are gone from the log: its topic vanished, or a partition holds fewer
     records than offsets known to exist (a broker that restarted empty). Retrying cannot bring
-    them back; an operator must."""
+    them back; an operator must, and appends to the run are refused meanwhile."""
 
     code = "run_lost"
     http_status = 503

@@ -111,6 +111,10 @@ def _counts(info: dict[str, Any]) -> str:
 
 
 def cmd_runs(client: TrainerClient, args: argparse.Namespace, out: TextIO) -> int:
+    if args.action == "delete":
+        return _delete_run(client, args, out)
+    if args.run is not None:
+        raise InvalidRequest(f"unexpected argument {args.run!r}: did you mean 'runs delete RUN'?")
     runs = client.list_runs()
     if args.json:
         _json(runs, out)
@@ -128,6 +132,17 @@ def cmd_runs(client: TrainerClient, args: argparse.Namespace, out: TextIO) -> in
     ]
     if not table(runs, columns, out):
         print("(no runs)", file=out)
+    return 0
+
+
+def _delete_run(client: TrainerClient, args: argparse.Namespace, out: TextIO) -> int:
+    if args.run is None:
+        raise InvalidRequest("runs delete needs the run to delete: rolloutlog runs delete RUN")
+    result = client.delete_run(args.run)
+    if args.json:
+        _json(result, out)
+    else:
+        print(f"deleted run {args.run}", file=out)
     return 0
 
 

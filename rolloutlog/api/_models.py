@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field
 
+from rolloutlog.log._interface import MAX_PARTITIONS
+
 __all__ = [
     "AppendOut",
     "CheckpointList",
@@ -64,7 +66,7 @@ class _Response(BaseModel):
 
 class CreateRun(_Request):
     run: RunName
-    partitions: Annotated[int, Field(ge=1, le=10_000)] | None = None
+    partitions: Annotated[int, Field(ge=1, le=MAX_PARTITIONS)] | None = None
 
 
 class RegisterParticipant(_Request):
@@ -124,6 +126,11 @@ class RunOut(_Response):
     created_at: float | None = None
     counts: dict[str, Any] = {}
     health: RunHealthOut | None = None
+
+
+class DeletedRunOut(_Response):
+    run: str
+    deleted: bool
 
 
 class RunList(_Response):

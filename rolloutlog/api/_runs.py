@@ -13,6 +13,7 @@ from rolloutlog.api._models import (
     ControllerOut,
     ControllerRequest,
     CreateRun,
+    DeletedRunOut,
     EpisodeList,
     ErrorOut,
     ParticipantList,
@@ -108,6 +109,21 @@ async def list_runs(request: Request, after: After = None, limit: Limit = 100) -
 async def get_run(request: Request, run: RunPath) -> Response:
     service = _service(request)
     return json_response(_run_out(service, await service.catalog.run_summary(run)))
+
+
+@router.delete(
+    "/v1/runs/{run}",
+    summary="Delete a run: its log, catalog rows and the service's resources for it",
+    response_model=DeletedRunOut,
+    dependencies=TRAINER,
+    responses=NOT_FOUND,
+)
+async def delete_run(request: Request, run: RunPath) -> Response:
+    service = _service(request)
+    if not await service.coordinator.delete_run(run):
+        raise UnknownRun(f"no run {run!r}", run=run)
+    service.forget_run(run)
+    return json_response({"run": run, "deleted": True})
 
 
 @router.post(

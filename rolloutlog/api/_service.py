@@ -334,6 +334,11 @@ class Service:
                 if attempt > fencing.attempts.get(episode, 0):
                     fencing.attempts[episode] = attempt
 
+    def forget_run(self, run: str) -> None:
+        """Drop what the service caches of a deleted run (a fresh run may reuse the name)."""
+        self.fencing.pop(run, None)
+        self._fencing_locks.pop(run, None)
+
     # -- gauges ------------------------------------------------------------------------------
 
     def live_episodes(self) -> list[tuple[Labels, float]]:

@@ -4,6 +4,7 @@
     rolloutlog serve [--data-dir DIR] [--host H] [--port P] [--log URL] [--catalog URL]
                      [--tokens FILE]
     rolloutlog runs [--url URL] [--token TOKEN] [--json]
+    rolloutlog runs delete RUN [--url URL] [--token TOKEN]
     rolloutlog checkpoint RUN [--deadline S] [--no-wait] [--take-over | --epoch N]
     rolloutlog restore RUN [--checkpoint ID|latest] [--exclude EPISODE]... [--episodes]
     rolloutlog checkpoints RUN [--status S]
@@ -142,7 +143,9 @@ def parser() -> argparse.ArgumentParser:
         group.add_argument("--take-over", action="store_true", help="take over the controller")
         group.add_argument("--epoch", type=int, help="controller epoch (default: the current one)")
 
-    runs = commands.add_parser("runs", help="list runs")
+    runs = commands.add_parser("runs", help="list runs, or delete one (runs delete RUN)")
+    runs.add_argument("action", nargs="?", choices=["list", "delete"], default="list")
+    runs.add_argument("run", nargs="?", help="the run to delete")
     client_options(runs)
 
     checkpoint = commands.add_parser("checkpoint", help="take a checkpoint")
@@ -208,6 +211,10 @@ def serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         max_inflight_appends=args.max_inflight_appends,
     )
+    problem = _data_dir_in_use(settings)
+    if problem is not None:
+        print(f"rolloutlog serve: {problem}", file=sys.stderr)
+        return 1
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -267,6 +274,23 @@ def start_failure_message(error: BaseException, settings: Settings) -> str:
     else:
         cause = f"{type(error).__name__}: {error}"
     return "rolloutlog serve: cannot start: " + " ".join(cause.split())
+
+
+def _data_dir_in_use(settings: Settings) -> str | None:
+    """Why the embedded data directory cannot be ours, before anything opens it. The log takes
+    the lock for good when the service starts (a process that wins the race in between makes
+    that start fail instead, still before the catalog is touched)."""
+    url = settings.resolved_log_url
+    if not url.startswith("embedded://"):
+        return None
+    from rolloutlog.log._lock import DataDirLock
+    from rolloutlog.log.embedded import from_url
+
+    try:
+        DataDirLock.acquire(from_url(url).data_dir).release()
+    except RolloutlogError as e:
+        return e.message
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rolloutlog.catalog import _migrate, _reads
+from rolloutlog.catalog import _migrate, _reads, _writes
 from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._schema import (
     checkpoint_offsets,
@@ -759,6 +759,15 @@ class Catalog:
 
     async def run_stats(self, run: str) -> RunStats:
         return await self._query(lambda conn: _reads.run_stats(conn, run))
+
+    # -- run deletion (helper ``embedded``) -------------------------------------------------------
+
+    async def delete_run(self, run: str) -> None:
+        """Delete the run and every row that belongs to it, in one transaction (``UnknownRun``
+        when there is no such run); the name can be created afresh."""
+        check_run_name(run)
+        async with self._write() as conn:
+            await _writes.delete_run_rows(conn, run)
 
 
 async def _checkpoint_status(conn: AsyncConnection, run: str, checkpoint_id: int) -> str:

@@ -44,7 +44,16 @@ _PRAGMAS = (
     "PRAGMA cache_size=-65536",
     "PRAGMA wal_autocheckpoint=16384",
 )
-_UNAVAILABLE = ("database is locked", "busy", "unable to open", "disk i/o", "readonly database")
+# Retriable: another writer holds the lock, or the disk is full or failing (SQLite rolls the
+# transaction back, so nothing of the write stays; it may succeed once space returns).
+_UNAVAILABLE = (
+    "database is locked",
+    "busy",
+    "unable to open",
+    "disk i/o",
+    "readonly database",
+    "disk is full",
+)
 
 
 class SQLiteBackend(Backend):

@@ -22,6 +22,8 @@ from rolloutlog.catalog._schema import (
     episodes,
     manifest_entries,
     manifest_parts,
+    participants,
+    quarantined_records,
     restore_episodes,
     restores,
     runs,
@@ -624,3 +626,26 @@ def _check_plan(entries: Sequence[RestoreEntry]) -> None:
             )
         check_count(entry.previous_attempt, "previous_attempt")
         check_count(entry.attempt, "attempt", minimum=entry.previous_attempt + 1)
+
+
+# -- run deletion (helper ``embedded``) --------------------------------------------------------
+
+#: Tables holding a run's rows, children before the tables they reference.
+_RUN_TABLES = (
+    quarantined_records,
+    restore_episodes,
+    restores,
+    manifest_parts,
+    checkpoint_offsets,
+    checkpoints,
+    episodes,
+    participants,
+)
+
+
+async def delete_run_rows(conn: AsyncConnection, run: str) -> None:
+    """Delete every row of ``run`` (``UnknownRun`` if it has none), the run's own row last."""
+    await lock_run(conn, run)
+    for table in _RUN_TABLES:
+        await conn.execute(delete(table).where(table.c.run == run))
+    await conn.execute(delete(runs).where(runs.c.run == run))

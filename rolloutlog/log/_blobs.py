@@ -6,14 +6,25 @@ plain files instead — ``<run>.blobs/00000000``, rotated every ``ROTATE_BYTES``
 ``synchronous=FULL``, fdatasync'ed) before the SQLite transaction that references them commits.
 A crash between the two leaves unreferenced bytes at the end of a file, never a reference to
 missing bytes. Trimming deletes the files no remaining segment references.
+
+Writes go to explicit positions (``pwrite``), never "wherever the file ends now". A commit group
+takes a ``mark`` first; if anything fails (a full disk part-way through a record, or the SQLite
+commit after it), ``rollback`` cuts the files back to the mark, and even when that cut fails
+too, the next write lands where its reference says: no later record can be read through bytes
+a failed one left behind.
+
+File descriptors are held only while needed: the append descriptor opens at the first large
+record and ``close`` releases it; a read opens, reads and closes (a large record costs far more
+than an ``open``), so an idle run holds none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
-import threading
 from pathlib import Path
+from typing import NamedTuple
 
 #: Records at least this large go to a blob file.
 BLOB_THRESHOLD = 64 * 1024
@@ -24,9 +35,16 @@ _REFERENCE = struct.Struct("<IQI")
 REFERENCE_BYTES = _REFERENCE.size
 
 
+class Mark(NamedTuple):
+    """Where the blob files ended when a commit group began."""
+
+    number: int
+    position: int
+
+
 class BlobStore:
-    """One run's blob files. ``stage`` and ``flush`` belong to the writer thread; ``read`` is safe
-    from any thread."""
+    """One run's blob files. Everything but ``read`` belongs to the run's writer; ``read`` is
+    safe from any thread."""
 
     def __init__(self, directory: Path, *, sync: bool) -> None:
         self.directory = directory
@@ -34,77 +52,91 @@ class BlobStore:
         directory.mkdir(parents=True, exist_ok=True)
         numbers = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
         self.current = numbers[-1] if numbers else 0
-        self._fd = self._open_for_append(self.current)
-        self.position = os.fstat(self._fd).st_size
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
-        self._readers: dict[int, int] = {}
-        self._lock = threading.Lock()
+        current = self._path(self.current)
+        #: Where the next staged record goes. Bytes past it (a crash between a blob write and
+        #: its segment's commit) are referenced by nothing and get overwritten.
+        self.position = current.stat().st_size if current.exists() else 0
+        self._fd: int | None = None
+        self._fd_number = -1
+        #: Staged records: (file number, position, value).
+        self._pending: list[tuple[int, int, bytes]] = []
 
     def _path(self, number: int) -> Path:
         return self.directory / f"{number:08d}"
 
-    def _open_for_append(self, number: int) -> int:
-        return os.open(self._path(number), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    def mark(self) -> Mark:
+        return Mark(self.current, self.position)
 
     def stage(self, value: bytes) -> bytes:
         """Queue ``value`` for the next ``flush``; return the reference a segment stores."""
-        if self.position + self._pending_bytes >= ROTATE_BYTES:
-            self.flush()
-            os.close(self._fd)
+        if self.position >= ROTATE_BYTES:
             self.current += 1
-            self._fd = self._open_for_append(self.current)
             self.position = 0
-        reference = _REFERENCE.pack(self.current, self.position + self._pending_bytes, len(value))
-        self._pending.append(value)
-        self._pending_bytes += len(value)
+        reference = _REFERENCE.pack(self.current, self.position, len(value))
+        self._pending.append((self.current, self.position, value))
+        self.position += len(value)
         return reference
 
     def flush(self) -> None:
         """Write what was staged (durably, with ``sync``) before the segments that refer to it."""
-        if not self._pending:
-            return
-        data = b"".join(self._pending)
-        view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        if self.sync:
-            os.fdatasync(self._fd)
-        self.position += len(data)
+        pending, self._pending = self._pending, []
+        for index, (number, position, value) in enumerate(pending):
+            fd = self._writer(number)
+            view = memoryview(value)
+            while view:
+                written = os.pwrite(fd, view, position)
+                view = view[written:]
+                position += written
+            last_of_file = index + 1 == len(pending) or pending[index + 1][0] != number
+            if last_of_file and self.sync:
+                os.fdatasync(fd)
+
+    def _writer(self, number: int) -> int:
+        if self._fd_number != number:
+            self.close()
+            self._fd = os.open(self._path(number), os.O_WRONLY | os.O_CREAT, 0o644)
+            self._fd_number = number
+        assert self._fd is not None
+        return self._fd
+
+    def rollback(self, mark: Mark) -> None:
+        """Forget what was staged or written since ``mark`` and give its space back (best
+        effort: positions alone already keep later records apart from it)."""
         self._pending.clear()
-        self._pending_bytes = 0
+        self.close()
+        self.current, self.position = mark
+        # Never raises: it runs while a failure (maybe of this very directory) is reported.
+        with contextlib.suppress(OSError):
+            os.truncate(self._path(mark.number), mark.position)
+        with contextlib.suppress(OSError):
+            for path in self.directory.iterdir():
+                if path.name.isdigit() and int(path.name) > mark.number:
+                    path.unlink(missing_ok=True)
 
     def read(self, reference: bytes | memoryview) -> bytes:
         number, position, length = _REFERENCE.unpack(reference)
-        with self._lock:
-            fd = self._readers.get(number)
-            if fd is None:
-                fd = os.open(self._path(number), os.O_RDONLY)
-                self._readers[number] = fd
-        chunks = []
-        while length:
-            chunk = os.pread(fd, length, position)
-            if not chunk:
-                raise OSError(f"blob file {number} ends before {position + length}")
-            chunks.append(chunk)
-            position += len(chunk)
-            length -= len(chunk)
+        fd = os.open(self._path(number), os.O_RDONLY)
+        try:
+            chunks = []
+            while length:
+                chunk = os.pread(fd, length, position)
+                if not chunk:
+                    raise OSError(f"blob file {number} ends before {position + length}")
+                chunks.append(chunk)
+                position += len(chunk)
+                length -= len(chunk)
+        finally:
+            os.close(fd)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def delete_below(self, number: int) -> None:
         """Delete the blob files numbered below ``number`` (never the one being written)."""
         for path in self.directory.iterdir():
             if path.name.isdigit() and int(path.name) < min(number, self.current):
-                with self._lock:
-                    fd = self._readers.pop(int(path.name), None)
-                if fd is not None:
-                    os.close(fd)
                 path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        os.close(self._fd)
-        with self._lock:
-            readers, self._readers = self._readers, {}
-        for fd in readers.values():
+        """Release the append descriptor (the next ``flush`` opens it again)."""
+        fd, self._fd, self._fd_number = self._fd, None, -1
+        if fd is not None:
             os.close(fd)

@@ -26,6 +26,9 @@ from rolloutlog.log._ids import partition_for, run_name_problem
 #: Largest record (metadata plus payload) a backend accepts by default: 16 MiB.
 DEFAULT_MAX_RECORD_BYTES = 16 * 1024 * 1024
 DEFAULT_PARTITIONS = 16
+#: Most partitions a run may have (both backends; a partition costs the projector and every
+#: checkpoint one marker and one manifest part, and Kafka brokers a file or more each).
+MAX_PARTITIONS = 256
 
 
 class Position(NamedTuple):
@@ -104,6 +107,11 @@ class Log(abc.ABC):
                 page = []
         if page:
             yield page
+
+    @abc.abstractmethod
+    async def delete_run(self, run: str) -> bool:
+        """Delete the run's topic and everything in it (its followers end); False when it had
+        none. A later ``ensure_run`` starts the name afresh."""
 
     @abc.abstractmethod
     async def trim(self, run: str, partition: int, before: int) -> bool:
@@ -212,6 +220,13 @@ class Log(abc.ABC):
         """Typed events of ``partition`` with ``start <= offset < end``, in order."""
         async for offset, value in self.read_records(run, partition, start, end):
             yield offset, decode_record(value)
+
+
+def check_partitions(partitions: int) -> None:
+    if not 1 <= partitions <= MAX_PARTITIONS:
+        raise InvalidRequest(
+            f"partitions must be 1..{MAX_PARTITIONS}, not {partitions}", field="partitions"
+        )
 
 
 def check_run_name(run: str) -> None:

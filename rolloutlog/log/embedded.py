@@ -1,132 +1,94 @@
 """The embedded log backend: one SQLite file per run, in WAL mode, under a data directory.
 
-One writer thread per run owns the write connection and commits in groups: every append queued
-while the previous transaction was committing shares the next one, so many concurrent appenders
-cost one fsync. An append's future resolves only after its group committed (``synchronous=FULL``:
-durable across a SIGKILL of the process and across power loss). Readers use their own connections;
-WAL lets them read while the writer writes.
+A run file's requests queue up and one thread of a small shared pool drains them in commit groups:
+every append queued while the previous transaction was committing shares the next one, so many
+concurrent appenders cost one fsync. An append's future resolves only after its group committed
+(``synchronous=FULL``: durable across a SIGKILL of the process and across power loss). Readers use
+their own connections; WAL lets them read while the writer writes.
 
-Records are stored in *segments*, like Kafka's record batches: the records of one partition that
-one commit group appended become one row (split at ``_SEGMENT_BYTES``), whose id is
-``partition << 40 | first offset``. The table's own primary key then orders segments by partition and
-offset, a range read is one index range scan, and a group of thousands of small events costs a few
-row inserts instead of thousands.
+Records are stored in *segments*, like Kafka's record batches (``_segments``): a group of
+thousands of small events costs a few row inserts instead of thousands.
+
+Resources stay bounded however many runs there are: ``_WRITER_THREADS`` writer threads in all;
+a run file's write connection and its one idle reader open on demand, and the least recently
+written run files close them beyond a budget taken from the descriptor limit; at most
+``_READERS_PER_RUN`` readers per run at once, each borrowed for one step (SQLite keeps the
+descriptor of a closed connection open while others hold the file, so a file keeps as many as
+it ever had open at once).
+
+A commit group that fails (a full disk) leaves nothing behind: its transaction rolls back, its
+blob bytes are cut off and its offsets are handed out again; its appends are refused with
+``BackendUnavailable``.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
+import functools
+import logging
 import queue
+import resource
+import shutil
 import sqlite3
-import sys
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from rolloutlog.errors import BackendUnavailable, InvalidRequest, LogError, UnknownRun
-from rolloutlog.log._blobs import BLOB_THRESHOLD, BlobStore
+from rolloutlog.log._blobs import BlobStore
 from rolloutlog.log._interface import (
     DEFAULT_MAX_RECORD_BYTES,
     DEFAULT_PARTITIONS,
     Log,
     Position,
     Record,
+    check_partitions,
     check_run_name,
+)
+from rolloutlog.log._lock import DataDirLock
+from rolloutlog.log._segments import (
+    OFFSET_MASK,
+    SEGMENT_BYTES,
+    connect,
+    fetch_page,
+    open_range,
+    read_ranges,
+    read_run_file,
+    row_id,
+    segment_row,
 )
 
 __all__ = ["EmbeddedLog", "from_url"]
 
-_OFFSET_BITS = 40
-_MAX_PARTITIONS = 1 << 16
+logger = logging.getLogger(__name__)
+
+#: Writer threads shared by every run file of a log.
+_WRITER_THREADS = 4
+#: A drain hands its thread back after this many commit groups (busy runs share the pool).
+_GROUPS_PER_TURN = 8
+#: Run files with open connections, at most (fewer under a low descriptor limit).
+_MAX_OPEN_FILES = 32
+#: Read connections of one run file at once, at most.
+_READERS_PER_RUN = 4
 #: A commit group stops growing at this many bytes (bounds the writer's memory and latency).
 _GROUP_BYTES = 64 * 1024 * 1024
-#: A segment stops growing at this many bytes (a larger record is a segment of its own).
-_SEGMENT_BYTES = 1024 * 1024
-#: A read page stops at this many bytes or segments, whichever comes first.
-_PAGE_BYTES = 8 * 1024 * 1024
-_PAGE_SEGMENTS = 64
 #: The checkpointer runs after this many bytes were committed to the WAL.
 _CHECKPOINT_BYTES = 32 * 1024 * 1024
-_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
-_LITTLE_ENDIAN = sys.byteorder == "little"
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS segments (
-    id INTEGER PRIMARY KEY,  -- partition << 40 | offset of the first record
-    count INTEGER NOT NULL,
-    blob_file INTEGER,       -- the lowest blob file the segment refers to, if any
-    value BLOB NOT NULL      -- count little-endian uint32 lengths, then the records
-);
-CREATE INDEX IF NOT EXISTS segments_blob_file ON segments (blob_file) WHERE blob_file IS NOT NULL;
-CREATE TABLE IF NOT EXISTS partitions (
-    partition INTEGER PRIMARY KEY,
-    start_offset INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS settings (name TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
 
 
-def _row_id(partition: int, offset: int) -> int:
-    return (partition << _OFFSET_BITS) | offset
-
-
-#: A length with this bit set says the record is in a blob file; its body is the reference.
-_EXTERNAL = 0x80000000
-
-
-def _encode_segment(values: list[bytes], blobs: BlobStore) -> tuple[bytes, int | None]:
-    """A segment's bytes, and the lowest blob file it refers to (large records go there)."""
-    lengths = array.array("I")
-    bodies: list[bytes] = []
-    lowest: int | None = None
-    for value in values:
-        if len(value) >= BLOB_THRESHOLD:
-            if lowest is None:
-                lowest = blobs.current
-            value = blobs.stage(value)
-            lengths.append(_EXTERNAL | len(value))
-        else:
-            lengths.append(len(value))
-        bodies.append(value)
-    if not _LITTLE_ENDIAN:
-        lengths.byteswap()
-    return lengths.tobytes() + b"".join(bodies), lowest
-
-
-def _decode_segment(
-    first: int, count: int, blob: bytes, start: int, end: int, blobs: BlobStore
-) -> list[tuple[int, bytes]]:
-    """The records of a segment whose offsets fall in ``[start, end)``."""
-    lengths = array.array("I")
-    lengths.frombytes(blob[: 4 * count])
-    if not _LITTLE_ENDIAN:
-        lengths.byteswap()
-    view = memoryview(blob)
-    position = 4 * count
-    out: list[tuple[int, bytes]] = []
-    for index, length in enumerate(lengths):
-        offset = first + index
-        size = length & ~_EXTERNAL
-        if start <= offset < end:
-            body = view[position : position + size]
-            out.append((offset, blobs.read(body) if length & _EXTERNAL else bytes(body)))
-        position += size
-    return out
-
-
-def _connect(path: Path, synchronous: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
-    # Small pages: a commit rewrites the last leaf page of every partition it appends to, and
-    # big payloads cost little more in 4 KiB overflow pages (the WAL is copied off-thread).
-    conn.execute("PRAGMA page_size=4096")
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute(f"PRAGMA synchronous={synchronous}")
-    return conn
+def _open_files_budget() -> int:
+    """How many run files may keep connections open (up to ~8 descriptors each, see the module
+    docstring): a thirty-second of the process's descriptor limit, within 4..32."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return _MAX_OPEN_FILES
+    return max(4, min(_MAX_OPEN_FILES, soft // 32))
 
 
 @dataclass(slots=True)
@@ -144,169 +106,249 @@ class _Call:
     future: asyncio.Future[Any]
 
 
-_STOP = object()
+class _Writers:
+    """The writer threads every run file shares, and the run files' open write connections.
 
+    A run file with queued requests is *scheduled*: one pool thread drains its queue in commit
+    groups, so threads do not grow with runs. Write connections open when a run writes and the
+    least recently used ones close once more than ``budget`` are open, so descriptors do not
+    grow with runs either (an idle run file holds none)."""
 
-@dataclass
-class _RunFile:
-    """One run's SQLite file, its writer thread and its partition offsets."""
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.pool = ThreadPoolExecutor(_WRITER_THREADS, thread_name_prefix="rolloutlog-writer")
+        self.open: OrderedDict[_RunFile, None] = OrderedDict()
+        self.lock = threading.Lock()
 
-    path: Path
-    partitions: int
-    synchronous: str
-    next_offsets: list[int] = field(default_factory=list)
-    start_offsets: list[int] = field(default_factory=list)
-    requests: queue.SimpleQueue[object] = field(default_factory=queue.SimpleQueue)
-    thread: threading.Thread | None = None
-    conn: sqlite3.Connection | None = None
-    blobs: BlobStore | None = None
-    #: The checkpointer copies the WAL into the database off the writer's path.
-    checkpointer: threading.Thread | None = None
-    wal_bytes: int = 0
-    wal_grew: threading.Event = field(default_factory=threading.Event)
-    stopping: bool = False
-    #: Followers waiting for the next commit: (their loop, their event).
-    waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=set)
-    waiters_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def open(self) -> None:
-        conn = _connect(self.path, self.synchronous)
-        self.conn = conn
-        self.blobs = BlobStore(
-            self.path.with_suffix(".blobs"), sync=self.synchronous in ("FULL", "EXTRA")
-        )
-        rows = conn.execute("SELECT partition, start_offset FROM partitions").fetchall()
-        starts = dict(rows)
-        self.start_offsets = [starts.get(p, 0) for p in range(self.partitions)]
-        self.next_offsets = []
-        for p in range(self.partitions):
-            last = conn.execute(
-                "SELECT id, count FROM segments WHERE id >= ? AND id < ? ORDER BY id DESC LIMIT 1",
-                (_row_id(p, 0), _row_id(p + 1, 0)),
-            ).fetchone()
-            following = 0 if last is None else (last[0] & _OFFSET_MASK) + last[1]
-            self.next_offsets.append(max(following, self.start_offsets[p]))
-        # WAL checkpoints copy every committed byte a second time; the checkpointer thread does
-        # that beside the writer instead of inside whichever commit crosses the threshold.
-        conn.execute("PRAGMA wal_autocheckpoint=0")
-        self.stopping = False
-        self.thread = threading.Thread(
-            target=self._write_loop, name=f"rolloutlog-writer-{self.path.stem}", daemon=True
-        )
-        self.thread.start()
-        self.checkpointer = threading.Thread(
-            target=self._checkpoint_loop, name=f"rolloutlog-wal-{self.path.stem}", daemon=True
-        )
-        self.checkpointer.start()
-
-    def stop(self) -> None:
-        if self.thread is not None:
-            self.requests.put(_STOP)
-            self.thread.join()
-            self.thread = None
-        if self.checkpointer is not None:
-            self.stopping = True
-            self.wal_grew.set()
-            self.checkpointer.join()
-            self.checkpointer = None
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-        if self.blobs is not None:
-            self.blobs.close()
-            self.blobs = None
-
-    # -- the writer thread ---------------------------------------------------------------------
-
-    def _checkpoint_loop(self) -> None:
-        conn = _connect(self.path, self.synchronous)
+    def schedule(self, function: Callable[[], None]) -> bool:
+        """Run ``function`` on a pool thread; False once the pool is shut down."""
         try:
-            while True:
-                self.wal_grew.wait()
-                self.wal_grew.clear()
-                if self.stopping:
-                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                    return
-                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        except sqlite3.Error:
-            # A failed checkpoint loses nothing (the WAL keeps every commit); the next one retries.
-            return
+            self.pool.submit(function)
+        except RuntimeError:
+            return False
+        return True
+
+    def opened(self, run_file: _RunFile) -> None:
+        """``run_file`` (whose writer is running) uses its connection: close idle ones over budget."""
+        with self.lock:
+            self.open[run_file] = None
+            self.open.move_to_end(run_file)
+            over = len(self.open) - self.budget
+            for other in list(self.open):
+                if over <= 0:
+                    break
+                if other is not run_file and other.release_files(block=False):
+                    del self.open[other]
+                    over -= 1
+
+    def forget(self, run_file: _RunFile) -> None:
+        with self.lock:
+            self.open.pop(run_file, None)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _checkpoint(path: Path, synchronous: str) -> None:
+    try:
+        conn = connect(path, synchronous)
+        try:
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
         finally:
             conn.close()
+    except sqlite3.Error:
+        # A failed checkpoint loses nothing (the WAL keeps every commit); a later one retries.
+        logger.warning("WAL checkpoint of %s failed", path, exc_info=True)
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self.requests.get()
-            if item is _STOP:
+
+class _RunFile:
+    """One run's SQLite file, its request queue and its partition offsets.
+
+    The offsets live in memory: this process is the file's only writer (the data directory is
+    locked), so they stay true while the write connection is closed."""
+
+    def __init__(
+        self,
+        path: Path,
+        partitions: int,
+        synchronous: str,
+        writers: _Writers,
+        *,
+        start_offsets: list[int],
+        next_offsets: list[int],
+    ) -> None:
+        self.path = path
+        self.partitions = partitions
+        self.synchronous = synchronous
+        self.writers = writers
+        self.start_offsets = start_offsets
+        self.next_offsets = next_offsets
+        self.blobs = BlobStore(path.with_suffix(".blobs"), sync=synchronous in ("FULL", "EXTRA"))
+        self.requests: queue.SimpleQueue[_Append | _Call] = queue.SimpleQueue()
+        self.conn: sqlite3.Connection | None = None
+        #: Held by whoever uses ``conn`` (the draining thread, or one closing it).
+        self.busy = threading.Lock()
+        self.scheduled = False
+        self.schedule_lock = threading.Lock()
+        self.deleted = False
+        self.wal_bytes = 0
+        #: One idle read connection kept for the next reader; ``readers_lock`` guards it.
+        self.idle_reader: sqlite3.Connection | None = None
+        self.readers_lock = threading.Lock()
+        self.reader_slots = asyncio.Semaphore(_READERS_PER_RUN)
+        #: Followers waiting for the next commit: (their loop, their event).
+        self.waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self.waiters_lock = threading.Lock()
+
+    def submit(self, request: _Append | _Call) -> None:
+        self.requests.put(request)
+        with self.schedule_lock:
+            if self.scheduled:
                 return
-            if isinstance(item, _Call):
-                self._run_call(item)
-                continue
-            assert isinstance(item, _Append)
-            group = [item]
-            size = item.size
-            stop_after = False
-            pending_call: _Call | None = None
-            while size < _GROUP_BYTES:
+            self.scheduled = True
+        if not self.writers.schedule(self.drain):
+            self.drain()  # the log is closing: finish here rather than strand the request
+
+    def drain(self) -> None:
+        """Commit queued requests in groups (on a pool thread) until the queue is empty, or
+        hand the thread back after a few groups so that busy runs share the pool."""
+        with self.busy:
+            for _ in range(_GROUPS_PER_TURN):
                 try:
-                    more = self.requests.get_nowait()
+                    item = self.requests.get_nowait()
                 except queue.Empty:
-                    break
-                if more is _STOP:
-                    stop_after = True
-                    break
-                if isinstance(more, _Call):
-                    pending_call = more
-                    break
-                assert isinstance(more, _Append)
-                group.append(more)
-                size += more.size
-            self._commit_group(group)
-            if pending_call is not None:
-                self._run_call(pending_call)
-            if stop_after:
-                return
+                    with self.schedule_lock:
+                        if self.requests.empty():
+                            self.scheduled = False
+                            return
+                    continue
+                try:
+                    self._handle(item)
+                except Exception:  # never lose the run's writer over one request
+                    logger.exception("embedded log %s: a write request failed", self.path)
+        if not self.writers.schedule(self.drain):
+            self.drain()
+
+    def _handle(self, item: _Append | _Call) -> None:
+        if self.deleted:
+            failure = UnknownRun(f"run file {self.path.name} was deleted", path=str(self.path))
+            item.loop.call_soon_threadsafe(_fail, item.future, failure)
+            return
+        if isinstance(item, _Call):
+            self._run_call(item)
+            return
+        group = [item]
+        size = item.size
+        pending_call: _Call | None = None
+        while size < _GROUP_BYTES:
+            try:
+                more = self.requests.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(more, _Call):
+                pending_call = more
+                break
+            group.append(more)
+            size += more.size
+        self._commit_group(group)
+        if pending_call is not None:
+            self._handle(pending_call)
+
+    def _connection(self) -> sqlite3.Connection:
+        if self.conn is None:
+            self.conn = connect(self.path, self.synchronous)
+        self.writers.opened(self)
+        return self.conn
+
+    def release_files(self, *, block: bool) -> bool:
+        """Close the write connection, the idle reader and the blob descriptor unless a writer
+        uses them (``block``: wait for it); True when they are closed."""
+        if not self.busy.acquire(blocking=block):
+            return False
+        try:
+            conn, self.conn = self.conn, None
+            if conn is not None:
+                conn.close()
+            self.blobs.close()
+            with self.readers_lock:
+                idle, self.idle_reader = self.idle_reader, None
+            if idle is not None:
+                idle.close()
+        finally:
+            self.busy.release()
+        return True
+
+    @contextlib.asynccontextmanager
+    async def reader(self) -> AsyncIterator[_Reader]:
+        """A read connection for one step (a page, a replay): the idle one, or a new one."""
+        async with self.reader_slots:
+            with self.readers_lock:
+                conn, self.idle_reader = self.idle_reader, None
+            if conn is None:
+                conn = await asyncio.to_thread(connect, self.path, self.synchronous)
+            reader = _Reader(conn)
+            try:
+                yield reader
+            finally:
+                await reader.finish()
+                with self.readers_lock:
+                    keep = self.idle_reader is None and not self.deleted
+                    if keep:
+                        self.idle_reader = conn
+                if not keep:
+                    conn.close()
+
+    # -- on the draining thread ----------------------------------------------------------------
 
     def _commit_group(self, group: list[_Append]) -> None:
-        assert self.conn is not None
         saved = list(self.next_offsets)
         next_offsets = self.next_offsets
         blobs = self.blobs
-        assert blobs is not None
-        # Per partition: the open segment's first offset, values and size.
-        open_segments: dict[int, tuple[int, list[bytes], list[int]]] = {}
-        rows: list[tuple[int, int, int | None, bytes]] = []
-        results: list[list[Position]] = []
-        for request in group:
-            positions = []
-            for record in request.records:
-                partition = record.partition
-                offset = next_offsets[partition]
-                next_offsets[partition] = offset + 1
-                positions.append(Position(partition, offset))
-                segment = open_segments.get(partition)
-                if segment is not None and segment[2][0] + len(record.value) > _SEGMENT_BYTES:
-                    rows.append(_segment_row(partition, segment, blobs))
-                    segment = None
-                if segment is None:
-                    open_segments[partition] = (offset, [record.value], [len(record.value)])
-                else:
-                    segment[1].append(record.value)
-                    segment[2][0] += len(record.value)
-            results.append(positions)
-        rows.extend(_segment_row(p, segment, blobs) for p, segment in open_segments.items())
+        mark = blobs.mark()
+        conn: sqlite3.Connection | None = None
         try:
+            # Per partition: the open segment's first offset, values and size.
+            open_segments: dict[int, tuple[int, list[bytes], list[int]]] = {}
+            rows: list[tuple[int, int, int | None, bytes]] = []
+            results: list[list[Position]] = []
+            for request in group:
+                positions = []
+                for record in request.records:
+                    partition = record.partition
+                    offset = next_offsets[partition]
+                    next_offsets[partition] = offset + 1
+                    positions.append(Position(partition, offset))
+                    segment = open_segments.get(partition)
+                    if segment is not None and segment[2][0] + len(record.value) > SEGMENT_BYTES:
+                        rows.append(segment_row(partition, segment, blobs))
+                        segment = None
+                    if segment is None:
+                        open_segments[partition] = (offset, [record.value], [len(record.value)])
+                    else:
+                        segment[1].append(record.value)
+                        segment[2][0] += len(record.value)
+                results.append(positions)
+            rows.extend(segment_row(p, segment, blobs) for p, segment in open_segments.items())
+            conn = self._connection()
             blobs.flush()  # before the segments that refer to it
-            self.conn.execute("BEGIN IMMEDIATE")
-            self.conn.executemany(
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(
                 "INSERT INTO segments (id, count, blob_file, value) VALUES (?, ?, ?, ?)", rows
             )
-            self.conn.execute("COMMIT")
-        except (sqlite3.Error, OSError) as e:
+            conn.execute("COMMIT")
+        except Exception as e:  # whatever failed, every appender gets an answer
+            # Nothing of the group stays: its offsets are handed out again, its blob bytes cut
+            # off, its transaction (if it began) rolled back.
             self.next_offsets[:] = saved
-            with contextlib.suppress(sqlite3.Error):
-                self.conn.execute("ROLLBACK")
-            failure = _translate(e, self.path)
+            blobs.rollback(mark)
+            if conn is not None and conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            if isinstance(e, sqlite3.Error | OSError):
+                failure = _translate(e, self.path)
+            else:
+                logger.exception("embedded log %s: a commit group failed", self.path)
+                failure = LogError(f"embedded log {self.path}: {e!r}", path=str(self.path))
             for request in group:
                 request.loop.call_soon_threadsafe(_fail, request.future, failure)
             return
@@ -318,7 +360,7 @@ class _RunFile:
         self.wal_bytes += sum(len(row[3]) for row in rows)
         if self.wal_bytes >= _CHECKPOINT_BYTES:
             self.wal_bytes = 0
-            self.wal_grew.set()
+            self.writers.schedule(functools.partial(_checkpoint, self.path, self.synchronous))
         self.wake_followers()
 
     def wake_followers(self) -> None:
@@ -329,23 +371,14 @@ class _RunFile:
                 loop.call_soon_threadsafe(event.set)
 
     def _run_call(self, call: _Call) -> None:
-        assert self.conn is not None
         try:
-            result = call.function(self.conn)
+            result = call.function(self._connection())
         except sqlite3.Error as e:
             call.loop.call_soon_threadsafe(_fail, call.future, _translate(e, self.path))
         except BaseException as e:  # hand any failure to the caller, keep the writer alive
             call.loop.call_soon_threadsafe(_fail, call.future, e)
         else:
             call.loop.call_soon_threadsafe(_resolve_all, [(call.future, result)])
-
-
-def _segment_row(
-    partition: int, segment: tuple[int, list[bytes], list[int]], blobs: BlobStore
-) -> tuple[int, int, int | None, bytes]:
-    first, values, _ = segment
-    encoded, lowest_blob_file = _encode_segment(values, blobs)
-    return _row_id(partition, first), len(values), lowest_blob_file, encoded
 
 
 def _resolve_all(done: list[tuple[asyncio.Future[Any], Any]]) -> None:
@@ -366,7 +399,10 @@ def _translate(error: sqlite3.Error | OSError, path: Path) -> Exception:
 
 
 class EmbeddedLog(Log):
-    """The SQLite-backed log; ``data_dir/log/<run>.sqlite3`` per run."""
+    """The SQLite-backed log; ``data_dir/log/<run>.sqlite3`` per run.
+
+    ``start`` takes an exclusive lock on ``data_dir/lock`` (``DataDirLocked`` if another process
+    holds it): two writers on one run file would hand out the same offsets."""
 
     def __init__(
         self,
@@ -383,7 +419,8 @@ class EmbeddedLog(Log):
         self.synchronous = synchronous.upper()
         self._runs: dict[str, _RunFile] = {}
         self._lock = asyncio.Lock()
-        self._started = False
+        self._writers: _Writers | None = None
+        self._data_dir_lock: DataDirLock | None = None
 
     @property
     def _log_dir(self) -> Path:
@@ -393,22 +430,35 @@ class EmbeddedLog(Log):
         return self._log_dir / f"{run}.sqlite3"
 
     async def start(self) -> None:
-        await asyncio.to_thread(self._log_dir.mkdir, parents=True, exist_ok=True)
-        self._started = True
+        if self._writers is not None:
+            return
+        self._data_dir_lock = await asyncio.to_thread(DataDirLock.acquire, self.data_dir)
+        try:
+            await asyncio.to_thread(self._log_dir.mkdir, parents=True, exist_ok=True)
+        except OSError as e:
+            self._data_dir_lock.release()
+            self._data_dir_lock = None
+            raise _translate(e, self._log_dir) from e
+        self._writers = _Writers(_open_files_budget())
 
     async def close(self) -> None:
+        writers, self._writers = self._writers, None
         runs, self._runs = list(self._runs.values()), {}
+        if writers is not None:
+            await asyncio.to_thread(writers.shutdown)  # pending appends finish first
         for run_file in runs:
-            await asyncio.to_thread(run_file.stop)
-        self._started = False
+            await asyncio.to_thread(run_file.release_files, block=True)
+        lock, self._data_dir_lock = self._data_dir_lock, None
+        if lock is not None:
+            lock.release()
 
     async def ensure_run(self, run: str, partitions: int = DEFAULT_PARTITIONS) -> int:
         check_run_name(run)
-        if not 1 <= partitions <= _MAX_PARTITIONS:
-            raise InvalidRequest(f"partitions must be 1..{_MAX_PARTITIONS}, not {partitions}")
         async with self._lock:
             if run in self._runs:
                 return self._runs[run].partitions
+            if not await asyncio.to_thread(self._path(run).exists):
+                check_partitions(partitions)  # new runs only: older, wider ones still open
             run_file = await asyncio.to_thread(self._open_run, run, partitions)
             self._runs[run] = run_file
             return run_file.partitions
@@ -428,29 +478,53 @@ class EmbeddedLog(Log):
             return self._runs[run]
 
     def _open_run(self, run: str, partitions: int | None) -> _RunFile:
-        if not self._started:
+        writers = self._writers
+        if writers is None:
             raise LogError("the embedded log is not started")
         path = self._path(run)
         if partitions is None and not path.exists():
             raise UnknownRun(f"run {run!r} has no log", run=run)
         try:
-            conn = _connect(path, self.synchronous)
-            try:
-                conn.executescript(_SCHEMA)
-                conn.execute(
-                    "INSERT OR IGNORE INTO settings (name, value) VALUES ('partitions', ?)",
-                    (str(partitions),),
-                )
-                (stored,) = conn.execute(
-                    "SELECT value FROM settings WHERE name = 'partitions'"
-                ).fetchone()
-            finally:
-                conn.close()
-            run_file = _RunFile(path, int(stored), self.synchronous)
-            run_file.open()
-        except sqlite3.Error as e:
+            count, start_offsets, next_offsets = read_run_file(path, partitions, self.synchronous)
+            return _RunFile(
+                path,
+                count,
+                self.synchronous,
+                writers,
+                start_offsets=start_offsets,
+                next_offsets=next_offsets,
+            )
+        except (sqlite3.Error, OSError) as e:
             raise _translate(e, path) from e
-        return run_file
+
+    async def delete_run(self, run: str) -> bool:
+        """Delete the run's file and blob files; appends queued before fail with ``UnknownRun``
+        and its followers end with it. False when the run had no log."""
+        check_run_name(run)
+        async with self._lock:
+            found = self._runs.pop(run, None)
+            try:
+                run_file: _RunFile = (
+                    found
+                    if found is not None
+                    else await asyncio.to_thread(self._open_run, run, None)
+                )
+            except UnknownRun:
+                return False
+
+            def mark_deleted(conn: sqlite3.Connection) -> None:
+                run_file.deleted = True  # on the writer: every request queued later fails
+
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[None] = loop.create_future()
+            run_file.submit(_Call(mark_deleted, loop, future))
+            await future
+            run_file.wake_followers()
+            if self._writers is not None:
+                self._writers.forget(run_file)
+            await asyncio.to_thread(run_file.release_files, block=True)
+            await asyncio.to_thread(_delete_files, run_file.path)
+        return True
 
     async def append_records(self, run: str, records: Sequence[Record]) -> list[Position]:
         run_file = await self._run(run)
@@ -462,14 +536,14 @@ class EmbeddedLog(Log):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Position]] = loop.create_future()
         size = sum(len(record.value) for record in records)
-        run_file.requests.put(_Append(records, loop, future, size))
+        run_file.submit(_Append(records, loop, future, size))
         return await future
 
     async def _call(self, run: str, function: Callable[[sqlite3.Connection], Any]) -> Any:
         run_file = await self._run(run)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        run_file.requests.put(_Call(function, loop, future))
+        run_file.submit(_Call(function, loop, future))
         return await future
 
     async def read_records(
@@ -489,18 +563,19 @@ class EmbeddedLog(Log):
         start = max(start, run_file.start_offsets[partition], 0)
         if end <= start:
             return
-        reader = await _Reader.open(run_file.path, run_file.synchronous)
         try:
-            cursor = await reader.run(_open_range, reader.conn, partition, start, end)
-            while True:
-                page = await reader.run(_fetch_page, cursor, start, end, run_file.blobs)
-                if not page:
-                    return
-                yield page
-        except sqlite3.Error as e:
+            async with run_file.reader() as reader:
+                cursor = await reader.run(open_range, reader.conn, partition, start, end)
+                try:
+                    while True:
+                        page = await reader.run(fetch_page, cursor, start, end, run_file.blobs)
+                        if not page:
+                            return
+                        yield page
+                finally:
+                    await reader.run(cursor.close)  # ends the read transaction
+        except (sqlite3.Error, OSError) as e:
             raise _translate(e, run_file.path) from e
-        finally:
-            await reader.close()
 
     async def follow(
         self, run: str, partition: int, start: int, *, poll_s: float = 0.05
@@ -509,30 +584,56 @@ class EmbeddedLog(Log):
         run_file = await self._run(run)
         if not 0 <= partition < run_file.partitions:
             raise InvalidRequest(f"partition {partition} out of range", run=run)
+        starts = [run_file.next_offsets[p] for p in range(run_file.partitions)]
+        starts[partition] = start
+        async for _, page in self._follow(run_file, starts, {partition}):
+            yield page
+
+    async def follow_run(
+        self, run: str, starts: Sequence[int], *, poll_s: float = 0.05
+    ) -> AsyncIterator[tuple[int, list[tuple[int, bytes]]]]:
+        """Every partition's pages from ``starts`` on: one follower, which borrows a reader of
+        the run file for each step (none while it waits for a commit)."""
+        run_file = await self._run(run)
+        if len(starts) != run_file.partitions:
+            raise InvalidRequest(
+                f"starts has {len(starts)} offsets; run {run!r} has {run_file.partitions} "
+                "partitions",
+                run=run,
+            )
+        async for item in self._follow(run_file, starts, set(range(run_file.partitions))):
+            yield item
+
+    async def _follow(
+        self, run_file: _RunFile, starts: Sequence[int], partitions: set[int]
+    ) -> AsyncIterator[tuple[int, list[tuple[int, bytes]]]]:
         loop = asyncio.get_running_loop()
-        reader = await _Reader.open(run_file.path, run_file.synchronous)
-        next_offset = max(start, run_file.start_offsets[partition])
+        next_offsets = [
+            max(s, first) for s, first in zip(starts, run_file.start_offsets, strict=True)
+        ]
         try:
             while True:
                 woken = asyncio.Event()
                 with run_file.waiters_lock:
                     run_file.waiters.add((loop, woken))
-                end = run_file.next_offsets[partition]
-                if end <= next_offset:
+                if run_file.deleted:
+                    raise UnknownRun(f"run file {run_file.path.name} was deleted")
+                ends = run_file.next_offsets
+                ranges = [
+                    (p, next_offsets[p], ends[p]) for p in partitions if ends[p] > next_offsets[p]
+                ]
+                if not ranges:
                     await woken.wait()
                     continue
                 with run_file.waiters_lock:
                     run_file.waiters.discard((loop, woken))
-                page = await reader.run(
-                    _read_range, reader.conn, partition, next_offset, end, run_file.blobs
-                )
-                if page:
-                    next_offset = page[-1][0] + 1
-                    yield page
-        except sqlite3.Error as e:
+                async with run_file.reader() as reader:
+                    pages = await reader.run(read_ranges, reader.conn, ranges, run_file.blobs)
+                for partition, page in pages:
+                    next_offsets[partition] = page[-1][0] + 1
+                    yield partition, page
+        except (sqlite3.Error, OSError) as e:
             raise _translate(e, run_file.path) from e
-        finally:
-            await reader.close()
 
     async def trim(self, run: str, partition: int, before: int) -> bool:
         run_file = await self._run(run)
@@ -547,7 +648,7 @@ class EmbeddedLog(Log):
                 # skip its trimmed head (they start at the partition's start offset).
                 conn.execute(
                     "DELETE FROM segments WHERE id >= ? AND id < ? AND (id & ?) + count <= ?",
-                    (_row_id(partition, 0), _row_id(partition, before), _OFFSET_MASK, before),
+                    (row_id(partition, 0), row_id(partition, before), OFFSET_MASK, before),
                 )
                 conn.execute(
                     "INSERT INTO partitions (partition, start_offset) VALUES (?, ?) "
@@ -562,8 +663,7 @@ class EmbeddedLog(Log):
             run_file.next_offsets[partition] = max(run_file.next_offsets[partition], before)
             # Blob files below the lowest one a remaining segment refers to hold nothing live.
             (lowest,) = conn.execute("SELECT min(blob_file) FROM segments").fetchone()
-            if run_file.blobs is not None:
-                run_file.blobs.delete_below(run_file.blobs.current if lowest is None else lowest)
+            run_file.blobs.delete_below(run_file.blobs.current if lowest is None else lowest)
 
         await self._call(run, delete)
         return True
@@ -576,18 +676,20 @@ class EmbeddedLog(Log):
         return list((await self._run(run)).start_offsets)
 
 
+def _delete_files(path: Path) -> None:
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    shutil.rmtree(path.with_suffix(".blobs"), ignore_errors=True)
+
+
 class _Reader:
-    """A read connection whose blocking calls run in a worker thread. ``close`` waits for a call
-    still running there (say, when the reading task was cancelled) before closing the connection
-    under it."""
+    """A read connection whose blocking calls run in a worker thread. ``finish`` waits for a call
+    still running there (say, when the reading task was cancelled) before the connection is
+    handed on or closed."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self._running: asyncio.Future[Any] | None = None
-
-    @classmethod
-    async def open(cls, path: Path, synchronous: str) -> _Reader:
-        return cls(await asyncio.to_thread(_connect, path, synchronous))
 
     async def run(self, function: Callable[..., Any], *args: Any) -> Any:
         self._running = asyncio.ensure_future(asyncio.to_thread(function, *args))
@@ -595,49 +697,11 @@ class _Reader:
         self._running = None
         return result
 
-    async def close(self) -> None:
+    async def finish(self) -> None:
         running, self._running = self._running, None
         if running is not None:
             with contextlib.suppress(BaseException):
                 await running
-        self.conn.close()
-
-
-def _open_range(conn: sqlite3.Connection, partition: int, start: int, end: int) -> sqlite3.Cursor:
-    # The first segment may begin before ``start``: begin the scan at the last one that does.
-    row = conn.execute(
-        "SELECT max(id) FROM segments WHERE id >= ? AND id <= ?",
-        (_row_id(partition, 0), _row_id(partition, start)),
-    ).fetchone()
-    first = row[0] if row[0] is not None else _row_id(partition, start)
-    return conn.execute(
-        "SELECT id, count, value FROM segments WHERE id >= ? AND id < ? ORDER BY id",
-        (first, _row_id(partition, end)),
-    )
-
-
-def _read_range(
-    conn: sqlite3.Connection, partition: int, start: int, end: int, blobs: BlobStore
-) -> list[tuple[int, bytes]]:
-    """The first page of ``[start, end)`` (a follower's step)."""
-    return _fetch_page(_open_range(conn, partition, start, end), start, end, blobs)
-
-
-def _fetch_page(
-    cursor: sqlite3.Cursor, start: int, end: int, blobs: BlobStore
-) -> list[tuple[int, bytes]]:
-    page: list[tuple[int, bytes]] = []
-    size = 0
-    segments = 0
-    while segments < _PAGE_SEGMENTS and size < _PAGE_BYTES:
-        row = cursor.fetchone()
-        if row is None:
-            break
-        row_id, count, blob = row
-        page.extend(_decode_segment(row_id & _OFFSET_MASK, count, blob, start, end, blobs))
-        size += len(blob)
-        segments += 1
-    return page
 
 
 def from_url(url: str, **options: Any) -> EmbeddedLog:

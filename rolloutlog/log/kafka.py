@@ -60,6 +60,7 @@ from rolloutlog.log._interface import (
     Log,
     Position,
     Record,
+    check_partitions,
     check_run_name,
 )
 from rolloutlog.log._kafka_reads import KafkaReads, ReadTopic, check_partition
@@ -82,7 +83,6 @@ __all__ = ["KafkaLog", "from_url"]
 log = logging.getLogger(__name__)
 
 DEFAULT_TOPIC_PREFIX = "rolloutlog."
-_MAX_PARTITIONS = 10_000
 #: Kafka topic names are at most 249 of ``[a-zA-Z0-9._-]``; run names take up to 100.
 _TOPIC_PREFIX = re.compile(r"[a-zA-Z0-9._-]{0,140}")
 #: Room for a record's key, headers and its batch's header beyond the value itself.
@@ -460,8 +460,6 @@ class KafkaLog(KafkaReads, Log):
 
     async def ensure_run(self, run: str, partitions: int = DEFAULT_PARTITIONS) -> int:
         check_run_name(run)
-        if not 1 <= partitions <= _MAX_PARTITIONS:
-            raise InvalidRequest(f"partitions must be 1..{_MAX_PARTITIONS}, not {partitions}")
         known = self._topics.get(run)
         if known is not None:
             return known.partitions
@@ -473,6 +471,7 @@ class KafkaLog(KafkaReads, Log):
                 return known.partitions
             described = await self._describe(name)
             if described is None:
+                check_partitions(partitions)  # new topics only: older, wider ones still open
                 created = await self._create_topic(name, partitions)
                 # Someone else's concurrent creation wins, with whatever partitions it chose.
                 expected = partitions if created else 1
@@ -763,6 +762,35 @@ class KafkaLog(KafkaReads, Log):
             self._trim_supported = True
             return True
         raise LogError(f"trim {topic.name}[{partition}] below {before} failed", topic=topic.name)
+
+    # -- run deletion (helper ``embedded``) -------------------------------------------------------
+
+    async def delete_run(self, run: str) -> bool:
+        """``DeleteTopics`` on the run's topic; False when it had none. Later appends to the run
+        fail with ``UnknownRun``; a later ``ensure_run`` creates the topic afresh."""
+        self._require_started()
+        check_run_name(run)
+        name = self.topic_name(run)
+        self._topics.pop(run, None)
+        try:
+            response = await self._admin.delete_topics([name], timeout_ms=self._request_timeout_ms)
+        except kafka_errors.KafkaError as e:
+            raise translate(e, f"delete topic {name}", topic=name) from e
+        # (topic, error_code[, error_message]) depending on the version
+        answer = next((entry for entry in response.topic_error_codes if entry[0] == name), None)
+        error = kafka_errors.for_code(answer[1]) if answer is not None else None
+        if error is kafka_errors.UnknownTopicOrPartitionError:
+            return False
+        if error is not kafka_errors.NoError:
+            raise LogError(f"delete topic {name}: {error}", topic=name)
+        # Deletion is asynchronous on Kafka: wait until metadata no longer lists the topic, so
+        # that a run created again under the name gets a new, empty one.
+        deadline = time.monotonic() + self._request_timeout_ms / 1000
+        while await self._describe(name) is not None:
+            if time.monotonic() > deadline:
+                raise BackendUnavailable(f"delete topic {name}: it is still listed", topic=name)
+            await asyncio.sleep(_BACKOFF_S)
+        return True
 
 
 def _dead(producer: Any) -> bool:

@@ -46,6 +46,7 @@ from rolloutlog.errors import (
     UnknownCheckpoint,
     UnknownEpisode,
     UnknownRestore,
+    UnknownRun,
 )
 from rolloutlog.log import Log, Record, partition_for, record_episode
 from rolloutlog.log._events import SERVICE_PARTICIPANT_ID
@@ -840,6 +841,32 @@ class Coordinator:
                 f"episode {episode!r} has no events before its cut", episode=episode
             )
         return projection
+
+    # -- run deletion (helper ``embedded``) -------------------------------------------------------
+
+    async def delete_run(self, run: str) -> bool:
+        """Delete a run: its catalog rows, its projector, its log topic; False when it had none
+        of them. Catalog rows go first, so no projector can start for the run again, and the log
+        last: a failure in between leaves a run that is gone from the catalog but not from the
+        log, and deleting it again finishes the job."""
+        async with self._run_locks[run]:  # not in the middle of a restore
+            try:
+                await self.catalog.delete_run(run)
+                had_rows = True
+            except UnknownRun:
+                had_rows = False
+            async with self._start_lock:
+                projector = self.projectors.pop(run, None)
+            if projector is not None:
+                await projector.stop()
+                # Nothing more for the episodes table: the run's rows are gone.
+                projector.new_starts.clear()
+                projector.new_finishes.clear()
+            for key in [key for key in self._restore_cache if key[0] == run]:
+                del self._restore_cache[key]
+            had_log = await self.log.delete_run(run)
+        self._run_locks.pop(run, None)
+        return had_rows or had_log
 
 
 def _backoff_s(failures: int, first_s: float) -> float:

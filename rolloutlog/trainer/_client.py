@@ -200,6 +200,12 @@ class AsyncTrainerClient(_Calls):
         result: dict[str, Any] = await self._send(_Call("GET", f"/v1/runs/{run}"))
         return result
 
+    async def delete_run(self, run: str) -> dict[str, Any]:
+        """Delete the run: its log, catalog rows and the service's resources for it."""
+        result: dict[str, Any] = await self._send(_Call("DELETE", f"/v1/runs/{run}"))
+        self.controller_epochs.pop(run, None)
+        return result
+
     async def list_runs(self) -> list[dict[str, Any]]:
         runs: list[dict[str, Any]] = []
         after: str | None = None
@@ -414,6 +420,12 @@ class TrainerClient(_Calls):
 
     def get_run(self, run: str) -> dict[str, Any]:
         result: dict[str, Any] = self._send(_Call("GET", f"/v1/runs/{run}"))
+        return result
+
+    def delete_run(self, run: str) -> dict[str, Any]:
+        """Delete the run: its log, catalog rows and the service's resources for it."""
+        result: dict[str, Any] = self._send(_Call("DELETE", f"/v1/runs/{run}"))
+        self.controller_epochs.pop(run, None)
         return result
 
     def list_runs(self) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import sqlite3
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rolloutlog.errors import InvalidRequest
+from rolloutlog.errors import BackendUnavailable, DataDirLocked, InvalidRequest
 from rolloutlog.log import _blobs, open_log
+from rolloutlog.log._interface import MAX_PARTITIONS
 from rolloutlog.log.embedded import EmbeddedLog
 from tests import factories as f
 from tests.log._append_forever import BATCH
@@ -160,3 +162,87 @@ async def test_large_records_live_in_blob_files_that_trimming_deletes(
         assert [e.data.state.value()["i"] for e in got] == [6, 7]
         [after] = await log.append("run", [f.session_state("r1", state={"i": 8, "b": blob})])
         assert after.offset == positions[-1].offset + 1
+
+
+async def test_a_second_log_on_a_locked_data_dir_is_refused(tmp_path: Path) -> None:
+    async with open_log(tmp_path) as log:
+        await log.ensure_run("run", 1)
+        with pytest.raises(DataDirLocked) as refused:
+            await open_log(tmp_path).start()
+        assert str(os.getpid()) in refused.value.message
+    async with open_log(tmp_path) as log:  # released by close
+        assert await log.partitions("run") == 1
+
+
+async def test_a_blob_write_failing_part_way_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_pwrite = os.pwrite
+    failing = True
+
+    def half_then_full(fd: int, data: bytes | memoryview, position: int) -> int:
+        if failing and len(data) > 1000:
+            real_pwrite(fd, bytes(data[: len(data) // 2]), position)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, position)
+
+    monkeypatch.setattr(_blobs.os, "pwrite", half_then_full)
+    states = [{"i": i, "b": os.urandom(50_000).hex()} for i in range(3)]
+    async with open_log(tmp_path) as log:
+        await log.ensure_run("run", 1)
+        with pytest.raises(BackendUnavailable):
+            await log.append("run", [f.session_state("r1", state=states[0])])
+        assert await log.end_offsets("run") == [0]
+        failing = False
+        for state in states[1:]:
+            await log.append("run", [f.session_state("r1", state=state)])
+        got = [event.data.state.value() async for _, event in log.read("run", 0, 0, 2)]
+        assert got == states[1:]
+    async with open_log(tmp_path) as log:
+        got = [event.data.state.value() async for _, event in log.read("run", 0, 0, 2)]
+        assert got == states[1:]
+
+
+async def test_follow_run_holds_no_connection_while_it_waits(tmp_path: Path) -> None:
+    async with open_log(tmp_path) as log:
+        assert isinstance(log, EmbeddedLog)
+        await log.ensure_run("run", 4)
+        await log.append("run", [f.started(f"r{i}") for i in range(8)])
+        pages = log.follow_run("run", [0] * 4)
+        seen = 0
+        while seen < 8:
+            _, page = await anext(pages)
+            seen += len(page)
+        run_file = log._runs["run"]
+        # Between steps the reader is back in the pool: none is borrowed.
+        assert run_file.reader_slots._value == 4
+        await pages.aclose()
+
+
+async def test_a_run_wider_than_the_limit_made_before_it_still_opens(tmp_path: Path) -> None:
+    async with open_log(tmp_path) as log:
+        assert isinstance(log, EmbeddedLog)
+        await asyncio.to_thread(log._open_run, "legacy", MAX_PARTITIONS + 44)  # as before the limit
+    async with open_log(tmp_path) as log:
+        assert await log.ensure_run("legacy", MAX_PARTITIONS + 44) == MAX_PARTITIONS + 44
+        with pytest.raises(InvalidRequest):
+            await log.ensure_run("new", MAX_PARTITIONS + 1)
+
+
+async def test_a_missing_blob_directory_refuses_the_append_and_the_writer_lives_on(
+    tmp_path: Path,
+) -> None:
+    state = {"b": os.urandom(50_000).hex()}
+    async with open_log(tmp_path) as log:
+        await log.ensure_run("run", 1)
+        blobs = tmp_path / "log" / "run.blobs"
+        away = blobs.with_name("run.blobs.away")
+        blobs.rename(away)
+        async with asyncio.timeout(30):
+            with pytest.raises(BackendUnavailable):
+                await log.append("run", [f.session_state("r1", state=state)])
+            away.rename(blobs)
+            [position] = await log.append("run", [f.session_state("r1", state=state)])
+        assert position.offset == 0
+        [(_, event)] = [item async for item in log.read("run", 0, 0, 1)]
+        assert event.data.state.value() == state

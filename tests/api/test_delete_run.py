@@ -1,0 +1,79 @@
+"""``DELETE /v1/runs/{run}`` (issue 11, item 4) on both deployments: the run's log, catalog rows
+and the service's caches are released, and a fresh run reuses the name."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rolloutlog.errors import UnknownRun
+from rolloutlog.trainer import AsyncTrainerClient
+from tests import factories as f
+from tests.api.conftest import TOKENS, Api, open_api, settings_for
+
+
+async def test_deleted_run_is_released_and_its_name_reusable(api: Api) -> None:
+    await deleted_and_reused(api)
+
+
+@pytest.mark.kafka
+@pytest.mark.postgres
+async def test_deleted_run_is_released_on_kafka_and_postgres(
+    kafka_bootstrap: str, postgres_schema: str, tmp_path: Path
+) -> None:
+    settings = settings_for(
+        tmp_path / "data",
+        log_url=f"kafka://{kafka_bootstrap}?topic_prefix=d{uuid.uuid4().hex[:10]}.",
+        catalog_url=postgres_schema,
+    )
+    async with open_api(settings) as api:
+        await deleted_and_reused(api)
+        # The topic is gone from the broker, not only from the service's view.
+        topic = api.service.log.topic_name(api.run)  # type: ignore[attr-defined]
+        await api.call("DELETE", f"/v1/runs/{api.run}", "trainer", 200)
+        assert await api.service.log._describe(topic) is None  # type: ignore[attr-defined]
+
+
+async def deleted_and_reused(api: Api) -> None:
+    await api.seed(["a", "b"])
+    assert await api.register() == 2  # a second registration: epoch 2 in the fencing cache
+    await api.checkpoint(wait=True)
+
+    reply = await api.call("DELETE", f"/v1/runs/{api.run}", "trainer", 200)
+    assert reply.json() == {"run": api.run, "deleted": True}
+    assert api.run not in api.service.coordinator.projectors
+    assert api.run not in api.service.fencing
+    await api.call("GET", f"/v1/runs/{api.run}", "analyst", 404)
+    missing = await api.call("DELETE", f"/v1/runs/{api.run}", "trainer", 404)
+    assert missing.json()["error"]["code"] == "unknown_run"
+    listed = await api.call("GET", "/v1/runs", "analyst", 200)
+    assert api.run not in [run["run"] for run in listed.json()["runs"]]
+
+    # A fresh run under the name: other partitions, epochs from 1, no old episodes or checkpoints.
+    await api.create_run(partitions=2)
+    assert await api.register() == 1
+    await api.append(f.started("c"))  # epoch 1 is current again, not fenced by the old epoch 2
+    assert await api.log_ends() in ([1, 0], [0, 1])
+    await api.take_over()
+    checkpoint = await api.checkpoint(wait=True)
+    assert checkpoint["checkpoint_id"] == 1
+    assert checkpoint["counts"]["continue"] == 1
+    episodes = await api.call("GET", f"/v1/runs/{api.run}/episodes", "analyst", 200)
+    assert [e["episode"] for e in episodes.json()["episodes"]] == ["c"]
+
+
+async def test_deleting_an_unknown_run_is_404(api: Api) -> None:
+    reply = await api.call("DELETE", "/v1/runs/never", "trainer", 404)
+    assert reply.json()["error"]["code"] == "unknown_run"
+
+
+async def test_trainer_client_deletes_a_run(api: Api) -> None:
+    await api.create_run()
+    async with AsyncTrainerClient(token=TOKENS["trainer"], client=api.client) as client:
+        await client.take_over(api.run)
+        assert await client.delete_run(api.run) == {"run": api.run, "deleted": True}
+        assert api.run not in client.controller_epochs
+        with pytest.raises(UnknownRun):
+            await client.get_run(api.run)
