@@ -338,6 +338,7 @@ class Service:
         """Drop what the service caches of a deleted run (a fresh run may reuse the name)."""
         self.fencing.pop(run, None)
         self._fencing_locks.pop(run, None)
+        self._new_epochs.pop(run, None)
 
     # -- gauges ------------------------------------------------------------------------------
 

@@ -120,6 +120,8 @@ class Coordinator:
         self._run_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._start_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
+        #: Per run, the tasks that feed the catalog from its projector (ended with the run).
+        self._recorders: dict[str, list[asyncio.Task[Any]]] = {}
         self._restore_cache: dict[tuple[str, int], dict[str, EpisodeProjection]] = {}
         self._cache_budget = projection_cache_bytes
 
@@ -198,8 +200,10 @@ class Coordinator:
         projector = Projector(self.log, run, info.partitions)
         self.projectors[run] = projector
         projector.launch(lambda: start_plan(self.log, self.catalog, run))
-        self._spawn(self._record_episodes(projector))
-        self._spawn(self._record_quarantine(projector))
+        self._recorders[run] = [
+            self._spawn(self._record_episodes(projector)),
+            self._spawn(self._record_quarantine(projector)),
+        ]
         return projector
 
     async def _record_quarantine(self, projector: Projector, every_s: float = 1.0) -> None:
@@ -288,10 +292,11 @@ class Coordinator:
                     projector.new_starts[:0] = starts
                     projector.new_finishes[:0] = finishes
 
-    def _spawn(self, coroutine: Any) -> None:
+    def _spawn(self, coroutine: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background_done)
+        return task
 
     def _background_done(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
@@ -859,9 +864,14 @@ class Coordinator:
                 projector = self.projectors.pop(run, None)
             if projector is not None:
                 await projector.stop()
-                # Nothing more for the episodes table: the run's rows are gone.
+                # Nothing more for the catalog: the run's rows are gone.
                 projector.new_starts.clear()
                 projector.new_finishes.clear()
+                projector.new_quarantined.clear()
+            recorders = self._recorders.pop(run, [])
+            for task in recorders:
+                task.cancel()
+            await asyncio.gather(*recorders, return_exceptions=True)
             for key in [key for key in self._restore_cache if key[0] == run]:
                 del self._restore_cache[key]
             had_log = await self.log.delete_run(run)

@@ -98,6 +98,9 @@ async def test_embedded_projector_degrades_and_recovers_others_unaffected(tmp_pa
                 response = await client.append(run, f.started("e1"), f.boundary("e1", "seed"))
                 assert response.status_code == 200, response.text
             assert (await client.ready())[0] == 200
+            # The writer opens the run's blob file with its first large record, and keeps it.
+            response = await client.append("sick", f.boundary("e1", "big-0", BIG_STATE))
+            assert response.status_code == 200, response.text
             # The fault: the sick run's blob files become unreachable (as an unmounted volume
             # would); the writer keeps its open file, so appends are still acknowledged.
             blobs = tmp_path / "data" / "log" / "sick.blobs"
@@ -190,7 +193,8 @@ async def test_embedded_start_with_lost_runs_serves_the_others(tmp_path: Path) -
             response = await client.append("fine", f.boundary("e1", "after"))
             assert response.status_code == 200
             assert (await _committed(client, "fine"))["status"] == "committed"
-        # The recreated log was never written to by the service.
+        # The recreated log was never written to by the service (stopped: it holds the lock).
+        service.stop()
         log = open_log(data)
         async with log:
             assert await log.end_offsets("recreated") == [0] * PARTITIONS
