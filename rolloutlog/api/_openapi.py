@@ -1,5 +1,5 @@
 """The OpenAPI document made readable: every route under one tag, its role in its description,
-and Swagger UI and ReDoc served from files on this machine (no CDN: ``/docs`` works offline)."""
+and Swagger UI served from files on this machine (no CDN: ``/docs`` works offline)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pathlib import Path
 import fastapi_offline
 from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import (
-    get_redoc_html,
     get_swagger_ui_html,
     get_swagger_ui_oauth2_redirect_html,
 )
@@ -21,7 +20,7 @@ from rolloutlog.api._tokens import IMPLIES, Role
 
 __all__ = ["DOCS_ASSETS", "TAGS", "document", "install_docs", "tag_of"]
 
-#: Where the Swagger UI and ReDoc bundles are served from (the files ship in the
+#: Where the Swagger UI bundle is served from (the files ship in the
 #: ``fastapi-offline`` wheel; only its static directory is used).
 DOCS_ASSETS = "/docs/assets"
 _ASSETS_DIR = Path(fastapi_offline.__file__).parent / "static"
@@ -82,8 +81,9 @@ def document(app: FastAPI) -> None:
 
 
 def install_docs(app: FastAPI) -> None:
-    """``/docs`` (Swagger UI) and ``/redoc`` with their assets served locally; the app is created
-    with ``docs_url=None, redoc_url=None`` so that FastAPI's CDN pages are not added."""
+    """``/docs`` (Swagger UI) with its assets served locally; the app is created with
+    ``docs_url=None, redoc_url=None`` so that FastAPI's CDN pages are not added. (No ReDoc: its
+    bundle loads a logo from cdn.redoc.ly, with no option to turn it off.)"""
     app.mount(DOCS_ASSETS, StaticFiles(directory=_ASSETS_DIR), name="docs-assets")
     open_route = [Depends(public)]
 
@@ -101,13 +101,3 @@ def install_docs(app: FastAPI) -> None:
     @app.get("/docs/oauth2-redirect", include_in_schema=False, dependencies=open_route)
     async def swagger_redirect() -> HTMLResponse:
         return get_swagger_ui_oauth2_redirect_html()
-
-    @app.get("/redoc", include_in_schema=False, dependencies=open_route)
-    async def redoc() -> HTMLResponse:
-        return get_redoc_html(
-            openapi_url="/openapi.json",
-            title="rolloutlog API",
-            redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
-            redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
-            with_google_fonts=False,
-        )

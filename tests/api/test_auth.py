@@ -44,7 +44,6 @@ EXPECTED = {
     ("GET", "/v1/runs/{run}/projector"): Role.ANALYST,
     ("GET", "/docs"): None,
     ("GET", "/docs/oauth2-redirect"): None,
-    ("GET", "/redoc"): None,
     ("GET", "/ui"): None,
     ("GET", "/ui/runs/{run}"): None,
     ("GET", "/ui/runs/{run}/episodes/{episode}"): None,

@@ -176,7 +176,7 @@ function chartBox(title, testid) {
 }
 
 function axisMax(values) {
-  const max = Math.max(1e-9, ...values);
+  const max = Math.max(1, ...values);
   const pow = 10 ** Math.floor(Math.log10(max));
   return Math.ceil(max / pow) * pow;
 }
