@@ -8,6 +8,7 @@ the API answers, and the pages themselves are public like ``/docs``.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from fastapi import Depends, FastAPI
@@ -23,10 +24,13 @@ UI_ASSETS = "/ui/static"
 _DIR = Path(__file__).parent / "ui"
 
 
+@functools.cache
+def _page() -> str:
+    return (_DIR / "index.html").read_text()  # once per process: no file I/O per request
+
+
 def _shell() -> HTMLResponse:
-    # Read per request (a few kB): an edited page shows without a restart, and nothing is cached
-    # across versions of the service.
-    html = (_DIR / "index.html").read_text()
+    html = _page()
     return HTMLResponse(
         html,
         headers={
