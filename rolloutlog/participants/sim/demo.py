@@ -249,9 +249,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             where += f" --log {args.log_url}"
         if args.catalog_url:
             where += f" --catalog {args.catalog_url}"
+        # The venv's command when the demo runs from one (``make demo``), else the one on PATH.
+        command = Path(sys.executable).parent / "rolloutlog"
+        serve = f"{command if command.exists() else 'rolloutlog'} serve {where}"
         sys.stdout.write(
             f"\nThe demo's data is kept in {data_dir}. To browse it in the dashboard:\n"
-            f"  rolloutlog serve {where}\n"
+            f"  {serve}\n"
             f"  then open http://127.0.0.1:8750/ui\n"
         )
     return 0 if result.ok else 1

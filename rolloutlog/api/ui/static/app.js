@@ -276,11 +276,11 @@ function runsView() {
     const page = await api(`/v1/runs?${query}`);
     const lags = await Promise.all(page.runs.map((r) => api(`/v1/runs/${enc(r.run)}/projector`).catch(() => null)));
     body.replaceChildren(...page.runs.map((r, i) => {
-      const health = r.health ? r.health.status : "ok";
+      const health = r.health ? badge(r.health.status) : el("span", { class: "muted" }, "–");
       const checkpoints = Object.values(r.counts.checkpoints || {}).reduce((a, b) => a + b, 0);
       return el("tr", { "data-run": r.run },
         td(el("a", { href: `/ui/runs/${enc(r.run)}` }, r.run)),
-        td(badge(health)),
+        td(health),
         td(field("live_episodes", fmt.n(r.counts.live_episodes)), { class: "num" }),
         td(field("episodes", fmt.n(r.counts.episodes)), { class: "num" }),
         td(field("latest_checkpoint_id", r.latest_checkpoint_id ?? "–")),
