@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from rolloutlog.api import _append, _checkpoints, _quarantine, _runs
+from rolloutlog.api import _append, _checkpoints, _history, _openapi, _quarantine, _runs, _ui
 from rolloutlog.api._auth import Role, public
 from rolloutlog.api._http import dumps, json_response
 from rolloutlog.api._models import Health
@@ -26,8 +26,9 @@ __all__ = ["PUBLIC_PATHS", "create_app", "route_roles"]
 
 logger = logging.getLogger("rolloutlog.api")
 
-#: Routes FastAPI adds itself: the schema and its viewer, open like the health checks.
-PUBLIC_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect"})
+#: Routes that are not API routes (the schema; the static assets of the API documents and of the
+#: dashboard), open like the health checks.
+PUBLIC_PATHS = frozenset({"/openapi.json", _openapi.DOCS_ASSETS, _ui.UI_ASSETS})
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -313,6 +314,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Event-sourced checkpoint log for reinforcement-learning rollouts",
         lifespan=lifespan,
+        docs_url=None,  # served from local files by _openapi.install_docs
         redoc_url=None,
     )
     app.state.tokens = settings.tokens
@@ -323,6 +325,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # dependencies), so that ``app.routes`` lists every route for ``route_roles``.
     for module in (_runs, _append, _checkpoints, _quarantine):
         app.router.routes.extend(module.router.routes)
+    app.router.routes.extend(_history.router.routes)
+    _openapi.install_docs(app)
+    _ui.install_ui(app)
+    _openapi.document(app)
     app.add_middleware(
         BodyLimit,
         events_limit=settings.max_events_bytes,

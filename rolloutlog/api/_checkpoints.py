@@ -171,7 +171,7 @@ async def _manifest(
     "/v1/runs/{run}/checkpoints/{checkpoint_id}/manifest",
     summary="A committed checkpoint's manifest (NDJSON with Accept: application/x-ndjson)",
     response_model=ManifestOut,
-    dependencies=TRAINER,
+    dependencies=ANALYST,
     responses={**UNKNOWN, 200: NDJSON_DOC},
 )
 async def get_manifest(request: Request, run: RunPath, checkpoint_id: IdPath) -> Response:
@@ -226,7 +226,7 @@ async def restore(request: Request, run: RunPath, body: RestoreRequest) -> Respo
     "/v1/runs/{run}/restores",
     summary="Restores, newest first",
     response_model=RestoreList,
-    dependencies=TRAINER,
+    dependencies=ANALYST,
     responses=UNKNOWN,
 )
 async def list_restores(
@@ -260,7 +260,7 @@ RestoreAction = Annotated[Literal["continue", "restart", "excluded"] | None, Que
     "/v1/runs/{run}/restores/{restore_id}",
     summary="A restore with its episodes",
     response_model=RestoreDetail,
-    dependencies=TRAINER,
+    dependencies=ANALYST,
     responses=RESTORE_UNKNOWN,
 )
 async def get_restore(request: Request, run: RunPath, restore_id: IdPath) -> Response:
@@ -274,7 +274,7 @@ async def get_restore(request: Request, run: RunPath, restore_id: IdPath) -> Res
     "/v1/runs/{run}/restores/{restore_id}/episodes",
     summary="A restore's episodes (NDJSON with Accept: application/x-ndjson)",
     response_model=RestoreEpisodes,
-    dependencies=TRAINER,
+    dependencies=ANALYST,
     responses={**RESTORE_UNKNOWN, 200: NDJSON_DOC},
 )
 async def restore_episodes(

@@ -21,13 +21,16 @@ __all__ = [
     "ControllerOut",
     "ControllerRequest",
     "CreateRun",
+    "EpisodeHistoryOut",
     "EpisodeList",
     "EpisodeOut",
     "ErrorOut",
+    "EventOut",
     "ManifestOut",
     "ParticipantList",
     "ParticipantOut",
     "ProjectionOut",
+    "ProjectorOut",
     "RegisterParticipant",
     "Responses",
     "RestoreDetail",
@@ -324,3 +327,72 @@ class QuarantinedOut(_Response):
 class QuarantineList(_Response):
     records: list[QuarantinedOut]
     next_after: str | None = None
+
+
+# -- analysts' reads (issue 14) ----------------------------------------------------------------
+
+
+class TimelineEventOut(_Response):
+    """One event of an episode's timeline: its metadata, never its payload."""
+
+    offset: int
+    type: str
+    attempt: int
+    step: int | None = None
+    participant: str | None = None
+    kind: str | None = None
+    stage: str | None = None
+    size_bytes: int
+    payload_bytes: int
+    data: dict[str, Any]
+
+
+class AttemptOut(_Response):
+    attempt: int
+    capture_key: str
+    events: int
+    why: str
+    restore_id: int | None = None
+    checkpoint_id: int | None = None
+    action: str | None = None
+    resumed_from: dict[str, Any] | None = None
+
+
+class EpisodeHistoryOut(_Response):
+    """An episode across attempts: why each began, what every kept checkpoint's manifest and
+    every restore's plan said of it, and its events (paged with ``after=next_after``)."""
+
+    run: str
+    episode: str
+    partition: int
+    status: str | None
+    current_attempt: int
+    attempts: list[AttemptOut]
+    checkpoints: list[ManifestEntryOut]
+    restores: list[RestoreEpisodeOut]
+    ledger: list[dict[str, Any]]
+    generation_calls: list[dict[str, Any]]
+    event_count: int
+    events: list[TimelineEventOut]
+    next_after: int | None = None
+
+
+class EventOut(_Response):
+    partition: int
+    offset: int
+    event: dict[str, Any]
+
+
+class PartitionLagOut(_Response):
+    partition: int
+    end_offset: int
+    applied: int
+    lag: int
+
+
+class ProjectorOut(_Response):
+    run: str
+    at: float
+    log_records: int
+    lag: int
+    partitions: list[PartitionLagOut]

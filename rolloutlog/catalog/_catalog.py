@@ -769,6 +769,23 @@ class Catalog:
         async with self._write() as conn:
             await _writes.delete_run_rows(conn, run)
 
+    # -- one episode's history (issue 14; read-only) ----------------------------------------
+
+    async def episode_plan_entries(self, run: str, episode: str) -> list[tuple[int, RestoreEntry]]:
+        """``(restore_id, entry)`` of every restore whose plan names the episode, oldest first."""
+        check_episode(episode)
+        return await self._query(lambda conn: _reads.episode_plan_entries(conn, run, episode))
+
+    async def episode_manifest_entries(
+        self, run: str, episode: str, partition: int
+    ) -> list[tuple[int, ManifestEntry]]:
+        """``(checkpoint_id, entry)`` of every kept committed manifest naming the episode (which
+        lives in ``partition``), oldest first."""
+        check_episode(episode)
+        return await self._query(
+            lambda conn: _reads.episode_manifest_entries(conn, run, episode, partition)
+        )
+
 
 async def _checkpoint_status(conn: AsyncConnection, run: str, checkpoint_id: int) -> str:
     status = (

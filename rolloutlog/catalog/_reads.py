@@ -519,3 +519,55 @@ async def quarantined(
         )
         for row in await conn.execute(query)
     ]
+
+
+# -- one episode across checkpoints and restores (issue 14: analysts' episode history) ----------
+
+
+async def episode_plan_entries(
+    conn: AsyncConnection, run: str, episode: str
+) -> list[tuple[int, RestoreEntry]]:
+    """``(restore_id, entry)`` of every committed restore's plan that names ``episode``."""
+    await get_run(conn, run)
+    result = await conn.execute(
+        select(
+            restore_episodes.c.restore_id,
+            restore_episodes.c.episode,
+            restore_episodes.c.previous_attempt,
+            restore_episodes.c.attempt,
+            restore_episodes.c.action,
+            restore_episodes.c.reason,
+        )
+        .where(restore_episodes.c.run == run, restore_episodes.c.episode == episode)
+        .order_by(restore_episodes.c.restore_id)
+    )
+    return [(row[0], RestoreEntry(*row[1:])) for row in result]
+
+
+async def episode_manifest_entries(
+    conn: AsyncConnection, run: str, episode: str, partition: int
+) -> list[tuple[int, ManifestEntry]]:
+    """``(checkpoint_id, entry)`` of every kept committed manifest that names ``episode``: only
+    the packed row of the episode's partition is read, not the whole manifest."""
+    await get_run(conn, run)
+    rows = await conn.execute(
+        select(manifest_parts.c.checkpoint_id, manifest_parts.c.entries)
+        .join(
+            checkpoints,
+            (checkpoints.c.run == manifest_parts.c.run)
+            & (checkpoints.c.checkpoint_id == manifest_parts.c.checkpoint_id),
+        )
+        .where(
+            manifest_parts.c.run == run,
+            manifest_parts.c.cut_partition == partition,
+            checkpoints.c.status == "committed",
+        )
+        .order_by(manifest_parts.c.checkpoint_id)
+    )
+    found: list[tuple[int, ManifestEntry]] = []
+    for checkpoint_id, body in rows:
+        for entry in manifest_entries_from_parts([body], after=None):
+            if entry.episode == episode:
+                found.append((checkpoint_id, entry))
+                break
+    return found

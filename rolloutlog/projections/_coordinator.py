@@ -878,6 +878,41 @@ class Coordinator:
         self._run_locks.pop(run, None)
         return had_rows or had_log
 
+    # -- analysts' reads (issue 14): narrow, read-only doors for the episode history ---------
+
+    async def episode_records(
+        self, run: str, episode: str, *, start: int = 0, end: int | None = None, limit: int = 1000
+    ) -> tuple[int, list[tuple[int, bytes]], int | None]:
+        """``(partition, records, next_start)``: up to ``limit`` of the episode's raw records
+        in ``start <= offset < end`` of its partition (``end`` None: the log's end);
+        ``next_start`` is where to go on, or None."""
+        projector = await self.projector(run)
+        partition = partition_for(episode, projector.partitions)
+        log_end = (await self.log.end_offsets(run))[partition]
+        end = log_end if end is None else min(end, log_end)
+        found: list[tuple[int, bytes]] = []
+        async for page in self.log.read_pages(run, partition, start, end):
+            for offset, record in page:
+                if record_episode(record) == episode:
+                    found.append((offset, record))
+                    if len(found) >= limit:
+                        return partition, found, offset + 1
+        return partition, found, None
+
+    def tracked_episode(self, run: str, episode: str) -> tuple[int, bool] | None:
+        """``(attempt, finished)`` of an episode this service's projector tracks, else None."""
+        projector = self.projectors.get(run)
+        tracker = projector.trackers.get(episode) if projector is not None else None
+        return (tracker.attempt, tracker.finished) if tracker is not None else None
+
+    async def projector_lag(self, run: str) -> list[tuple[int, int]]:
+        """``(end_offset, applied)`` per partition: how far the projector trails the log."""
+        projector = await self.projector(run)
+        ends = await self.log.end_offsets(run)
+        return [
+            (end, min(applied, end)) for end, applied in zip(ends, projector.applied, strict=True)
+        ]
+
 
 def _backoff_s(failures: int, first_s: float) -> float:
     """The delay before retry number ``failures`` (1, 2, …): doubling from ``first_s`` up to

@@ -31,16 +31,24 @@ EXPECTED = {
     ("GET", "/v1/runs/{run}/checkpoints"): Role.ANALYST,
     ("GET", "/v1/runs/{run}/checkpoints/latest"): Role.ANALYST,
     ("GET", "/v1/runs/{run}/checkpoints/{checkpoint_id}"): Role.ANALYST,
-    ("GET", "/v1/runs/{run}/checkpoints/{checkpoint_id}/manifest"): Role.TRAINER,
+    ("GET", "/v1/runs/{run}/checkpoints/{checkpoint_id}/manifest"): Role.ANALYST,
     ("POST", "/v1/runs/{run}/restores"): Role.TRAINER,
-    ("GET", "/v1/runs/{run}/restores"): Role.TRAINER,
-    ("GET", "/v1/runs/{run}/restores/{restore_id}"): Role.TRAINER,
-    ("GET", "/v1/runs/{run}/restores/{restore_id}/episodes"): Role.TRAINER,
+    ("GET", "/v1/runs/{run}/restores"): Role.ANALYST,
+    ("GET", "/v1/runs/{run}/restores/{restore_id}"): Role.ANALYST,
+    ("GET", "/v1/runs/{run}/restores/{restore_id}/episodes"): Role.ANALYST,
     ("GET", "/v1/runs/{run}/episodes/{episode}/projection"): Role.PARTICIPANT,
     ("GET", "/v1/runs/{run}/restores/{restore_id}/projections"): Role.PARTICIPANT,
     ("GET", "/v1/runs/{run}/episodes"): Role.ANALYST,
     ("GET", "/v1/runs/{run}/stats"): Role.ANALYST,
     ("GET", "/v1/runs/{run}/quarantine"): Role.ANALYST,
+    ("GET", "/v1/runs/{run}/episodes/{episode}"): Role.ANALYST,
+    ("GET", "/v1/runs/{run}/episodes/{episode}/events/{offset}"): Role.ANALYST,
+    ("GET", "/v1/runs/{run}/projector"): Role.ANALYST,
+    ("GET", "/docs"): None,
+    ("GET", "/docs/oauth2-redirect"): None,
+    ("GET", "/ui"): None,
+    ("GET", "/ui/runs/{run}"): None,
+    ("GET", "/ui/runs/{run}/episodes/{episode}"): None,
 }
 
 
@@ -58,6 +66,7 @@ def _concrete(path: str) -> str:
         .replace("{checkpoint_id}", "1")
         .replace("{restore_id}", "1")
         .replace("{episode}", "a")
+        .replace("{offset}", "0")
     )
 
 

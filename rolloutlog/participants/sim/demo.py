@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -113,6 +114,7 @@ async def run_demo(
         progress.say(
             f"service ({gym.service_url}) and participants ready in {timings['start_s']:.1f} s"
         )
+        progress.say(f"dashboard while the demo runs: {gym.service_url}/ui")
         tasks = make_tasks(
             rollouts,
             rounds=rounds,
@@ -213,6 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rollouts", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--data-dir", help="default: a temporary directory, removed afterwards")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the data (in a new directory unless --data-dir) and print how to browse it",
+    )
     parser.add_argument("--log", dest="log_url", help="log URL, e.g. kafka://host:9092")
     parser.add_argument("--catalog", dest="catalog_url", help="postgresql+asyncpg://…")
     parser.add_argument(
@@ -222,16 +229,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="how participants append: through the service, or straight to Kafka (--log)",
     )
     args = parser.parse_args(argv)
+    data_dir = args.data_dir
+    if data_dir is None and args.keep:
+        data_dir = tempfile.mkdtemp(prefix="rolloutlog-demo-")
     result = asyncio.run(
         run_demo(
             args.rollouts,
             concurrency=args.concurrency,
-            data_dir=args.data_dir,
+            data_dir=data_dir,
             log_url=args.log_url,
             catalog_url=args.catalog_url,
             participant_transport=args.transport,
         )
     )
+    if data_dir is not None:
+        service_dir = Path(data_dir) / "service"
+        where = f"--data-dir {service_dir}"
+        if args.log_url:
+            where += f" --log {args.log_url}"
+        if args.catalog_url:
+            where += f" --catalog {args.catalog_url}"
+        # The venv's command when the demo runs from one (``make demo``), else the one on PATH.
+        command = Path(sys.executable).parent / "rolloutlog"
+        serve = f"{command if command.exists() else 'rolloutlog'} serve {where}"
+        sys.stdout.write(
+            f"\nThe demo's data is kept in {data_dir}. To browse it in the dashboard:\n"
+            f"  {serve}\n"
+            f"  then open http://127.0.0.1:8750/ui\n"
+        )
     return 0 if result.ok else 1
 
 
