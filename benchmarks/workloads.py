@@ -1,6 +1,6 @@
 """The issue-7 workloads, generated deterministically and shared by every system measured.
 
-Each workload is a list of episodes; an episode is the list of envelopes (DESIGN.md §3, plain
+Each workload is a list of episodes; an episode is the list of envelopes (docs/design.md §3, plain
 dicts) its participants append, in order. rolloutlog gets them through the SDK's transports (or
 ``rolloutlog.log`` for bulk preloads); the baselines get the same envelopes (stop-the-world: each
 participant's live state folded from them; pyeventsourcing: one aggregate event per envelope).

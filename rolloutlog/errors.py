@@ -1,6 +1,6 @@
 """rolloutlog's error tree.
 
-Every error carries its stable ``code`` (DESIGN.md §8), the HTTP status it maps to and whether a
+Every error carries its stable ``code`` (docs/design.md §8), the HTTP status it maps to and whether a
 retry may succeed. Driver errors (SQLite, PostgreSQL, Kafka) are translated into these classes at the
 boundary where they occur, always with ``raise ... from e``.
 """

@@ -1,4 +1,4 @@
-"""The rolloutlog service: the FastAPI app of DESIGN.md §8, its auth, and the ``rolloutlog`` CLI.
+"""The rolloutlog service: the FastAPI app of docs/design.md §8, its auth, and the ``rolloutlog`` CLI.
 
 Names are imported on first use, so that the CLI's client commands start without loading the
 server's stack (FastAPI, SQLAlchemy, the projector).

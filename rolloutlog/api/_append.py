@@ -40,7 +40,7 @@ __all__ = ["check_fencing", "router"]
 router = APIRouter()
 
 _EVENTS_BODY = {
-    "description": "A JSON array of event envelopes (DESIGN.md §3), or NDJSON with "
+    "description": "A JSON array of event envelopes (docs/design.md §3), or NDJSON with "
     "`Content-Type: application/x-ndjson`.",
     "required": True,
     "content": {

@@ -1,4 +1,4 @@
-"""Request and response bodies of the REST contract (DESIGN.md §8), as documented in OpenAPI.
+"""Request and response bodies of the REST contract (docs/design.md §8), as documented in OpenAPI.
 
 Requests are validated strictly (no type coercion, no unknown fields, no NaN). Responses are
 built as dicts and encoded with orjson; the response models here document their shape.

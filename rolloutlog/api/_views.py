@@ -1,4 +1,4 @@
-"""Catalog values → the JSON bodies of DESIGN.md §8 (plain dicts for orjson)."""
+"""Catalog values → the JSON bodies of docs/design.md §8 (plain dicts for orjson)."""
 
 from __future__ import annotations
 

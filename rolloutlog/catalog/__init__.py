@@ -1,4 +1,4 @@
-"""The SQL catalog: runs, fencing, checkpoints and manifests, restores (DESIGN.md §5, §6).
+"""The SQL catalog: runs, fencing, checkpoints and manifests, restores (docs/design.md §5, §6).
 
 ``open_catalog(url)`` picks the backend by URL: ``sqlite+aiosqlite:///path`` (the embedded
 default) or ``postgresql+asyncpg://user@host/db``. Every operation is one transaction; the schema

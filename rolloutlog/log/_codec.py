@@ -1,6 +1,6 @@
 """The orjson codec: envelopes on the wire, and records in the log.
 
-On the wire (HTTP, SDK) an event is one JSON object, the envelope of DESIGN.md §3.
+On the wire (HTTP, SDK) an event is one JSON object, the envelope of docs/design.md §3.
 
 In the log a record keeps the envelope's metadata apart from its bulky payload, so that the
 service folds metadata without touching payloads::

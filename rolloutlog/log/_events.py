@@ -1,4 +1,4 @@
-"""The event envelope and every event type of DESIGN.md §3, as immutable pydantic models."""
+"""The event envelope and every event type of docs/design.md §3, as immutable pydantic models."""
 
 from __future__ import annotations
 

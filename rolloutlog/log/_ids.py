@@ -1,4 +1,4 @@
-"""Identifiers: runs, episodes, participants and capture keys (DESIGN.md §1)."""
+"""Identifiers: runs, episodes, participants and capture keys (docs/design.md §1)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The participant SDK: transports, the four participant kinds, ASGI integration, restores.
 
 Every ``record``-style call returns once its event is durable (the write-ahead rule of
-DESIGN.md §3): await it before the effect it records leaves the process.
+docs/design.md §3): await it before the effect it records leaves the process.
 """
 
 from rolloutlog.participants._asgi import (

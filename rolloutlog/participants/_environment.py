@@ -1,4 +1,4 @@
-"""The environment: episodes with the stages of DESIGN.md §7, and resuming a replacement attempt."""
+"""The environment: episodes with the stages of docs/design.md §7, and resuming a replacement attempt."""
 
 from __future__ import annotations
 

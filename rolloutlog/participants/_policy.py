@@ -16,7 +16,7 @@ __all__ = ["Generation", "GenerationCut", "LedgerRowInfo", "Policy", "fingerprin
 
 
 def ledger_digest(parent_digest: str, token_ids: Iterable[int]) -> str:
-    """DESIGN.md §3: sha256 of ``parent_digest + ":" + ",".join(tokens)``."""
+    """docs/design.md §3: sha256 of ``parent_digest + ":" + ",".join(tokens)``."""
     text = parent_digest + ":" + ",".join(map(str, token_ids))
     return hashlib.sha256(text.encode()).hexdigest()
 

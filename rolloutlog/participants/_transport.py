@@ -79,7 +79,7 @@ class Transport(abc.ABC):
     """Registration and durable appends for participants; ``async with`` or ``start()``/``stop()``.
 
     ``append`` returns once every event is durable (the write-ahead rule), with each event's
-    partition and offset. Events are plain envelope dicts (DESIGN.md §3); the participant classes
+    partition and offset. Events are plain envelope dicts (docs/design.md §3); the participant classes
     build them.
     """
 

@@ -1,6 +1,6 @@
 """The coordinator: drives checkpoints and restores over the log, the projector and the catalog.
 
-Checkpoint (DESIGN.md §6): controller epoch check and a ``pending`` row → markers into every
+Checkpoint (docs/design.md §6): controller epoch check and a ``pending`` row → markers into every
 partition → the projector reaches each marker (the manifest of each partition is taken right
 there) → episodes with an open wait step extend their cut to that step's boundary, or restart at
 the deadline → one manifest-last catalog transaction. Participants never pause.

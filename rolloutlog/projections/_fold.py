@@ -1,4 +1,4 @@
-"""The fold: an episode's events up to its cut → its projection (DESIGN.md §4, §5). No I/O.
+"""The fold: an episode's events up to its cut → its projection (docs/design.md §4, §5). No I/O.
 
 The fold reads records the way the log keeps them: decoded metadata plus the raw bytes of the
 payload field (``split_record``), so opaque states pass through undecoded and ledger digests are
@@ -425,7 +425,7 @@ def project_events(
 
 
 def ledger_digest(parent_digest: str, token_ids_json: bytes) -> str:
-    """DESIGN.md §3: sha256 of ``parent_digest + ":" + ",".join(tokens)``, on the raw JSON array.
+    """docs/design.md §3: sha256 of ``parent_digest + ":" + ",".join(tokens)``, on the raw JSON array.
 
     orjson writes an int array as ``[1,2,3]``, so its inside is exactly the comma-joined text.
     """

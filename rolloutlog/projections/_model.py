@@ -93,7 +93,7 @@ class GenerationCut:
 
 @dataclass(frozen=True, slots=True)
 class EpisodeProjection:
-    """The fold of one episode's events up to its cut (DESIGN.md §4)."""
+    """The fold of one episode's events up to its cut (docs/design.md §4)."""
 
     episode: str
     attempt: int
@@ -131,7 +131,7 @@ class EpisodeProjection:
         return [s.session_id for s in self.sessions.values() if s.mode == "restart_only"]
 
     def to_json(self) -> dict[str, Any]:
-        """The REST form (DESIGN.md §8): opaque states as ``Opaque`` (encoded raw by orjson)."""
+        """The REST form (docs/design.md §8): opaque states as ``Opaque`` (encoded raw by orjson)."""
         cut = self.generation_cut
         return {
             "episode": self.episode,

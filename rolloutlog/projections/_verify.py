@@ -1,4 +1,4 @@
-"""Restore-time checks of a projection (DESIGN.md §3, §6): lineage, generation cut, task digest,
+"""Restore-time checks of a projection (docs/design.md §3, §6): lineage, generation cut, task digest,
 and the policy-lag rule. Pure functions: each returns why an episode cannot continue, or None."""
 
 from __future__ import annotations

@@ -332,7 +332,7 @@ class AsyncTrainerClient(_Calls):
     ) -> dict[str, Any]:
         """One episode's projection (of a restore, or at a checkpoint's cut).
 
-        The projection routes are the participants' (DESIGN.md §8): the client's token must hold
+        The projection routes are the participants' (docs/design.md §8): the client's token must hold
         the participant role (or admin); a trainer token gets ``Forbidden``.
         """
         result: dict[str, Any] = await self._send(

@@ -13,7 +13,7 @@ from rolloutlog.api.cli import main as cli_main
 from rolloutlog.errors import InvalidRequest
 from tests.api.conftest import RUN, TOKENS, Api, bearer, open_api
 
-#: The role of every route of DESIGN.md §8 (plus the analyst's participant list and the
+#: The role of every route of docs/design.md §8 (plus the analyst's participant list and the
 #: trainer's restore list). A new route must be added here with its role.
 EXPECTED = {
     ("GET", "/healthz"): None,

@@ -1,4 +1,4 @@
-"""Every route of DESIGN.md §8 in process: its success path and its error paths."""
+"""Every route of docs/design.md §8 in process: its success path and its error paths."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The catalog contract: every case runs on SQLite and on PostgreSQL (issue 3, DESIGN.md §5-§6)."""
+"""The catalog contract: every case runs on SQLite and on PostgreSQL (issue 3, docs/design.md §5-§6)."""
 
 from __future__ import annotations
 

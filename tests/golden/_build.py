@@ -1,4 +1,4 @@
-"""The golden event streams: one scenario per rule of DESIGN.md §4/§5, with hand-written
+"""The golden event streams: one scenario per rule of docs/design.md §4/§5, with hand-written
 expectations. ``python -m tests.golden._build`` writes them as JSON fixtures beside this file;
 ``tests/projections/test_golden.py`` replays the fixtures through the fold (and checks that they
 are what this file builds, so the two cannot drift apart).

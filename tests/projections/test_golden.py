@@ -1,4 +1,4 @@
-"""Golden event streams (tests/golden/*.json), one per rule of DESIGN.md §4/§5, replayed through the fold."""
+"""Golden event streams (tests/golden/*.json), one per rule of docs/design.md §4/§5, replayed through the fold."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Streams are random interleavings of several episodes' events with duplicates (retries), zombie
 participant epochs, tail events after the last boundary, a random cut and restores. The
-properties come from DESIGN.md §4-§6:
+properties come from docs/design.md §4-§6:
 
 - no event at or after a cut is ever folded in;
 - duplicates and zombies never reach a projection;

@@ -1,4 +1,4 @@
-"""The simulated environment server: single-turn agent episodes through the stages of DESIGN.md
+"""The simulated environment server: single-turn agent episodes through the stages of docs/design.md
 §7, a boundary after each, ``episode.finished`` before the reply."""
 
 from __future__ import annotations
