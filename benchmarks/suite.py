@@ -273,7 +273,8 @@ async def caught_up(
 
 @contextlib.asynccontextmanager
 async def reader(svc: Service) -> AsyncIterator[Any]:
-    url = svc.deployment.log_url or f"embedded://{svc.data_dir.resolve()}"
+    # Beside the running service: read-only, so it takes no data-dir lock.
+    url = svc.deployment.log_url or f"embedded://{svc.data_dir.resolve()}?read_only=1"
     async with open_log(url) as log:
         yield log
 

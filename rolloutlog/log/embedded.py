@@ -402,7 +402,9 @@ class EmbeddedLog(Log):
     """The SQLite-backed log; ``data_dir/log/<run>.sqlite3`` per run.
 
     ``start`` takes an exclusive lock on ``data_dir/lock`` (``DataDirLocked`` if another process
-    holds it): two writers on one run file would hand out the same offsets."""
+    holds it): two writers on one run file would hand out the same offsets. ``read_only`` (URL
+    ``?read_only=1``) takes no lock and refuses every write: a reader beside a running service
+    (WAL lets other processes read while it writes), such as the benchmarks' read floor."""
 
     def __init__(
         self,
@@ -410,6 +412,7 @@ class EmbeddedLog(Log):
         *,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         synchronous: str = "FULL",
+        read_only: bool = False,
     ) -> None:
         if synchronous.upper() not in {"FULL", "NORMAL", "EXTRA"}:
             raise InvalidRequest(f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}")
@@ -421,6 +424,11 @@ class EmbeddedLog(Log):
         self._lock = asyncio.Lock()
         self._writers: _Writers | None = None
         self._data_dir_lock: DataDirLock | None = None
+        self.read_only = read_only
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise InvalidRequest(f"the embedded log {self.url} is open read-only")
 
     @property
     def _log_dir(self) -> Path:
@@ -431,6 +439,9 @@ class EmbeddedLog(Log):
 
     async def start(self) -> None:
         if self._writers is not None:
+            return
+        if self.read_only:
+            self._writers = _Writers(_open_files_budget())
             return
         self._data_dir_lock = await asyncio.to_thread(DataDirLock.acquire, self.data_dir)
         try:
@@ -453,6 +464,7 @@ class EmbeddedLog(Log):
             lock.release()
 
     async def ensure_run(self, run: str, partitions: int = DEFAULT_PARTITIONS) -> int:
+        self._check_writable()
         check_run_name(run)
         async with self._lock:
             if run in self._runs:
@@ -500,6 +512,7 @@ class EmbeddedLog(Log):
     async def delete_run(self, run: str) -> bool:
         """Delete the run's file and blob files; appends queued before fail with ``UnknownRun``
         and its followers end with it. False when the run had no log."""
+        self._check_writable()
         check_run_name(run)
         async with self._lock:
             found = self._runs.pop(run, None)
@@ -527,6 +540,7 @@ class EmbeddedLog(Log):
         return True
 
     async def append_records(self, run: str, records: Sequence[Record]) -> list[Position]:
+        self._check_writable()
         run_file = await self._run(run)
         if not records:
             return []
@@ -636,6 +650,7 @@ class EmbeddedLog(Log):
             raise _translate(e, run_file.path) from e
 
     async def trim(self, run: str, partition: int, before: int) -> bool:
+        self._check_writable()
         run_file = await self._run(run)
 
         def delete(conn: sqlite3.Connection) -> None:
@@ -705,7 +720,8 @@ class _Reader:
 
 
 def from_url(url: str, **options: Any) -> EmbeddedLog:
-    """``embedded:///abs/path`` (or ``embedded://rel/path``), with optional ``?synchronous=``."""
+    """``embedded:///abs/path`` (or ``embedded://rel/path``), with optional ``?synchronous=``,
+    ``?max_record_bytes=`` and ``?read_only=1``."""
     parts = urlsplit(url)
     path = unquote(parts.netloc + parts.path)
     if not path:
@@ -715,4 +731,6 @@ def from_url(url: str, **options: Any) -> EmbeddedLog:
         options.setdefault("synchronous", query["synchronous"])
     if "max_record_bytes" in query:
         options.setdefault("max_record_bytes", int(query["max_record_bytes"]))
+    if "read_only" in query:
+        options.setdefault("read_only", query["read_only"].lower() in {"1", "true", "yes"})
     return EmbeddedLog(Path(path), **options)

@@ -246,3 +246,23 @@ async def test_a_missing_blob_directory_refuses_the_append_and_the_writer_lives_
         assert position.offset == 0
         [(_, event)] = [item async for item in log.read("run", 0, 0, 1)]
         assert event.data.state.value() == state
+
+
+async def test_a_read_only_log_reads_beside_the_holder_and_refuses_writes(tmp_path: Path) -> None:
+    async with open_log(f"embedded://{tmp_path}") as holder:
+        await holder.ensure_run("run", 2)
+        positions = await holder.append("run", [f.started("r1"), f.started("r2")])
+        async with open_log(f"embedded://{tmp_path}?read_only=1") as reader:
+            for position in positions:
+                got = [o async for o, _ in reader.read_records("run", position.partition, 0, 10)]
+                assert position.offset in got
+            with pytest.raises(InvalidRequest):
+                await reader.append("run", [f.started("r3")])
+            with pytest.raises(InvalidRequest):
+                await reader.ensure_run("other", 2)
+            with pytest.raises(InvalidRequest):
+                await reader.trim("run", 0, 1)
+        # The holder still holds the data dir: a writer is refused.
+        with pytest.raises(DataDirLocked):
+            async with open_log(f"embedded://{tmp_path}"):
+                pass
