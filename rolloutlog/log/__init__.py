@@ -14,6 +14,7 @@ from rolloutlog.log._codec import (
 from rolloutlog.log._events import (
     OPAQUE_FIELD,
     SERVICE_EVENT_TYPES,
+    SERVICE_PARTICIPANT_ID,
     AttemptStarted,
     AttemptStartedData,
     CheckpointMarker,
@@ -63,6 +64,7 @@ __all__ = [
     "DEFAULT_PARTITIONS",
     "OPAQUE_FIELD",
     "SERVICE_EVENT_TYPES",
+    "SERVICE_PARTICIPANT_ID",
     "AttemptStarted",
     "AttemptStartedData",
     "CheckpointMarker",
