@@ -15,11 +15,13 @@ from rolloutlog.catalog import (
     RunSummary,
     capture_key,
 )
+from rolloutlog.projections import TrackedEpisode
 
 __all__ = [
     "checkpoint_view",
     "episode_view",
     "manifest_entry_view",
+    "tracked_view",
     "participant_view",
     "restore_entry_view",
     "restore_view",
@@ -116,6 +118,22 @@ def restore_entry_view(entry: RestoreEntry) -> dict[str, Any]:
         "capture_key": capture_key(entry.episode, entry.attempt),
         "action": entry.action,
         "reason": entry.reason,
+    }
+
+
+def tracked_view(episode: TrackedEpisode) -> dict[str, Any]:
+    """An episode the projector tracks but the catalog has not recorded yet."""
+    return {
+        "episode": episode.episode,
+        "current_attempt": episode.attempt,
+        "capture_key": capture_key(episode.episode, episode.attempt),
+        "status": episode.status,
+        "live": not episode.finished,
+        "first_partition": episode.first_partition,
+        "first_offset": episode.first_offset,
+        "started_at": episode.started_at,
+        "finished_at": None,
+        "updated_at": None,
     }
 
 

@@ -20,10 +20,10 @@ from rolloutlog.log import Log, partition_for, record_episode
 from rolloutlog.projections._checkpointer import Checkpointer, CheckpointResult
 from rolloutlog.projections._feeders import record_episodes, record_quarantine
 from rolloutlog.projections._model import EpisodeProjection
-from rolloutlog.projections._start_plan import start_plan
 from rolloutlog.projections._planner import RestorePolicy
 from rolloutlog.projections._projector import Projector, RunHealth
 from rolloutlog.projections._restorer import ProjectionCache, Restorer, RestoreResult
+from rolloutlog.projections._start_plan import start_plan
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,11 @@ class Coordinator:
                 async with asyncio.timeout(SETTLE_WAIT_S):
                     await projector.settled.wait()
         return projector
+
+    async def follow(self, run: str) -> None:
+        """Follow the run (``UnknownRun`` for no such run): its projector is started, and has
+        caught up once or waited ``SETTLE_WAIT_S`` for it."""
+        await self.projector(run)
 
     async def _launch(self, run: str) -> Projector:
         """Create the run's projector and start it under its supervisor (in the background)."""

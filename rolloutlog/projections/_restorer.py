@@ -25,7 +25,6 @@ from rolloutlog.errors import (
 from rolloutlog.log import SERVICE_PARTICIPANT_ID, Log, Record, partition_for
 from rolloutlog.projections._checkpointer import DEFAULT_WAIT_DEADLINE_S
 from rolloutlog.projections._model import EpisodeProjection
-from rolloutlog.projections._start_plan import all_restores
 from rolloutlog.projections._planner import (
     PlannedEpisode,
     RestorePolicy,
@@ -36,6 +35,7 @@ from rolloutlog.projections._planner import (
 )
 from rolloutlog.projections._projector import Projector, RestoreReset
 from rolloutlog.projections._replay import replay_at_cuts
+from rolloutlog.projections._start_plan import all_restores
 from rolloutlog.projections._timing import StageTimer
 
 __all__ = ["ProjectionCache", "RestoreResult", "Restorer"]
