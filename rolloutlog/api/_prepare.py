@@ -43,6 +43,7 @@ from rolloutlog.log import (
     validate_event,
     validate_events,
 )
+from rolloutlog.wire import NDJSON
 
 __all__ = [
     "Batch",
@@ -58,7 +59,6 @@ __all__ = [
 
 logger = logging.getLogger("rolloutlog.api")
 
-NDJSON = "application/x-ndjson"
 #: Bodies smaller than this are prepared inline (a worker round trip costs ~0.3 ms).
 INLINE_BYTES = 8 * 1024
 

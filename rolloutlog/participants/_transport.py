@@ -37,6 +37,7 @@ from rolloutlog.errors import (
     ParticipantFenced,
     PayloadTooLarge,
     RolloutlogError,
+    error_from_wire,
 )
 from rolloutlog.log import (
     Log,
@@ -49,12 +50,9 @@ from rolloutlog.log import (
 )
 from rolloutlog.participants._encoding import check_built, encode_record_fast, encode_wire
 from rolloutlog.participants._http1 import Http1Connection, direct_http_url
-from rolloutlog.trainer import error_from_body, error_from_response
+from rolloutlog.wire import DEFAULT_URL, NDJSON
 
 __all__ = ["HttpTransport", "KafkaTransport", "Transport"]
-
-NDJSON = "application/x-ndjson"
-DEFAULT_URL = "http://127.0.0.1:8750"
 
 
 @dataclass(slots=True)
@@ -359,7 +357,7 @@ class _Rest:
         except httpx.TransportError as e:
             raise BackendUnavailable(f"the service did not answer: {e!r}") from e
         if response.is_error:
-            raise error_from_response(response)
+            raise error_from_wire(response.status_code, response.content)
         return response
 
     async def register(self, run: str, participant_id: str, kind: str) -> int:
@@ -431,17 +429,9 @@ class HttpTransport(Transport):
         else:
             status, content = await self._events.post(path, body, NDJSON)
             if status >= 300:
-                raise _error(status, content)
+                raise error_from_wire(status, content)
         offsets = orjson.loads(content)["offsets"]
         return [Position(o["partition"], o["offset"]) for o in offsets]
-
-
-def _error(status: int, content: bytes) -> RolloutlogError:
-    try:
-        body = orjson.loads(content)
-    except orjson.JSONDecodeError:
-        body = content[:500].decode(errors="replace")
-    return error_from_body(status, body)
 
 
 class KafkaTransport(Transport):
