@@ -9,12 +9,12 @@ from rolloutlog.catalog import (
     Checkpoint,
     Episode,
     ManifestEntry,
-    Participant,
+    RegisteredParticipant,
     Restore,
     RestoreEntry,
     RunSummary,
-    capture_key,
 )
+from rolloutlog.log import capture_key
 from rolloutlog.projections import TrackedEpisode
 
 __all__ = [
@@ -50,7 +50,7 @@ def run_view(summary: RunSummary, live_episodes: int | None = None) -> dict[str,
     }
 
 
-def participant_view(participant: Participant) -> dict[str, Any]:
+def participant_view(participant: RegisteredParticipant) -> dict[str, Any]:
     return {
         "id": participant.participant_id,
         "kind": participant.kind,

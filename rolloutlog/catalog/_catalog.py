@@ -44,9 +44,9 @@ from rolloutlog.catalog._values import (
     EpisodeStatus,
     ManifestAction,
     ManifestEntry,
-    Participant,
     PartitionOffset,
     QuarantinedRecord,
+    RegisteredParticipant,
     Restore,
     RestoreAction,
     RestoreEntry,
@@ -331,7 +331,7 @@ class Catalog:
                 [{"run": run, "participant_id": pid, "seen": at} for pid, at in seen.items()],
             )
 
-    async def list_participants(self, run: str) -> list[Participant]:
+    async def list_participants(self, run: str) -> list[RegisteredParticipant]:
         return await self._query(lambda conn: _reads.list_participants(conn, run))
 
     # -- fencing -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from rolloutlog.log._codec import (
     encode_record,
     record_episode,
     record_meta,
+    record_restore_id,
     split_record,
     validate_event,
     validate_events,
@@ -28,7 +29,7 @@ from rolloutlog.log._events import (
     GenerationChunkData,
     LedgerRow,
     LedgerRowData,
-    Participant,
+    ParticipantIdentity,
     ParticipantKind,
     SessionEnded,
     SessionEndedData,
@@ -42,6 +43,7 @@ from rolloutlog.log._events import (
     StepStartedData,
 )
 from rolloutlog.log._ids import (
+    NAME_PATTERN,
     capture_key,
     episode_id_problem,
     name_problem,
@@ -52,16 +54,21 @@ from rolloutlog.log._ids import (
 from rolloutlog.log._interface import (
     DEFAULT_MAX_RECORD_BYTES,
     DEFAULT_PARTITIONS,
+    MAX_PARTITIONS,
     Log,
     Position,
     Record,
+    check_run_name,
     open_log,
 )
+from rolloutlog.log._lock import DataDirLock
 from rolloutlog.log._opaque import Opaque
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
     "DEFAULT_PARTITIONS",
+    "MAX_PARTITIONS",
+    "NAME_PATTERN",
     "OPAQUE_FIELD",
     "SERVICE_EVENT_TYPES",
     "SERVICE_PARTICIPANT_ID",
@@ -69,6 +76,7 @@ __all__ = [
     "AttemptStartedData",
     "CheckpointMarker",
     "CheckpointMarkerData",
+    "DataDirLock",
     "EpisodeFinished",
     "EpisodeFinishedData",
     "EpisodeStarted",
@@ -80,7 +88,7 @@ __all__ = [
     "LedgerRowData",
     "Log",
     "Opaque",
-    "Participant",
+    "ParticipantIdentity",
     "ParticipantKind",
     "Position",
     "Record",
@@ -95,6 +103,7 @@ __all__ = [
     "StepStarted",
     "StepStartedData",
     "capture_key",
+    "check_run_name",
     "decode_event",
     "decode_record",
     "encode_event",
@@ -106,6 +115,7 @@ __all__ = [
     "partition_for",
     "record_episode",
     "record_meta",
+    "record_restore_id",
     "run_name_problem",
     "split_record",
     "validate_event",

@@ -19,7 +19,7 @@ from rolloutlog.log._events import (
     CheckpointMarker,
     CheckpointMarkerData,
     Event,
-    Participant,
+    ParticipantIdentity,
 )
 from rolloutlog.log._ids import partition_for, run_name_problem
 
@@ -207,7 +207,9 @@ class Log(abc.ABC):
         """Write a ``checkpoint.marker`` into every partition; return the marker offsets."""
         partitions = await self.partitions(run)
         data = CheckpointMarkerData(checkpoint_id=checkpoint_id, controller_epoch=controller_epoch)
-        writer = Participant(id=SERVICE_PARTICIPANT_ID, kind="service", epoch=controller_epoch)
+        writer = ParticipantIdentity(
+            id=SERVICE_PARTICIPANT_ID, kind="service", epoch=controller_epoch
+        )
         marker = CheckpointMarker(participant=writer, seq=checkpoint_id, ts=time.time(), data=data)
         value = encode_record(marker)
         records = [Record(partition, None, value) for partition in range(partitions)]
@@ -230,7 +232,9 @@ def check_partitions(partitions: int) -> None:
 
 
 def check_run_name(run: str) -> None:
-    problem = run_name_problem(run)
+    """``InvalidRequest`` for a run name the log cannot take (a run names a Kafka topic): the
+    catalog checks it too, so that a run it takes has a log."""
+    problem = run_name_problem(run) if isinstance(run, str) else "must be a string"
     if problem is not None:
         raise InvalidRequest(f"invalid run name {run!r}: {problem}", field="run")
 

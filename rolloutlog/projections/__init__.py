@@ -14,9 +14,9 @@ from rolloutlog.projections._fold import (
 from rolloutlog.projections._model import (
     BoundaryView,
     EpisodeProjection,
-    EpisodeStatus,
     GenerationCut,
     LedgerEntry,
+    ProjectionStatus,
     SessionView,
 )
 from rolloutlog.projections._restorer import RestoreResult
@@ -29,7 +29,7 @@ __all__ = [
     "TrackedEpisode",
     "EpisodeFold",
     "EpisodeProjection",
-    "EpisodeStatus",
+    "ProjectionStatus",
     "GenerationCut",
     "LedgerEntry",
     "RecordView",
