@@ -58,6 +58,7 @@ from rolloutlog.log._interface import (
     Log,
     Position,
     Record,
+    check_record_size,
     check_run_name,
     open_log,
 )
@@ -103,6 +104,7 @@ __all__ = [
     "StepStarted",
     "StepStartedData",
     "capture_key",
+    "check_record_size",
     "check_run_name",
     "decode_event",
     "decode_record",

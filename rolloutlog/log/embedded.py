@@ -40,7 +40,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from rolloutlog.errors import BackendUnavailable, InvalidRequest, LogError, UnknownRun
+from rolloutlog.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    InvalidRequest,
+    LogError,
+    UnknownRun,
+)
 from rolloutlog.log._blobs import BlobStore
 from rolloutlog.log._interface import (
     DEFAULT_MAX_RECORD_BYTES,
@@ -412,7 +418,9 @@ class EmbeddedLog(Log):
         synchronous: str = "FULL",
     ) -> None:
         if synchronous.upper() not in {"FULL", "NORMAL", "EXTRA"}:
-            raise InvalidRequest(f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}")
+            raise ConfigurationError(
+                f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}"
+            )
         self.data_dir = Path(data_dir)
         self.url = f"embedded://{self.data_dir}"
         self.max_record_bytes = max_record_bytes
@@ -533,6 +541,7 @@ class EmbeddedLog(Log):
         for record in records:
             if not 0 <= record.partition < run_file.partitions:
                 raise InvalidRequest(f"partition {record.partition} out of range", run=run)
+        self.check_records(records)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Position]] = loop.create_future()
         size = sum(len(record.value) for record in records)
@@ -709,7 +718,7 @@ def from_url(url: str, **options: Any) -> EmbeddedLog:
     parts = urlsplit(url)
     path = unquote(parts.netloc + parts.path)
     if not path:
-        raise InvalidRequest(f"embedded log URL needs a path: {url!r}")
+        raise ConfigurationError(f"embedded log URL needs a path: {url!r}")
     query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
     if "synchronous" in query:
         options.setdefault("synchronous", query["synchronous"])

@@ -43,6 +43,7 @@ from rolloutlog.log import (
     Log,
     Position,
     Record,
+    check_record_size,
     encode_record,
     open_log,
     partition_for,
@@ -410,12 +411,7 @@ class HttpTransport(Transport):
 
     def _encode(self, run: str, event: dict[str, Any]) -> bytes:
         body = encode_wire(event)
-        if len(body) > self.max_event_bytes:
-            raise PayloadTooLarge(
-                f"event is {len(body)} bytes; the service accepts at most {self.max_event_bytes}",
-                size=len(body),
-                max_bytes=self.max_event_bytes,
-            )
+        check_record_size(len(body), self.max_event_bytes, limit_of="the service")
         return body
 
     async def _send(self, run: str, items: Sequence[_Pending]) -> list[Position]:
@@ -490,12 +486,7 @@ class KafkaTransport(Transport):
         return self._bounded(encode_record_fast(event))
 
     def _bounded(self, record: bytes) -> bytes:
-        if len(record) > self.log.max_record_bytes:
-            raise PayloadTooLarge(
-                f"event is {len(record)} bytes; the log accepts at most {self.log.max_record_bytes}",
-                size=len(record),
-                max_bytes=self.log.max_record_bytes,
-            )
+        check_record_size(len(record), self.log.max_record_bytes)
         return record
 
     async def _send(self, run: str, items: Sequence[_Pending]) -> list[Position]:
