@@ -51,6 +51,7 @@ SURFACES: dict[str, list[str]] = {
         "SERVICE_EVENT_TYPES",
         "SERVICE_PARTICIPANT_ID",
         "capture_key",
+        "check_record_size",
         "check_run_name",
         "decode_event",
         "decode_record",

@@ -140,7 +140,6 @@ class RunFencing:
 
     attempts: dict[str, int] = field(default_factory=dict)
     epochs: dict[str, int] = field(default_factory=dict)
-    epochs_loaded_at: float = 0.0
     seqs: dict[tuple[str, int], int] = field(default_factory=dict)
     epochs_refresh: _Refresh | None = None
     attempts_refresh: _Refresh | None = None
@@ -269,7 +268,6 @@ class Service:
         for participant in participants:
             known = fencing.epochs.get(participant.participant_id, 0)
             fencing.epochs[participant.participant_id] = max(known, participant.epoch)
-        fencing.epochs_loaded_at = time.monotonic()
 
     async def refresh_epochs(self, fencing: RunFencing, since: float) -> None:
         """Reload registered epochs unless a load began after ``since`` (another replica may have

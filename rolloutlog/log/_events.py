@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeAlias
+from typing import Annotated, Literal, TypeAlias
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -254,12 +254,3 @@ OPAQUE_FIELD: dict[str, str] = {
 
 #: Event types only the service may write.
 SERVICE_EVENT_TYPES = frozenset({"checkpoint.marker", "attempt.started"})
-
-
-def event_size_hint(event: Any) -> int:
-    """Bytes of the event's opaque payload (0 when it has none)."""
-    field = OPAQUE_FIELD.get(event.type)
-    if field is None:
-        return 0
-    payload = getattr(event.data, field)
-    return len(payload.raw) if payload is not None else 0

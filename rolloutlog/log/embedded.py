@@ -680,10 +680,6 @@ class EmbeddedLog(Log):
     async def end_offsets(self, run: str) -> list[int]:
         return list((await self._run(run)).next_offsets)
 
-    async def start_offsets(self, run: str) -> list[int]:
-        """The first offset still held in every partition (after trimming)."""
-        return list((await self._run(run)).start_offsets)
-
 
 def _delete_files(path: Path) -> None:
     for suffix in ("", "-wal", "-shm", "-journal"):

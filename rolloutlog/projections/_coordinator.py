@@ -255,10 +255,6 @@ class Coordinator:
         projector = self.projectors.get(run)
         return projector.live_episodes() if projector is not None else None
 
-    def live_episodes(self, run: str) -> list[TrackedEpisode]:
-        """The run's live episodes as its projector tracks them (empty for a run not followed)."""
-        return [e for e in self.tracked_episodes(run) if not e.finished]
-
     def tracked_episodes(self, run: str) -> list[TrackedEpisode]:
         """Every episode the run's projector tracks, in tracking order."""
         projector = self.projectors.get(run)
