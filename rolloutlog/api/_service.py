@@ -306,7 +306,7 @@ class Service:
 
     def excluded(self, run: str, episode: str) -> bool:
         """Whether a restore excluded the episode (the projector ignores its later events)."""
-        return self.coordinator.is_excluded(run, episode)
+        return self.coordinator.is_retired(run, episode)
 
     def note_epoch(self, run: str, participant_id: str, epoch: int) -> None:
         # A new epoch counts its seqs from 1: its first event may not jump past max_seq_gap.

@@ -290,8 +290,9 @@ class Coordinator:
         tracked = self.tracked_episode(run, episode)
         return tracked[0] if tracked is not None else None
 
-    def is_excluded(self, run: str, episode: str) -> bool:
-        """Whether a restore excluded the episode (the projector ignores its later events)."""
+    def is_retired(self, run: str, episode: str) -> bool:
+        """Whether the projector ignores the episode's later events: a restore excluded it, or a
+        checkpoint reported it finished."""
         projector = self.projectors.get(run)
         return projector is not None and episode in projector.retired
 
