@@ -150,8 +150,8 @@ def plan_restore(
     projections of the other ``continue`` entries (an entry with neither has no events before
     its cut). ``UnknownEpisode`` when ``exclude`` names an episode of neither kind.
     """
-    known = {entry.episode for entry in manifest}
-    check_exclusions(checkpoint_id, exclude, known, begun_after)
+    if exclude:
+        check_exclusions(checkpoint_id, exclude, {entry.episode for entry in manifest}, begun_after)
     pins = pinned or {}
     replayed = projections or {}
     plan = RestorePlan()
