@@ -81,9 +81,6 @@ async def measure(url: str, runs: int, count: int) -> dict[str, Any]:
         for n in range(runs + 2):
             entries = manifest(count, n)
             checkpoint_id = await catalog.begin_checkpoint("bench", epoch)
-            await catalog.mark_checkpoint(
-                "bench", checkpoint_id, epoch, {o.partition: o.marker for o in offsets}
-            )
             gc.collect()
             started = time.perf_counter()
             await catalog.commit_checkpoint("bench", checkpoint_id, epoch, offsets, entries)

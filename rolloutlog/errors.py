@@ -1,13 +1,17 @@
-"""rolloutlog's error tree.
+"""rolloutlog's error tree, and the one place an error reply is turned back into its class.
 
 Every error carries its stable ``code`` (docs/design.md §8), the HTTP status it maps to and whether a
 retry may succeed. Driver errors (SQLite, PostgreSQL, Kafka) are translated into these classes at the
-boundary where they occur, always with ``raise ... from e``.
+boundary where they occur, always with ``raise ... from e``. The clients (the trainer's and the
+participant SDK's) rebuild them from the wire with ``error_from_wire`` / ``error_from_body``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
+
+import orjson
 
 __all__ = [
     "AttemptFenced",
@@ -16,6 +20,7 @@ __all__ = [
     "CatalogVersionError",
     "CheckpointInProgress",
     "CheckpointNotPending",
+    "ConfigurationError",
     "DataDirLocked",
     "Forbidden",
     "InvalidEvent",
@@ -28,12 +33,15 @@ __all__ = [
     "RolloutlogError",
     "RunExists",
     "RunLost",
+    "ServiceError",
     "StaleController",
     "Unauthorized",
     "UnknownCheckpoint",
     "UnknownEpisode",
     "UnknownRestore",
     "UnknownRun",
+    "error_from_body",
+    "error_from_wire",
 ]
 
 
@@ -67,6 +75,17 @@ class InvalidEvent(RolloutlogError):
 class InvalidRequest(RolloutlogError):
     code = "invalid_request"
     http_status = 400
+
+
+class ConfigurationError(InvalidRequest):
+    """A start-up mistake: a bad backend URL, option, setting or file. The service (or the
+    client) cannot start as configured; no request is involved, hence no 4xx of its own.
+
+    A subclass of ``InvalidRequest`` (what these mistakes raised before) so that code catching
+    that keeps working."""
+
+    code = "invalid_configuration"
+    http_status = 500
 
 
 class PayloadTooLarge(RolloutlogError):
@@ -195,3 +214,57 @@ class RunLost(LogError):
 
     code = "run_lost"
     http_status = 503
+
+
+class ServiceError(RolloutlogError):
+    """An error reply whose code has no class of its own here (``not_found``, ``internal``…)."""
+
+    def __init__(self, status: int, code: str, message: str, details: Mapping[str, Any]) -> None:
+        super().__init__(message)
+        self.details = dict(details)
+        self.code = code  # type: ignore[misc]
+        self.http_status = status  # type: ignore[misc]
+        self.retriable = status in (502, 503, 504)  # type: ignore[misc]
+
+
+def _error_classes() -> dict[str, type[RolloutlogError]]:
+    found: dict[str, type[RolloutlogError]] = {}
+    for name in __all__:
+        cls = globals()[name]
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, RolloutlogError)
+            and cls is not ServiceError
+            and cls.code != "internal"
+        ):
+            found.setdefault(cls.code, cls)
+    return found
+
+
+def error_from_body(status: int, body: Any) -> RolloutlogError:
+    """The rolloutlog error an ``{"error": {"code", "message", "details"}}`` body names (a
+    ``ServiceError`` for a code without a class, or a body that is not one)."""
+    problem = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(problem, dict):
+        return ServiceError(status, f"http_{status}", f"HTTP {status}", {"body": body})
+    code = str(problem.get("code", f"http_{status}"))
+    message = str(problem.get("message", code))
+    details = problem.get("details") or {}
+    cls = _ERRORS.get(code)
+    if cls is None:
+        return ServiceError(status, code, message, details)
+    error = cls(message)
+    error.details = dict(details)
+    return error
+
+
+def error_from_wire(status: int, content: bytes) -> RolloutlogError:
+    """The error of an HTTP reply's status and raw body (JSON, or anything else a proxy sent)."""
+    try:
+        body = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        body = content[:500].decode(errors="replace")
+    return error_from_body(status, body)
+
+
+_ERRORS = _error_classes()

@@ -1,83 +1,265 @@
-"""The public surface of the log and projections packages is what their ``__init__`` names; a
-change to it is deliberate (catalog, api, trainer and participants pin theirs beside their tests)."""
+"""Each package's public surface is what its ``__init__`` names, pinned here; a change to it is
+deliberate. Beside the pins, the rules that keep the rooms apart (docs/design.md §9): no module
+imports another package's private module, and the API never reaches into projector state."""
 
 from __future__ import annotations
 
-import rolloutlog.log
-import rolloutlog.projections
+import ast
+import importlib
+from pathlib import Path
 
+import pytest
 
-def test_log_surface() -> None:
-    assert sorted(rolloutlog.log.__all__) == sorted(
-        [
-            *(
-                f"{kind}{suffix}"
-                for kind in (
-                    "AttemptStarted",
-                    "CheckpointMarker",
-                    "EpisodeFinished",
-                    "EpisodeStarted",
-                    "GenerationChunk",
-                    "LedgerRow",
-                    "SessionEnded",
-                    "SessionStarted",
-                    "SessionState",
-                    "StepBoundary",
-                    "StepStarted",
-                )
-                for suffix in ("", "Data")
-            ),
-            "DEFAULT_MAX_RECORD_BYTES",
-            "DEFAULT_PARTITIONS",
-            "Event",
-            "Log",
-            "OPAQUE_FIELD",
-            "Opaque",
-            "Participant",
-            "ParticipantKind",
-            "Position",
-            "Record",
-            "SERVICE_EVENT_TYPES",
-            "capture_key",
-            "decode_event",
-            "decode_record",
-            "encode_event",
-            "encode_record",
-            "episode_id_problem",
-            "name_problem",
-            "open_log",
-            "parse_capture_key",
-            "partition_for",
-            "record_episode",
-            "record_meta",
-            "run_name_problem",
-            "split_record",
-            "validate_event",
-            "validate_events",
-        ]
+import rolloutlog
+
+ROOT = Path(rolloutlog.__file__).resolve().parent
+
+EVENT_TYPES = [
+    f"{kind}{suffix}"
+    for kind in (
+        "AttemptStarted",
+        "CheckpointMarker",
+        "EpisodeFinished",
+        "EpisodeStarted",
+        "GenerationChunk",
+        "LedgerRow",
+        "SessionEnded",
+        "SessionStarted",
+        "SessionState",
+        "StepBoundary",
+        "StepStarted",
     )
-    for name in rolloutlog.log.__all__:
-        assert hasattr(rolloutlog.log, name), name
+    for suffix in ("", "Data")
+]
 
-
-def test_projections_surface() -> None:
-    assert sorted(rolloutlog.projections.__all__) == [
+SURFACES: dict[str, list[str]] = {
+    "rolloutlog.log": [
+        *EVENT_TYPES,
+        "DEFAULT_MAX_RECORD_BYTES",
+        "DEFAULT_PARTITIONS",
+        "DataDirLock",
+        "Event",
+        "Log",
+        "MAX_PARTITIONS",
+        "NAME_PATTERN",
+        "OPAQUE_FIELD",
+        "Opaque",
+        "ParticipantIdentity",
+        "ParticipantKind",
+        "Position",
+        "Record",
+        "SERVICE_EVENT_TYPES",
+        "SERVICE_PARTICIPANT_ID",
+        "capture_key",
+        "check_record_size",
+        "check_run_name",
+        "decode_event",
+        "decode_record",
+        "encode_event",
+        "encode_record",
+        "episode_id_problem",
+        "name_problem",
+        "open_log",
+        "parse_capture_key",
+        "partition_for",
+        "record_episode",
+        "record_meta",
+        "record_restore_id",
+        "run_name_problem",
+        "split_record",
+        "validate_event",
+        "validate_events",
+    ],
+    "rolloutlog.projections": [
         "BoundaryView",
         "CheckpointResult",
         "Coordinator",
         "EpisodeFold",
         "EpisodeProjection",
-        "EpisodeStatus",
         "GenerationCut",
         "LedgerEntry",
+        "ProjectionStatus",
         "RecordView",
         "RestoreResult",
         "SessionView",
+        "TrackedEpisode",
         "ledger_digest",
         "project_episode",
         "project_events",
         "select_records",
         "token_count",
-    ]
-    for name in rolloutlog.projections.__all__:
-        assert hasattr(rolloutlog.projections, name), name
+    ],
+    "rolloutlog.catalog": [
+        "Catalog",
+        "Checkpoint",
+        "CheckpointStatus",
+        "DEFAULT_KEEP_COMMITTED",
+        "DEFAULT_PARTITIONS",
+        "Episode",
+        "EpisodeFinish",
+        "EpisodeStart",
+        "EpisodeStatus",
+        "ManifestAction",
+        "ManifestEntry",
+        "ParticipantKind",
+        "PartitionOffset",
+        "QUARANTINE_FIRST_BYTES",
+        "QuarantinedRecord",
+        "RegisteredParticipant",
+        "Restore",
+        "RestoreAction",
+        "RestoreEntry",
+        "Run",
+        "RunStats",
+        "RunSummary",
+        "head_revision",
+        "open_catalog",
+    ],
+    "rolloutlog.participants": [
+        "Agent",
+        "AgentSession",
+        "CAPTURE_KEY_HEADER",
+        "Environment",
+        "EnvironmentEpisode",
+        "Generation",
+        "GenerationPrefix",
+        "HttpTransport",
+        "KafkaTransport",
+        "LedgerRowInfo",
+        "Participant",
+        "Policy",
+        "Resources",
+        "ResourcesMiddleware",
+        "Restores",
+        "Resumed",
+        "RolloutContext",
+        "RolloutContextMiddleware",
+        "STAGES",
+        "STEP_HEADER",
+        "Transport",
+        "VERIFY_HEADER",
+        "context_headers",
+        "current_context",
+        "fingerprint",
+        "ledger_digest",
+        "rollout_context",
+        "task_digest",
+    ],
+    "rolloutlog.trainer": [
+        "AsyncTrainerClient",
+        "CheckpointInfo",
+        "CheckpointScheduler",
+        "DEFAULT_URL",  # rolloutlog.wire's
+        "Dispatch",
+        "RestoreEpisode",
+        "RestoreInfo",
+        "ResumePlan",
+        "ServiceError",  # rolloutlog.errors'
+        "TrainerClient",
+        "error_from_body",  # rolloutlog.errors'
+        "error_from_response",
+        "resume_run",
+        "resume_run_sync",
+    ],
+    "rolloutlog.api": [
+        "DEFAULT_HOST",
+        "DEFAULT_PORT",
+        "PUBLIC_PATHS",
+        "Role",
+        "Settings",
+        "Tokens",
+        "create_app",
+        "route_roles",
+    ],
+    "rolloutlog.errors": [
+        "AttemptFenced",
+        "BackendUnavailable",
+        "CatalogError",
+        "CatalogVersionError",
+        "CheckpointInProgress",
+        "CheckpointNotPending",
+        "ConfigurationError",
+        "DataDirLocked",
+        "Forbidden",
+        "InvalidEvent",
+        "InvalidRequest",
+        "LogError",
+        "ParticipantFenced",
+        "PayloadTooLarge",
+        "RequestTimeout",
+        "RestoreConflict",
+        "RolloutlogError",
+        "RunExists",
+        "RunLost",
+        "ServiceError",
+        "StaleController",
+        "Unauthorized",
+        "UnknownCheckpoint",
+        "UnknownEpisode",
+        "UnknownRestore",
+        "UnknownRun",
+        "error_from_body",
+        "error_from_wire",
+    ],
+    "rolloutlog.wire": ["DEFAULT_URL", "NDJSON"],
+}
+
+
+@pytest.mark.parametrize("package", sorted(SURFACES))
+def test_surface(package: str) -> None:
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == sorted(SURFACES[package])
+    for name in module.__all__:
+        assert hasattr(module, name), name
+
+
+def _modules() -> list[Path]:
+    return sorted(ROOT.rglob("*.py"))
+
+
+def _package(path: Path) -> str:
+    """The top-level package (``log``, ``catalog``…) a module of rolloutlog belongs to."""
+    parts = path.relative_to(ROOT).parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+    return found
+
+
+def test_no_private_module_crosses_a_package() -> None:
+    crossing = []
+    for path in _modules():
+        own = _package(path)
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] != "rolloutlog" or len(parts) < 3:
+                continue
+            if parts[1] != own and any(part.startswith("_") for part in parts[2:]):
+                crossing.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert crossing == []
+
+
+def test_the_api_asks_the_coordinator() -> None:
+    """The API never reaches into a projector's state: it asks the coordinator's doors."""
+    reaching = []
+    for path in sorted((ROOT / "api").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in (
+                "projectors",
+                "trackers",
+                "applied",
+                "retired",
+                "new_starts",
+                "new_finishes",
+            ):
+                reaching.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert reaching == []

@@ -24,9 +24,9 @@ from rolloutlog.api._models import (
 )
 from rolloutlog.api._service import Service
 from rolloutlog.api._views import manifest_entry_view, restore_entry_view
-from rolloutlog.catalog import Episode, ManifestEntry, RestoreEntry, capture_key
+from rolloutlog.catalog import Episode, ManifestEntry, RestoreEntry
 from rolloutlog.errors import UnknownEpisode
-from rolloutlog.log import OPAQUE_FIELD, split_record
+from rolloutlog.log import OPAQUE_FIELD, capture_key, split_record
 
 __all__ = ["explain", "router"]
 

@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from rolloutlog.errors import RolloutlogError
 from rolloutlog.log import Opaque
+from rolloutlog.wire import NDJSON
 
 __all__ = [
     "NDJSON",
@@ -24,7 +25,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-NDJSON = "application/x-ndjson"
 JSON = "application/json"
 
 

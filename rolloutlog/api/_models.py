@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field
 
-from rolloutlog.log._interface import MAX_PARTITIONS
+from rolloutlog.log import MAX_PARTITIONS, NAME_PATTERN
 
 __all__ = [
     "AppendOut",
@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
 RunName = Annotated[str, Field(pattern=RUN_PATTERN, examples=["run-1"])]
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 Count = Annotated[int, Field(ge=0, le=2**62)]

@@ -34,15 +34,17 @@ from typing import Any, NamedTuple
 import orjson
 
 from rolloutlog import errors
-from rolloutlog.errors import InvalidEvent, InvalidRequest, PayloadTooLarge, RolloutlogError
+from rolloutlog.errors import InvalidEvent, InvalidRequest, RolloutlogError
 from rolloutlog.log import (
     SERVICE_EVENT_TYPES,
     Record,
+    check_record_size,
     encode_record,
     partition_for,
     validate_event,
     validate_events,
 )
+from rolloutlog.wire import NDJSON
 
 __all__ = [
     "Batch",
@@ -58,7 +60,6 @@ __all__ = [
 
 logger = logging.getLogger("rolloutlog.api")
 
-NDJSON = "application/x-ndjson"
 #: Bodies smaller than this are prepared inline (a worker round trip costs ~0.3 ms).
 INLINE_BYTES = 8 * 1024
 
@@ -126,13 +127,7 @@ def _add(batch: Batch, index: int, event: Any, partitions: int, max_record_bytes
     episode = event.episode
     assert episode is not None  # only service events have none
     value = encode_record(event)
-    if len(value) > max_record_bytes:
-        raise PayloadTooLarge(
-            f"event {index} is {len(value)} bytes; the log accepts at most {max_record_bytes}",
-            index=index,
-            size=len(value),
-            max_bytes=max_record_bytes,
-        )
+    check_record_size(len(value), max_record_bytes, index=index)
     batch.partitions.append(partition_for(episode, partitions))
     batch.values.append(value)
     batch.episodes.append(episode)

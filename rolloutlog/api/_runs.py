@@ -26,8 +26,8 @@ from rolloutlog.api._models import (
     StatsOut,
 )
 from rolloutlog.api._service import Service
-from rolloutlog.api._views import episode_view, participant_view, run_view
-from rolloutlog.catalog import Episode, RunSummary, capture_key
+from rolloutlog.api._views import episode_view, participant_view, run_view, tracked_view
+from rolloutlog.catalog import Episode, RunSummary
 from rolloutlog.errors import UnknownRun
 
 __all__ = ["router"]
@@ -48,18 +48,17 @@ def _service(request: Request) -> Service:
 
 
 def _live(service: Service, run: str) -> int | None:
-    projector = service.coordinator.projectors.get(run)
-    return projector.live_episodes() if projector is not None else None
+    return service.coordinator.live_episode_count(run)
 
 
 def _run_out(service: Service, summary: RunSummary) -> dict[str, Any]:
     """A run's view with its projector's health (``ok`` for a run this service does not
     follow yet: nothing has failed)."""
     run = summary.run.run
-    projector = service.coordinator.projectors.get(run)
+    tracked = service.coordinator.run_health(run)
     health = (
-        projector.health.view()
-        if projector is not None
+        tracked.view()
+        if tracked is not None
         else {"status": "ok", "error": None, "since": summary.run.created_at}
     )
     return {**run_view(summary, _live(service, run)), "health": health}
@@ -198,33 +197,20 @@ def _merged(
 ) -> list[dict[str, Any]]:
     """The catalog's episodes joined with those the projector tracks but the catalog has not
     recorded yet (it learns of episodes at restores), in id order."""
-    projector = service.coordinator.projectors.get(run)
-    trackers = projector.trackers if projector is not None else {}
+    tracked = {e.episode: e for e in service.coordinator.tracked_episodes(run)}
     views: dict[str, dict[str, Any]] = {}
     for episode in recorded:
-        tracker = trackers.get(episode.episode)
-        views[episode.episode] = episode_view(episode, tracker is not None and not tracker.finished)
+        known = tracked.get(episode.episode)
+        views[episode.episode] = episode_view(episode, known is not None and not known.finished)
     last = recorded[-1].episode if limit is not None and len(recorded) == limit else None
-    for name, tracker in trackers.items():
+    for name, known in tracked.items():
         if name in views or (after is not None and name <= after):
             continue
         if last is not None and name > last:
             continue  # beyond this page of the catalog: the next page has it
-        tracked_status = "finished" if tracker.finished else "running"
-        if status is not None and status != tracked_status:
+        if status is not None and status != known.status:
             continue
-        views[name] = {
-            "episode": name,
-            "current_attempt": tracker.attempt,
-            "capture_key": capture_key(name, tracker.attempt),
-            "status": tracked_status,
-            "live": not tracker.finished,
-            "first_partition": tracker.partition,
-            "first_offset": tracker.first_offset,
-            "started_at": tracker.first_ts,
-            "finished_at": None,
-            "updated_at": None,
-        }
+        views[name] = tracked_view(known)
     ordered = [views[name] for name in sorted(views)]
     return ordered if limit is None else ordered[:limit]
 
@@ -247,7 +233,7 @@ async def list_episodes(
     limit: Limit = 1000,
 ) -> Response:
     service = _service(request)
-    await service.coordinator.projector(run)  # unknown_run, and the live view
+    await service.coordinator.follow(run)  # unknown_run, and the live view
     if wants_ndjson(request):
         recorded = await _catalog_episodes(service, run, status, after, None)
         return stream_ndjson(_merged(service, run, recorded, status, after, None))
@@ -267,9 +253,10 @@ async def list_episodes(
 async def run_stats(request: Request, run: RunPath) -> Response:
     service = _service(request)
     stats = await service.catalog.run_stats(run)
-    projector = await service.coordinator.projector(run)
+    coordinator = service.coordinator
+    await coordinator.follow(run)  # unknown_run, and the live view
     ends = await service.log.end_offsets(run)
-    live = [t for t in projector.trackers.values() if not t.finished]
+    live = coordinator.live_episode_count(run) or 0
     restores = await service.catalog.list_restores(run, limit=1)
     return json_response(
         {
@@ -278,10 +265,10 @@ async def run_stats(request: Request, run: RunPath) -> Response:
             "events": {
                 "log_records": sum(ends),
                 "log_end_offsets": ends,
-                "projector_applied": projector.events_applied,
-                "tracked_bytes": sum(t.size_bytes for t in live),
+                "projector_applied": coordinator.run_events_applied(run),
+                "tracked_bytes": coordinator.tracked_bytes(run),
             },
-            "episodes": {**stats.episode_counts, "live": len(live)},
+            "episodes": {**stats.episode_counts, "live": live},
             "checkpoints": {
                 "counts": dict(stats.checkpoint_counts),
                 "latest_checkpoint_id": stats.latest_checkpoint_id,

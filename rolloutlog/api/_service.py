@@ -76,8 +76,8 @@ class Metrics:
                 "rolloutlog_quarantined_records_total",
                 "Log records the projector skipped and quarantined since the service started.",
                 lambda: [
-                    ((run,), float(projector.quarantined_count))
-                    for run, projector in list(service.coordinator.projectors.items())
+                    ((run,), float(count))
+                    for run, count in service.coordinator.quarantined_counts().items()
                 ],
                 ("run",),
             )
@@ -140,7 +140,6 @@ class RunFencing:
 
     attempts: dict[str, int] = field(default_factory=dict)
     epochs: dict[str, int] = field(default_factory=dict)
-    epochs_loaded_at: float = 0.0
     seqs: dict[tuple[str, int], int] = field(default_factory=dict)
     epochs_refresh: _Refresh | None = None
     attempts_refresh: _Refresh | None = None
@@ -245,7 +244,7 @@ class Service:
         async with lock:
             fencing = self.fencing.get(run)
             if fencing is None:
-                await self.coordinator.projector(run)  # UnknownRun when there is no such run
+                await self.coordinator.follow(run)  # UnknownRun when there is no such run
                 self.coordinator.check_appendable(run)
                 fencing = RunFencing(attempts=await self.catalog.current_attempts(run))
                 await self._load_epochs(run, fencing)
@@ -269,7 +268,6 @@ class Service:
         for participant in participants:
             known = fencing.epochs.get(participant.participant_id, 0)
             fencing.epochs[participant.participant_id] = max(known, participant.epoch)
-        fencing.epochs_loaded_at = time.monotonic()
 
     async def refresh_epochs(self, fencing: RunFencing, since: float) -> None:
         """Reload registered epochs unless a load began after ``since`` (another replica may have
@@ -289,12 +287,9 @@ class Service:
         """The highest ``seq`` of a participant epoch this service appended, or that the
         projector saw in the log (appends through other replicas or Kafka); None if neither."""
         high = fencing.seqs.get(participant)
-        projector = self.coordinator.projectors.get(run)
-        if projector is not None:
-            for tracker in list(projector.trackers.values()):
-                seen = tracker.filters.last_seq.get(participant)
-                if seen is not None and (high is None or seen > high):
-                    high = seen
+        seen = self.coordinator.highest_seq(run, participant)
+        if seen is not None and (high is None or seen > high):
+            high = seen
         return high
 
     def note_seqs(self, fencing: RunFencing, seqs: Iterable[tuple[tuple[str, int], int]]) -> None:
@@ -306,17 +301,12 @@ class Service:
         """The episode's current attempt: the catalog's (kept up to date by this service's
         restores) or, if higher, what the projector has seen in the log (another replica's)."""
         attempt = fencing.attempts.get(episode, 0)
-        projector = self.coordinator.projectors.get(run)
-        if projector is not None:
-            tracker = projector.trackers.get(episode)
-            if tracker is not None and tracker.attempt > attempt:
-                return tracker.attempt
-        return attempt
+        seen = self.coordinator.current_attempt(run, episode)
+        return seen if seen is not None and seen > attempt else attempt
 
     def excluded(self, run: str, episode: str) -> bool:
         """Whether a restore excluded the episode (the projector ignores its later events)."""
-        projector = self.coordinator.projectors.get(run)
-        return projector is not None and episode in projector.retired
+        return self.coordinator.is_retired(run, episode)
 
     def note_epoch(self, run: str, participant_id: str, epoch: int) -> None:
         # A new epoch counts its seqs from 1: its first event may not jump past max_seq_gap.
@@ -344,12 +334,8 @@ class Service:
 
     def live_episodes(self) -> list[tuple[Labels, float]]:
         return [
-            ((run,), float(projector.live_episodes()))
-            for run, projector in list(self.coordinator.projectors.items())
+            ((run,), float(count)) for run, count in self.coordinator.live_episode_counts().items()
         ]
 
     def events_applied(self) -> list[tuple[Labels, float]]:
-        return [
-            ((run,), float(projector.events_applied))
-            for run, projector in list(self.coordinator.projectors.items())
-        ]
+        return [((run,), float(count)) for run, count in self.coordinator.events_applied().items()]

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from rolloutlog.errors import InvalidRequest
+from rolloutlog.errors import ConfigurationError
 
 __all__ = [
     "ENV_PREFIX",
@@ -91,15 +91,15 @@ class Tokens:
             try:
                 role = Role(name.lower())
             except ValueError:
-                raise InvalidRequest(
+                raise ConfigurationError(
                     f"{source}: unknown role {name!r} (roles: {', '.join(r.value for r in Role)})"
                 ) from None
             values = [value] if isinstance(value, str) else value
             if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-                raise InvalidRequest(f"{source}: {name} must be a token or a list of tokens")
+                raise ConfigurationError(f"{source}: {name} must be a token or a list of tokens")
             for token in values:
                 if len(token) < MIN_TOKEN_LENGTH:
-                    raise InvalidRequest(
+                    raise ConfigurationError(
                         f"{source}: a {name} token is shorter than {MIN_TOKEN_LENGTH} characters"
                     )
                 by_role.setdefault(role, []).append(token.encode())
@@ -112,13 +112,13 @@ class Tokens:
         try:
             raw = path.read_bytes()
         except OSError as e:
-            raise InvalidRequest(f"cannot read the token file {path}: {e}") from e
+            raise ConfigurationError(f"cannot read the token file {path}: {e}") from e
         try:
             mapping = orjson.loads(raw) if path.suffix == ".json" else tomllib.loads(raw.decode())
         except (orjson.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequest(f"the token file {path} is not valid: {e}") from e
+            raise ConfigurationError(f"the token file {path} is not valid: {e}") from e
         if not isinstance(mapping, dict):
-            raise InvalidRequest(f"the token file {path} must map roles to tokens")
+            raise ConfigurationError(f"the token file {path} must map roles to tokens")
         return cls.from_mapping(mapping, str(path))
 
     @classmethod

@@ -9,17 +9,19 @@ from rolloutlog.catalog import (
     Checkpoint,
     Episode,
     ManifestEntry,
-    Participant,
+    RegisteredParticipant,
     Restore,
     RestoreEntry,
     RunSummary,
-    capture_key,
 )
+from rolloutlog.log import capture_key
+from rolloutlog.projections import TrackedEpisode
 
 __all__ = [
     "checkpoint_view",
     "episode_view",
     "manifest_entry_view",
+    "tracked_view",
     "participant_view",
     "restore_entry_view",
     "restore_view",
@@ -48,7 +50,7 @@ def run_view(summary: RunSummary, live_episodes: int | None = None) -> dict[str,
     }
 
 
-def participant_view(participant: Participant) -> dict[str, Any]:
+def participant_view(participant: RegisteredParticipant) -> dict[str, Any]:
     return {
         "id": participant.participant_id,
         "kind": participant.kind,
@@ -116,6 +118,22 @@ def restore_entry_view(entry: RestoreEntry) -> dict[str, Any]:
         "capture_key": capture_key(entry.episode, entry.attempt),
         "action": entry.action,
         "reason": entry.reason,
+    }
+
+
+def tracked_view(episode: TrackedEpisode) -> dict[str, Any]:
+    """An episode the projector tracks but the catalog has not recorded yet."""
+    return {
+        "episode": episode.episode,
+        "current_attempt": episode.attempt,
+        "capture_key": capture_key(episode.episode, episode.attempt),
+        "status": episode.status,
+        "live": not episode.finished,
+        "first_partition": episode.first_partition,
+        "first_offset": episode.first_offset,
+        "started_at": episode.started_at,
+        "finished_at": None,
+        "updated_at": None,
     }
 
 

@@ -283,7 +283,7 @@ def _data_dir_in_use(settings: Settings) -> str | None:
     url = settings.resolved_log_url
     if not url.startswith("embedded://"):
         return None
-    from rolloutlog.log._lock import DataDirLock
+    from rolloutlog.log import DataDirLock
     from rolloutlog.log.embedded import from_url
 
     try:

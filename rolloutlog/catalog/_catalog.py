@@ -13,14 +13,13 @@ from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import TypeVar
 
-from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy import exc as sa_exc
+from sqlalchemy import insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from rolloutlog.catalog import _migrate, _reads, _writes
 from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._schema import (
-    checkpoint_offsets,
     checkpoints,
     runs,
 )
@@ -44,9 +43,9 @@ from rolloutlog.catalog._values import (
     EpisodeStatus,
     ManifestAction,
     ManifestEntry,
-    Participant,
     PartitionOffset,
     QuarantinedRecord,
+    RegisteredParticipant,
     Restore,
     RestoreAction,
     RestoreEntry,
@@ -59,7 +58,6 @@ from rolloutlog.catalog._writes import (
     commit_checkpoint_rows,
     commit_restore_rows,
     lock_run,
-    pending_checkpoint,
     quarantine_rows,
     reserve_restore_id,
 )
@@ -331,7 +329,7 @@ class Catalog:
                 [{"run": run, "participant_id": pid, "seen": at} for pid, at in seen.items()],
             )
 
-    async def list_participants(self, run: str) -> list[Participant]:
+    async def list_participants(self, run: str) -> list[RegisteredParticipant]:
         return await self._query(lambda conn: _reads.list_participants(conn, run))
 
     # -- fencing -------------------------------------------------------------------------------
@@ -412,51 +410,6 @@ class Catalog:
                 )
             )
             return checkpoint_id
-
-    async def mark_checkpoint(
-        self,
-        run: str,
-        checkpoint_id: int,
-        controller_epoch: int,
-        markers: Mapping[int, int],
-        *,
-        marked_at: float | None = None,
-    ) -> None:
-        """Record where the checkpoint's marker landed in each partition (partition → offset)."""
-        async with self._write() as conn:
-            row = await lock_run(conn, run, controller_epoch)
-            await pending_checkpoint(conn, run, checkpoint_id)
-            for partition, offset in markers.items():
-                check_count(partition, "partition")
-                check_count(offset, "marker offset")
-                if partition >= row.partitions:
-                    raise InvalidRequest(
-                        f"run {run!r} has {row.partitions} partitions, not partition {partition}",
-                        field="partition",
-                    )
-            where = (checkpoint_offsets.c.run == run) & (
-                checkpoint_offsets.c.checkpoint_id == checkpoint_id
-            )
-            await conn.execute(delete(checkpoint_offsets).where(where))
-            if markers:
-                await conn.execute(
-                    insert(checkpoint_offsets),
-                    [
-                        {
-                            "run": run,
-                            "checkpoint_id": checkpoint_id,
-                            "partition": partition,
-                            "marker_offset": offset,
-                            "replay_from": None,
-                        }
-                        for partition, offset in sorted(markers.items())
-                    ],
-                )
-            await conn.execute(
-                update(checkpoints)
-                .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id)
-                .values(marked_at=marked_at if marked_at is not None else self._clock())
-            )
 
     async def commit_checkpoint(
         self,

@@ -31,10 +31,10 @@ from rolloutlog.catalog._values import (
     EpisodeStatus,
     ManifestAction,
     ManifestEntry,
-    Participant,
     ParticipantKind,
     PartitionOffset,
     QuarantinedRecord,
+    RegisteredParticipant,
     Restore,
     RestoreAction,
     RestoreEntry,
@@ -159,7 +159,7 @@ async def _count_by_run(conn: AsyncConnection, column: Any, names: list[str]) ->
     return {name: count for name, count in rows}
 
 
-async def list_participants(conn: AsyncConnection, run: str) -> list[Participant]:
+async def list_participants(conn: AsyncConnection, run: str) -> list[RegisteredParticipant]:
     await get_run(conn, run)
     rows = await conn.execute(
         select(participants)
@@ -167,7 +167,7 @@ async def list_participants(conn: AsyncConnection, run: str) -> list[Participant
         .order_by(participants.c.participant_id)
     )
     return [
-        Participant(
+        RegisteredParticipant(
             run=row.run,
             participant_id=row.participant_id,
             kind=cast(ParticipantKind, row.kind),

@@ -7,14 +7,8 @@ from typing import Any
 
 from rolloutlog.catalog._schema import NAME_LENGTH
 from rolloutlog.errors import InvalidRequest
-from rolloutlog.log._ids import episode_id_problem, run_name_problem
-
-
-def check_run_name(run: str) -> None:
-    """The log's rule (a run names a Kafka topic), so a run the catalog takes has a log too."""
-    problem = run_name_problem(run) if isinstance(run, str) else "must be a string"
-    if problem is not None:
-        raise InvalidRequest(f"invalid run name {run!r}: {problem}", field="run")
+from rolloutlog.log import check_run_name as check_run_name
+from rolloutlog.log import episode_id_problem
 
 
 def check_name(value: str, what: str, length: int = NAME_LENGTH) -> None:

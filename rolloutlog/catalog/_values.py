@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from rolloutlog.log._ids import capture_key as capture_key
+from rolloutlog.log import DEFAULT_PARTITIONS as DEFAULT_PARTITIONS
+from rolloutlog.log import ParticipantKind as ParticipantKind
+from rolloutlog.log import capture_key as capture_key
 
-ParticipantKind = Literal["environment", "policy", "agent", "resources"]
 CheckpointStatus = Literal["pending", "committed", "aborted", "expired"]
 ManifestAction = Literal["continue", "restart", "finished"]
 RestoreAction = Literal["continue", "restart", "excluded"]
@@ -26,7 +27,6 @@ MANIFEST_ACTIONS: frozenset[str] = frozenset({"continue", "restart", "finished"}
 RESTORE_ACTIONS: frozenset[str] = frozenset({"continue", "restart", "excluded"})
 EPISODE_STATUSES: frozenset[str] = frozenset({"running", "finished", "excluded"})
 
-DEFAULT_PARTITIONS = 16
 DEFAULT_KEEP_COMMITTED = 2
 
 
@@ -54,7 +54,7 @@ class RunSummary:
 
 
 @dataclass(frozen=True, slots=True)
-class Participant:
+class RegisteredParticipant:
     run: str
     participant_id: str
     kind: ParticipantKind

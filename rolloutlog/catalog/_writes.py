@@ -49,7 +49,7 @@ from rolloutlog.errors import (
     UnknownEpisode,
     UnknownRun,
 )
-from rolloutlog.log._ids import NAME_PATTERN, episode_id_problem
+from rolloutlog.log import NAME_PATTERN, episode_id_problem
 
 MANIFEST_PART_COLUMNS = ("run", "checkpoint_id", "cut_partition", "entries", "entry_count")
 RESTORE_EPISODE_COLUMNS = (

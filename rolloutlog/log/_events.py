@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeAlias
+from typing import Annotated, Literal, TypeAlias
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -28,7 +28,7 @@ def _check_episode(value: str) -> str:
 
 
 EpisodeId = Annotated[str, AfterValidator(_check_episode)]
-#: Participant, session, owner, stage and call ids (checked by pydantic-core's regex, no Python call).
+#: ParticipantIdentity, session, owner, stage and call ids (checked by pydantic-core's regex, no Python call).
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 NonNegative = Annotated[int, Field(ge=0)]
 #: ``seq`` stays below 2^53: a larger one could not round-trip through JSON readers that use
@@ -45,7 +45,7 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
-class Participant(_Frozen):
+class ParticipantIdentity(_Frozen):
     """Who wrote an event: ``kind``, ``id`` and the ``epoch`` granted at registration."""
 
     id: Name
@@ -149,7 +149,7 @@ class _Envelope(_Frozen):
     episode: EpisodeId
     attempt: NonNegative = 0
     step: NonNegative | None = None
-    participant: Participant
+    participant: ParticipantIdentity
     seq: Seq
     ts: float
 
@@ -254,12 +254,3 @@ OPAQUE_FIELD: dict[str, str] = {
 
 #: Event types only the service may write.
 SERVICE_EVENT_TYPES = frozenset({"checkpoint.marker", "attempt.started"})
-
-
-def event_size_hint(event: Any) -> int:
-    """Bytes of the event's opaque payload (0 when it has none)."""
-    field = OPAQUE_FIELD.get(event.type)
-    if field is None:
-        return 0
-    payload = getattr(event.data, field)
-    return len(payload.raw) if payload is not None else 0

@@ -12,14 +12,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, Self
 
-from rolloutlog.errors import InvalidRequest, PayloadTooLarge
+from rolloutlog.errors import ConfigurationError, InvalidRequest, PayloadTooLarge
 from rolloutlog.log._codec import decode_record, encode_record, validate_events
 from rolloutlog.log._events import (
     SERVICE_PARTICIPANT_ID,
     CheckpointMarker,
     CheckpointMarkerData,
     Event,
-    Participant,
+    ParticipantIdentity,
 )
 from rolloutlog.log._ids import partition_for, run_name_problem
 
@@ -189,16 +189,17 @@ class Log(abc.ABC):
         records = [self._record(event, partitions, index) for index, event in enumerate(checked)]
         return await self.append_records(run, records)
 
+    def check_records(self, records: Sequence[Record]) -> None:
+        """``PayloadTooLarge`` for the first record past ``max_record_bytes``. Every backend's
+        ``append_records`` calls it before writing anything (so ``append`` is checked too)."""
+        limit = self.max_record_bytes
+        if not records or max(len(record.value) for record in records) <= limit:
+            return
+        for index, record in enumerate(records):
+            check_record_size(len(record.value), limit, index=index)
+
     def _record(self, event: Event, partitions: int, index: int) -> Record:
         value = encode_record(event)
-        if len(value) > self.max_record_bytes:
-            raise PayloadTooLarge(
-                f"event {index} is {len(value)} bytes; the log accepts at most "
-                f"{self.max_record_bytes}",
-                index=index,
-                size=len(value),
-                max_bytes=self.max_record_bytes,
-            )
         if event.episode is None:
             raise InvalidRequest(f"event {index}: {event.type} events are written by the service")
         return Record(partition_for(event.episode, partitions), event.episode.encode(), value)
@@ -207,7 +208,9 @@ class Log(abc.ABC):
         """Write a ``checkpoint.marker`` into every partition; return the marker offsets."""
         partitions = await self.partitions(run)
         data = CheckpointMarkerData(checkpoint_id=checkpoint_id, controller_epoch=controller_epoch)
-        writer = Participant(id=SERVICE_PARTICIPANT_ID, kind="service", epoch=controller_epoch)
+        writer = ParticipantIdentity(
+            id=SERVICE_PARTICIPANT_ID, kind="service", epoch=controller_epoch
+        )
         marker = CheckpointMarker(participant=writer, seq=checkpoint_id, ts=time.time(), data=data)
         value = encode_record(marker)
         records = [Record(partition, None, value) for partition in range(partitions)]
@@ -222,6 +225,23 @@ class Log(abc.ABC):
             yield offset, decode_record(value)
 
 
+def check_record_size(
+    size: int, max_bytes: int, *, index: int | None = None, limit_of: str = "the log"
+) -> None:
+    """``PayloadTooLarge`` for an encoded event (a record) of ``size`` bytes past ``max_bytes``:
+    the one size rule, applied by the backends (``Log.check_records``), by the service to a batch
+    before appending it, and by the SDK before sending."""
+    if size <= max_bytes:
+        return
+    what = "event" if index is None else f"event {index}"
+    details: dict[str, int] = {"size": size, "max_bytes": max_bytes}
+    if index is not None:
+        details["index"] = index
+    raise PayloadTooLarge(
+        f"{what} is {size} bytes; {limit_of} accepts at most {max_bytes}", **details
+    )
+
+
 def check_partitions(partitions: int) -> None:
     if not 1 <= partitions <= MAX_PARTITIONS:
         raise InvalidRequest(
@@ -230,9 +250,11 @@ def check_partitions(partitions: int) -> None:
 
 
 def check_run_name(run: str) -> None:
-    problem = run_name_problem(run)
+    """``InvalidRequest`` for a run name the log cannot take (a run names a Kafka topic): the
+    catalog checks it too, so that a run it takes has a log."""
+    problem = run_name_problem(run) if isinstance(run, str) else "must be a string"
     if problem is not None:
-        raise InvalidRequest(f"invalid run name {run!r}: {problem}", field="run")
+        raise ConfigurationError(f"invalid run name {run!r}: {problem}", field="run")
 
 
 _BACKENDS = {"embedded": "rolloutlog.log.embedded", "kafka": "rolloutlog.log.kafka"}
@@ -247,7 +269,7 @@ def open_log(url: str | Path, **options: Any) -> Log:
         scheme, text = "embedded", f"embedded://{Path(text).resolve()}"
     module_name = _BACKENDS.get(scheme)
     if module_name is None:
-        raise InvalidRequest(
+        raise ConfigurationError(
             f"unknown log URL scheme {scheme!r}: use embedded:///path or kafka://host:port"
         )
     module = importlib.import_module(module_name)

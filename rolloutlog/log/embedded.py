@@ -40,7 +40,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from rolloutlog.errors import BackendUnavailable, InvalidRequest, LogError, UnknownRun
+from rolloutlog.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    InvalidRequest,
+    LogError,
+    UnknownRun,
+)
 from rolloutlog.log._blobs import BlobStore
 from rolloutlog.log._interface import (
     DEFAULT_MAX_RECORD_BYTES,
@@ -415,7 +421,9 @@ class EmbeddedLog(Log):
         read_only: bool = False,
     ) -> None:
         if synchronous.upper() not in {"FULL", "NORMAL", "EXTRA"}:
-            raise InvalidRequest(f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}")
+            raise ConfigurationError(
+                f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}"
+            )
         self.data_dir = Path(data_dir)
         self.url = f"embedded://{self.data_dir}"
         self.max_record_bytes = max_record_bytes
@@ -547,6 +555,7 @@ class EmbeddedLog(Log):
         for record in records:
             if not 0 <= record.partition < run_file.partitions:
                 raise InvalidRequest(f"partition {record.partition} out of range", run=run)
+        self.check_records(records)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Position]] = loop.create_future()
         size = sum(len(record.value) for record in records)
@@ -686,10 +695,6 @@ class EmbeddedLog(Log):
     async def end_offsets(self, run: str) -> list[int]:
         return list((await self._run(run)).next_offsets)
 
-    async def start_offsets(self, run: str) -> list[int]:
-        """The first offset still held in every partition (after trimming)."""
-        return list((await self._run(run)).start_offsets)
-
 
 def _delete_files(path: Path) -> None:
     for suffix in ("", "-wal", "-shm", "-journal"):
@@ -725,7 +730,7 @@ def from_url(url: str, **options: Any) -> EmbeddedLog:
     parts = urlsplit(url)
     path = unquote(parts.netloc + parts.path)
     if not path:
-        raise InvalidRequest(f"embedded log URL needs a path: {url!r}")
+        raise ConfigurationError(f"embedded log URL needs a path: {url!r}")
     query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
     if "synchronous" in query:
         options.setdefault("synchronous", query["synchronous"])

@@ -48,9 +48,9 @@ from aiokafka.protocol.metadata import MetadataRequest
 
 from rolloutlog.errors import (
     BackendUnavailable,
+    ConfigurationError,
     InvalidRequest,
     LogError,
-    PayloadTooLarge,
     RunLost,
     UnknownRun,
 )
@@ -192,13 +192,13 @@ class KafkaLog(KafkaReads, Log):
         url: str | None = None,
     ) -> None:
         if max_record_bytes < 1:
-            raise InvalidRequest("max_record_bytes must be positive")
+            raise ConfigurationError("max_record_bytes must be positive")
         if not _TOPIC_PREFIX.fullmatch(topic_prefix):
-            raise InvalidRequest(
+            raise ConfigurationError(
                 f"topic_prefix {topic_prefix!r}: at most 140 of letters, digits and '._-'"
             )
         if read_connections < 1 or producers < 1:
-            raise InvalidRequest("producers and read_connections must be at least 1")
+            raise ConfigurationError("producers and read_connections must be at least 1")
         self.url = url or f"kafka://{bootstrap_servers}"
         self.bootstrap_servers = bootstrap_servers
         self.topic_prefix = topic_prefix
@@ -536,14 +536,7 @@ class KafkaLog(KafkaReads, Log):
                 raise InvalidRequest(
                     f"record {index}: partition {record.partition} out of range", run=run
                 )
-            if len(record.value) > self.max_record_bytes:
-                raise PayloadTooLarge(
-                    f"record {index} is {len(record.value)} bytes; the log accepts at most "
-                    f"{self.max_record_bytes}",
-                    index=index,
-                    size=len(record.value),
-                    max_bytes=self.max_record_bytes,
-                )
+        self.check_records(records)
         self._require_started()
         future: asyncio.Future[list[Position]] = asyncio.get_running_loop().create_future()
         append = _Append(records, future, [0] * len(records), len(records))
@@ -826,7 +819,7 @@ def _flag(value: str) -> bool | None:
         return True
     if lowered in {"0", "false", "no", "off"}:
         return False
-    raise InvalidRequest(f"not a boolean or 'auto': {value!r}")
+    raise ConfigurationError(f"not a boolean or 'auto': {value!r}")
 
 
 def from_url(url: str, **options: Any) -> KafkaLog:
@@ -835,7 +828,7 @@ def from_url(url: str, **options: Any) -> KafkaLog:
     ``read_connections`` and ``request_timeout_ms``; keyword options win over the query."""
     parts = urlsplit(url)
     if parts.scheme != "kafka" or not parts.netloc:
-        raise InvalidRequest(f"kafka log URL must be kafka://host:port[,host:port]: {url!r}")
+        raise ConfigurationError(f"kafka log URL must be kafka://host:port[,host:port]: {url!r}")
     query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
     converters: dict[str, Any] = {
         "topic_prefix": str,
@@ -849,9 +842,9 @@ def from_url(url: str, **options: Any) -> KafkaLog:
     for key, value in query.items():
         convert = converters.get(key)
         if convert is None:
-            raise InvalidRequest(f"unknown kafka log URL setting {key!r}")
+            raise ConfigurationError(f"unknown kafka log URL setting {key!r}")
         try:
             options.setdefault(key, convert(value))
         except ValueError as e:
-            raise InvalidRequest(f"kafka log URL setting {key}={value!r}: {e}") from e
+            raise ConfigurationError(f"kafka log URL setting {key}={value!r}: {e}") from e
     return KafkaLog(parts.netloc, url=url, **options)

@@ -23,7 +23,7 @@ from rolloutlog.participants._environment import (
 from rolloutlog.participants._participant import Participant, RolloutContext, task_digest
 from rolloutlog.participants._policy import (
     Generation,
-    GenerationCut,
+    GenerationPrefix,
     LedgerRowInfo,
     Policy,
     fingerprint,
@@ -43,7 +43,7 @@ __all__ = [
     "Environment",
     "EnvironmentEpisode",
     "Generation",
-    "GenerationCut",
+    "GenerationPrefix",
     "HttpTransport",
     "KafkaTransport",
     "LedgerRowInfo",

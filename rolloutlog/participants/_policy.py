@@ -12,7 +12,14 @@ import orjson
 from rolloutlog.participants._participant import Participant, RolloutContext, check_name
 from rolloutlog.participants._transport import Transport
 
-__all__ = ["Generation", "GenerationCut", "LedgerRowInfo", "Policy", "fingerprint", "ledger_digest"]
+__all__ = [
+    "Generation",
+    "GenerationPrefix",
+    "LedgerRowInfo",
+    "Policy",
+    "fingerprint",
+    "ledger_digest",
+]
 
 
 def ledger_digest(parent_digest: str, token_ids: Iterable[int]) -> str:
@@ -58,7 +65,7 @@ class LedgerRowInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class GenerationCut:
+class GenerationPrefix:
     """A validated durable prefix a replacement call continues (same ``call_id``)."""
 
     call_id: str
@@ -187,7 +194,7 @@ class Policy(Participant):
         request_digest: str,
         constrained: bool = False,
         staging_key: str | None = None,
-        cut: GenerationCut | None = None,
+        cut: GenerationPrefix | None = None,
     ) -> Generation:
         """Track an in-flight call; ``cut`` continues a validated prefix under its call id."""
         context = RolloutContext.of(key)
@@ -269,7 +276,7 @@ class Policy(Participant):
         projection: Mapping[str, Any],
         *,
         request_digest: str,
-    ) -> GenerationCut | None:
+    ) -> GenerationPrefix | None:
         """The projection's generation cut, if a replacement call may continue it: its source call
         was not delivered (no ledger row), its parent is in the ledger, it was made for this
         request (``request_digest``), it holds tokens, and its policy version is not newer than
@@ -289,7 +296,7 @@ class Policy(Participant):
         if not ok:
             self.cuts_refused += 1
             return None
-        return GenerationCut(
+        return GenerationPrefix(
             call_id=cut["call_id"],
             parent_call_id=cut.get("parent_call_id"),
             request_digest=cut["request_digest"],

@@ -9,9 +9,9 @@ from typing import Any, Self
 import httpx
 import orjson
 
-from rolloutlog.errors import BackendUnavailable
-from rolloutlog.participants._transport import NDJSON, _Rest
-from rolloutlog.trainer import error_from_body, error_from_response
+from rolloutlog.errors import BackendUnavailable, error_from_body, error_from_wire
+from rolloutlog.participants._transport import _Rest
+from rolloutlog.wire import NDJSON
 
 __all__ = ["Restores"]
 
@@ -66,7 +66,7 @@ class Restores:
             async with rest.client.stream("GET", path, params=params, headers=headers) as response:
                 if response.is_error:
                     await response.aread()
-                    raise error_from_response(response)
+                    raise error_from_wire(response.status_code, response.content)
                 async for line in response.aiter_lines():
                     if not line.strip():
                         continue

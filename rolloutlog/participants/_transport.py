@@ -37,11 +37,13 @@ from rolloutlog.errors import (
     ParticipantFenced,
     PayloadTooLarge,
     RolloutlogError,
+    error_from_wire,
 )
 from rolloutlog.log import (
     Log,
     Position,
     Record,
+    check_record_size,
     encode_record,
     open_log,
     partition_for,
@@ -49,12 +51,9 @@ from rolloutlog.log import (
 )
 from rolloutlog.participants._encoding import check_built, encode_record_fast, encode_wire
 from rolloutlog.participants._http1 import Http1Connection, direct_http_url
-from rolloutlog.trainer import error_from_body, error_from_response
+from rolloutlog.wire import DEFAULT_URL, NDJSON
 
 __all__ = ["HttpTransport", "KafkaTransport", "Transport"]
-
-NDJSON = "application/x-ndjson"
-DEFAULT_URL = "http://127.0.0.1:8750"
 
 
 @dataclass(slots=True)
@@ -359,7 +358,7 @@ class _Rest:
         except httpx.TransportError as e:
             raise BackendUnavailable(f"the service did not answer: {e!r}") from e
         if response.is_error:
-            raise error_from_response(response)
+            raise error_from_wire(response.status_code, response.content)
         return response
 
     async def register(self, run: str, participant_id: str, kind: str) -> int:
@@ -412,12 +411,7 @@ class HttpTransport(Transport):
 
     def _encode(self, run: str, event: dict[str, Any]) -> bytes:
         body = encode_wire(event)
-        if len(body) > self.max_event_bytes:
-            raise PayloadTooLarge(
-                f"event is {len(body)} bytes; the service accepts at most {self.max_event_bytes}",
-                size=len(body),
-                max_bytes=self.max_event_bytes,
-            )
+        check_record_size(len(body), self.max_event_bytes, limit_of="the service")
         return body
 
     async def _send(self, run: str, items: Sequence[_Pending]) -> list[Position]:
@@ -431,17 +425,9 @@ class HttpTransport(Transport):
         else:
             status, content = await self._events.post(path, body, NDJSON)
             if status >= 300:
-                raise _error(status, content)
+                raise error_from_wire(status, content)
         offsets = orjson.loads(content)["offsets"]
         return [Position(o["partition"], o["offset"]) for o in offsets]
-
-
-def _error(status: int, content: bytes) -> RolloutlogError:
-    try:
-        body = orjson.loads(content)
-    except orjson.JSONDecodeError:
-        body = content[:500].decode(errors="replace")
-    return error_from_body(status, body)
 
 
 class KafkaTransport(Transport):
@@ -500,12 +486,7 @@ class KafkaTransport(Transport):
         return self._bounded(encode_record_fast(event))
 
     def _bounded(self, record: bytes) -> bytes:
-        if len(record) > self.log.max_record_bytes:
-            raise PayloadTooLarge(
-                f"event is {len(record)} bytes; the log accepts at most {self.log.max_record_bytes}",
-                size=len(record),
-                max_bytes=self.log.max_record_bytes,
-            )
+        check_record_size(len(record), self.log.max_record_bytes)
         return record
 
     async def _send(self, run: str, items: Sequence[_Pending]) -> list[Position]:

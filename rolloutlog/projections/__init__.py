@@ -1,6 +1,7 @@
 """Projections: the pure fold of an episode's events, the projector, checkpoints and restores."""
 
-from rolloutlog.projections._coordinator import CheckpointResult, Coordinator, RestoreResult
+from rolloutlog.projections._checkpointer import CheckpointResult
+from rolloutlog.projections._coordinator import Coordinator, TrackedEpisode
 from rolloutlog.projections._fold import (
     EpisodeFold,
     RecordView,
@@ -13,20 +14,22 @@ from rolloutlog.projections._fold import (
 from rolloutlog.projections._model import (
     BoundaryView,
     EpisodeProjection,
-    EpisodeStatus,
     GenerationCut,
     LedgerEntry,
+    ProjectionStatus,
     SessionView,
 )
+from rolloutlog.projections._restorer import RestoreResult
 
 __all__ = [
     "BoundaryView",
     "CheckpointResult",
     "Coordinator",
     "RestoreResult",
+    "TrackedEpisode",
     "EpisodeFold",
     "EpisodeProjection",
-    "EpisodeStatus",
+    "ProjectionStatus",
     "GenerationCut",
     "LedgerEntry",
     "RecordView",

@@ -14,7 +14,9 @@ import orjson
 
 from rolloutlog.log import Opaque, capture_key
 
-EpisodeStatus = Literal["live", "finished"]
+#: A projection's status at its cut (the catalog's episodes say ``running``/``finished``/
+#: ``excluded``: docs/design.md §11).
+ProjectionStatus = Literal["live", "finished"]
 
 
 class BoundaryView(NamedTuple):
@@ -97,7 +99,7 @@ class EpisodeProjection:
 
     episode: str
     attempt: int
-    status: EpisodeStatus
+    status: ProjectionStatus
     cut: int
     first_offset: int | None
     task: Opaque | None

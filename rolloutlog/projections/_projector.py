@@ -23,11 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from rolloutlog._gc import collector_paused
-from rolloutlog.catalog import EpisodeFinish, EpisodeStart, ManifestEntry, QuarantinedRecord
-from rolloutlog.catalog._values import QUARANTINE_FIRST_BYTES
+from rolloutlog.catalog import (
+    QUARANTINE_FIRST_BYTES,
+    EpisodeFinish,
+    EpisodeStart,
+    ManifestEntry,
+    QuarantinedRecord,
+)
 from rolloutlog.errors import BackendUnavailable, RolloutlogError, RunLost, UnknownRun
-from rolloutlog.log import Log, partition_for, record_meta
-from rolloutlog.log._codec import record_restore_id
+from rolloutlog.log import Log, partition_for, record_meta, record_restore_id
 from rolloutlog.projections._fold import _Filters, select_records
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._quarantine import metadata_problem
@@ -669,6 +673,39 @@ class Projector:
 
     def live_episodes(self) -> int:
         return sum(1 for tracker in self.trackers.values() if not tracker.finished)
+
+    # -- what the catalog's feeders take (``_feeders.py``) ------------------------------------
+
+    def has_new_episodes(self) -> bool:
+        return bool(self.new_starts or self.new_finishes)
+
+    def take_new_episodes(self, limit: int) -> tuple[list[EpisodeStart], list[EpisodeFinish]]:
+        """Up to ``limit`` starts and finishes not yet recorded, oldest first (taken off the
+        queue: ``put_back_new_episodes`` if the catalog did not take them)."""
+        starts, self.new_starts = self.new_starts[:limit], self.new_starts[limit:]
+        finishes, self.new_finishes = self.new_finishes[:limit], self.new_finishes[limit:]
+        return starts, finishes
+
+    def put_back_new_episodes(
+        self, starts: Sequence[EpisodeStart], finishes: Sequence[EpisodeFinish]
+    ) -> None:
+        """Back in front of the queue, in order (more may have been queued meanwhile)."""
+        self.new_starts[:0] = starts
+        self.new_finishes[:0] = finishes
+
+    def new_quarantine_batch(self, limit: int) -> list[QuarantinedRecord]:
+        """Up to ``limit`` quarantined records not yet recorded (``quarantine_recorded`` once
+        the catalog took them)."""
+        return self.new_quarantined[:limit]
+
+    def quarantine_recorded(self, count: int) -> None:
+        del self.new_quarantined[:count]
+
+    def drop_unrecorded(self) -> None:
+        """The run is deleted: nothing more for the catalog."""
+        self.new_starts.clear()
+        self.new_finishes.clear()
+        self.new_quarantined.clear()
 
 
 def _entry(tracker: EpisodeTracker, action: str, cut: int) -> ManifestEntry:

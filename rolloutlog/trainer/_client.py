@@ -28,11 +28,10 @@ from rolloutlog.trainer._types import (
     error_from_body,
     error_from_response,
 )
+from rolloutlog.wire import DEFAULT_URL, NDJSON
 
 __all__ = ["DEFAULT_URL", "AsyncTrainerClient", "TrainerClient"]
 
-DEFAULT_URL = "http://127.0.0.1:8750"
-NDJSON = "application/x-ndjson"
 CheckpointRef = int | Literal["latest"]
 
 

@@ -1,4 +1,5 @@
-"""What the trainer client returns, and the errors it raises (the service's own error classes)."""
+"""What the trainer client returns, and the errors it raises (the service's own error classes,
+rebuilt by ``rolloutlog.errors.error_from_wire``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import orjson
 
-from rolloutlog import errors
-from rolloutlog.errors import RolloutlogError
+from rolloutlog.errors import RolloutlogError, ServiceError, error_from_body, error_from_wire
 
 __all__ = [
     "CheckpointInfo",
@@ -22,51 +21,9 @@ __all__ = [
 ]
 
 
-class ServiceError(RolloutlogError):
-    """An error reply whose code has no class of its own here (``not_found``, ``internal``…)."""
-
-    def __init__(self, status: int, code: str, message: str, details: Mapping[str, Any]) -> None:
-        super().__init__(message)
-        self.details = dict(details)
-        self.code = code  # type: ignore[misc]
-        self.http_status = status  # type: ignore[misc]
-        self.retriable = status in (502, 503, 504)  # type: ignore[misc]
-
-
-def _error_classes() -> dict[str, type[RolloutlogError]]:
-    found: dict[str, type[RolloutlogError]] = {}
-    for name in errors.__all__:
-        cls = getattr(errors, name)
-        if isinstance(cls, type) and issubclass(cls, RolloutlogError) and cls.code != "internal":
-            found.setdefault(cls.code, cls)
-    return found
-
-
-_ERRORS = _error_classes()
-
-
-def error_from_body(status: int, body: Any) -> RolloutlogError:
-    """The rolloutlog error an ``{"error": {"code", "message", "details"}}`` body names."""
-    problem = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(problem, dict):
-        return ServiceError(status, f"http_{status}", f"HTTP {status}", {"body": body})
-    code = str(problem.get("code", f"http_{status}"))
-    message = str(problem.get("message", code))
-    details = problem.get("details") or {}
-    cls = _ERRORS.get(code)
-    if cls is None:
-        return ServiceError(status, code, message, details)
-    error = cls(message)
-    error.details = dict(details)
-    return error
-
-
 def error_from_response(response: httpx.Response) -> RolloutlogError:
-    try:
-        body = orjson.loads(response.content)
-    except orjson.JSONDecodeError:
-        body = response.text[:500]
-    return error_from_body(response.status_code, body)
+    """The error of an ``httpx`` error reply (``rolloutlog.errors.error_from_wire``)."""
+    return error_from_wire(response.status_code, response.content)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ import inspect
 import re
 from pathlib import Path
 
+import orjson
+
 from rolloutlog import errors
 from rolloutlog.api import _app
 
@@ -41,3 +43,35 @@ def test_every_error_class_has_its_own_code_and_a_status() -> None:
         if issubclass(cls, errors.RolloutlogError):
             assert re.fullmatch(r"[a-z_]+", cls.code), cls
             assert 400 <= cls.http_status < 600, cls
+
+
+def test_start_up_mistakes_are_configuration_errors() -> None:
+    from rolloutlog.log import open_log
+
+    for url in ("nope://x", "kafka://", "kafka://h:1?bogus=1", "embedded://?synchronous=OFF"):
+        try:
+            open_log(url)
+        except errors.ConfigurationError as e:
+            assert e.code == "invalid_configuration"
+            assert isinstance(e, errors.InvalidRequest)  # what callers caught before
+        else:
+            raise AssertionError(f"{url} was accepted")
+
+
+def test_every_error_class_comes_back_from_the_wire() -> None:
+    """``error_from_wire`` is the one decoder (trainer client and SDK): a reply rendered from any
+    class comes back as that class, with its details."""
+    for _, cls in inspect.getmembers(errors, inspect.isclass):
+        if not issubclass(cls, errors.RolloutlogError) or cls in (
+            errors.RolloutlogError,
+            errors.ServiceError,
+        ):
+            continue
+        sent = cls("why", run="r1")
+        body = orjson.dumps(sent.to_dict())
+        back = errors.error_from_wire(cls.http_status, body)
+        assert type(back) is cls or back.code == cls.code, cls  # CatalogError/CatalogVersionError
+        assert (back.message, back.details) == ("why", {"run": "r1"})
+    unknown = errors.error_from_wire(502, b"<html>bad gateway</html>")
+    assert isinstance(unknown, errors.ServiceError) and unknown.retriable
+    assert unknown.details == {"body": "<html>bad gateway</html>"}

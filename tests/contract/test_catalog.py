@@ -416,7 +416,6 @@ async def test_stale_controller_is_refused_by_every_checkpoint_and_restore_step(
     assert (await catalog.get_checkpoint(RUN, pending)).status == "aborted"
     stale_calls: list[Callable[[], Awaitable[Any]]] = [
         lambda: catalog.begin_checkpoint(RUN, epoch),
-        lambda: catalog.mark_checkpoint(RUN, pending, epoch, {0: 1}),
         lambda: catalog.commit_checkpoint(RUN, pending, epoch, make_offsets(), []),
         lambda: catalog.abort_checkpoint(RUN, pending, epoch, "stale"),
         lambda: catalog.commit_restore(RUN, epoch, committed, []),
@@ -442,10 +441,12 @@ async def test_invalid_checkpoint_requests_are_refused(catalog: Catalog) -> None
         with pytest.raises(InvalidRequest):
             await catalog.begin_checkpoint(RUN, epoch, **options)  # type: ignore[arg-type]
     checkpoint_id = await catalog.begin_checkpoint(RUN, epoch, trigger="sigterm", deadline_s=0.5)
-    with pytest.raises(InvalidRequest):
-        await catalog.mark_checkpoint(RUN, checkpoint_id, epoch, {P: 1})
-    with pytest.raises(InvalidRequest):
-        await catalog.mark_checkpoint(RUN, checkpoint_id, epoch, {0: -1})
+    beyond = [*make_offsets()[1:], PartitionOffset(P, 1)]  # no partition 0, a partition P
+    negative = [PartitionOffset(0, -1), *make_offsets()[1:]]
+    for offsets in (beyond, negative):
+        with pytest.raises(InvalidRequest):
+            await catalog.commit_checkpoint(RUN, checkpoint_id, epoch, offsets, [])
+    assert (await catalog.get_checkpoint(RUN, checkpoint_id)).status == "pending"
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
@@ -488,16 +489,19 @@ async def test_commit_writes_offsets_manifest_counts_and_latest(catalog: Catalog
     epoch = await controlled_run(catalog)
     entries = make_entries(50, finished_every=10)
     checkpoint_id = await catalog.begin_checkpoint(RUN, epoch)
-    await catalog.mark_checkpoint(RUN, checkpoint_id, epoch, {p: 1000 + p for p in range(P)})
-    marked = await catalog.get_checkpoint(RUN, checkpoint_id)
-    assert marked.status == "pending" and marked.marked_at is not None
-    assert [(o.partition, o.marker, o.replay_from) for o in marked.offsets] == [
-        (p, 1000 + p, None) for p in range(P)
-    ]
+    pending = await catalog.get_checkpoint(RUN, checkpoint_id)
+    assert pending.status == "pending" and pending.offsets == ()
     with pytest.raises(UnknownCheckpoint):
         await catalog.latest_checkpoint(RUN)
+    marked_at = 1764400000.5
     result = await catalog.commit_checkpoint(
-        RUN, checkpoint_id, epoch, make_offsets(), entries, timings_ms={"marker": 1.5}
+        RUN,
+        checkpoint_id,
+        epoch,
+        make_offsets(),
+        entries,
+        timings_ms={"marker": 1.5},
+        marked_at=marked_at,
     )
     finished = sum(e.action == "finished" for e in entries)
     restart = sum(e.action == "restart" for e in entries)
@@ -509,7 +513,7 @@ async def test_commit_writes_offsets_manifest_counts_and_latest(catalog: Catalog
     stored = await catalog.latest_checkpoint(RUN)
     assert stored == result
     assert stored.status == "committed" and stored.committed_at is not None
-    assert stored.marked_at == marked.marked_at
+    assert stored.marked_at == marked_at
     assert stored.entry_count == 50 and stored.size_bytes == sum(e.size_bytes for e in entries)
     assert stored.timings_ms == {"marker": 1.5}
     assert stored.offsets == tuple(make_offsets())
@@ -570,8 +574,6 @@ async def test_only_a_pending_checkpoint_commits_or_aborts(catalog: Catalog) -> 
     assert (await catalog.get_checkpoint(RUN, aborted)).reason == "operator"
     with pytest.raises(CheckpointNotPending):
         await catalog.commit_checkpoint(RUN, aborted, epoch, make_offsets(), [])
-    with pytest.raises(CheckpointNotPending):
-        await catalog.mark_checkpoint(RUN, aborted, epoch, {0: 1})
     with pytest.raises(UnknownCheckpoint):
         await catalog.commit_checkpoint(RUN, 99, epoch, make_offsets(), [])
     with pytest.raises(UnknownCheckpoint):

@@ -16,6 +16,7 @@ from rolloutlog.log import (
     Log,
     Opaque,
     Position,
+    Record,
     encode_record,
     partition_for,
     split_record,
@@ -298,6 +299,20 @@ async def test_oversized_event_refused_with_nothing_appended(log_factory: LogFac
     assert caught.value.code == "payload_too_large"
     assert caught.value.details["index"] == 1
     assert await log.end_offsets("run") == [0] * P
+
+
+async def test_oversized_record_refused_by_append_records(log_factory: LogFactory) -> None:
+    """The size limit holds for raw records too (the service's own, the SDK's Kafka path), on
+    every backend, before anything is written."""
+    log = await log_factory(max_record_bytes=1000)
+    await log.ensure_run("run", P)
+    batch = [Record(0, b"a", b"x" * 10), Record(1, b"b", b"y" * 1001), Record(2, b"c", b"z")]
+    with pytest.raises(PayloadTooLarge) as caught:
+        await log.append_records("run", batch)
+    assert caught.value.details == {"index": 1, "size": 1001, "max_bytes": 1000}
+    assert await log.end_offsets("run") == [0] * P
+    [position] = await log.append_records("run", [Record(1, b"b", b"y" * 1000)])
+    assert position.offset == 0
 
 
 async def test_reopen_after_close_keeps_everything(log_factory: LogFactory) -> None:

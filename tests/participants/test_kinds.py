@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import pytest
 
-from rolloutlog import participants
 from rolloutlog.errors import AttemptFenced, InvalidRequest, ParticipantFenced, UnknownEpisode
 from rolloutlog.participants import (
     Agent,
@@ -21,39 +20,6 @@ from rolloutlog.projections._verify import canonical_task_digest
 from tests.participants.conftest import RUN, World
 
 TASK = {"prompt": "add 3", "b": [1, 2], "a": {"z": 1, "y": None}}
-
-
-def test_the_public_surface_is_pinned() -> None:
-    assert set(participants.__all__) == {
-        "CAPTURE_KEY_HEADER",
-        "STAGES",
-        "STEP_HEADER",
-        "VERIFY_HEADER",
-        "Agent",
-        "AgentSession",
-        "Environment",
-        "EnvironmentEpisode",
-        "Generation",
-        "GenerationCut",
-        "HttpTransport",
-        "KafkaTransport",
-        "LedgerRowInfo",
-        "Participant",
-        "Policy",
-        "Resources",
-        "ResourcesMiddleware",
-        "Restores",
-        "Resumed",
-        "RolloutContext",
-        "RolloutContextMiddleware",
-        "Transport",
-        "context_headers",
-        "current_context",
-        "fingerprint",
-        "ledger_digest",
-        "rollout_context",
-        "task_digest",
-    }
 
 
 def test_task_digest_matches_the_restore_check() -> None:

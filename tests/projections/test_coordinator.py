@@ -447,3 +447,59 @@ async def test_a_restarted_episode_continues_across_a_service_restart(
         assert projection.boundaries["environment"].state.value() == {"turn": "again"}
     finally:
         await service.close()
+
+
+async def test_the_read_doors_answer_what_the_projector_tracks(service: Service) -> None:
+    """The API asks these instead of reaching into the projector."""
+    coordinator, run = service.coordinator, service.run
+    who = f.participant("environment", "env-9", 1)
+    await service.append(
+        f.started("a", who=who, seq=1),
+        f.boundary("a", who=who, seq=2),
+        f.started("b", who=who, seq=3),
+        f.finished("b", who=who, seq=4),
+    )
+    await (await coordinator.projector(run)).wait_until(
+        dict(enumerate(await service.log.end_offsets(run))), timeout_s=10
+    )
+    tracked = {e.episode: e for e in coordinator.tracked_episodes(run)}
+    assert {name: (e.attempt, e.status) for name, e in tracked.items()} == {
+        "a": (0, "running"),
+        "b": (0, "finished"),
+    }
+    assert tracked["a"].first_offset is not None and tracked["a"].started_at is not None
+    assert coordinator.live_episode_count(run) == 1
+    assert coordinator.tracked_bytes(run) > 0
+    assert coordinator.current_attempt(run, "a") == 0
+    assert coordinator.current_attempt(run, "nope") is None
+    assert coordinator.highest_seq(run, ("env-9", 1)) == 4
+    assert coordinator.run_events_applied(run) >= 4
+    assert coordinator.run_health(run) is not None
+    await committed(service)
+    restore = await service.restore(exclude=["a"])
+    assert [(e.episode, e.action) for e in restore.entries] == [("a", "excluded")]
+    assert coordinator.is_retired(run, "a")  # excluded
+    assert coordinator.is_retired(run, "b")  # reported finished by the checkpoint
+    # A run this service does not follow: nothing tracked, nothing failed.
+    assert coordinator.tracked_episodes("other") == []
+    assert coordinator.live_episode_count("other") is None
+    assert coordinator.run_health("other") is None
+
+
+async def test_the_feeders_take_and_put_back_through_the_projector(service: Service) -> None:
+    """A batch the catalog did not take goes back in front of the queue, in order."""
+    projector = await service.coordinator.projector(service.run)
+    await service.append(f.started("a"), f.started("b"), f.finished("a"))
+    await projector.wait_until(
+        dict(enumerate(await service.log.end_offsets(service.run))), timeout_s=10
+    )
+    queued = projector.take_new_episodes(100)  # everything not recorded yet (maybe nothing)
+    projector.put_back_new_episodes(*queued)
+    first = projector.take_new_episodes(1)
+    assert (first[0], first[1]) == (queued[0][:1], queued[1][:1])
+    rest = projector.take_new_episodes(100)
+    assert (first[0] + rest[0], first[1] + rest[1]) == queued
+    assert not projector.has_new_episodes()
+    projector.put_back_new_episodes(*rest)
+    projector.put_back_new_episodes(*first)
+    assert projector.take_new_episodes(100) == queued

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from rolloutlog.participants._participant import RolloutContext
-from rolloutlog.participants._policy import GenerationCut, Policy, fingerprint
+from rolloutlog.participants._policy import GenerationPrefix, Policy, fingerprint
 from rolloutlog.participants.sim._model import (
     context_digest,
     reply_text,
@@ -111,7 +111,7 @@ def policy_server(settings: ServerSettings) -> SimServer:
         await ensure_restored(context, server.restore_id(request, body))
         parent = policy.resolve_parent(key, fingerprint(turns)) if turns else None
         parent_id = parent.call_id if parent is not None else None
-        cut: GenerationCut | None = None
+        cut: GenerationPrefix | None = None
         projection = cuts.pop(key, None)
         if projection is not None:
             cut = policy.validate_cut(projection, request_digest=digest)

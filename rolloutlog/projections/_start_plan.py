@@ -6,6 +6,7 @@ from __future__ import annotations
 from rolloutlog.catalog import Catalog, Restore
 from rolloutlog.errors import RunLost, UnknownRun
 from rolloutlog.log import Log
+from rolloutlog.projections._planner import replay_start
 from rolloutlog.projections._projector import StartPlan
 
 __all__ = ["all_restores", "start_plan"]
@@ -44,9 +45,8 @@ async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:
         markers = [0] * partitions
         for offset in latest.offsets:
             markers[offset.partition] = offset.marker
-            start[offset.partition] = (
-                offset.replay_from if offset.replay_from is not None else offset.marker
-            )
+        for partition, replay_from in replay_start(latest.offsets).items():
+            start[partition] = replay_from
         await _check_log_holds(log, run, latest.checkpoint_id, markers)
     restores = await all_restores(catalog, run)
     restored: dict[str, int] = {}  # episode -> the attempt its latest restore made current

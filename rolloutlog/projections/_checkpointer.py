@@ -1,0 +1,221 @@
+"""Checkpoints (docs/design.md §6, §10 "A checkpoint"): controller epoch check and a ``pending``
+row → markers into every partition → the projector reaches each marker (the manifest of each
+partition is taken right there) → episodes with an open wait step extend their cut to that step's
+boundary, or restart at the deadline → one manifest-last catalog transaction. Participants never
+pause. A failure anywhere aborts the ``pending`` row (retried until the catalog takes it)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
+from typing import Any
+
+from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
+from rolloutlog.errors import BackendUnavailable, RolloutlogError
+from rolloutlog.log import Log
+from rolloutlog.projections._planner import replay_start
+from rolloutlog.projections._projector import CheckpointCapture, Projector
+from rolloutlog.projections._timing import StageTimer, backoff_s
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_WAIT_DEADLINE_S", "CheckpointResult", "Checkpointer"]
+
+_STAGING_KEYS = attrgetter("staging_keys")
+
+#: How long a checkpoint waits for open wait steps when the request names no deadline; also how
+#: long a checkpoint or restore waits for the projector to reach the log's offsets.
+DEFAULT_WAIT_DEADLINE_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointResult:
+    checkpoint: Checkpoint
+    staging_keys: tuple[str, ...]
+    timings_ms: Mapping[str, float]
+
+
+class Checkpointer:
+    """Runs a service's checkpoints over the log, the runs' projectors and the catalog."""
+
+    def __init__(
+        self,
+        log: Log,
+        catalog: Catalog,
+        projector: Callable[[str], Awaitable[Projector]],
+        spawn: Callable[[Coroutine[Any, Any, Any]], object],
+    ) -> None:
+        self.log = log
+        self.catalog = catalog
+        self._projector = projector
+        self._spawn = spawn
+
+    async def checkpoint(
+        self,
+        run: str,
+        controller_epoch: int,
+        *,
+        deadline_s: float | None = None,
+        wait: bool = True,
+        trigger: str = "request",
+    ) -> CheckpointResult | int:
+        """Take a checkpoint. Returns the committed result, or (``wait=False`` while wait steps
+        are still open) the id of the checkpoint that stays ``pending`` and commits later."""
+        projector = await self._projector(run)
+        projector.check_running()
+        timer = StageTimer()
+        checkpoint_id = await self.catalog.begin_checkpoint(
+            run, controller_epoch, trigger=trigger, deadline_s=deadline_s
+        )
+        timer.stage("begin")
+        capture = projector.begin_capture(checkpoint_id)
+        try:
+            markers = await self.log.write_markers(run, checkpoint_id, controller_epoch)
+            marked_at = time.time()
+            timer.stage("markers")
+            # A degraded projector may not get there: the checkpoint then fails (``unavailable``)
+            # at its deadline instead of hanging, and the next one succeeds once it recovers.
+            await projector.wait_until(
+                {p: o + 1 for p, o in enumerate(markers)},
+                timeout_s=deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S,
+            )
+            if not capture.reached.is_set():  # applied while the projector was catching up
+                raise BackendUnavailable(
+                    f"the projector of run {run!r} was catching up with the log when the "
+                    f"markers of checkpoint {checkpoint_id} arrived; retry",
+                    run=run,
+                    health=projector.health.view(),
+                )
+            projector.check_running()
+            timer.stage("projector")
+        except BaseException:
+            await self._abort(projector, controller_epoch, capture, "marking failed")
+            raise
+        if capture.waiting and not wait:
+            self._spawn(
+                self._finish(projector, controller_epoch, capture, timer, deadline_s, marked_at)
+            )
+            return checkpoint_id
+        return await self._finish(
+            projector, controller_epoch, capture, timer, deadline_s, marked_at
+        )
+
+    async def _finish(
+        self,
+        projector: Projector,
+        controller_epoch: int,
+        capture: CheckpointCapture,
+        timer: StageTimer,
+        deadline_s: float | None,
+        marked_at: float,
+    ) -> CheckpointResult:
+        run = projector.run
+        checkpoint_id = capture.checkpoint_id
+        try:
+            if capture.waiting:
+                deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
+                try:
+                    async with asyncio.timeout(deadline):
+                        await capture.resolved.wait()
+                except TimeoutError:
+                    capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
+            projector.check_running()  # a run whose log was lost meanwhile commits nothing
+            timer.stage("waits")
+            offsets, entries = _manifest(capture)
+            # Each key once, in the manifest's order (sorting 48,000 keys cost a S1 checkpoint
+            # tens of milliseconds).
+            staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, entries))))
+            timer.stage("manifest")
+            timings = timer.total()
+            committed = await self.catalog.commit_checkpoint(
+                run,
+                checkpoint_id,
+                controller_epoch,
+                offsets,
+                entries,
+                timings_ms=timings,
+                marked_at=marked_at,
+            )
+            timer.stage("commit")
+        except BaseException:
+            await self._abort(projector, controller_epoch, capture, "commit failed")
+            raise
+        projector.end_capture(capture, committed=True)
+        self._spawn(self._trim(run))
+        return CheckpointResult(committed, staging, timer.total())
+
+    async def _abort(
+        self,
+        projector: Projector,
+        controller_epoch: int,
+        capture: CheckpointCapture,
+        reason: str,
+    ) -> None:
+        run, checkpoint_id = projector.run, capture.checkpoint_id
+        projector.end_capture(capture, committed=False)
+        try:
+            await self.catalog.abort_checkpoint(run, checkpoint_id, controller_epoch, reason)
+        except RolloutlogError as e:
+            if not e.retriable:  # the original failure matters more
+                logger.exception("could not abort checkpoint %d of run %s", checkpoint_id, run)
+                return
+            # Left pending, it would refuse every later checkpoint of the run until a restart.
+            logger.warning(
+                "checkpoint %d of run %s could not be aborted yet (%s); retrying until the "
+                "catalog takes it",
+                checkpoint_id,
+                run,
+                e.message,
+            )
+            self._spawn(self._abort_until_landed(run, checkpoint_id, controller_epoch, reason))
+        except Exception:  # as above; start-up aborts it otherwise
+            logger.exception("could not abort checkpoint %d of run %s", checkpoint_id, run)
+
+    async def _abort_until_landed(
+        self, run: str, checkpoint_id: int, controller_epoch: int, reason: str
+    ) -> None:
+        """Retry a failed checkpoint's abort with jittered backoff until the catalog takes it."""
+        failures = 0
+        while True:
+            failures += 1
+            await asyncio.sleep(backoff_s(failures, 0.5))
+            try:
+                await self.catalog.abort_checkpoint(run, checkpoint_id, controller_epoch, reason)
+            except RolloutlogError as e:
+                if e.retriable:
+                    continue
+                # Committed after all (its reply was lost), or a new controller's take-over
+                # aborted it: either way it no longer blocks the run.
+                logger.info("checkpoint %d of run %s: %s", checkpoint_id, run, e.message)
+                return
+            logger.info(
+                "aborted checkpoint %d of run %s after %d attempts", checkpoint_id, run, failures
+            )
+            return
+
+    async def _trim(self, run: str) -> None:
+        """Drop log records no retained checkpoint needs (where the backend can)."""
+        retained = await self.catalog.list_checkpoints(run, status="committed", limit=100)
+        if not retained:
+            return
+        floor: dict[int, int] = {}
+        for checkpoint in retained:
+            full = await self.catalog.get_checkpoint(run, checkpoint.checkpoint_id)
+            for partition, needed in replay_start(full.offsets).items():
+                floor[partition] = min(floor.get(partition, needed), needed)
+        for partition, before in floor.items():
+            if before > 0 and not await self.log.trim(run, partition, before):
+                return
+
+
+def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[ManifestEntry]]:
+    offsets = [
+        PartitionOffset(partition, marker, min(capture.needed.get(partition, marker), marker))
+        for partition, marker in sorted(capture.markers.items())
+    ]
+    return offsets, list(capture.entries.values())

@@ -1,0 +1,110 @@
+"""The catalog's feeders: per run, background tasks that record what its projector saw (episode
+starts and finishes for analysts, quarantined records) in the catalog, in batches. The projector
+never waits for them: while the catalog is down their batches stay queued."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from rolloutlog.catalog import Catalog
+from rolloutlog.errors import RolloutlogError
+from rolloutlog.projections._projector import Projector
+from rolloutlog.projections._timing import backoff_s
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["flush_episodes", "record_episodes", "record_quarantine"]
+
+#: The episode records' last flush on the way out waits at most this for the catalog.
+_LAST_FLUSH_S = 5.0
+#: Starts and finishes per catalog write.
+_EPISODE_BATCH = 5000
+#: Quarantined records per catalog write.
+_QUARANTINE_BATCH = 1000
+
+
+async def record_quarantine(catalog: Catalog, projector: Projector, every_s: float = 1.0) -> None:
+    """Record the projector's quarantined records in the catalog, in batches; a batch the
+    catalog refuses (it is down) stays and is tried again (the projector never waits)."""
+    try:
+        while True:
+            await asyncio.sleep(every_s)
+            await _flush_quarantine(catalog, projector)
+    finally:
+        with contextlib.suppress(Exception):
+            await _flush_quarantine(catalog, projector)
+
+
+async def _flush_quarantine(catalog: Catalog, projector: Projector) -> None:
+    while batch := projector.new_quarantine_batch(_QUARANTINE_BATCH):
+        try:
+            await catalog.quarantine(projector.run, batch)
+        except Exception as e:  # the catalog is down: keep the batch for the next tick
+            logger.warning(
+                "could not record %d quarantined record(s) of run %s: %s",
+                len(batch),
+                projector.run,
+                e,
+            )
+            return
+        projector.quarantine_recorded(len(batch))
+
+
+async def record_episodes(catalog: Catalog, projector: Projector, every_s: float = 1.0) -> None:
+    """Feed the catalog's episodes table (for analysts) from the projector, in batches.
+
+    While the catalog is unavailable the batches stay queued and are retried with jittered
+    backoff: an episode that finishes during an outage must not stay ``running`` for good.
+    """
+    failures = 0
+    try:
+        while True:
+            await asyncio.sleep(backoff_s(failures, every_s) if failures else every_s)
+            try:
+                await flush_episodes(catalog, projector)
+            except RolloutlogError as e:  # retriable: the batch is kept
+                failures += 1
+                if failures == 1:
+                    logger.warning(
+                        "could not record episodes of run %s; retrying until the catalog "
+                        "takes them: %s",
+                        projector.run,
+                        e.message,
+                    )
+                continue
+            if failures:
+                logger.info(
+                    "recorded the episodes of run %s after %d failed attempts",
+                    projector.run,
+                    failures,
+                )
+            failures = 0
+    finally:
+        # Last flush on the way out, bounded: a hung catalog must not hold up the stop.
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(_LAST_FLUSH_S):
+                await flush_episodes(catalog, projector)
+
+
+async def flush_episodes(catalog: Catalog, projector: Projector) -> None:
+    """Record the projector's new starts and finishes. A retriable catalog error keeps the
+    batch queued and is raised; any other error drops that batch (the catalog refused it)."""
+    while projector.has_new_episodes():
+        starts, finishes = projector.take_new_episodes(_EPISODE_BATCH)
+        done = False
+        try:
+            await catalog.record_episodes(projector.run, starts, finishes)
+            done = True
+        except Exception as e:
+            if isinstance(e, RolloutlogError) and e.retriable:
+                raise
+            done = True  # dropped: retrying what the catalog refuses would block the run
+            logger.exception("the catalog refused episodes of run %s", projector.run)
+        finally:
+            if not done:
+                # Unavailable, or cancelled mid-write: back in front, in order (the projector
+                # may have queued more meanwhile). Sending a batch again whose commit did land
+                # is harmless: starts keep the first position, finishes are idempotent.
+                projector.put_back_new_episodes(starts, finishes)

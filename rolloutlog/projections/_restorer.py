@@ -1,0 +1,347 @@
+"""Restores (docs/design.md §6, §10 "A restore"): the runner around the pure planner
+(``_planner.py``). It fences the controller, reads the checkpoint and its manifest, waits for the
+projector, gathers each ``continue`` episode's state at its cut (pinned trackers, else a replay of
+the log), asks the planner, reserves the restore's id, writes the ``attempt.started`` records and
+commits the plan in one catalog transaction. A failure anywhere commits nothing: the projector
+discards the restore and the old attempts stay current."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import orjson
+
+from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, Restore, RestoreEntry
+from rolloutlog.errors import (
+    InvalidRequest,
+    StaleController,
+    UnknownCheckpoint,
+    UnknownEpisode,
+    UnknownRestore,
+)
+from rolloutlog.log import SERVICE_PARTICIPANT_ID, Log, Record, partition_for
+from rolloutlog.projections._checkpointer import DEFAULT_WAIT_DEADLINE_S
+from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.projections._planner import (
+    PlannedEpisode,
+    RestorePolicy,
+    check_exclusions,
+    plan_restore,
+    replay_start,
+    to_continue,
+)
+from rolloutlog.projections._projector import Projector, RestoreReset
+from rolloutlog.projections._replay import replay_at_cuts
+from rolloutlog.projections._start_plan import all_restores
+from rolloutlog.projections._timing import StageTimer
+
+__all__ = ["ProjectionCache", "RestoreResult", "Restorer"]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    restore: Restore
+    entries: tuple[RestoreEntry, ...]
+    timings_ms: Mapping[str, float]
+
+
+class ProjectionCache:
+    """Committed restores' continued projections, newest restores first within a byte budget
+    (the newest restore of a run is always kept)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self._budget = budget_bytes
+        self._entries: dict[tuple[str, int], dict[str, EpisodeProjection]] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def get(self, run: str, restore_id: int) -> dict[str, EpisodeProjection] | None:
+        return self._entries.get((run, restore_id))
+
+    def put(self, run: str, restore_id: int, projections: dict[str, EpisodeProjection]) -> None:
+        self._entries[(run, restore_id)] = projections
+        total = 0
+        for key in sorted(self._entries, key=lambda k: -k[1]):
+            size = sum(p.payload_bytes for p in self._entries[key].values())
+            total += size
+            if total > self._budget and key != (run, restore_id):
+                del self._entries[key]
+
+    def forget_run(self, run: str) -> None:
+        for key in [key for key in self._entries if key[0] == run]:
+            del self._entries[key]
+
+
+class Restorer:
+    """Runs a service's restores, and serves the projections of restores and checkpoints."""
+
+    def __init__(
+        self,
+        log: Log,
+        catalog: Catalog,
+        projectors: Mapping[str, Projector],
+        cache: ProjectionCache,
+    ) -> None:
+        self.log = log
+        self.catalog = catalog
+        self._projectors = projectors
+        self.cache = cache
+
+    async def restore(
+        self,
+        projector: Projector,
+        controller_epoch: int,
+        checkpoint_id: int | str,
+        exclude: Iterable[str],
+        policy: RestorePolicy,
+    ) -> RestoreResult:
+        """Plan and commit a restore of the projector's run (the caller holds the run's lock)."""
+        run = projector.run
+        timer = StageTimer()
+        info = await self.catalog.get_run(run)
+        if info.controller_epoch != controller_epoch:
+            raise StaleController(
+                f"controller epoch {controller_epoch} is stale; run {run!r} is at "
+                f"{info.controller_epoch}",
+                run=run,
+                controller_epoch=controller_epoch,
+                current=info.controller_epoch,
+            )
+        checkpoint = await self.committed_checkpoint(run, checkpoint_id)
+        # Everything appended before this request is folded: the episodes begun after the
+        # markers (below) are then all known.
+        await projector.wait_until(
+            dict(enumerate(await self.log.end_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
+        )
+        manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
+        current = await self.catalog.current_attempts(run)
+        excluded = set(exclude)
+        known = {entry.episode for entry in manifest}
+        # Episodes begun after the markers are not in the checkpoint; their events belong to the
+        # timeline the restore abandons, so they restart (or are excluded) like the others.
+        markers = {o.partition: o.marker for o in checkpoint.offsets}
+        begun_after = projector.begun_after(markers, known)
+        # Before any replay: a mistyped exclusion fails at once.
+        check_exclusions(checkpoint.checkpoint_id, excluded, known, begun_after)
+        timer.stage("manifest")
+        continuing = to_continue(manifest, excluded)
+        # Episodes untouched since this service captured the checkpoint have their verdict in
+        # the projector already; only the others are replayed. Their projections are built when
+        # first fetched (``projections``). The policy rule changes projections, so a request
+        # with a policy replays everything.
+        pinned = (
+            projector.pin_cut_states(checkpoint.checkpoint_id, continuing)
+            if not policy.constrains
+            else {}
+        )
+        replayed = [e for e in continuing if e.episode not in pinned]
+        projections: dict[str, EpisodeProjection] = {}
+        if replayed:
+            restores = {r.restore_id for r in await all_restores(self.catalog, run)}
+            new_attempts = {e.episode: current.get(e.episode, e.attempt) + 1 for e in replayed}
+            projections = await replay_at_cuts(
+                self.log,
+                run,
+                replayed,
+                replay_start(checkpoint.offsets),
+                restores,
+                quarantined=projector.quarantined,
+                attempts=new_attempts,
+            )
+        timer.stage("replay")
+        plan = plan_restore(
+            checkpoint.checkpoint_id,
+            manifest,
+            current=current,
+            begun_after=begun_after,
+            exclude=excluded,
+            pinned=pinned,
+            projections=projections,
+            policy=policy,
+        )
+        resets = {
+            p.entry.episode: RestoreReset(
+                p.entry.action,
+                p.entry.attempt,
+                p.projection,
+                pinned[p.entry.episode] if p.from_pin else None,
+            )
+            for p in plan.episodes
+        }
+        entries = plan.entries
+        timer.stage("verify")
+        # Reserved before any record names it: a restore that dies before its commit leaves
+        # attempt records under an id no later restore can commit.
+        restore_id = await self.catalog.reserve_restore_id(run, controller_epoch)
+        projector.begin_restore(restore_id, resets)
+        committed = False
+        try:
+            await self._write_attempts(
+                run,
+                info.partitions,
+                restore_id,
+                checkpoint.checkpoint_id,
+                plan.episodes,
+                controller_epoch,
+            )
+            timer.stage("attempts")
+            restore = await self.catalog.commit_restore(
+                run,
+                controller_epoch,
+                checkpoint.checkpoint_id,
+                entries,
+                timings_ms=timer.total(),
+                restore_id=restore_id,
+            )
+            committed = True
+            timer.stage("commit")
+        finally:
+            projector.end_restore(restore_id, committed)
+        if not pinned:  # else the projections are built when first fetched
+            self.cache.put(run, restore_id, plan.projections)
+        # What stays (cached projections, the trackers' new states): keep the collector from
+        # walking it again and again.
+        gc.freeze()
+        return RestoreResult(restore, entries, timer.total())
+
+    async def committed_checkpoint(self, run: str, checkpoint_id: int | str) -> Checkpoint:
+        """The checkpoint a restore or a projection read names (an id or ``"latest"``), which
+        must be committed."""
+        if checkpoint_id == "latest":
+            checkpoint = await self.catalog.latest_checkpoint(run)
+        elif isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool):
+            checkpoint = await self.catalog.get_checkpoint(run, checkpoint_id)
+        else:
+            raise InvalidRequest(
+                'checkpoint_id must be an integer or "latest"', field="checkpoint_id"
+            )
+        if checkpoint.status != "committed":
+            raise UnknownCheckpoint(
+                f"checkpoint {checkpoint.checkpoint_id} of run {run!r} is {checkpoint.status}: "
+                "only a committed checkpoint can be restored",
+                run=run,
+                checkpoint_id=checkpoint.checkpoint_id,
+                status=checkpoint.status,
+            )
+        return checkpoint
+
+    async def _write_attempts(
+        self,
+        run: str,
+        partitions: int,
+        restore_id: int,
+        checkpoint_id: int,
+        plan: Sequence[PlannedEpisode],
+        controller_epoch: int,
+    ) -> None:
+        """One ``attempt.started`` per planned episode, encoded directly (the service's own
+        records, built from validated values: no per-event model validation)."""
+        now = time.time()
+        writer = {"id": SERVICE_PARTICIPANT_ID, "kind": "service", "epoch": controller_epoch}
+        records = []
+        for index, planned in enumerate(plan):
+            entry = planned.entry
+            meta = {
+                "v": 1,
+                "episode": entry.episode,
+                "attempt": entry.attempt,
+                "step": None,
+                "participant": writer,
+                "seq": restore_id * 10_000_000 + index,
+                "ts": now,
+                "type": "attempt.started",
+                "data": {
+                    "restore_id": restore_id,
+                    "checkpoint_id": checkpoint_id,
+                    "previous_attempt": entry.previous_attempt,
+                    "cut": planned.cut,
+                },
+            }
+            records.append(
+                Record(
+                    partition_for(entry.episode, partitions),
+                    entry.episode.encode(),
+                    orjson.dumps(meta),
+                )
+            )
+        for start in range(0, len(records), 4096):
+            await self.log.append_records(run, records[start : start + 4096])
+
+    # -- serving projections ---------------------------------------------------------------
+
+    async def restore_projections(self, run: str, restore_id: int) -> dict[str, EpisodeProjection]:
+        """Every continued episode's projection of a committed restore (recomputed after a
+        service restart: deterministic from the log and the catalog)."""
+        cached = self.cache.get(run, restore_id)
+        if cached is not None:
+            return cached
+        restore = await self.catalog.get_restore(run, restore_id)
+        entries = await self.catalog.restore_episodes(
+            run, restore_id, action="continue", limit=None
+        )
+        checkpoint = await self.catalog.get_checkpoint(run, restore.checkpoint_id)
+        if checkpoint.status != "committed":
+            raise UnknownRestore(
+                f"restore {restore_id} of run {run!r} came from checkpoint "
+                f"{restore.checkpoint_id}, which is {checkpoint.status}: its projections are gone",
+                run=run,
+                restore_id=restore_id,
+            )
+        manifest = {
+            e.episode: e for e in await self.catalog.load_manifest(run, restore.checkpoint_id)
+        }
+        wanted = [manifest[e.episode] for e in entries if e.episode in manifest]
+        restores = {
+            r.restore_id for r in await all_restores(self.catalog, run) if r.restore_id < restore_id
+        }
+        attempts = {e.episode: e.attempt for e in entries}
+        result = await self._replay(run, checkpoint, wanted, restores, attempts)
+        self.cache.put(run, restore_id, result)
+        return result
+
+    async def checkpoint_projection(
+        self, run: str, checkpoint_id: int, episode: str
+    ) -> EpisodeProjection:
+        """One episode's projection at a committed checkpoint's cut (no restore needed)."""
+        checkpoint = await self.committed_checkpoint(run, checkpoint_id)
+        manifest = {
+            e.episode: e for e in await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
+        }
+        entry = manifest.get(episode)
+        if entry is None:
+            raise UnknownEpisode(
+                f"episode {episode!r} is not in checkpoint {checkpoint.checkpoint_id}",
+                run=run,
+                episode=episode,
+            )
+        restores = {r.restore_id for r in await all_restores(self.catalog, run)}
+        projections = await self._replay(run, checkpoint, [entry], restores)
+        projection = projections.get(episode)
+        if projection is None:
+            raise UnknownEpisode(
+                f"episode {episode!r} has no events before its cut", episode=episode
+            )
+        return projection
+
+    async def _replay(
+        self,
+        run: str,
+        checkpoint: Checkpoint,
+        entries: Sequence[ManifestEntry],
+        restores: set[int],
+        attempts: Mapping[str, int] | None = None,
+    ) -> dict[str, EpisodeProjection]:
+        projector = self._projectors.get(run)
+        return await replay_at_cuts(
+            self.log,
+            run,
+            entries,
+            replay_start(checkpoint.offsets),
+            restores,
+            quarantined=projector.quarantined if projector is not None else frozenset(),
+            attempts=attempts,
+        )
