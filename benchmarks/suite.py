@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import logging
@@ -112,11 +113,18 @@ class Service:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        # A catalog of its own (a fresh schema): runs left by earlier suites, whose topics died
+        # with their broker, would be reported lost and keep /readyz at 503.
+        self.schema: str | None = None
+        if deployment.log_url:
+            self.schema = f"bench_{uuid.uuid4().hex[:12]}"
+            _postgres_execute(f'CREATE SCHEMA "{self.schema}"')
 
     def start(self) -> None:
         extra = []
         if self.deployment.log_url:
-            extra = ["--log", self.deployment.log_url, "--catalog", POSTGRES]
+            catalog = f"{POSTGRES}{'&' if '?' in POSTGRES else '?'}search_path={self.schema}"
+            extra = ["--log", self.deployment.log_url, "--catalog", catalog]
         with self.log_path.open("ab") as errors:  # warnings and errors, shown on failure
             self.proc = subprocess.Popen(
                 serve_command(self.data_dir, self.port, *extra),
@@ -169,6 +177,27 @@ class Service:
     def remove(self) -> None:
         self.stop()
         shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self.schema is not None:
+            _postgres_execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
+            self.schema = None
+
+
+def _postgres_execute(sql: str) -> None:
+    """Run one statement on the suite's PostgreSQL (from sync code, inside or outside a loop)."""
+
+    async def execute() -> None:
+        import asyncpg
+
+        conn = await asyncpg.connect(
+            POSTGRES.split("?")[0].replace("postgresql+asyncpg", "postgresql")
+        )
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(asyncio.run, execute()).result()
 
 
 @contextlib.contextmanager
