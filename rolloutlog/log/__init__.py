@@ -4,13 +4,10 @@ from rolloutlog.log._codec import (
     decode_event,
     decode_record,
     encode_event,
-    encode_record,
-    record_episode,
-    record_meta,
-    split_record,
     validate_event,
     validate_events,
 )
+from rolloutlog.log._digests import ledger_digest, task_digest, token_count
 from rolloutlog.log._events import (
     OPAQUE_FIELD,
     SERVICE_EVENT_TYPES,
@@ -57,6 +54,18 @@ from rolloutlog.log._interface import (
     open_log,
 )
 from rolloutlog.log._opaque import Opaque
+from rolloutlog.log._record import (
+    attempt_started_record,
+    encode_record,
+    encode_record_dict,
+    marker_record,
+    record_episode,
+    record_meta,
+    record_payload,
+    record_payload_size,
+    record_restore_id,
+    split_record,
+)
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
@@ -92,20 +101,29 @@ __all__ = [
     "StepBoundaryData",
     "StepStarted",
     "StepStartedData",
+    "attempt_started_record",
     "capture_key",
     "decode_event",
     "decode_record",
     "encode_event",
     "encode_record",
+    "encode_record_dict",
     "episode_id_problem",
+    "ledger_digest",
+    "marker_record",
     "name_problem",
     "open_log",
     "parse_capture_key",
     "partition_for",
     "record_episode",
     "record_meta",
+    "record_payload",
+    "record_payload_size",
+    "record_restore_id",
     "run_name_problem",
     "split_record",
+    "task_digest",
+    "token_count",
     "validate_event",
     "validate_events",
 ]

@@ -26,8 +26,6 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any
 
-import orjson
-
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import (
     Catalog,
@@ -48,8 +46,7 @@ from rolloutlog.errors import (
     UnknownRestore,
     UnknownRun,
 )
-from rolloutlog.log import Log, Record, partition_for, record_episode
-from rolloutlog.log._events import SERVICE_PARTICIPANT_ID
+from rolloutlog.log import Log, Record, attempt_started_record, partition_for, record_episode
 from rolloutlog.projections._fold import project_raw
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._plan import all_restores, start_plan
@@ -742,35 +739,25 @@ class Coordinator:
         cuts: Mapping[str, int],
         controller_epoch: int,
     ) -> None:
-        """One ``attempt.started`` per planned episode, encoded directly (the service's own
-        records, built from validated values: no per-event model validation)."""
+        """One ``attempt.started`` per planned episode (``attempt_started_record``)."""
         now = time.time()
-        writer = {"id": SERVICE_PARTICIPANT_ID, "kind": "service", "epoch": controller_epoch}
-        records = []
-        for index, entry in enumerate(plan):
-            meta = {
-                "v": 1,
-                "episode": entry.episode,
-                "attempt": entry.attempt,
-                "step": None,
-                "participant": writer,
-                "seq": restore_id * 10_000_000 + index,
-                "ts": now,
-                "type": "attempt.started",
-                "data": {
-                    "restore_id": restore_id,
-                    "checkpoint_id": checkpoint_id,
-                    "previous_attempt": entry.previous_attempt,
-                    "cut": cuts[entry.episode],
-                },
-            }
-            records.append(
-                Record(
-                    partition_for(entry.episode, partitions),
-                    entry.episode.encode(),
-                    orjson.dumps(meta),
-                )
+        records = [
+            Record(
+                partition_for(entry.episode, partitions),
+                entry.episode.encode(),
+                attempt_started_record(
+                    entry.episode,
+                    entry.attempt,
+                    restore_id=restore_id,
+                    checkpoint_id=checkpoint_id,
+                    previous_attempt=entry.previous_attempt,
+                    cut=cuts[entry.episode],
+                    controller_epoch=controller_epoch,
+                    ts=now,
+                ),
             )
+            for entry in plan
+        ]
         for start in range(0, len(records), 4096):
             await self.log.append_records(run, records[start : start + 4096])
 

@@ -23,14 +23,13 @@ prefix is folded whole; of the tail only the generation cut survives, and wait s
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from rolloutlog.log import Event, Opaque, encode_record, split_record
+from rolloutlog.log import Event, Opaque, encode_record, ledger_digest, split_record, token_count
 from rolloutlog.projections._model import (
     BoundaryView,
     EpisodeProjection,
@@ -422,17 +421,3 @@ def project_events(
     """``project_episode`` over typed events (as tests and golden streams hold them)."""
     records = ((offset, *split_record(encode_record(event))) for offset, event in events)
     return project_episode(episode, records, cut, committed_restores)
-
-
-def ledger_digest(parent_digest: str, token_ids_json: bytes) -> str:
-    """docs/design.md §3: sha256 of ``parent_digest + ":" + ",".join(tokens)``, on the raw JSON array.
-
-    orjson writes an int array as ``[1,2,3]``, so its inside is exactly the comma-joined text.
-    """
-    inside = token_ids_json.strip()[1:-1].replace(b" ", b"")
-    return hashlib.sha256(parent_digest.encode() + b":" + inside).hexdigest()
-
-
-def token_count(token_ids_json: bytes) -> int:
-    inside = token_ids_json.strip()[1:-1].strip()
-    return 0 if not inside else inside.count(b",") + 1

@@ -26,8 +26,7 @@ from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import EpisodeFinish, EpisodeStart, ManifestEntry, QuarantinedRecord
 from rolloutlog.catalog._values import QUARANTINE_FIRST_BYTES
 from rolloutlog.errors import BackendUnavailable, RolloutlogError, RunLost, UnknownRun
-from rolloutlog.log import Log, partition_for, record_meta
-from rolloutlog.log._codec import record_restore_id
+from rolloutlog.log import Log, partition_for, record_meta, record_restore_id
 from rolloutlog.projections._fold import _Filters, select_records
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._quarantine import metadata_problem

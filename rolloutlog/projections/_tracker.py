@@ -14,13 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolloutlog.projections._fold import _Filters, token_count
+from rolloutlog.log import task_digest, token_count
+from rolloutlog.projections._fold import _Filters
 from rolloutlog.projections._model import EpisodeProjection
-from rolloutlog.projections._verify import (
-    canonical_task_digest,
-    generation_cut_problem,
-    ledger_row_problem,
-)
+from rolloutlog.projections._verify import generation_cut_problem, ledger_row_problem
 
 _SEPARATOR = b"\n"
 
@@ -180,7 +177,7 @@ class EpisodeTracker:
         self.task_problem = None
         if self.task_seen:
             try:
-                if canonical_task_digest(payload) != digest:  # type: ignore[arg-type]
+                if task_digest(payload) != digest:
                     self.task_problem = "task digest does not match the task"
             except Exception:  # the fold would fail on it too: leave this episode to a replay
                 self.exact = False

@@ -3,27 +3,18 @@ and the policy-lag rule. Pure functions: each returns why an episode cannot cont
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import replace
 
-import orjson
-
-from rolloutlog.projections._fold import ledger_digest, token_count
+from rolloutlog.log import ledger_digest, task_digest, token_count
 from rolloutlog.projections._model import EpisodeProjection
-
-
-def canonical_task_digest(task_json: bytes) -> str:
-    """sha256 of the task's canonical JSON (sorted keys, no whitespace)."""
-    canonical = orjson.dumps(orjson.loads(task_json), option=orjson.OPT_SORT_KEYS)
-    return hashlib.sha256(canonical).hexdigest()
 
 
 def verify_projection(projection: EpisodeProjection) -> str | None:
     """Why this projection must not be continued (it restarts instead), or None when it can."""
     if projection.task is None or projection.task_digest is None:
         return "no episode.started before the cut"
-    if canonical_task_digest(projection.task.raw) != projection.task_digest:
+    if task_digest(projection.task.raw) != projection.task_digest:
         return "task digest does not match the task"
     rows: dict[str, tuple[str, int]] = {}
     for row in projection.ledger:

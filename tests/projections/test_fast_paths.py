@@ -10,31 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutlog.log import Event, encode_record, record_meta, validate_event
-from rolloutlog.log._codec import record_restore_id
 from rolloutlog.projections import CheckpointResult, project_events
 from rolloutlog.projections._tracker import EpisodeTracker
 from rolloutlog.projections._verify import verify_projection
 from tests import factories as f
 from tests.projections.conftest import Service, open_service
-
-
-def test_restore_ids_are_read_off_the_service_records_only() -> None:
-    meta = {
-        "v": 1,
-        "episode": "r1",
-        "attempt": 2,
-        "step": None,
-        "participant": {"id": "rolloutlog", "kind": "service", "epoch": 3},
-        "seq": 1,
-        "ts": 1.0,
-        "type": "attempt.started",
-        "data": {"restore_id": 417, "checkpoint_id": 9, "previous_attempt": 1, "cut": 12},
-    }
-    assert record_restore_id(orjson.dumps(meta)) == 417
-    # Other records, including one whose payload spells the same bytes, are not restores.
-    assert record_restore_id(encode_record(f.started("r1"))) is None
-    state = {"type": "attempt.started", "data": {"restore_id": 5, "cut": 1}}
-    assert record_restore_id(encode_record(f.boundary("r1", "seed", state))) is None
 
 
 async def test_a_restores_own_records_are_skipped_yet_fence_and_continue(
