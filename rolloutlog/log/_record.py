@@ -40,12 +40,13 @@ __all__ = [
     "encode_record",
     "encode_record_dict",
     "marker_record",
+    "peek_record",
     "record_envelope",
     "record_episode",
     "record_meta",
-    "record_meta_and_payload_start",
     "record_payload",
     "record_payload_size",
+    "record_payload_start",
     "record_restore_id",
     "split_record",
 ]
@@ -193,13 +194,19 @@ def record_meta(record: bytes) -> dict[str, Any]:
     return meta
 
 
-def record_meta_and_payload_start(record: bytes) -> tuple[dict[str, Any], int]:
+def peek_record(record: bytes) -> tuple[dict[str, Any], int]:
     """A record's metadata and where its payload starts (``len(record)`` when it has none): the
     payload is not copied until someone asks for it (``record_payload``)."""
     cut = record.find(_SEPARATOR)
     if cut < 0:
         return orjson.loads(record), len(record)
     return orjson.loads(record[:cut]), cut + 1
+
+
+def record_payload_start(record: bytes) -> int:
+    """Where a record's payload starts (``len(record)`` when it has none)."""
+    cut = record.find(_SEPARATOR)
+    return len(record) if cut < 0 else cut + 1
 
 
 def record_payload(record: bytes) -> bytes | None:
