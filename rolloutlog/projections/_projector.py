@@ -33,7 +33,8 @@ from rolloutlog.log import (
     record_payload_start,
     record_restore_id,
 )
-from rolloutlog.projections._fold import _Filters, select_records
+from rolloutlog.projections._episode import _Filters
+from rolloutlog.projections._fold import select_records
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._quarantine import metadata_problem
 from rolloutlog.projections._tracker import EpisodeTracker

@@ -3,14 +3,14 @@
 ``EpisodeTracker`` is ``EpisodeFold`` with ``keep_payloads=False`` — the same rules, keeping sizes,
 staging keys and each ledger row's lineage check instead of states and token ids — plus the
 partition the projector files it under. Every rule (filters, commit at a boundary, the generation
-cut, the verdict, what a restore does to the state) lives in ``_fold`` and ``_verify``; a restore of
+cut, the verdict, what a restore does to the state) lives in ``_episode`` and ``_verify``; a restore of
 a checkpoint this projector captured takes the verdict of every untouched episode from its tracker
 (``verdict``) instead of replaying its records.
 """
 
 from __future__ import annotations
 
-from rolloutlog.projections._fold import EpisodeFold
+from rolloutlog.projections._episode import EpisodeFold
 
 __all__ = ["EpisodeTracker"]
 
