@@ -4,14 +4,10 @@ from rolloutlog.log._codec import (
     decode_event,
     decode_record,
     encode_event,
-    encode_record,
-    record_episode,
-    record_meta,
-    record_restore_id,
-    split_record,
     validate_event,
     validate_events,
 )
+from rolloutlog.log._digests import ledger_digest, task_digest, token_count
 from rolloutlog.log._events import (
     OPAQUE_FIELD,
     SERVICE_EVENT_TYPES,
@@ -64,6 +60,20 @@ from rolloutlog.log._interface import (
 )
 from rolloutlog.log._lock import DataDirLock
 from rolloutlog.log._opaque import Opaque
+from rolloutlog.log._record import (
+    attempt_started_record,
+    encode_record,
+    encode_record_dict,
+    marker_record,
+    peek_record,
+    record_episode,
+    record_meta,
+    record_payload,
+    record_payload_size,
+    record_payload_start,
+    record_restore_id,
+    split_record,
+)
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
@@ -103,6 +113,7 @@ __all__ = [
     "StepBoundaryData",
     "StepStarted",
     "StepStartedData",
+    "attempt_started_record",
     "capture_key",
     "check_record_size",
     "check_run_name",
@@ -110,16 +121,25 @@ __all__ = [
     "decode_record",
     "encode_event",
     "encode_record",
+    "encode_record_dict",
     "episode_id_problem",
+    "ledger_digest",
+    "marker_record",
     "name_problem",
     "open_log",
+    "peek_record",
     "parse_capture_key",
     "partition_for",
     "record_episode",
     "record_meta",
+    "record_payload",
+    "record_payload_size",
+    "record_payload_start",
     "record_restore_id",
     "run_name_problem",
     "split_record",
+    "task_digest",
+    "token_count",
     "validate_event",
     "validate_events",
 ]

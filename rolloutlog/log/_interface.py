@@ -13,15 +13,10 @@ from types import TracebackType
 from typing import Any, NamedTuple, Self
 
 from rolloutlog.errors import ConfigurationError, InvalidRequest, PayloadTooLarge
-from rolloutlog.log._codec import decode_record, encode_record, validate_events
-from rolloutlog.log._events import (
-    SERVICE_PARTICIPANT_ID,
-    CheckpointMarker,
-    CheckpointMarkerData,
-    Event,
-    ParticipantIdentity,
-)
+from rolloutlog.log._codec import decode_record, validate_events
+from rolloutlog.log._events import Event
 from rolloutlog.log._ids import partition_for, run_name_problem
+from rolloutlog.log._record import encode_record, marker_record
 
 #: Largest record (metadata plus payload) a backend accepts by default: 16 MiB.
 DEFAULT_MAX_RECORD_BYTES = 16 * 1024 * 1024
@@ -207,12 +202,7 @@ class Log(abc.ABC):
     async def write_markers(self, run: str, checkpoint_id: int, controller_epoch: int) -> list[int]:
         """Write a ``checkpoint.marker`` into every partition; return the marker offsets."""
         partitions = await self.partitions(run)
-        data = CheckpointMarkerData(checkpoint_id=checkpoint_id, controller_epoch=controller_epoch)
-        writer = ParticipantIdentity(
-            id=SERVICE_PARTICIPANT_ID, kind="service", epoch=controller_epoch
-        )
-        marker = CheckpointMarker(participant=writer, seq=checkpoint_id, ts=time.time(), data=data)
-        value = encode_record(marker)
+        value = marker_record(checkpoint_id, controller_epoch, time.time())
         records = [Record(partition, None, value) for partition in range(partitions)]
         positions = await self.append_records(run, records)
         return [position.offset for position in positions]

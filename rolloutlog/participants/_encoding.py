@@ -8,10 +8,10 @@ lists, rewards). ``check_built`` checks exactly those with plain type tests and 
 ``validate_event``, which stays the authority: it accepts what pydantic accepts and refuses with
 the same ``InvalidEvent`` (field and reason) otherwise.
 
-The encoders write what ``rolloutlog.log``'s codec writes (tested per event type): the record of
-an envelope is its metadata JSON with the payload field left out, then a newline and the payload's
-raw JSON; the participant classes build envelopes in the codec's field order (``v``, ``episode``,
-…), so records start the way ``record_episode`` reads without decoding.
+Records are encoded by ``rolloutlog.log.encode_record_dict``, the record layout's own encoder for
+dict envelopes (the same bytes as the codec's for a valid envelope, tested per event type); the
+participant classes build envelopes in the envelope model's field order, which the layout's peeks
+use when they can.
 """
 
 from __future__ import annotations
@@ -22,9 +22,15 @@ from typing import Any
 
 import orjson
 
-from rolloutlog.log import Opaque, encode_record, episode_id_problem, validate_event
+from rolloutlog.log import (
+    Opaque,
+    encode_record,
+    encode_record_dict,
+    episode_id_problem,
+    validate_event,
+)
 
-__all__ = ["PAYLOAD_FIELDS", "check_built", "encode_record_fast", "encode_wire"]
+__all__ = ["check_built", "encode_record_fast", "encode_wire"]
 
 
 def _default(value: Any) -> Any:
@@ -38,39 +44,8 @@ def encode_wire(event: dict[str, Any]) -> bytes:
     return orjson.dumps(event, default=_default)
 
 
-#: The field of each event type a log record keeps apart from its metadata (``rolloutlog.log``'s
-#: record format: metadata JSON, then a newline and the payload's raw JSON).
-PAYLOAD_FIELDS = {
-    "episode.started": "task",
-    "step.boundary": "state",
-    "session.state": "state",
-    "episode.finished": "result",
-    "ledger.row": "token_ids",
-    "generation.chunk": "token_ids",
-}
-
-
-def encode_record_fast(event: dict[str, Any]) -> bytes:
-    """The log record of an envelope, without pydantic: the same meaning as
-    ``encode_record(validate_event(event))`` for a valid envelope (tested per event type).
-
-    The payload is taken out of ``data`` for the metadata's encoding and put back (no copy of
-    the envelope); a payload already ``Opaque`` is appended as its raw bytes.
-    """
-    field = PAYLOAD_FIELDS.get(event["type"])
-    data = event["data"]
-    if field is None or field not in data:
-        return orjson.dumps(event, default=_default)
-    payload = data.pop(field)
-    try:
-        head = orjson.dumps(event)
-    finally:
-        data[field] = payload
-    if payload is None:
-        return head
-    if type(payload) is Opaque:
-        return b"%b\n%b" % (head, payload.raw)
-    return b"%b\n%b" % (head, orjson.dumps(payload, default=_default))
+#: The SDK's record encoder is the log's (``rolloutlog.log``'s record layout, for dict envelopes).
+encode_record_fast = encode_record_dict
 
 
 # -- the cheap checks ------------------------------------------------------------------------

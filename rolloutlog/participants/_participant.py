@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, ClassVar, get_args
-
-import orjson
 
 from rolloutlog.log import (
     Opaque,
@@ -18,6 +15,7 @@ from rolloutlog.log import (
     capture_key,
     name_problem,
     parse_capture_key,
+    task_digest,
 )
 from rolloutlog.participants._transport import Transport
 
@@ -25,12 +23,6 @@ __all__ = ["Participant", "RolloutContext", "task_digest"]
 
 #: The kinds a participant may register as (the envelopes it builds carry its kind unchecked).
 _KINDS = frozenset(get_args(ParticipantKind))
-
-
-def task_digest(task: Any) -> str:
-    """sha256 of the task's canonical JSON (sorted keys, compact), as restores recompute it."""
-    raw = task.raw if isinstance(task, Opaque) else orjson.dumps(task)
-    return hashlib.sha256(orjson.dumps(orjson.loads(raw), option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

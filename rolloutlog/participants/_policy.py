@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from rolloutlog.log import ledger_digest
 from rolloutlog.participants._participant import Participant, RolloutContext, check_name
 from rolloutlog.participants._transport import Transport
 
@@ -20,12 +21,6 @@ __all__ = [
     "fingerprint",
     "ledger_digest",
 ]
-
-
-def ledger_digest(parent_digest: str, token_ids: Iterable[int]) -> str:
-    """docs/design.md §3: sha256 of ``parent_digest + ":" + ",".join(tokens)``."""
-    text = parent_digest + ":" + ",".join(map(str, token_ids))
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def fingerprint(turns: Any) -> str:

@@ -31,8 +31,15 @@ from rolloutlog.catalog import (
     QuarantinedRecord,
 )
 from rolloutlog.errors import BackendUnavailable, RolloutlogError, RunLost, UnknownRun
-from rolloutlog.log import Log, partition_for, record_meta, record_restore_id
-from rolloutlog.projections._fold import _Filters, select_records
+from rolloutlog.log import (
+    Log,
+    partition_for,
+    peek_record,
+    record_payload_start,
+    record_restore_id,
+)
+from rolloutlog.projections._episode import _Filters
+from rolloutlog.projections._fold import select_records
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._quarantine import metadata_problem
 from rolloutlog.projections._tracker import EpisodeTracker
@@ -304,11 +311,11 @@ class Projector:
                 records, math.inf, self.committed_restores, self._refolding[episode]
             )
             tracker = self._tracker(episode, partition_for(episode, self.partitions))
-            tracker.filters = _refold_filters(records, attempt)
+            tracker.filters = _Filters.after(records, attempt)
             for offset, meta, kept_record in kept:
                 record = cast(bytes, kept_record)  # buffered records are whole
                 try:
-                    tracker.apply(offset, meta, record)
+                    tracker.apply(offset, meta, record, record_payload_start(record))
                 except Exception as e:  # the fold cannot apply it: skip it, as while following
                     self._quarantine(tracker.partition, offset, record, _fold_failure(e))
             tracker.attempt = attempt
@@ -385,7 +392,7 @@ class Projector:
         """Check one record and apply it, or quarantine it (never raise: one bad record must
         not stop the run)."""
         try:
-            meta = record_meta(record)
+            meta, start = peek_record(record)
         except ValueError as e:  # orjson's JSONDecodeError
             self._quarantine(partition, offset, record, f"not a JSON envelope: {e}")
             return None
@@ -408,7 +415,7 @@ class Projector:
             self._buffered.setdefault(meta["episode"], []).append((offset, meta, record))
             return None
         try:
-            return self._apply(partition, offset, meta, record)
+            return self._apply(partition, offset, meta, record, start)
         except Exception as e:  # the fold cannot apply it: skip it, keep the run going
             self._quarantine(partition, offset, record, _fold_failure(e))
             return None
@@ -447,8 +454,9 @@ class Projector:
         offset: int,
         meta: dict[str, Any],
         record: bytes,
+        start: int,
     ) -> Awaitable[None] | None:
-        """Apply one record at once; only the ``attempt.started`` of a restore whose verdict is
+        """Apply one record at once (``record[start:]``: its payload); only the ``attempt.started`` of a restore whose verdict is
         still out returns something to await (synchronous otherwise: a restore's 16,000 records
         follow each other without a coroutine each)."""
         self.events_applied += 1
@@ -470,7 +478,7 @@ class Projector:
             return None  # a restore that never committed changes nothing
         tracker = self._tracker(episode, partition)
         started, finished = tracker.first_offset is not None, tracker.finished
-        tracker.observe(offset, meta, record)
+        tracker.observe(offset, meta, record, start)
         if not started and tracker.first_offset is not None:
             self.new_starts.append(EpisodeStart(episode, partition, offset, meta["ts"]))
         if tracker.finished and not finished:
@@ -491,10 +499,7 @@ class Projector:
         tracker = self._tracker(meta["episode"], partition)
         # The restore's own resets were applied when it committed (``end_restore``); what is left
         # is a restore seen while catching up after a restart (the start-up refold handles it).
-        if meta["attempt"] > tracker.filters.attempt:
-            tracker.filters.attempt = meta["attempt"]
-            tracker.attempt = meta["attempt"]
-            tracker.exact = False  # not reset to the restore's cut: its verdicts replay
+        tracker.fence_to(meta["attempt"])
 
     def begun_after(self, markers: Mapping[int, int], known: Container[str]) -> dict[str, int]:
         """Episodes (with their current attempt) whose first event is at or past their
@@ -593,7 +598,7 @@ class Projector:
         del capture.waiting[tracker.episode]
         if tracker.finished:
             action = "finished"
-        elif tracker.restart_only():
+        elif tracker.restart_only_open:
             action = "restart"
             capture.reasons[tracker.episode] = "a restart_only session is open at the cut"
         else:
@@ -633,7 +638,7 @@ class Projector:
             return
         tracker = self._tracker(episode, partition_for(episode, self.partitions))
         if reset.action == "continue" and reset.pinned is not None:
-            tracker.continue_from_pin(reset.attempt)
+            tracker.continue_at_cut(reset.attempt)
         elif reset.action == "continue" and reset.projection is not None:
             tracker.continue_from(reset.projection, reset.attempt)
         else:
@@ -723,15 +728,3 @@ def _entry(tracker: EpisodeTracker, action: str, cut: int) -> ManifestEntry:
 
 def _fold_failure(error: Exception) -> str:
     return f"the fold could not apply it: {type(error).__name__}: {error}"
-
-
-def _refold_filters(
-    records: Sequence[tuple[int, dict[str, Any], bytes | None]], attempt: int
-) -> _Filters:
-    """The filter state after a whole history (so later zombies and duplicates stay filtered)."""
-    filters = _Filters()
-    for _, meta, _ in records:
-        if meta["type"] not in ("attempt.started", "checkpoint.marker"):
-            filters.admits(meta)
-    filters.attempt = attempt
-    return filters

@@ -12,8 +12,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import orjson
-
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, Restore, RestoreEntry
 from rolloutlog.errors import (
     InvalidRequest,
@@ -22,7 +20,7 @@ from rolloutlog.errors import (
     UnknownEpisode,
     UnknownRestore,
 )
-from rolloutlog.log import SERVICE_PARTICIPANT_ID, Log, Record, partition_for
+from rolloutlog.log import Log, Record, attempt_started_record, partition_for
 from rolloutlog.projections._checkpointer import DEFAULT_WAIT_DEADLINE_S
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._planner import (
@@ -238,36 +236,25 @@ class Restorer:
         plan: Sequence[PlannedEpisode],
         controller_epoch: int,
     ) -> None:
-        """One ``attempt.started`` per planned episode, encoded directly (the service's own
-        records, built from validated values: no per-event model validation)."""
+        """One ``attempt.started`` per planned episode (``attempt_started_record``)."""
         now = time.time()
-        writer = {"id": SERVICE_PARTICIPANT_ID, "kind": "service", "epoch": controller_epoch}
-        records = []
-        for index, planned in enumerate(plan):
-            entry = planned.entry
-            meta = {
-                "v": 1,
-                "episode": entry.episode,
-                "attempt": entry.attempt,
-                "step": None,
-                "participant": writer,
-                "seq": restore_id * 10_000_000 + index,
-                "ts": now,
-                "type": "attempt.started",
-                "data": {
-                    "restore_id": restore_id,
-                    "checkpoint_id": checkpoint_id,
-                    "previous_attempt": entry.previous_attempt,
-                    "cut": planned.cut,
-                },
-            }
-            records.append(
-                Record(
-                    partition_for(entry.episode, partitions),
-                    entry.episode.encode(),
-                    orjson.dumps(meta),
-                )
+        records = [
+            Record(
+                partition_for(planned.entry.episode, partitions),
+                planned.entry.episode.encode(),
+                attempt_started_record(
+                    planned.entry.episode,
+                    planned.entry.attempt,
+                    restore_id=restore_id,
+                    checkpoint_id=checkpoint_id,
+                    previous_attempt=planned.entry.previous_attempt,
+                    cut=planned.cut,
+                    controller_epoch=controller_epoch,
+                    ts=now,
+                ),
             )
+            for planned in plan
+        ]
         for start in range(0, len(records), 4096):
             await self.log.append_records(run, records[start : start + 4096])
 

@@ -1,42 +1,123 @@
-"""Restore-time checks of a projection (docs/design.md §3, §6): lineage, generation cut, task digest,
-and the policy-lag rule. Pure functions: each returns why an episode cannot continue, or None."""
+"""Restore-time checks of an episode (docs/design.md §3, §6): lineage, generation cut, task digest
+(``Lineage``, used by the fold as records arrive and by ``verify_projection``), and the policy-lag
+rule. Each check returns why an episode cannot continue, or None."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import replace
 
-import orjson
-
-from rolloutlog.projections._fold import ledger_digest, token_count
+from rolloutlog.log import ledger_digest, task_digest, token_count
 from rolloutlog.projections._model import EpisodeProjection
 
 
-def canonical_task_digest(task_json: bytes) -> str:
-    """sha256 of the task's canonical JSON (sorted keys, no whitespace)."""
-    canonical = orjson.dumps(orjson.loads(task_json), option=orjson.OPT_SORT_KEYS)
-    return hashlib.sha256(canonical).hexdigest()
+class Lineage:
+    """The restore's checks of one episode (§3, §6), written once: the task matches its digest,
+    each ledger row chains to the rows before it, the generation cut's parent is in the ledger.
+
+    The rows come in ledger order; a row waits (pending) until the boundary that commits it, and
+    is checked against the committed rows and the pending rows before it — the rows that come
+    before it in the ledger if the boundary commits. A state that drops payloads (the projector's)
+    checks each row as it arrives, then forgets its token ids; ``verify_projection`` runs the same
+    checks over a projection's committed ledger.
+    """
+
+    __slots__ = ("ledger_problem", "pending", "rows", "task_problem", "task_seen")
+
+    def __init__(self) -> None:
+        self.task_seen = False
+        self.task_problem: str | None = None
+        #: Committed rows: call id → (digest, cum_len).
+        self.rows: dict[str, tuple[str, int]] = {}
+        #: The first committed row that does not chain, as a restart reason.
+        self.ledger_problem: str | None = None
+        #: Rows waiting for the next boundary: (call id, digest, cum_len, problem or None).
+        self.pending: list[tuple[str, str, int, str | None]] = []
+
+    def task(self, task_json: bytes | None, digest: str | None) -> None:
+        """An ``episode.started`` (its task's raw JSON and the digest it claims)."""
+        self.task_seen = task_json is not None and digest is not None
+        self.task_problem = None
+        if task_json is not None and digest is not None and task_digest(task_json) != digest:
+            self.task_problem = "task digest does not match the task"
+
+    def row(
+        self,
+        call_id: str,
+        parent_call_id: str | None,
+        prev_len: int,
+        cum_len: int,
+        digest: str,
+        token_ids_json: bytes,
+    ) -> None:
+        """A ledger row, pending until ``commit``."""
+        earlier = self.rows
+        if self.pending:
+            earlier = {**earlier, **{row[0]: (row[1], row[2]) for row in self.pending}}
+        problem = ledger_row_problem(
+            parent_call_id, prev_len, cum_len, digest, token_ids_json, earlier
+        )
+        self.pending.append((call_id, digest, cum_len, problem))
+
+    def commit(self) -> None:
+        """A boundary: the pending rows join the ledger."""
+        for call_id, digest, cum_len, problem in self.pending:
+            if problem is not None and self.ledger_problem is None:
+                self.ledger_problem = f"ledger row {call_id}: {problem}"
+            self.rows[call_id] = (digest, cum_len)
+        self.pending.clear()
+
+    def drop_tail(self) -> None:
+        """A restore dropped the uncommitted rows."""
+        self.pending.clear()
+
+    def copy(self) -> Lineage:
+        other = Lineage()
+        other.task_seen = self.task_seen
+        other.task_problem = self.task_problem
+        other.rows = dict(self.rows)
+        other.ledger_problem = self.ledger_problem
+        other.pending = list(self.pending)
+        return other
+
+    def verdict(
+        self, cut_call_id: str | None, cut_problem: str | None, cut_parent: str | None
+    ) -> str | None:
+        """Why the episode cannot continue (it restarts), or None; ``cut_*`` describe its
+        generation cut (``cut_call_id`` None: it has none)."""
+        if not self.task_seen:
+            return "no episode.started before the cut"
+        if self.task_problem is not None:
+            return self.task_problem
+        if self.ledger_problem is not None:
+            return self.ledger_problem
+        if cut_call_id is not None:
+            return generation_cut_problem(cut_call_id, cut_problem, cut_parent, self.rows)
+        return None
 
 
 def verify_projection(projection: EpisodeProjection) -> str | None:
     """Why this projection must not be continued (it restarts instead), or None when it can."""
-    if projection.task is None or projection.task_digest is None:
-        return "no episode.started before the cut"
-    if canonical_task_digest(projection.task.raw) != projection.task_digest:
-        return "task digest does not match the task"
-    rows: dict[str, tuple[str, int]] = {}
-    for row in projection.ledger:
-        problem = ledger_row_problem(
-            row.parent_call_id, row.prev_len, row.cum_len, row.digest, row.token_ids_json, rows
-        )
-        if problem is not None:
-            return f"ledger row {row.call_id}: {problem}"
-        rows[row.call_id] = (row.digest, row.cum_len)
+    lineage = Lineage()
+    task = projection.task
+    lineage.task(task.raw if task is not None else None, projection.task_digest)
+    if lineage.task_seen and lineage.task_problem is None:
+        for row in projection.ledger:
+            lineage.row(
+                row.call_id,
+                row.parent_call_id,
+                row.prev_len,
+                row.cum_len,
+                row.digest,
+                row.token_ids_json,
+            )
+            lineage.commit()
+            if lineage.ledger_problem is not None:
+                break  # the first row that does not chain is the reason
     cut = projection.generation_cut
-    if cut is not None:
-        return generation_cut_problem(cut.call_id, cut.problem, cut.parent_call_id, rows)
-    return None
+    if cut is None:
+        return lineage.verdict(None, None, None)
+    return lineage.verdict(cut.call_id, cut.problem, cut.parent_call_id)
 
 
 def ledger_row_problem(

@@ -108,10 +108,12 @@ async def test_a_record_the_fold_cannot_apply_is_quarantined(
         await api.seed(["a"])
         original = EpisodeTracker.observe
 
-        def observe(self: EpisodeTracker, offset: int, meta: dict[str, Any], record: bytes) -> None:
+        def observe(
+            self: EpisodeTracker, offset: int, meta: dict[str, Any], record: bytes, start: int
+        ) -> bool:
             if meta["type"] == "step.boundary" and meta["data"]["stage"] == "explodes":
                 raise RuntimeError("the fold cannot apply this")
-            original(self, offset, meta, record)
+            return original(self, offset, meta, record, start)
 
         monkeypatch.setattr(EpisodeTracker, "observe", observe)
         await api.append(f.boundary("a", "explodes"), f.boundary("a", "fine"))

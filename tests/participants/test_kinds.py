@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from rolloutlog.errors import AttemptFenced, InvalidRequest, ParticipantFenced, UnknownEpisode
+from rolloutlog.log import task_digest as service_task_digest
 from rolloutlog.participants import (
     Agent,
     Environment,
@@ -16,7 +17,6 @@ from rolloutlog.participants import (
     ledger_digest,
     task_digest,
 )
-from rolloutlog.projections._verify import canonical_task_digest
 from tests.participants.conftest import RUN, World
 
 TASK = {"prompt": "add 3", "b": [1, 2], "a": {"z": 1, "y": None}}
@@ -25,7 +25,7 @@ TASK = {"prompt": "add 3", "b": [1, 2], "a": {"z": 1, "y": None}}
 def test_task_digest_matches_the_restore_check() -> None:
     import orjson
 
-    assert task_digest(TASK) == canonical_task_digest(orjson.dumps(TASK))
+    assert task_digest(TASK) == service_task_digest(orjson.dumps(TASK))
 
 
 async def test_every_kind_continues_through_a_checkpoint_and_a_restore(world: World) -> None:

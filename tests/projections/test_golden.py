@@ -11,6 +11,7 @@ import pytest
 from rolloutlog.log import validate_event
 from rolloutlog.projections import EpisodeProjection, project_events
 from tests.golden import _build
+from tests.projections.both_modes import check_both_modes
 
 GOLDEN = Path(_build.__file__).resolve().parent
 FIXTURES = sorted(GOLDEN.glob("*.json"))
@@ -74,6 +75,18 @@ def test_there_is_a_fixture_per_rule() -> None:
 def test_golden_stream(path: Path) -> None:
     fixture = orjson.loads(path.read_bytes())
     check(replay(fixture), fixture["expect"])
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_golden_stream_in_both_modes(path: Path) -> None:
+    """The projector's trackers (no payloads, record by record, pinned and continued at each
+    restore) agree with the full fold on the manifest entry, the verdict and the metadata."""
+    fixture = orjson.loads(path.read_bytes())
+    events = [(item["offset"], validate_event(item["event"])) for item in fixture["events"]]
+    restores = fixture["committed_restores"]
+    committed = None if restores is None else set(restores)
+    for cut in range(fixture["cut"] + 1):  # at every position up to the fixture's cut
+        check_both_modes(fixture["episode"], events, cut, committed)
 
 
 def test_fixtures_match_their_builder() -> None:

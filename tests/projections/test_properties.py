@@ -5,6 +5,7 @@ participant epochs, tail events after the last boundary, a random cut and restor
 properties come from docs/design.md §4-§6:
 
 - no event at or after a cut is ever folded in;
+- the projector's trackers (the fold without payloads) agree with the full fold;
 - duplicates and zombies never reach a projection;
 - a restored resources state always matches the restored boundary (the resources server records
   its state before replying, the environment its boundary after);
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 from rolloutlog.log import Event
 from rolloutlog.projections import CheckpointResult, project_events
 from tests import factories as f
+from tests.projections.both_modes import check_both_modes
 from tests.projections.conftest import open_service
 
 ENV1 = f.participant("environment", "env-0", 1)
@@ -88,6 +90,8 @@ def test_fold_properties(stream: tuple[list[tuple[int, str, Event]], int]) -> No
     for episode in {event.episode for _, _, event in merged}:
         events = [(offset, event) for offset, _, event in merged if event.episode == episode]
         projection = project_events(str(episode), events, cut)
+        # The projector's trackers (no payloads) agree with the full fold.
+        assert check_both_modes(str(episode), events, cut) == projection
         before_cut = [(o, tag, e) for o, tag, e in merged if e.episode == episode and o < cut]
         good_boundaries = [
             e for _, tag, e in before_cut if tag == "good" and e.type == "step.boundary"

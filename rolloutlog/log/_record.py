@@ -1,0 +1,267 @@
+"""The record layout: the one module that knows how a log record's bytes are arranged.
+
+A record keeps the envelope's metadata apart from its bulky payload, so that the service folds
+metadata without touching payloads::
+
+    record = metadata JSON                       (no payload field)
+           | metadata JSON  b"\\n"  payload JSON  (the type's payload field, as its raw bytes)
+
+orjson never writes a raw newline, so the first newline splits the two. The payload field is the
+type's opaque field (``task``, ``state``, ``result``) or, for ledger rows and generation chunks,
+``token_ids`` — which lets a restore check a row's digest on the raw bytes of its token list.
+
+The metadata's fields come in the envelope model's order (``v``, ``episode``, ``attempt``,
+``step``, ``participant``, ``seq``, ``ts``, ``type``, ``data``). Every writer here keeps that order,
+and two peeks rely on it to answer without decoding: ``record_episode`` (the replay picks an
+episode's records out of a partition) and ``record_restore_id`` (the projector skips its own
+restore's records). Both fall back to decoding, or to "no", for a record in another order, so the
+order is a speed-up, never a correctness condition.
+
+Everything that builds, splits or peeks into a record calls this module: the codec (typed events),
+the SDK (its envelopes as dicts), the projector and the fold (metadata and payloads), and the
+coordinator and the log (the service's own ``checkpoint.marker`` and ``attempt.started``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from rolloutlog.log._events import OPAQUE_FIELD, SERVICE_PARTICIPANT_ID
+from rolloutlog.log._opaque import Opaque
+
+if TYPE_CHECKING:
+    from rolloutlog.log._events import Event
+
+__all__ = [
+    "PAYLOAD_FIELD",
+    "attempt_started_record",
+    "encode_record",
+    "encode_record_dict",
+    "marker_record",
+    "peek_record",
+    "record_envelope",
+    "record_episode",
+    "record_meta",
+    "record_payload",
+    "record_payload_size",
+    "record_payload_start",
+    "record_restore_id",
+    "split_record",
+]
+
+#: The field of each event type kept out of the record's metadata.
+PAYLOAD_FIELD: dict[str, str] = {
+    **OPAQUE_FIELD,
+    "ledger.row": "token_ids",
+    "generation.chunk": "token_ids",
+}
+_TOKEN_TYPES = frozenset({"ledger.row", "generation.chunk"})
+#: ``model_dump_json`` exclusions that leave the payload field out of the metadata.
+_EXCLUDE_PAYLOAD = {kind: {"data": {field}} for kind, field in PAYLOAD_FIELD.items()}
+_SEPARATOR = b"\n"
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, Opaque):
+        return orjson.Fragment(value.raw)
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+# -- building ------------------------------------------------------------------------------
+
+
+def encode_record(event: Event) -> bytes:
+    """The record of a typed event: metadata, then (after a newline) the payload field's raw JSON."""
+    exclude = _EXCLUDE_PAYLOAD.get(event.type)
+    if exclude is None:
+        return event.__pydantic_serializer__.to_json(event)
+    head = event.__pydantic_serializer__.to_json(event, exclude=exclude)
+    payload = getattr(event.data, PAYLOAD_FIELD[event.type])
+    if payload is None:
+        return head
+    if isinstance(payload, Opaque):
+        return head + _SEPARATOR + payload.raw
+    return head + _SEPARATOR + orjson.dumps(payload)
+
+
+def encode_record_dict(event: dict[str, Any]) -> bytes:
+    """The record of an envelope held as a dict (the SDK's), without pydantic: the same bytes as
+    ``encode_record(validate_event(event))`` for a valid envelope whose keys are in the model's
+    order (what the SDK builds; tested per event type).
+
+    The payload is taken out of ``data`` for the metadata's encoding and put back (no copy of
+    the envelope); a payload already ``Opaque`` is appended as its raw bytes.
+    """
+    field = PAYLOAD_FIELD.get(event["type"])
+    data = event["data"]
+    if field is None or field not in data:
+        return orjson.dumps(event, default=_default)
+    payload = data.pop(field)
+    try:
+        head = orjson.dumps(event)
+    finally:
+        data[field] = payload
+    if payload is None:
+        return head
+    if type(payload) is Opaque:
+        return b"%b\n%b" % (head, payload.raw)
+    return b"%b\n%b" % (head, orjson.dumps(payload, default=_default))
+
+
+def marker_record(checkpoint_id: int, controller_epoch: int, ts: float) -> bytes:
+    """The ``checkpoint.marker`` the service writes into every partition (no episode).
+
+    Its ``seq`` is the checkpoint id: checkpoint ids only grow, so the service's ``seq`` rises
+    per (participant, epoch) in each partition, as the envelope asks of every writer (§3).
+    """
+    return orjson.dumps(
+        {
+            "v": 1,
+            "episode": None,
+            "attempt": 0,
+            "step": None,
+            "participant": _service(controller_epoch),
+            "seq": checkpoint_id,
+            "ts": ts,
+            "type": "checkpoint.marker",
+            "data": {"checkpoint_id": checkpoint_id, "controller_epoch": controller_epoch},
+        }
+    )
+
+
+def attempt_started_record(
+    episode: str,
+    attempt: int,
+    *,
+    restore_id: int,
+    checkpoint_id: int,
+    previous_attempt: int,
+    cut: int,
+    controller_epoch: int,
+    ts: float,
+) -> bytes:
+    """The ``attempt.started`` a restore writes for one episode (the service's own record, built
+    from validated values: no model validation).
+
+    Its ``seq`` is the restore id: an episode gets at most one ``attempt.started`` per restore
+    and restore ids only grow, so within an episode the service's ``seq`` rises per (participant,
+    epoch), as the envelope asks of every writer (§3). (The fold never filters these records by
+    ``seq``: a committed restore's record is taken for its restore id.)
+    """
+    return orjson.dumps(
+        {
+            "v": 1,
+            "episode": episode,
+            "attempt": attempt,
+            "step": None,
+            "participant": _service(controller_epoch),
+            "seq": restore_id,
+            "ts": ts,
+            # ``record_restore_id`` reads these two keys, in this order, off the bytes.
+            "type": "attempt.started",
+            "data": {
+                "restore_id": restore_id,
+                "checkpoint_id": checkpoint_id,
+                "previous_attempt": previous_attempt,
+                "cut": cut,
+            },
+        }
+    )
+
+
+def _service(controller_epoch: int) -> dict[str, Any]:
+    return {"id": SERVICE_PARTICIPANT_ID, "kind": "service", "epoch": controller_epoch}
+
+
+# -- splitting -----------------------------------------------------------------------------
+
+
+def split_record(record: bytes) -> tuple[dict[str, Any], bytes | None]:
+    """A record's metadata (decoded) and its payload's raw JSON (undecoded, or None)."""
+    cut = record.find(_SEPARATOR)
+    if cut < 0:
+        return orjson.loads(record), None
+    return orjson.loads(record[:cut]), record[cut + 1 :]
+
+
+def record_meta(record: bytes) -> dict[str, Any]:
+    """A record's metadata only: the payload after the first newline is neither decoded nor
+    copied (what the projector reads of every record)."""
+    cut = record.find(_SEPARATOR)
+    meta: dict[str, Any] = orjson.loads(record if cut < 0 else record[:cut])
+    return meta
+
+
+def peek_record(record: bytes) -> tuple[dict[str, Any], int]:
+    """A record's metadata and where its payload starts (``len(record)`` when it has none): the
+    payload is not copied until someone asks for it (``record_payload``)."""
+    cut = record.find(_SEPARATOR)
+    if cut < 0:
+        return orjson.loads(record), len(record)
+    return orjson.loads(record[:cut]), cut + 1
+
+
+def record_payload_start(record: bytes) -> int:
+    """Where a record's payload starts (``len(record)`` when it has none)."""
+    cut = record.find(_SEPARATOR)
+    return len(record) if cut < 0 else cut + 1
+
+
+def record_payload(record: bytes) -> bytes | None:
+    """A record's payload as its raw JSON (a copy), or None."""
+    cut = record.find(_SEPARATOR)
+    return None if cut < 0 else record[cut + 1 :]
+
+
+def record_payload_size(record: bytes) -> int:
+    """How many bytes of a record are its payload (0 without one), without copying it."""
+    cut = record.find(_SEPARATOR)
+    return 0 if cut < 0 else len(record) - cut - 1
+
+
+def record_envelope(record: bytes) -> dict[str, Any]:
+    """A record's whole envelope as a dict: the metadata with the payload field put back (token
+    ids decoded, opaque payloads as ``Opaque``), ready for model validation."""
+    meta, payload = split_record(record)
+    if payload is not None:
+        kind = meta["type"]
+        field = PAYLOAD_FIELD[kind]
+        meta["data"][field] = orjson.loads(payload) if kind in _TOKEN_TYPES else Opaque(payload)
+    return meta
+
+
+# -- peeking -------------------------------------------------------------------------------
+
+_EPISODE_PREFIX = b'{"v":1,"episode":"'
+
+
+def record_episode(record: bytes) -> str | None:
+    """A record's episode, read off its first bytes where the field order allows (every record
+    rolloutlog writes), else by decoding its metadata."""
+    if record.startswith(_EPISODE_PREFIX):
+        end = record.find(b'"', len(_EPISODE_PREFIX))
+        return record[len(_EPISODE_PREFIX) : end].decode()
+    episode = record_meta(record).get("episode")
+    return episode if isinstance(episode, str) else None
+
+
+_RESTORE_ID = b'"type":"attempt.started","data":{"restore_id":'
+#: How far into a record the restore id of an ``attempt.started`` can be (its metadata comes
+#: first, episode and participant names are at most 200 characters): never scan a payload.
+_RESTORE_ID_WITHIN = 1024
+
+
+def record_restore_id(record: bytes) -> int | None:
+    """The restore id of an ``attempt.started`` record as ``attempt_started_record`` builds it
+    (read off its bytes, without decoding), or None for any other record."""
+    start = record.find(_RESTORE_ID, 0, _RESTORE_ID_WITHIN)
+    # Only in the metadata: a JSON text escapes the quotes of any string that spells these
+    # bytes, but the raw payload after the newline is not the metadata's to vouch for.
+    if start < 0 or record.find(_SEPARATOR, 0, start) >= 0:
+        return None
+    start += len(_RESTORE_ID)
+    end = record.find(b",", start, start + 24)
+    digits = record[start:end] if end > 0 else b""
+    return int(digits) if digits.isdigit() else None

@@ -1,0 +1,699 @@
+"""The fold's state machine: one episode's events applied one record at a time (docs/design.md
+§4, §5). No I/O. ``_fold`` runs it over an episode's records (the full fold); the projector keeps
+one per live episode without payloads (``_tracker``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from rolloutlog.log import Opaque, token_count
+from rolloutlog.projections._model import (
+    BoundaryView,
+    EpisodeProjection,
+    GenerationCut,
+    LedgerEntry,
+    SessionView,
+)
+from rolloutlog.projections._verify import Lineage, verify_projection
+
+__all__ = ["EpisodeFold"]
+
+_new = tuple.__new__
+
+
+@dataclass
+class _Filters:
+    """Per-episode state of the zombie, duplicate and attempt filters (rules 3-5)."""
+
+    attempt: int = 0
+    max_epoch: dict[str, int] = field(default_factory=dict)
+    last_seq: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def admits(self, meta: dict[str, Any]) -> bool:
+        who = meta["participant"]
+        pid, epoch = who["id"], who["epoch"]
+        if self.max_epoch.get(pid, -1) > epoch:
+            return False
+        self.max_epoch[pid] = epoch
+        key = (pid, epoch)
+        seq = meta["seq"]
+        last = self.last_seq.get(key)
+        if last is not None and seq <= last:
+            return False
+        self.last_seq[key] = seq
+        return bool(meta["attempt"] == self.attempt)
+
+    @classmethod
+    def after(cls, records: Iterable[tuple[int, dict[str, Any], Any]], attempt: int) -> _Filters:
+        """The filters after a whole history (so that later zombies and duplicates stay
+        filtered), with ``attempt`` current."""
+        filters = cls()
+        for _, meta, _ in records:
+            if meta["type"] not in ("attempt.started", "checkpoint.marker"):
+                filters.admits(meta)
+        filters.attempt = attempt
+        return filters
+
+
+#: One generation chunk in the tail: (start, token count, done, its data, its token ids' raw JSON
+#: when the state keeps payloads).
+_Chunk = tuple[int, int, bool, dict[str, Any], bytes | None]
+#: A pending session change: (type, data, state's raw JSON when kept, state's size, writer).
+_SessionChange = tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]
+#: What ``snapshot`` does to each field: shares it, copies it shallowly, or copies it deeper.
+_SHARE, _SHALLOW, _DEEP = 0, 1, 2
+
+
+class EpisodeFold:
+    """One episode's state machine: every rule of the fold, applied one record at a time.
+
+    It runs in two modes, chosen by ``keep_payloads`` — what it keeps, never which rules apply:
+
+    - ``True`` (the full fold, for restores and reads): states, the task, ledger rows with their
+      token ids; ``projection()`` gives the ``EpisodeProjection``, which ``verify_projection``
+      judges from the kept bytes.
+    - ``False`` (the projector's trackers, one per live episode): sizes instead of states, and each
+      ledger row's lineage checked as it arrives (``Lineage``) before its token ids are dropped;
+      ``verdict()`` is then what ``verify_projection`` would say of the projection, without one.
+
+    Changes to sessions and the ledger wait in the tail until the next boundary commits them, so
+    the committed prefix and the tail come out of one pass. Records come whole (``apply``'s
+    ``record`` and the ``start`` of its payload), or as a payload alone (``start`` 0).
+    """
+
+    __slots__ = (
+        "_cut_staging",
+        "_cut_staging_known",
+        "_latest_call",
+        "_pending_ledger",
+        "_pending_sessions",
+        "_pending_staging",
+        "_staging",
+        "_state_at_pin",
+        "_tail_chunks",
+        "_tail_constrained",
+        "_verdict",
+        "attempt",
+        "boundaries",
+        "boundary_bytes",
+        "committed_through",
+        "deadline_s",
+        "episode",
+        "events",
+        "exact",
+        "filters",
+        "finished",
+        "finished_offset",
+        "first_offset",
+        "first_ts",
+        "keep_payloads",
+        "last_stage",
+        "ledger",
+        "lineage",
+        "open_waits",
+        "pinned",
+        "restart_only_open",
+        "result",
+        "reward",
+        "session_bytes",
+        "sessions",
+        "size_bytes",
+        "staging_keys",
+        "task",
+        "task_bytes",
+        "task_digest",
+        "version",
+    )
+
+    def __init__(self, episode: str, attempt: int = 0, *, keep_payloads: bool = True) -> None:
+        self.episode = episode
+        self.keep_payloads = keep_payloads
+        self.filters = _Filters(attempt=attempt)
+        self.version = 0
+        self._clear(attempt)
+
+    def _clear(self, attempt: int) -> None:
+        """An empty state of ``attempt`` (identity, filters and version stay)."""
+        self.attempt = attempt
+        self.filters.attempt = attempt
+        self.first_offset: int | None = None
+        self.first_ts: float | None = None
+        self.task: Opaque | None = None
+        self.task_digest: str | None = None
+        self.deadline_s: float | None = None
+        self.boundaries: dict[str, BoundaryView] = {}
+        #: The stage of the environment's latest boundary.
+        self.last_stage: str | None = None
+        self.sessions: dict[str, SessionView] = {}
+        #: A ``restart_only`` session is open in the committed prefix.
+        self.restart_only_open = False
+        #: Committed ledger rows (kept with payloads only; ``lineage`` judges them otherwise).
+        self.ledger: list[LedgerEntry] = []
+        #: The committed rows' staging keys, in order, without repeats.
+        self.staging_keys: list[str] = []
+        self.lineage: Lineage | None = None if self.keep_payloads else Lineage()
+        self.open_waits: dict[str, int] = {}
+        self.committed_through: int | None = None
+        self.finished = False
+        self.finished_offset: int | None = None
+        self.reward: float | None = None
+        self.result: Opaque | None = None
+        self.events = 0
+        #: Bytes of the records applied (whole records when given them).
+        self.size_bytes = 0
+        # Payload sizes of the committed prefix (what ``EpisodeProjection.payload_bytes`` counts).
+        self.task_bytes = 0
+        self.boundary_bytes: dict[str, int] = {}
+        self.session_bytes: dict[str, int] = {}
+        #: False when this state is not exactly the fold's at its position (a check could not
+        #: run, or a restore reset it from a projection, which has no tail): judge it by a replay.
+        self.exact = True
+        self.pinned = False
+        self._state_at_pin: EpisodeFold | None = None
+        # The tail: changes not yet committed by a boundary.
+        self._pending_sessions: list[_SessionChange] = []
+        self._pending_ledger: list[LedgerEntry] = []
+        self._pending_staging: list[str] = []
+        self._tail_chunks: dict[str, list[_Chunk]] = {}
+        self._tail_constrained: set[str] = set()
+        self._latest_call: str | None = None
+        # The generation cut's staging key, noted as its only chunk arrives (a manifest reads it
+        # for every episode, and a lookup through the tail costs a capture 2 us per episode at
+        # scale); otherwise ``_cut_chunks`` finds it when asked.
+        self._cut_staging: str | None = None
+        self._cut_staging_known = True
+        # Answers kept while the state stays as it is (every change clears them).
+        self._staging: tuple[str, ...] | None = None
+        self._verdict: tuple[str | None] | None = None
+
+    # -- applying records ------------------------------------------------------------------
+
+    def observe(self, offset: int, meta: dict[str, Any], record: bytes, start: int) -> bool:
+        """Filter (zombies, duplicates, fenced attempts: rules 3-5) and apply one record of this
+        episode; whether it was applied. Markers and ``attempt.started`` are the caller's."""
+        if self.filters.admits(meta):
+            self.apply(offset, meta, record, start)
+            return True
+        return False
+
+    def apply(self, offset: int, meta: dict[str, Any], record: bytes, start: int) -> None:
+        """Apply a record the filters admitted: ``record[start:]`` is its payload's raw JSON
+        (none when ``start == len(record)``)."""
+        if self.pinned:
+            self._keep_pinned_state()
+        self.version += 1
+        self._verdict = None
+        self._staging = None
+        kind = meta["type"]
+        if kind == "attempt.started":
+            # A restore continued the projection at its cut: the tail's session changes and
+            # undelivered calls were dropped, so the next boundary must not commit them; the
+            # generation cut stays until the new attempt commits past it.
+            self._drop_tail()
+            return
+        if self.first_offset is None:
+            self.first_offset = offset
+            self.first_ts = meta.get("ts")
+        self.events += 1
+        self.size_bytes += len(record)
+        data = meta["data"]
+        if kind == "step.boundary":
+            owner = data["owner"]
+            self.open_waits.pop(owner, None)
+            self._commit(offset)
+            # (The views are built as plain tuples: a fold builds them by the hundred thousand.)
+            state = (
+                Opaque(record[start:] if start else record)
+                if self.keep_payloads and start < len(record)
+                else None
+            )
+            view = (data["stage"], data.get("next"), state, meta.get("step"), offset)
+            self.boundaries[owner] = _new(BoundaryView, view)
+            self.boundary_bytes[owner] = len(record) - start
+            if owner == "environment":
+                self.last_stage = data["stage"]
+        elif kind == "step.started":
+            if data.get("mode", "wait") == "wait":
+                self.open_waits[data["owner"]] = offset
+            else:
+                self.open_waits.pop(data["owner"], None)
+        elif kind == "ledger.row":
+            self._ledger_row(data, record, start)
+        elif kind == "generation.chunk":
+            call_id = data["call_id"]
+            payload = record[start:] if start else record
+            tokens = token_count(payload) if start < len(record) else 0
+            kept = payload if self.keep_payloads and start < len(record) else None
+            chunk = (data["start"], tokens, bool(data.get("done")), data, kept)
+            chunks = self._tail_chunks.setdefault(call_id, [])
+            chunks.append(chunk)
+            self._latest_call = call_id
+            self._cut_staging_known = len(chunks) == 1 and call_id not in self._tail_constrained
+            if self._cut_staging_known:
+                self._cut_staging = data.get("staging_key")
+        elif kind in ("session.started", "session.state", "session.ended"):
+            kept = None
+            if kind == "session.state" and self.keep_payloads and start < len(record):
+                kept = record[start:] if start else record
+            change = (kind, data, kept, len(record) - start, meta["participant"])
+            self._pending_sessions.append(change)
+        elif kind == "episode.started":
+            self._commit(offset)
+            self._task(data, record, start)
+        elif kind == "episode.finished":
+            self.finished = True
+            self.finished_offset = offset
+            self.reward = data.get("reward")
+            if self.keep_payloads and start < len(record):
+                self.result = Opaque(record[start:] if start else record)
+
+    def _task(self, data: dict[str, Any], record: bytes, start: int) -> None:
+        has_task = start < len(record)
+        self.task_digest = data["task_digest"]
+        self.deadline_s = data.get("deadline_s")
+        self.task_bytes = len(record) - start
+        if self.keep_payloads and has_task:
+            self.task = Opaque(record[start:] if start else record)
+        else:
+            self.task = None
+        lineage = self.lineage
+        if lineage is not None:
+            try:
+                lineage.task(record[start:] if has_task else None, data.get("task_digest"))
+            except Exception:  # the fold would fail on it too: leave this episode to a replay
+                self.exact = False
+
+    def _ledger_row(self, data: dict[str, Any], record: bytes, start: int) -> None:
+        call_id = data["call_id"]
+        token_ids_json = record[start:] if start < len(record) else b"[]"
+        if data.get("staging_key"):
+            self._pending_staging.append(data["staging_key"])
+        if data.get("constrained"):
+            self._tail_constrained.add(call_id)
+        self._latest_call = call_id
+        self._cut_staging_known = False
+        lineage = self.lineage
+        if lineage is None:
+            self._pending_ledger.append(_ledger_entry(data, token_ids_json))
+            return
+        try:
+            lineage.row(
+                call_id,
+                data.get("parent_call_id"),
+                data["prev_len"],
+                data["cum_len"],
+                data["digest"],
+                token_ids_json,
+            )
+        except Exception:  # the fold would fail on it too: leave this episode to a replay
+            self.exact = False
+
+    def _commit(self, offset: int) -> None:
+        """A boundary (or ``episode.started``): everything pending joins the committed prefix."""
+        if self._pending_sessions:
+            self._commit_sessions()
+        for key in self._pending_staging:
+            if key not in self.staging_keys:
+                self.staging_keys.append(key)
+        self._pending_staging.clear()
+        lineage = self.lineage
+        if lineage is not None:
+            if lineage.pending:
+                lineage.commit()
+        else:
+            self.ledger.extend(self._pending_ledger)
+            self._pending_ledger.clear()
+        self._tail_chunks.clear()
+        self._tail_constrained.clear()
+        self._latest_call = None
+        self._cut_staging = None
+        self._cut_staging_known = True
+        self.committed_through = offset
+
+    def _commit_sessions(self) -> None:
+        sessions, sizes = self.sessions, self.session_bytes
+        modes_changed = False
+        for kind, data, kept, size, who in self._pending_sessions:
+            sid = data["session_id"]
+            if kind == "session.state":
+                state = Opaque(kept) if kept is not None else None
+                current = sessions.get(sid)
+                if current is None:
+                    # State of a session whose start was not recorded: it fails closed.
+                    view = (sid, who["kind"], who["id"], "restart_only", "replay", state)
+                    modes_changed = True
+                else:
+                    view = (sid, current[1], current[2], current[3], current[4], state)
+                sessions[sid] = _new(SessionView, view)
+                sizes[sid] = size
+            elif kind == "session.started":
+                mode = data.get("mode", "restart_only")
+                view = (sid, who["kind"], who["id"], mode, data.get("verify", "replay"), None)
+                sessions[sid] = _new(SessionView, view)
+                sizes[sid] = 0
+                modes_changed = True
+            else:
+                sessions.pop(sid, None)
+                sizes.pop(sid, None)
+                modes_changed = True
+        self._pending_sessions.clear()
+        if modes_changed:
+            restart_only = False
+            for session in sessions.values():
+                if session[3] == "restart_only":
+                    restart_only = True
+                    break
+            self.restart_only_open = restart_only
+
+    def _drop_tail(self) -> None:
+        """The tail's session changes and ledger rows are dropped (its chunks stay)."""
+        self._pending_sessions.clear()
+        self._pending_ledger.clear()
+        self._pending_staging.clear()
+        if self.lineage is not None:
+            self.lineage.drop_tail()
+
+    # -- reading the result ----------------------------------------------------------------
+
+    def _cut_chunks(self) -> tuple[str, list[_Chunk], bool, _Chunk, str | None] | None:
+        """The tail's generation cut, by token counts: (call id, the chunks that make its durable
+        prefix, terminal, the chunk that describes it, problem), or None (never for a constrained
+        call)."""
+        call = self._latest_call
+        if call is None or call in self._tail_constrained:
+            return None
+        chunks = self._tail_chunks.get(call)
+        if not chunks:
+            return None
+        if len(chunks) == 1:  # the common case (a manifest asks for every episode's cut)
+            only = chunks[0]
+            if only[0] != 0:
+                return call, [], False, only, "chunks do not start at 0"
+            if not only[1] and not only[2]:
+                return call, [], False, only, None
+            return call, [only], only[2], only, None
+        by_start: dict[int, _Chunk] = {}
+        for chunk in chunks:
+            by_start.setdefault(chunk[0], chunk)
+        walked: list[_Chunk] = []
+        length, terminal = 0, False
+        problem = None if 0 in by_start else "chunks do not start at 0"
+        last = next(iter(by_start.values()))
+        while length in by_start and not terminal:
+            chunk = by_start[length]
+            if not chunk[1] and not chunk[2]:
+                break
+            walked.append(chunk)
+            length += chunk[1]
+            terminal = chunk[2]
+            last = chunk
+        if problem is None and any(start > length for start in by_start):
+            problem = f"chunks are not contiguous after token {length}"
+        return call, walked, terminal, last, problem
+
+    def generation_cut(self) -> GenerationCut | None:
+        """The durable prefix of the tail's latest policy call (its token ids when kept)."""
+        found = self._cut_chunks()
+        if found is None:
+            return None
+        call, walked, terminal, last, problem = found
+        tokens: list[int] = []
+        for chunk in walked:
+            if chunk[4] is not None:
+                tokens.extend(orjson.loads(chunk[4]))
+        data = last[3]
+        return GenerationCut(
+            call_id=call,
+            parent_call_id=data.get("parent_call_id"),
+            request_digest=data["request_digest"],
+            token_ids=tuple(tokens),
+            terminal=terminal,
+            policy_version=data["policy_version"],
+            staging_key=data.get("staging_key"),
+            problem=problem,
+        )
+
+    def referenced_staging_keys(self) -> tuple[str, ...]:
+        """The committed rows' staging keys and the generation cut's (in order, no repeats)."""
+        staging = self._staging
+        if staging is None:
+            key = None
+            if self.finished:
+                pass
+            elif self._cut_staging_known:
+                key = self._cut_staging
+            else:
+                found = self._cut_chunks()
+                key = found[3][3].get("staging_key") if found is not None else None
+            if not key or key in self.staging_keys:
+                staging = tuple(self.staging_keys)
+            else:
+                staging = (*self.staging_keys, key)
+            self._staging = staging
+        return staging
+
+    def payload_bytes(self) -> int:
+        return (
+            self.task_bytes + sum(self.boundary_bytes.values()) + sum(self.session_bytes.values())
+        )
+
+    def verdict(self) -> str | None:
+        """What ``verify_projection`` says of this state's projection: why it cannot continue, or
+        None. Meaningful while ``exact``."""
+        if self._verdict is None:
+            if self.lineage is None:
+                self._verdict = (verify_projection(self.projection(0)),)
+            else:
+                found = None if self.finished else self._cut_chunks()
+                if found is None:
+                    self._verdict = (self.lineage.verdict(None, None, None),)
+                else:
+                    parent = found[3][3].get("parent_call_id")
+                    self._verdict = (self.lineage.verdict(found[0], found[4], parent),)
+        return self._verdict[0]
+
+    def projection(self, cut: int) -> EpisodeProjection:
+        generation_cut = None if self.finished else self.generation_cut()
+        return EpisodeProjection(
+            episode=self.episode,
+            attempt=self.attempt,
+            status="finished" if self.finished else "live",
+            cut=cut,
+            first_offset=self.first_offset,
+            task=self.task,
+            task_digest=self.task_digest,
+            deadline_s=self.deadline_s,
+            boundaries=dict(self.boundaries),
+            sessions=dict(self.sessions),
+            ledger=tuple(self.ledger),
+            generation_cut=generation_cut,
+            open_waits=dict(self.open_waits),
+            committed_through=self.committed_through,
+            reward=self.reward,
+            result=self.result,
+            events_folded=self.events,
+            payload_bytes=self.payload_bytes(),
+            staging_keys=self.referenced_staging_keys(),
+        )
+
+    # -- pins: a reader keeps the state of one moment while records go on ------------------
+
+    def pin(self) -> None:
+        """Keep this state as it is now (copied on the next change) until ``unpin``."""
+        self.pinned = True
+        self._state_at_pin = None
+
+    def pinned_state(self) -> EpisodeFold:
+        """The state as it was at ``pin``."""
+        return self._state_at_pin or self
+
+    def unpin(self) -> EpisodeFold:
+        """The state as it was at ``pin`` (this state itself if nothing changed since)."""
+        state = self._state_at_pin or self
+        self.pinned = False
+        self._state_at_pin = None
+        return state
+
+    def _keep_pinned_state(self) -> None:
+        self.pinned = False
+        self._state_at_pin = self.snapshot()
+
+    def snapshot(self) -> EpisodeFold:
+        """A copy of this state that later records do not change (the filters are shared)."""
+        copy = object.__new__(type(self))
+        for name, how in _snapshot_plan(type(self)):
+            value = getattr(self, name)
+            if how == _SHALLOW:
+                value = value.copy()
+            elif how == _DEEP:
+                value = _deep_copy(name, value)
+            setattr(copy, name, value)
+        copy.pinned = False
+        copy._state_at_pin = None
+        return copy
+
+    # -- restores: a committed restore resets the state ------------------------------------
+
+    def restart(self, attempt: int) -> None:
+        """A restore started this episode over as ``attempt``: nothing carries on."""
+        self.version += 1
+        self._clear(attempt)
+
+    def continue_at_cut(self, attempt: int) -> None:
+        """A restore continues this episode as ``attempt`` from its state at the cut, which
+        ``pin`` kept: what the fold does at the restore's ``attempt.started`` (the old attempt's
+        committed prefix and its tail's generation cut go on; the tail's session changes and
+        undelivered calls are dropped)."""
+        state = self.unpin()
+        version = self.version
+        if state is not self:
+            filters = self.filters
+            for name in _STATE_FIELDS:
+                setattr(self, name, getattr(state, name))
+            self.filters = filters
+        self._drop_tail()
+        self.filters.attempt = attempt
+        self.attempt = attempt
+        self.version = version + 1
+        self._verdict = None
+        self._staging = None
+        self.first_ts = None
+        self.finished = False
+        self.finished_offset = None
+        self.size_bytes = self.payload_bytes()
+
+    def continue_from(self, projection: EpisodeProjection, attempt: int) -> None:
+        """A restore continues this episode as ``attempt`` from ``projection`` (its cut).
+
+        A projection holds the committed prefix and the generation cut, not the tail it came
+        from, nor the chunks behind its cut (which a restore policy may have dropped): the state
+        is no longer exactly the fold's (``exact``), and its verdicts come from replays.
+        """
+        self.version += 1
+        self._clear(attempt)
+        self.exact = False
+        keep = self.keep_payloads
+        self.first_offset = projection.first_offset
+        self.committed_through = projection.committed_through
+        self.task_digest = projection.task_digest
+        self.deadline_s = projection.deadline_s
+        if projection.task is not None:
+            self.task = projection.task if keep else None
+            self.task_bytes = len(projection.task.raw)
+        for owner, boundary in projection.boundaries.items():
+            state = boundary.state
+            self.boundaries[owner] = boundary if keep else boundary._replace(state=None)
+            self.boundary_bytes[owner] = len(state.raw) if state is not None else 0
+        self.last_stage = projection.last_stage
+        for sid, session in projection.sessions.items():
+            state = session.state
+            self.sessions[sid] = session if keep else session._replace(state=None)
+            self.session_bytes[sid] = len(state.raw) if state is not None else 0
+        self.restart_only_open = bool(projection.restart_only_sessions())
+        self.open_waits = dict(projection.open_waits)
+        for row in projection.ledger:
+            if row.staging_key and row.staging_key not in self.staging_keys:
+                self.staging_keys.append(row.staging_key)
+        if keep:
+            self.ledger = list(projection.ledger)
+        elif self.lineage is not None:  # judged already: the restore continued it
+            self.lineage.task_seen = projection.task is not None
+            self.lineage.rows = {
+                row.call_id: (row.digest, row.cum_len) for row in projection.ledger
+            }
+        cut = projection.generation_cut
+        if cut is not None:
+            data = {
+                "call_id": cut.call_id,
+                "parent_call_id": cut.parent_call_id,
+                "request_digest": cut.request_digest,
+                "policy_version": cut.policy_version,
+                "staging_key": cut.staging_key,
+            }
+            tokens = orjson.dumps(list(cut.token_ids)) if keep else None
+            self._tail_chunks[cut.call_id] = [(0, len(cut.token_ids), cut.terminal, data, tokens)]
+            self._latest_call = cut.call_id
+            self._cut_staging_known = False
+        self.size_bytes = self.payload_bytes()
+
+    def fence_to(self, attempt: int) -> None:
+        """A committed restore's ``attempt.started`` met without the restore's reset (while
+        catching up): later records of older attempts are fenced, but the cut's truncation needs
+        the history, so the state is no longer exactly the fold's."""
+        if attempt > self.filters.attempt:
+            self.filters.attempt = attempt
+            self.attempt = attempt
+            self.exact = False
+
+
+_SHALLOW_FIELDS = frozenset(
+    (
+        "boundaries",
+        "sessions",
+        "ledger",
+        "staging_keys",
+        "open_waits",
+        "boundary_bytes",
+        "session_bytes",
+        "_pending_sessions",
+        "_pending_ledger",
+        "_pending_staging",
+        "_tail_constrained",
+    )
+)
+#: The fields that make the state (what a restore takes back from a pinned copy): all but the
+#: identity, the filters (which go on seeing records), the version and the pin bookkeeping.
+_STATE_FIELDS = tuple(
+    name
+    for name in EpisodeFold.__slots__
+    if name not in ("episode", "filters", "version", "pinned", "_state_at_pin")
+)
+_PLANS: dict[type, tuple[tuple[str, int], ...]] = {}
+
+
+def _snapshot_plan(cls: type) -> tuple[tuple[str, int], ...]:
+    """Per field of ``cls`` (its subclasses' slots too), how ``snapshot`` copies it."""
+    plan = _PLANS.get(cls)
+    if plan is None:
+        names = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())]
+        plan = tuple(
+            (
+                name,
+                _DEEP
+                if name in ("lineage", "_tail_chunks")
+                else _SHALLOW
+                if name in _SHALLOW_FIELDS
+                else _SHARE,
+            )
+            for name in names
+            if name not in ("pinned", "_state_at_pin")
+        )
+        _PLANS[cls] = plan
+    return plan
+
+
+def _deep_copy(name: str, value: Any) -> Any:
+    if name == "lineage":
+        return value.copy() if value is not None else None
+    return {call: list(chunks) for call, chunks in value.items()}
+
+
+def _ledger_entry(data: dict[str, Any], token_ids_json: bytes) -> LedgerEntry:
+    return LedgerEntry(
+        call_id=data["call_id"],
+        parent_call_id=data.get("parent_call_id"),
+        fingerprint=data["fingerprint"],
+        context_digest=data["context_digest"],
+        policy_version=data["policy_version"],
+        prev_len=data["prev_len"],
+        cum_len=data["cum_len"],
+        digest=data["digest"],
+        staging_key=data.get("staging_key"),
+        constrained=bool(data.get("constrained", False)),
+        token_ids_json=token_ids_json,
+    )
