@@ -11,46 +11,19 @@ mark under this load, which used to kill the run's projector within seconds.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from rolloutlog.log import open_log
 from rolloutlog.trainer import AsyncTrainerClient
 from tests.api.conftest import TOKENS
-from tests.e2e._harness import Deployment, Service, kafka_log_url
+from tests.e2e._harness import Deployment, Service
 from tests.faults._kafka import HttpLoad
 
 pytestmark = pytest.mark.slow
 
 LOAD_S = float(os.environ.get("ROLLOUTLOG_LOAD_S", "30"))
 RUN = "load"
-
-
-@pytest.fixture(
-    params=[
-        "embedded",
-        pytest.param("kafka", marks=[pytest.mark.kafka, pytest.mark.postgres]),
-    ]
-)
-def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Deployment:
-    data_dir = tmp_path / "data"
-    if request.param == "embedded":
-        return Deployment("embedded", data_dir)
-    bootstrap = request.getfixturevalue("kafka_bootstrap")
-    catalog_url = request.getfixturevalue("postgres_schema")
-    return Deployment("kafka", data_dir, kafka_log_url(bootstrap), str(catalog_url))
-
-
-@pytest.fixture
-async def service(deployment: Deployment, tmp_path: Path) -> AsyncIterator[Service]:
-    running = Service(deployment, tmp_path)
-    await running.start()
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 @pytest.mark.timeout(LOAD_S + 120)
