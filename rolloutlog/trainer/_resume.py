@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rolloutlog.errors import UnknownCheckpoint
+from rolloutlog.errors import RolloutlogError, UnknownCheckpoint
 from rolloutlog.trainer._client import AsyncTrainerClient, TrainerClient
 from rolloutlog.trainer._types import RestoreEpisode, RestoreInfo
 
@@ -86,6 +88,20 @@ def _plan(
     )
 
 
+#: A restore refused with a retriable error (``unavailable``: the catalog aborted it, say on a
+#: PostgreSQL deadlock; ``restore_conflict``) wrote nothing: ``resume_run`` asks again, this
+#: many times, waiting 0.2 s doubling in between.
+RESTORE_TRIES = 6
+
+
+def _retry_delay_s(error: RolloutlogError, tries: int) -> float | None:
+    """Seconds to wait before asking again after ``tries`` refusals, or None to give up."""
+    if not error.retriable or tries >= RESTORE_TRIES:
+        return None
+    delay: float = 0.2 * 2 ** (tries - 1)
+    return delay
+
+
 async def resume_run(
     client: AsyncTrainerClient,
     run: str,
@@ -97,20 +113,30 @@ async def resume_run(
     """Take over the run's controller and restore its latest committed checkpoint.
 
     Returns which rollouts to dispatch again, under which capture keys. A run without a committed
-    checkpoint yields an empty plan (the controller is still taken over).
+    checkpoint yields an empty plan (the controller is still taken over). A retriable refusal of
+    the restore (nothing was written) is asked again, up to ``RESTORE_TRIES`` times.
     """
     epoch = await client.take_over(run)
-    try:
-        restore = await client.restore(
-            run,
-            checkpoint_id="latest",
-            exclude=exclude,
-            policy_version=policy_version,
-            max_policy_lag=max_policy_lag,
-            controller_epoch=epoch,
-        )
-    except UnknownCheckpoint:
-        return ResumePlan(run, epoch, None, None, (), (), ())
+    tries = 0
+    while True:
+        try:
+            restore = await client.restore(
+                run,
+                checkpoint_id="latest",
+                exclude=exclude,
+                policy_version=policy_version,
+                max_policy_lag=max_policy_lag,
+                controller_epoch=epoch,
+            )
+            break
+        except UnknownCheckpoint:
+            return ResumePlan(run, epoch, None, None, (), (), ())
+        except RolloutlogError as e:
+            tries += 1
+            delay = _retry_delay_s(e, tries)
+            if delay is None:
+                raise
+            await asyncio.sleep(delay)
     entries = [entry async for entry in client.restore_episodes(run, restore.restore_id)]
     finished = [
         item["episode"]
@@ -130,17 +156,26 @@ def resume_run_sync(
 ) -> ResumePlan:
     """``resume_run`` for the blocking client."""
     epoch = client.take_over(run)
-    try:
-        restore = client.restore(
-            run,
-            checkpoint_id="latest",
-            exclude=exclude,
-            policy_version=policy_version,
-            max_policy_lag=max_policy_lag,
-            controller_epoch=epoch,
-        )
-    except UnknownCheckpoint:
-        return ResumePlan(run, epoch, None, None, (), (), ())
+    tries = 0
+    while True:
+        try:
+            restore = client.restore(
+                run,
+                checkpoint_id="latest",
+                exclude=exclude,
+                policy_version=policy_version,
+                max_policy_lag=max_policy_lag,
+                controller_epoch=epoch,
+            )
+            break
+        except UnknownCheckpoint:
+            return ResumePlan(run, epoch, None, None, (), (), ())
+        except RolloutlogError as e:
+            tries += 1
+            delay = _retry_delay_s(e, tries)
+            if delay is None:
+                raise
+            time.sleep(delay)
     entries = list(client.restore_episodes(run, restore.restore_id))
     finished = [
         item["episode"]

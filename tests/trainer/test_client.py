@@ -8,11 +8,13 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from rolloutlog.errors import (
+    BackendUnavailable,
     CheckpointInProgress,
     Forbidden,
     InvalidRequest,
@@ -193,6 +195,31 @@ async def test_resume_run_dispatches_continued_and_restarted_rollouts(
     assert plan.restarted[0].reason
     assert plan.excluded == ("b",)
     assert plan.finished == ("d",)
+
+
+async def test_resume_run_asks_again_after_a_retriable_refusal(
+    api: Api, trainer: AsyncTrainerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore the catalog aborted (say on a PostgreSQL deadlock: ``unavailable``, nothing
+    written) is asked again; a refusal that is not retriable is raised at once."""
+    await api.seed(["a"])
+    await trainer.take_over("run")
+    await trainer.checkpoint("run")
+    real = trainer.restore
+    refusals = [BackendUnavailable("PostgreSQL catalog unavailable (40P01): deadlock detected")]
+
+    async def flaky(*args: Any, **kwargs: Any) -> Any:
+        if refusals:
+            raise refusals.pop()
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "restore", flaky)
+    plan = await resume_run(trainer, "run")
+    assert not refusals and plan.restore_id == 1
+    assert [d.episode for d in plan.continued] == ["a"]
+    refusals.append(StaleController("not retriable"))
+    with pytest.raises(StaleController):
+        await resume_run(trainer, "run")
 
 
 async def test_resume_without_a_checkpoint_starts_fresh(trainer: AsyncTrainerClient) -> None:
