@@ -46,8 +46,9 @@ __all__ = ["KafkaReads", "ReadTopic", "check_partition"]
 
 #: First wait after an answer that must be asked again; doubled up to the poll interval.
 _RETRY_S = 0.01
-#: How long a high-water mark below a known offset must last before the run counts as lost.
-_LOSS_CONFIRM_S = 3.0
+#: How long a high-water mark below a known offset must last before the run counts as lost
+#: (Tansu resuming from an 8 s stall reported a stale high-water mark for over 3 s).
+_LOSS_CONFIRM_S = 10.0
 _FOREVER = 1 << 62
 #: Between a follower's attempts to reach a broker it lost.
 _RECONNECT_S = 0.25
