@@ -109,6 +109,7 @@ SURFACES: dict[str, list[str]] = {
         "EpisodeFinish",
         "EpisodeStart",
         "EpisodeStatus",
+        "FinishedResult",
         "ManifestAction",
         "ManifestEntry",
         "ParticipantKind",
