@@ -109,6 +109,7 @@ SURFACES: dict[str, list[str]] = {
         "EpisodeFinish",
         "EpisodeStart",
         "EpisodeStatus",
+        "FinishedResult",
         "ManifestAction",
         "ManifestEntry",
         "ParticipantKind",
@@ -161,6 +162,7 @@ SURFACES: dict[str, list[str]] = {
         "CheckpointScheduler",
         "DEFAULT_URL",  # rolloutlog.wire's
         "Dispatch",
+        "EpisodeResult",
         "RestoreEpisode",
         "RestoreInfo",
         "ResumePlan",

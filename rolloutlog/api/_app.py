@@ -14,7 +14,16 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from rolloutlog.api import _append, _checkpoints, _history, _openapi, _quarantine, _runs, _ui
+from rolloutlog.api import (
+    _append,
+    _checkpoints,
+    _history,
+    _openapi,
+    _quarantine,
+    _results,
+    _runs,
+    _ui,
+)
 from rolloutlog.api._auth import Role, public
 from rolloutlog.api._http import dumps, json_response
 from rolloutlog.api._models import Health
@@ -326,6 +335,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (_runs, _append, _checkpoints, _quarantine):
         app.router.routes.extend(module.router.routes)
     app.router.routes.extend(_history.router.routes)
+    app.router.routes.extend(_results.router.routes)
     _openapi.install_docs(app)
     _ui.install_ui(app)
     _openapi.document(app)

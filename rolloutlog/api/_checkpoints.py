@@ -211,6 +211,7 @@ async def restore(request: Request, run: RunPath, body: RestoreRequest) -> Respo
             exclude=body.exclude,
             policy_version=body.policy_version,
             max_policy_lag=body.max_policy_lag,
+            exclude_results=body.exclude_results,
         )
     except RolloutlogError as e:
         histogram.observe(time.perf_counter() - started, ("total", e.code))

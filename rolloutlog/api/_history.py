@@ -22,6 +22,7 @@ from rolloutlog.api._models import (
     Responses,
     RunPath,
 )
+from rolloutlog.api._results import result_view
 from rolloutlog.api._service import Service
 from rolloutlog.api._views import manifest_entry_view, restore_entry_view
 from rolloutlog.catalog import Episode, ManifestEntry, RestoreEntry
@@ -260,6 +261,7 @@ async def episode_history(
         )
         if entry.action != "excluded":
             plans[entry.attempt] = (restore_id, checkpoint_id, entry, why)
+    found = await service.catalog.results_page(run, episodes=[episode], limit=1)
     status = recorded.status if recorded is not None else None
     if tracked is not None and status is None:
         status = "finished" if tracked[1] else "running"
@@ -280,6 +282,7 @@ async def episode_history(
             "live": tracked is not None and not tracked[1],
             "started_at": recorded.started_at if recorded else None,
             "finished_at": recorded.finished_at if recorded else None,
+            "result": result_view(found[0]) if found else None,
             "attempts": _attempts(episode, events, plans),
             "checkpoints": [
                 {

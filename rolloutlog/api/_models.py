@@ -95,6 +95,8 @@ class RestoreRequest(_Request):
     exclude: Annotated[list[Name], Field(max_length=1_000_000)] = []
     policy_version: Count | None = None
     max_policy_lag: Count | None = None
+    #: Also exclude the episodes whose finished result the service holds (``GET …/results``).
+    exclude_results: bool = False
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -225,6 +227,8 @@ class RestoreOut(_Response):
     controller_epoch: int | None = None
     committed_at: float | None = None
     timings_ms: dict[str, float] = {}
+    #: Finished results not acknowledged yet (the reply of a new restore only).
+    unacknowledged_results: int | None = None
 
 
 class RestoreEpisodeOut(_Response):
@@ -374,6 +378,8 @@ class EpisodeHistoryOut(_Response):
     event_count: int
     events: list[TimelineEventOut]
     next_after: int | None = None
+    #: Its finished result as the trainer reads it (``GET …/results``), or null.
+    result: dict[str, Any] | None = None
 
 
 class EventOut(_Response):

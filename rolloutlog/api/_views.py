@@ -100,7 +100,7 @@ def manifest_entry_view(entry: ManifestEntry) -> dict[str, Any]:
 
 
 def restore_view(restore: Restore) -> dict[str, Any]:
-    return {
+    view = {
         "restore_id": restore.restore_id,
         "checkpoint_id": restore.checkpoint_id,
         "counts": restore.counts,
@@ -108,6 +108,9 @@ def restore_view(restore: Restore) -> dict[str, Any]:
         "committed_at": restore.committed_at,
         "timings_ms": dict(restore.timings_ms),
     }
+    if restore.unacknowledged_results is not None:
+        view["unacknowledged_results"] = restore.unacknowledged_results
+    return view
 
 
 def restore_entry_view(entry: RestoreEntry) -> dict[str, Any]:

@@ -7,8 +7,9 @@ controller epoch holds until its transaction commits.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import TypeVar
@@ -17,7 +18,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rolloutlog.catalog import _migrate, _reads, _writes
+from rolloutlog.catalog import _migrate, _reads, _results, _writes
 from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._schema import (
     checkpoints,
@@ -41,6 +42,7 @@ from rolloutlog.catalog._values import (
     EpisodeFinish,
     EpisodeStart,
     EpisodeStatus,
+    FinishedResult,
     ManifestAction,
     ManifestEntry,
     PartitionOffset,
@@ -587,8 +589,10 @@ class Catalog:
                 now=self._clock(),
                 restore_id=restore_id,
             )
+            await _results.drop_abandoned(conn, run, restore.restore_id)
+            unacknowledged = await _results.count_unacknowledged(conn, run)
         self._after_bulk_commit()
-        return restore
+        return dataclasses.replace(restore, unacknowledged_results=unacknowledged)
 
     async def reserve_restore_id(self, run: str, controller_epoch: int) -> int:
         """Reserve the run's next restore id (``StaleController`` unless ``controller_epoch`` is
@@ -674,6 +678,53 @@ class Catalog:
                         for finish in finished
                     ],
                 )
+                await _results.record(conn, run, finished, now)
+
+    # -- results (issue 18) ---------------------------------------------------------------------
+
+    async def results_page(
+        self,
+        run: str,
+        *,
+        since_checkpoint: int | None = None,
+        episodes: Collection[str] | None = None,
+        unacknowledged: bool = False,
+        after: str | None = None,
+        limit: int | None = 1000,
+    ) -> list[FinishedResult]:
+        """Finished results by episode id (``UnknownRun``, ``UnknownCheckpoint``); page with
+        ``after``. ``since_checkpoint``: finished at or past that checkpoint's markers."""
+        if limit is not None:
+            check_count(limit, "limit", minimum=1)
+        for name in episodes or ():
+            check_episode(name)
+
+        async def query(conn: AsyncConnection) -> list[FinishedResult]:
+            await _reads.get_run(conn, run)
+            return await _results.page(
+                conn,
+                run,
+                since_checkpoint=since_checkpoint,
+                names=episodes,
+                unacknowledged=unacknowledged,
+                after=after,
+                limit=limit,
+            )
+
+        return await self._query(query)
+
+    async def acknowledge_results(self, run: str, episodes: Sequence[str]) -> tuple[int, list[str]]:
+        """Record that the trainer holds these episodes' results: (how many were newly
+        acknowledged, the episodes without a result). Idempotent."""
+        for name in episodes:
+            check_episode(name)
+        async with self._write() as conn:
+            await _reads.get_run(conn, run)
+            return await _results.acknowledge(conn, run, episodes, self._clock())
+
+    async def result_episodes(self, run: str) -> set[str]:
+        """Every episode whose result the catalog holds (acknowledged or not)."""
+        return await self._query(lambda conn: _results.result_episodes(conn, run))
 
     # -- quarantine ----------------------------------------------------------------------------
 

@@ -244,3 +244,34 @@ quarantined_records = Table(
     # No foreign key to runs: a record is quarantined while the run's rows are written elsewhere,
     # and the projector's batch must never fail on an ordering between the two.
 )
+
+results = Table(
+    "results",
+    metadata,
+    Column("run", Name, primary_key=True),
+    Column("episode", Name, primary_key=True),
+    # The finished attempt (a finish of a newer attempt replaces an abandoned one's).
+    Column("attempt", Integer, nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("finished_offset", BigInteger, nullable=False),
+    # The ``episode.finished`` event's ``ts``.
+    Column("ts", Double, nullable=False),
+    Column("reward", Double, nullable=True),
+    # The opaque ``result`` payload's raw JSON, NULL when the event had none.
+    Column("result", Text, nullable=True),
+    Column("recorded_at", Double, nullable=False),
+    # NULL until the trainer acknowledges the result (``POST …/results/ack``).
+    Column("acknowledged_at", Double, nullable=True),
+    ForeignKeyConstraint(["run"], ["runs.run"]),
+    # What a restore counts and a resuming trainer reads: the results not acknowledged yet.
+    Index(
+        "ix_results_unacknowledged",
+        "run",
+        "episode",
+        sqlite_where=text("acknowledged_at IS NULL"),
+        postgresql_where=text("acknowledged_at IS NULL"),
+    ),
+)
+"""Finished episodes' results, copied from their ``episode.finished`` records by the projector's
+episode feeder: they outlive the log's retention (trimmed below the retained checkpoints) and
+the manifests' (only the newest N are kept), and carry the trainer's acknowledgement."""

@@ -147,6 +147,8 @@ class Restore:
     restart_count: int
     excluded_count: int
     timings_ms: Mapping[str, float] = field(default_factory=dict)
+    #: Finished results not acknowledged when the restore committed (set by the commit only).
+    unacknowledged_results: int | None = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -170,11 +172,38 @@ class EpisodeStart:
 
 @dataclass(frozen=True, slots=True)
 class EpisodeFinish:
-    """An attempt's ``episode.finished`` event, as the projector saw it."""
+    """An attempt's ``episode.finished`` event, as the projector saw it.
+
+    With ``partition`` and ``offset`` given, the catalog also keeps the attempt's result
+    (``reward`` and the opaque ``result``'s raw JSON) for the trainer (``FinishedResult``).
+    """
 
     episode: str
     attempt: int
     finished_at: float
+    partition: int | None = None
+    offset: int | None = None
+    reward: float | None = None
+    result: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedResult:
+    """A finished attempt's result as the catalog keeps it until (and after) the trainer
+    acknowledges it: ``result`` is the opaque payload's raw JSON (None when it had none)."""
+
+    episode: str
+    attempt: int
+    partition: int
+    finished_offset: int
+    ts: float
+    reward: float | None
+    result: bytes | None
+    acknowledged_at: float | None
+
+    @property
+    def capture_key(self) -> str:
+        return capture_key(self.episode, self.attempt)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from rolloutlog.catalog._schema import (
     quarantined_records,
     restore_episodes,
     restores,
+    results,
     runs,
 )
 from rolloutlog.catalog._validate import check_count, check_episode
@@ -632,6 +633,7 @@ def _check_plan(entries: Sequence[RestoreEntry]) -> None:
 
 #: Tables holding a run's rows, children before the tables they reference.
 _RUN_TABLES = (
+    results,
     quarantined_records,
     restore_episodes,
     restores,

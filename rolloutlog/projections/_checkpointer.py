@@ -18,6 +18,7 @@ from typing import Any
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
 from rolloutlog.errors import BackendUnavailable, RolloutlogError
 from rolloutlog.log import Log
+from rolloutlog.projections._feeders import flush_episodes
 from rolloutlog.projections._planner import replay_start
 from rolloutlog.projections._projector import CheckpointCapture, Projector
 from rolloutlog.projections._timing import StageTimer, backoff_s
@@ -130,6 +131,9 @@ class Checkpointer:
             # Each key once, in the manifest's order (sorting 48,000 keys cost a S1 checkpoint
             # tens of milliseconds).
             staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, entries))))
+            # Every finish below the markers is in the catalog before they commit: a restarted
+            # projector reads from the new cut on, and would never record it (issue 18).
+            await flush_episodes(self.catalog, projector)
             timer.stage("manifest")
             timings = timer.total()
             committed = await self.catalog.commit_checkpoint(

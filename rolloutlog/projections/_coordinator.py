@@ -17,8 +17,12 @@ from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import Catalog
 from rolloutlog.errors import UnknownRun
 from rolloutlog.log import Log, partition_for, record_episode
-from rolloutlog.projections._checkpointer import Checkpointer, CheckpointResult
-from rolloutlog.projections._feeders import record_episodes, record_quarantine
+from rolloutlog.projections._checkpointer import (
+    DEFAULT_WAIT_DEADLINE_S,
+    Checkpointer,
+    CheckpointResult,
+)
+from rolloutlog.projections._feeders import flush_episodes, record_episodes, record_quarantine
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._planner import RestorePolicy
 from rolloutlog.projections._projector import Projector, RunHealth
@@ -179,6 +183,7 @@ class Coordinator:
         exclude: Iterable[str] = (),
         policy_version: int | None = None,
         max_policy_lag: int | None = None,
+        exclude_results: bool = False,
     ) -> RestoreResult:
         """Plan and commit a restore from a committed checkpoint, all or nothing."""
         projector = await self.projector(run)
@@ -188,10 +193,21 @@ class Coordinator:
             with collector_paused():
                 try:
                     return await self._restorer.restore(
-                        projector, controller_epoch, checkpoint_id, exclude, policy
+                        projector, controller_epoch, checkpoint_id, exclude, policy, exclude_results
                     )
                 finally:
                     projector.release_pins()  # also when the restore failed before committing
+
+    async def sync_results(self, run: str) -> None:
+        """Bring the catalog's results up to the log (``UnknownRun``): every record appended
+        before the call is folded and its finish recorded, so a result whose reply left an
+        environment is readable (and can be acknowledged) once the trainer asks."""
+        projector = await self.projector(run)
+        projector.check_running()
+        await projector.wait_until(
+            dict(enumerate(await self.log.end_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
+        )
+        await flush_episodes(self.catalog, projector)
 
     async def restore_projections(self, run: str, restore_id: int) -> dict[str, EpisodeProjection]:
         """Every continued episode's projection of a committed restore (recomputed after a

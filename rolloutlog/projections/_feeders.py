@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 
 from rolloutlog.catalog import Catalog
 from rolloutlog.errors import RolloutlogError
@@ -23,6 +24,9 @@ _LAST_FLUSH_S = 5.0
 _EPISODE_BATCH = 5000
 #: Quarantined records per catalog write.
 _QUARANTINE_BATCH = 1000
+#: One flush of a projector's episodes at a time: a flush that must see every finish recorded
+#: (a checkpoint's, a restore's, the results routes') waits for a batch another one is writing.
+_FLUSHING: weakref.WeakKeyDictionary[Projector, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
 async def record_quarantine(catalog: Catalog, projector: Projector, every_s: float = 1.0) -> None:
@@ -89,8 +93,18 @@ async def record_episodes(catalog: Catalog, projector: Projector, every_s: float
 
 
 async def flush_episodes(catalog: Catalog, projector: Projector) -> None:
-    """Record the projector's new starts and finishes. A retriable catalog error keeps the
-    batch queued and is raised; any other error drops that batch (the catalog refused it)."""
+    """Record the projector's new starts and finishes (with the results of the finishes). A
+    retriable catalog error keeps the batch queued and is raised; any other error drops that
+    batch (the catalog refused it). When it returns, every finish the projector had folded
+    before the call is in the catalog."""
+    lock = _FLUSHING.get(projector)
+    if lock is None:
+        lock = _FLUSHING[projector] = asyncio.Lock()
+    async with lock:
+        await _flush_episodes(catalog, projector)
+
+
+async def _flush_episodes(catalog: Catalog, projector: Projector) -> None:
     while projector.has_new_episodes():
         starts, finishes = projector.take_new_episodes(_EPISODE_BATCH)
         done = False

@@ -314,10 +314,15 @@ class Projector:
             tracker.filters = _Filters.after(records, attempt)
             for offset, meta, kept_record in kept:
                 record = cast(bytes, kept_record)  # buffered records are whole
+                finished = tracker.finished
                 try:
                     tracker.apply(offset, meta, record, record_payload_start(record))
                 except Exception as e:  # the fold cannot apply it: skip it, as while following
                     self._quarantine(tracker.partition, offset, record, _fold_failure(e))
+                if tracker.finished and not finished:  # its result may not be recorded yet
+                    self.new_finishes.append(
+                        _finish(tracker, meta, record, record_payload_start(record))
+                    )
             tracker.attempt = attempt
         self._buffered.clear()
         self._refolding.clear()
@@ -482,7 +487,7 @@ class Projector:
         if not started and tracker.first_offset is not None:
             self.new_starts.append(EpisodeStart(episode, partition, offset, meta["ts"]))
         if tracker.finished and not finished:
-            self.new_finishes.append(EpisodeFinish(episode, tracker.attempt, meta["ts"]))
+            self.new_finishes.append(_finish(tracker, meta, record, start))
         capture = self._capture
         if capture is not None and episode in capture.waiting:
             self._check_wait(capture, tracker, offset)
@@ -722,6 +727,22 @@ def _entry(tracker: EpisodeTracker, action: str, cut: int) -> ManifestEntry:
         tracker.last_stage,
         tracker.staging_keys_at_cut(),
         tracker.size_bytes,
+    )
+
+
+def _finish(
+    tracker: EpisodeTracker, meta: dict[str, Any], record: bytes, start: int
+) -> EpisodeFinish:
+    """The finish the catalog records, with the result's raw JSON (``record[start:]``) for the
+    trainer's results (issue 18)."""
+    return EpisodeFinish(
+        tracker.episode,
+        tracker.attempt,
+        meta["ts"],
+        tracker.partition,
+        tracker.finished_offset,
+        tracker.reward,
+        record[start:] if start < len(record) else None,
     )
 
 

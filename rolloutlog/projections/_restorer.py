@@ -22,6 +22,7 @@ from rolloutlog.errors import (
 )
 from rolloutlog.log import Log, Record, attempt_started_record, partition_for
 from rolloutlog.projections._checkpointer import DEFAULT_WAIT_DEADLINE_S
+from rolloutlog.projections._feeders import flush_episodes
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._planner import (
     PlannedEpisode,
@@ -96,8 +97,12 @@ class Restorer:
         checkpoint_id: int | str,
         exclude: Iterable[str],
         policy: RestorePolicy,
+        exclude_results: bool = False,
     ) -> RestoreResult:
-        """Plan and commit a restore of the projector's run (the caller holds the run's lock)."""
+        """Plan and commit a restore of the projector's run (the caller holds the run's lock).
+
+        ``exclude_results``: also exclude every episode the plan would continue or restart whose
+        finished result the catalog holds (the trainer reads it from the results route)."""
         run = projector.run
         timer = StageTimer()
         info = await self.catalog.get_run(run)
@@ -115,6 +120,9 @@ class Restorer:
         await projector.wait_until(
             dict(enumerate(await self.log.end_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
         )
+        # ... and every finish folded is in the catalog, so the count of unacknowledged results
+        # in the reply (and ``exclude_results``) misses none.
+        await flush_episodes(self.catalog, projector)
         manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
         current = await self.catalog.current_attempts(run)
         excluded = set(exclude)
@@ -123,6 +131,10 @@ class Restorer:
         # timeline the restore abandons, so they restart (or are excluded) like the others.
         markers = {o.partition: o.marker for o in checkpoint.offsets}
         begun_after = projector.begun_after(markers, known)
+        if exclude_results:
+            held = await self.catalog.result_episodes(run)
+            live = {e.episode for e in manifest if e.action != "finished"}
+            excluded |= {e for e in held if e in live or e in begun_after}
         # Before any replay: a mistyped exclusion fails at once.
         check_exclusions(checkpoint.checkpoint_id, excluded, known, begun_after)
         timer.stage("manifest")

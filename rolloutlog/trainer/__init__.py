@@ -5,6 +5,7 @@ from rolloutlog.trainer._resume import Dispatch, ResumePlan, resume_run, resume_
 from rolloutlog.trainer._scheduler import CheckpointScheduler
 from rolloutlog.trainer._types import (
     CheckpointInfo,
+    EpisodeResult,
     RestoreEpisode,
     RestoreInfo,
     ServiceError,
@@ -18,6 +19,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointScheduler",
     "Dispatch",
+    "EpisodeResult",
     "RestoreEpisode",
     "RestoreInfo",
     "ResumePlan",

@@ -23,6 +23,7 @@ import orjson
 from rolloutlog.errors import InvalidRequest
 from rolloutlog.trainer._types import (
     CheckpointInfo,
+    EpisodeResult,
     RestoreEpisode,
     RestoreInfo,
     error_from_body,
@@ -33,6 +34,8 @@ from rolloutlog.wire import DEFAULT_URL, NDJSON
 __all__ = ["DEFAULT_URL", "AsyncTrainerClient", "TrainerClient"]
 
 CheckpointRef = int | Literal["latest"]
+#: Episode ids named in one results request (they travel in its URL).
+_EPISODES_PER_CALL = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,17 +97,44 @@ class _Calls:
         exclude: Iterable[str],
         policy_version: int | None,
         max_policy_lag: int | None,
+        exclude_results: bool = False,
     ) -> _Call:
         body: dict[str, Any] = {
             "controller_epoch": epoch,
             "checkpoint_id": checkpoint_id,
             "exclude": list(exclude),
         }
+        if exclude_results:
+            body["exclude_results"] = True
         if policy_version is not None:
             body["policy_version"] = policy_version
         if max_policy_lag is not None:
             body["max_policy_lag"] = max_policy_lag
         return _Call("POST", f"/v1/runs/{run}/restores", json=body)
+
+    @staticmethod
+    def _results_calls(
+        run: str, since_checkpoint: int | None, episodes: Iterable[str] | None, unacknowledged: bool
+    ) -> list[_Call]:
+        """One call, or one per ``_EPISODES_PER_CALL`` named episodes (a URL stays short)."""
+        params = _params(
+            since_checkpoint=since_checkpoint, unacknowledged="true" if unacknowledged else None
+        )
+        path = f"/v1/runs/{run}/results"
+        if episodes is None:
+            return [_Call("GET", path, params)]
+        names = sorted(set(episodes))
+        return [
+            _Call("GET", path, {**params, "episodes": ",".join(names[i : i + _EPISODES_PER_CALL])})
+            for i in range(0, len(names), _EPISODES_PER_CALL)
+        ]
+
+    @staticmethod
+    def _ack_call(run: str, episodes: Iterable[str]) -> _Call | None:
+        names = sorted(set(episodes))
+        if not names:
+            return None
+        return _Call("POST", f"/v1/runs/{run}/results/ack", json={"episodes": names})
 
     @staticmethod
     def _checkpoint_path(run: str, checkpoint_id: CheckpointRef) -> str:
@@ -284,6 +314,29 @@ class AsyncTrainerClient(_Calls):
         ):
             yield item
 
+    # -- results ---------------------------------------------------------------------------
+
+    async def results(
+        self,
+        run: str,
+        *,
+        since_checkpoint: int | None = None,
+        episodes: Iterable[str] | None = None,
+        unacknowledged: bool = False,
+    ) -> list[EpisodeResult]:
+        """Finished episodes' results, by episode id: those finished past a checkpoint's cut,
+        of some episodes, or not acknowledged yet (the ones a crash kept from the trainer)."""
+        return [
+            EpisodeResult.from_json(item)
+            for call in self._results_calls(run, since_checkpoint, episodes, unacknowledged)
+            async for item in self._lines(call)
+        ]
+
+    async def ack_results(self, run: str, episodes: Iterable[str]) -> int:
+        """Acknowledge the results the trainer holds (idempotent); how many were new."""
+        call = self._ack_call(run, episodes)
+        return 0 if call is None else int((await self._send(call))["acknowledged"])
+
     # -- restores --------------------------------------------------------------------------
 
     async def restore(
@@ -295,7 +348,10 @@ class AsyncTrainerClient(_Calls):
         policy_version: int | None = None,
         max_policy_lag: int | None = None,
         controller_epoch: int | None = None,
+        exclude_results: bool = False,
     ) -> RestoreInfo:
+        """Restore a committed checkpoint. ``exclude_results``: also exclude the episodes whose
+        finished result the service holds (read them with ``results``)."""
         call = self._restore_call(
             run,
             self._epoch(run, controller_epoch),
@@ -303,6 +359,7 @@ class AsyncTrainerClient(_Calls):
             exclude,
             policy_version,
             max_policy_lag,
+            exclude_results,
         )
         return RestoreInfo.from_json(await self._send(call))
 
@@ -493,6 +550,26 @@ class TrainerClient(_Calls):
     def manifest(self, run: str, checkpoint_id: int) -> Iterator[Any]:
         return self._lines(_Call("GET", self._checkpoint_path(run, checkpoint_id) + "/manifest"))
 
+    def results(
+        self,
+        run: str,
+        *,
+        since_checkpoint: int | None = None,
+        episodes: Iterable[str] | None = None,
+        unacknowledged: bool = False,
+    ) -> list[EpisodeResult]:
+        """As ``AsyncTrainerClient.results``."""
+        return [
+            EpisodeResult.from_json(item)
+            for call in self._results_calls(run, since_checkpoint, episodes, unacknowledged)
+            for item in self._lines(call)
+        ]
+
+    def ack_results(self, run: str, episodes: Iterable[str]) -> int:
+        """As ``AsyncTrainerClient.ack_results``."""
+        call = self._ack_call(run, episodes)
+        return 0 if call is None else int(self._send(call)["acknowledged"])
+
     def restore(
         self,
         run: str,
@@ -502,7 +579,10 @@ class TrainerClient(_Calls):
         policy_version: int | None = None,
         max_policy_lag: int | None = None,
         controller_epoch: int | None = None,
+        exclude_results: bool = False,
     ) -> RestoreInfo:
+        """Restore a committed checkpoint. ``exclude_results``: also exclude the episodes whose
+        finished result the service holds (read them with ``results``)."""
         call = self._restore_call(
             run,
             self._epoch(run, controller_epoch),
@@ -510,6 +590,7 @@ class TrainerClient(_Calls):
             exclude,
             policy_version,
             max_policy_lag,
+            exclude_results,
         )
         return RestoreInfo.from_json(self._send(call))
 

@@ -13,6 +13,7 @@ from rolloutlog.errors import RolloutlogError, ServiceError, error_from_body, er
 
 __all__ = [
     "CheckpointInfo",
+    "EpisodeResult",
     "RestoreEpisode",
     "RestoreInfo",
     "ServiceError",
@@ -100,4 +101,35 @@ class RestoreInfo:
                 else None
             ),
             raw={k: v for k, v in body.items() if k != "episodes"},
+        )
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    """A finished episode's result as the service keeps it (``GET /v1/runs/{run}/results``):
+    ``result`` is the environment's opaque result, decoded."""
+
+    episode: str
+    attempt: int
+    capture_key: str
+    reward: float | None
+    result: Any
+    finished_offset: int
+    ts: float
+    partition: int | None = None
+    acknowledged: bool = False
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> EpisodeResult:
+        reward = body.get("reward")
+        return cls(
+            episode=str(body["episode"]),
+            attempt=int(body["attempt"]),
+            capture_key=str(body["capture_key"]),
+            reward=float(reward) if reward is not None else None,
+            result=body.get("result"),
+            finished_offset=int(body["finished_offset"]),
+            ts=float(body["ts"]),
+            partition=body.get("partition"),
+            acknowledged=bool(body.get("acknowledged", False)),
         )

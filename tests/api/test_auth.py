@@ -44,6 +44,8 @@ EXPECTED = {
     ("GET", "/v1/runs/{run}/episodes/{episode}"): Role.ANALYST,
     ("GET", "/v1/runs/{run}/episodes/{episode}/events/{offset}"): Role.ANALYST,
     ("GET", "/v1/runs/{run}/projector"): Role.ANALYST,
+    ("GET", "/v1/runs/{run}/results"): Role.ANALYST,  # a trainer token holds analyst
+    ("POST", "/v1/runs/{run}/results/ack"): Role.TRAINER,
     ("GET", "/docs"): None,
     ("GET", "/docs/oauth2-redirect"): None,
     ("GET", "/ui"): None,

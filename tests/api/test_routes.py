@@ -409,6 +409,7 @@ async def test_episodes_paged_and_streamed(api: Api) -> None:
     assert [(e["episode"], e["status"], e["capture_key"]) for e in restored] == [
         ("a", "running", "a-a1"),
         ("b", "excluded", "b-a1"),
+        ("c", "finished", "c"),  # recorded by the checkpoint that reported it
     ]
     assert code(await api.call("GET", "/v1/runs/nope/episodes", "analyst", 404)) == "unknown_run"
     bad = await api.call("GET", f"{R}/episodes?status=zombie", "analyst", 400)

@@ -1071,3 +1071,121 @@ async def test_quarantined_records_are_kept_once_and_listed_in_order(
             assert [(p, o) for p, o, _ in rows] == [(0, 3), (1, 0), (2, 1), (2, 7)]
     finally:
         await engine.dispose()
+
+
+# -- finished results and their acknowledgement (issue 18) ---------------------------------------
+
+
+def finish(episode: str, partition: int, offset: int, reward: float | None = 1.0, **kw: Any) -> Any:
+    """A finish as the projector reports it: position, reward and the result's raw JSON."""
+    result = kw.pop("result", orjson.dumps({"answer": episode, "n": offset}))
+    return EpisodeFinish(
+        episode, kw.pop("attempt", 0), 50.0 + offset, partition, offset, reward, result
+    )
+
+
+async def test_results_are_kept_filtered_and_acknowledged_once(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    names = [f"r{i:05d}" for i in range(5)]
+    await catalog.record_episodes(
+        RUN,
+        [EpisodeStart(name, i % P, i, 1.0) for i, name in enumerate(names)],
+        [
+            finish("r00000", 0, 5, 0.5),
+            finish("r00001", 1, 1500, 1.0),
+            finish("r00002", 2, 1502, None, result=None),
+            EpisodeFinish("r00003", 0, 9.0),  # no position: an episodes-table finish only
+        ],
+    )
+    kept = await catalog.results_page(RUN)
+    assert [(r.episode, r.partition, r.finished_offset, r.reward) for r in kept] == [
+        ("r00000", 0, 5, 0.5),
+        ("r00001", 1, 1500, 1.0),
+        ("r00002", 2, 1502, None),
+    ]
+    assert orjson.loads(kept[0].result or b"") == {"answer": "r00000", "n": 5}
+    assert kept[2].result is None and kept[0].capture_key == "r00000" and kept[0].ts == 55.0
+    assert all(r.acknowledged_at is None for r in kept)
+    assert await catalog.acknowledge_results(RUN, ["r00000", "r00009"]) == (1, ["r00009"])
+    assert await catalog.acknowledge_results(RUN, ["r00000", "r00000"]) == (0, [])  # idempotent
+    # The same finish folded again (a restarted projector) keeps the acknowledgement.
+    await catalog.record_episodes(RUN, finished=[finish("r00000", 0, 5, 0.5)])
+    unacknowledged = await catalog.results_page(RUN, unacknowledged=True)
+    assert [r.episode for r in unacknowledged] == ["r00001", "r00002"]
+    chosen = await catalog.results_page(RUN, episodes=["r00002", "r00000", "r00004"])
+    assert [(r.episode, r.acknowledged_at is not None) for r in chosen] == [
+        ("r00000", True),
+        ("r00002", False),
+    ]
+    page = await catalog.results_page(RUN, after="r00000", limit=1)
+    assert [r.episode for r in page] == ["r00001"]
+    # since_checkpoint: finished at or past the checkpoint's marker of their partition (1000 + p).
+    checkpoint_id = await commit(catalog, epoch, [])
+    since = await catalog.results_page(RUN, since_checkpoint=checkpoint_id)
+    assert [r.episode for r in since] == ["r00001", "r00002"]
+    since = await catalog.results_page(RUN, since_checkpoint=checkpoint_id, unacknowledged=True)
+    assert [r.episode for r in since] == ["r00001", "r00002"]
+    pending = await catalog.begin_checkpoint(RUN, epoch)
+    for missing in (pending, 99):
+        with pytest.raises(UnknownCheckpoint):
+            await catalog.results_page(RUN, since_checkpoint=missing)
+    with pytest.raises(UnknownRun):
+        await catalog.results_page("no-such-run")
+    with pytest.raises(UnknownRun):
+        await catalog.acknowledge_results("no-such-run", ["r00000"])
+    with pytest.raises(InvalidRequest):
+        await catalog.acknowledge_results(RUN, ["r1-a3"])
+
+
+async def test_a_restore_drops_abandoned_results_keeps_excluded_ones_and_counts(
+    catalog: Catalog, catalog_url: str
+) -> None:
+    epoch = await controlled_run(catalog)
+    entries = make_entries(4)  # r00000..r00002 continue, r00003 restart
+    checkpoint_id = await commit(catalog, epoch, entries)
+    await catalog.record_episodes(
+        RUN, finished=[finish(e.episode, e.cut_partition, 2000 + i) for i, e in enumerate(entries)]
+    )
+    assert await catalog.acknowledge_results(RUN, ["r00002"]) == (1, [])
+    plan = [
+        RestoreEntry("r00000", 0, 1, "continue"),
+        RestoreEntry("r00001", 0, 1, "excluded"),
+        RestoreEntry("r00002", 0, 1, "excluded"),
+        RestoreEntry("r00003", 0, 1, "restart"),
+    ]
+    restore = await catalog.commit_restore(RUN, epoch, checkpoint_id, plan)
+    # r00000 and r00003 run again: their old results belonged to the abandoned timeline.
+    assert [r.episode for r in await catalog.results_page(RUN)] == ["r00001", "r00002"]
+    assert restore.unacknowledged_results == 1
+    assert (await catalog.get_restore(RUN, restore.restore_id)).unacknowledged_results is None
+    assert await catalog.result_episodes(RUN) == {"r00001", "r00002"}
+    # A late copy of an abandoned attempt's finish is never recorded; an excluded one's stays.
+    await catalog.record_episodes(
+        RUN, finished=[finish("r00000", 0, 2000), finish("r00001", 1, 2001, 0.25)]
+    )
+    assert [(r.episode, r.reward) for r in await catalog.results_page(RUN)] == [
+        ("r00001", 1.0),
+        ("r00002", 1.0),
+    ]
+    # The new attempt's finish is a new result, not acknowledged yet.
+    await catalog.record_episodes(RUN, finished=[finish("r00000", 0, 3000, 0.75, attempt=1)])
+    fresh = await catalog.results_page(RUN, episodes=["r00000"])
+    assert [(r.attempt, r.reward, r.capture_key, r.acknowledged_at) for r in fresh] == [
+        (1, 0.75, "r00000-a1", None)
+    ]
+    assert await catalog.acknowledge_results(RUN, ["r00000", "r00001"]) == (2, [])
+    assert await catalog.results_page(RUN, unacknowledged=True) == []
+    # Analysts read the table with SQL too (docs/catalog.md); deleting the run deletes them.
+    engine = raw_engine(catalog_url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(
+                text("SELECT episode, attempt FROM results WHERE run = :run ORDER BY episode"),
+                {"run": RUN},
+            )
+            assert [tuple(row) for row in rows] == [("r00000", 1), ("r00001", 0), ("r00002", 0)]
+    finally:
+        await engine.dispose()
+    await catalog.delete_run(RUN)
+    await controlled_run(catalog)
+    assert await catalog.results_page(RUN) == []

@@ -31,8 +31,10 @@ class Rollout:
     ``status``: ``pending`` (not dispatched), ``running``, ``interrupted`` (its request failed
     with no reply, a 5xx or a fencing 409: a crash; it waits for a restore), ``done``, ``failed``
     (the environment refused it: another 4xx, in ``error``), or ``lost`` (the checkpoint says it
-    finished before the cut but its reply never arrived). ``history``: (capture key, how it was
-    dispatched: ``fresh``, ``continue`` or ``restart``) per dispatch.
+    finished before the cut but its reply never arrived, and the service returned no result).
+    ``recovered``: its reply was lost in a crash and its result came from the service instead.
+    ``history``: (capture key, how it was dispatched: ``fresh``, ``continue`` or ``restart``) per
+    dispatch.
     """
 
     episode: str
@@ -44,6 +46,7 @@ class Rollout:
     reward: float | None = None
     reply: dict[str, Any] | None = None
     error: str | None = None
+    recovered: bool = False
     history: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -68,6 +71,8 @@ class CollectorReport:
     checkpoints: list[CheckpointInfo]
     restores: list[ResumePlan]
     elapsed_s: float
+    #: Rollouts whose reply a crash lost, finished with the result the service kept.
+    recovered: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -97,8 +102,10 @@ class Collector:
     without ``pause``, dispatch went on: the restore restarts the rollouts begun after its
     markers one attempt later, like any other restart, unless their results are held: those
     are excluded.)
-    A rollout the checkpoint says finished whose reply never arrived is ``lost``: the service
-    has no route that returns a finished episode's reward. Rewards are checked against
+    The collector acknowledges the results it receives (``ack_results``, in batches: before a
+    checkpoint or restore and at the end); a restore hands back the finished results whose
+    replies a crash lost (``ResumePlan.results``), and those rollouts are done with the kept
+    result (``recovered``) instead of being dispatched again. Rewards are checked against
     ``expected_reward(task)``.
     """
 
@@ -137,6 +144,8 @@ class Collector:
         self._queued: set[str] = set()
         #: rollouts dispatched since the latest checkpoint's quiesce (after its markers)
         self._since_checkpoint: set[str] = set()
+        #: results received and not yet acknowledged to the service
+        self._unacknowledged: set[str] = set()
         self._available = asyncio.Event()
         self._gate = asyncio.Event()
         self._gate.set()
@@ -232,6 +241,7 @@ class Collector:
             for worker in workers:
                 worker.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+        await self.acknowledge()
         return self.report()
 
     async def _worker(self) -> None:
@@ -272,6 +282,7 @@ class Collector:
                 rollout.reply = response.json()
                 rollout.reward = float(rollout.reply["reward"])
                 rollout.status = "done"
+                self._unacknowledged.add(rollout.episode)
             else:
                 refused = 400 <= response.status_code < 500 and response.status_code != 409
                 rollout.status = "failed" if refused else "interrupted"
@@ -279,6 +290,16 @@ class Collector:
         self._touch()
 
     # -- checkpoints and restores ------------------------------------------------------------
+
+    async def acknowledge(self) -> int:
+        """Acknowledge the results received since the last call (the service then never hands
+        them back after a restore); how many were new to it."""
+        held, self._unacknowledged = self._unacknowledged, set()
+        try:
+            return await self.trainer.ack_results(self.run_name, held)
+        except BaseException:
+            self._unacknowledged |= held  # acknowledged next time
+            raise
 
     def pause(self) -> None:
         """Dispatch no new rollouts (those in flight go on)."""
@@ -309,6 +330,7 @@ class Collector:
         await self.quiesce()
         self._since_checkpoint = set()
         try:
+            await self.acknowledge()
             info = await self.trainer.checkpoint(self.run_name, deadline_s=deadline_s, wait=wait)
         finally:
             if not pause:
@@ -318,9 +340,9 @@ class Collector:
 
     async def restore(self, *, timeout_s: float = 60) -> ResumePlan:
         """After a crash: wait until no rollout is in flight, restore the latest checkpoint
-        (``resume_run``: take over, restore, excluding the rollouts whose results are held)
-        and set each interrupted rollout's next dispatch. Dispatch stays paused until
-        ``redispatch``."""
+        (``resume_run``: take over, restore, excluding the rollouts whose results are held),
+        finish the rollouts whose results the service kept for it, and set each interrupted
+        rollout's next dispatch. Dispatch stays paused until ``redispatch``."""
         self.pause()
         await self.wait_for(
             lambda c: not any(r.status == "running" for r in c.rollouts.values()), timeout_s
@@ -344,8 +366,25 @@ class Collector:
             for episode in self._since_checkpoint
             if episode not in manifest and self.rollouts[episode].status == "done"
         )
+        await self.acknowledge()
         plan = await resume_run(self.trainer, self.run_name, exclude=held)
         self.restores.append(plan)
+        for result in plan.results:
+            rollout = self.rollouts.get(result.episode)
+            if rollout is None:
+                continue  # not this collector's: left for its owner to acknowledge
+            if rollout.status != "done":
+                rollout.reply = {
+                    "episode": result.episode,
+                    "capture_key": result.capture_key,
+                    "reward": result.reward,
+                    "result": result.result,
+                }
+                rollout.reward = result.reward
+                rollout.capture_key = result.capture_key
+                rollout.status, rollout.recovered, rollout.error = "done", True, None
+            self._unacknowledged.add(result.episode)
+        await self.acknowledge()
         dispatch = {d.episode: d for d in plan.dispatch}
         for rollout in self.rollouts.values():
             if rollout.status in ("done", "failed"):
@@ -358,7 +397,7 @@ class Collector:
                 rollout.status = "interrupted"
             elif manifest.get(rollout.episode) == "finished":
                 rollout.status = "lost"
-                rollout.error = "finished before the cut; its reply never arrived"
+                rollout.error = "finished before the cut; neither its reply nor its result came"
         self._touch()
         return plan
 
@@ -390,4 +429,5 @@ class Collector:
             checkpoints=list(self.checkpoints),
             restores=list(self.restores),
             elapsed_s=time.perf_counter() - self._began,
+            recovered=[r.episode for r in rollouts if r.recovered],
         )

@@ -179,6 +179,7 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
         f"{sum(c['continued'] for c in cuts)} tokens not generated again",
         f"  counter states         {sum(v is not None for v in restored.values())} restored",
         f"  rewards right          {report.right}/{report.rollouts}",
+        f"  results recovered      {len(report.recovered)} (after the crash)",
         f"  lost                   {len(report.lost)}",
         f"  failed                 {len(report.failed)}",
         f"  checkpoint             {timings['checkpoint_s'] * 1000:.0f} ms round trip "

@@ -1,0 +1,1 @@
+"""Finished results and their acknowledgement (issue 18)."""
