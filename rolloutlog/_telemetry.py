@@ -15,6 +15,7 @@ import importlib
 import os
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
+from types import TracebackType
 from typing import Any
 
 from opentelemetry import propagate, trace
@@ -27,11 +28,13 @@ from rolloutlog.errors import ConfigurationError
 __all__ = [
     "SpanKind",
     "StageParent",
+    "client_span",
     "configure_tracing",
     "current_trace_id",
     "extract",
     "flush_tracing",
     "inject",
+    "path_template",
     "set_attributes",
     "span",
     "stage_parent",
@@ -88,6 +91,74 @@ def span(
     return _tracer(provider).start_as_current_span(
         name, context=context, kind=kind, attributes=attributes
     )
+
+
+_IDS = {"runs": "{run}", "episodes": "{episode}", "participants": "{participant}"}
+
+
+def path_template(path: str) -> str:
+    """A request path with its names and ids replaced (``/v1/runs/{run}/restores/{id}``): the
+    name of a client span, as low in cardinality as the server's route."""
+    parts = path.split("?", 1)[0].split("/")
+    for i in range(1, len(parts)):
+        if parts[i - 1] in _IDS and parts[i]:
+            parts[i] = _IDS[parts[i - 1]]
+        elif parts[i].isdigit():
+            parts[i] = "{id}"
+    return "/".join(parts)
+
+
+class client_span:  # lower case: used like a function, as ``span`` is
+    """A client span around one HTTP call (``with`` or ``async with``), handing back
+    ``headers`` with its ``traceparent``. The span is not made current: it may wrap a response
+    streamed through a generator."""
+
+    __slots__ = ("call", "headers", "method", "path")
+
+    def __init__(self, method: str, path: str, headers: Mapping[str, str]) -> None:
+        self.method = method
+        self.path = path
+        self.headers = headers
+        self.call: Span | None = None
+
+    def __enter__(self) -> Mapping[str, str]:
+        provider = _provider()
+        if provider is None:
+            return self.headers
+        template = path_template(self.path)
+        self.call = call = _tracer(provider).start_span(
+            f"{self.method} {template}",
+            kind=SpanKind.CLIENT,
+            attributes={"http.request.method": self.method, "url.template": template},
+        )
+        carrier = dict(self.headers)
+        propagate.inject(carrier, context=trace.set_span_in_context(call))
+        return carrier
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        call = self.call
+        if call is None:
+            return
+        if exc is not None:
+            call.record_exception(exc)
+            call.set_status(trace.StatusCode.ERROR, type(exc).__name__)
+        call.end()
+
+    async def __aenter__(self) -> Mapping[str, str]:
+        return self.__enter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)
 
 
 def set_attributes(**attributes: AttributeValue) -> None:
