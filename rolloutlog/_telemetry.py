@@ -161,7 +161,7 @@ class client_span:  # lower case: used like a function, as ``span`` is
         self.__exit__(exc_type, exc, tb)
 
 
-def set_attributes(**attributes: AttributeValue) -> None:
+def set_attributes(attributes: Mapping[str, AttributeValue]) -> None:
     """Attributes on the current span (when one is recording)."""
     if _provider() is None:
         return

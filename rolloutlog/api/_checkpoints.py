@@ -228,6 +228,7 @@ async def restore(request: Request, run: RunPath, body: RestoreRequest) -> Respo
             restore_id=result.restore.restore_id,
         )
     service.note_attempts(run, ((e.episode, e.attempt) for e in result.entries))
+    service.metrics.count_cuts(result.cuts)
     view = restore_view(result.restore)
     view["timings_ms"] = dict(result.timings_ms)
     return json_response(view, 201)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -197,9 +197,9 @@ class Metrics:
         for stage, ms in timings_ms.items():
             histogram.labels(stage, outcome).observe(ms / 1000.0)
 
-    def count_cuts(self, dispositions: Iterable[str]) -> None:
-        for disposition in dispositions:
-            self.generation_cuts.labels(disposition).inc()
+    def count_cuts(self, dispositions: Mapping[str, int]) -> None:
+        for disposition, count in dispositions.items():
+            self.generation_cuts.labels(disposition).inc(count)
 
     async def refresh(self) -> None:
         """Read every running projector's per-partition offsets (``projector_lag``)."""

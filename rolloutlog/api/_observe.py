@@ -199,8 +199,10 @@ class Audited:
         self.timings_ms = timings_ms
         self.what.update(what)
         _telemetry.set_attributes(
-            **{"rolloutlog.outcome": outcome},
-            **{f"rolloutlog.{k}": v for k, v in what.items() if isinstance(v, str | int)},
+            {
+                "rolloutlog.outcome": outcome,
+                **{f"rolloutlog.{k}": v for k, v in what.items() if isinstance(v, str | int)},
+            }
         )
 
     def __exit__(

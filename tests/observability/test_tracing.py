@@ -155,6 +155,12 @@ async def test_a_restore_is_one_trace_from_the_trainer_to_each_participant_fetch
     # The seeding calls made outside the root span are traces of their own.
     seeded = _one(spans, "POST /v1/runs/{run}/events", SpanKind.SERVER)
     assert seeded.context is not None and seeded.context.trace_id != trace_id
+    # An append: validation (and fencing), then the durable append to the log.
+    assert seeded.attributes is not None and seeded.attributes["rolloutlog.events"] == 4
+    assert [s.name for s in _children(spans, seeded)] == [
+        "rolloutlog.append.validate",
+        "rolloutlog.append.log",
+    ]
 
 
 async def test_the_service_answers_its_callers_traceparent_and_request_id(traced: Traced) -> None:
