@@ -28,6 +28,8 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from rolloutlog.projections._cuts import DISPOSITIONS
+
 if TYPE_CHECKING:
     from rolloutlog.projections import Coordinator
 
@@ -179,6 +181,8 @@ class Metrics:
             ("disposition",),
             registry=registry,
         )
+        for disposition in DISPOSITIONS:  # each a series from the start, 0 until one comes
+            self.generation_cuts.labels(disposition)
         self._projectors = _Projectors(coordinator, inflight)
         registry.register(self._projectors)
         self._coordinator = coordinator

@@ -37,15 +37,21 @@ async def test_restores_count_continued_invalid_and_policy_dropped_cuts(api: Api
     # c: a cut whose parent call is in no ledger: it cannot be continued, the episode restarts.
     await api.append(f.chunk("c", "c2", 0, 4))
     # b has no cut: not counted.
-    assert await _cuts(api) == {}
+    none = {"continued": 0, "terminal": 0, "dropped_by_policy": 0, "restart_invalid": 0}
+    assert await _cuts(api) == none
 
     await api.checkpoint()
     first = await api.restore()
-    assert await _cuts(api) == {"continued": 1, "restart_invalid": 1}
+    assert await _cuts(api) == {**none, "continued": 1, "restart_invalid": 1}
 
     # The cut survives the next checkpoint; a restore under a policy newer than it drops it
     # (generated under version 1, older than 5 - 2).
     await api.checkpoint()
     second = await api.restore(policy_version=5, max_policy_lag=2)
     assert second["restore_id"] > first["restore_id"]
-    assert await _cuts(api) == {"continued": 1, "restart_invalid": 1, "dropped_by_policy": 1}
+    assert await _cuts(api) == {
+        **none,
+        "continued": 1,
+        "restart_invalid": 1,
+        "dropped_by_policy": 1,
+    }
