@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from rolloutlog._telemetry import configure_tracing, flush_tracing
 from rolloutlog.api import (
     _append,
     _checkpoints,
@@ -26,7 +27,9 @@ from rolloutlog.api import (
 )
 from rolloutlog.api._auth import Role, public
 from rolloutlog.api._http import dumps, json_response
+from rolloutlog.api._metrics import CONTENT_TYPE_LATEST
 from rolloutlog.api._models import Health
+from rolloutlog.api._observe import Observe
 from rolloutlog.api._service import Service
 from rolloutlog.api._settings import Settings
 from rolloutlog.errors import PayloadTooLarge, RequestTimeout, RolloutlogError
@@ -135,7 +138,7 @@ class BodyLimit:
                     )
                     service = getattr(getattr(scope.get("app"), "state", None), "service", None)
                     if service is not None:
-                        service.metrics.refusals.inc(labels=(error.code,))
+                        service.metrics.refusals.labels(error.code).inc()
                     await _send_error(send, error, close=True)
                     return
                 break
@@ -168,7 +171,7 @@ async def _send_error(send: Send, error: RolloutlogError, close: bool) -> None:
 def _error_response(request: Request, error: RolloutlogError) -> Response:
     service: Service | None = getattr(request.app.state, "service", None)
     if service is not None:
-        service.metrics.refusals.inc(labels=(error.code,))
+        service.metrics.refusals.labels(error.code).inc()
     headers: dict[str, str] = {}
     if error.http_status == 401:
         headers["WWW-Authenticate"] = "Bearer"
@@ -298,15 +301,14 @@ def _ops_routes(app: FastAPI) -> None:
     )
     async def metrics(request: Request) -> Response:
         service: Service = request.app.state.service
-        return Response(
-            service.metrics.registry.exposition(),
-            media_type="text/plain; version=0.0.4; charset=utf-8",
-        )
+        await service.metrics.refresh()
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The rolloutlog service as an ASGI app; its lifespan opens and closes the backends."""
     settings = settings or Settings()
+    configure_tracing()  # from the OTEL_* variables
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -317,6 +319,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await service.stop()
+            flush_tracing()
 
     app = FastAPI(
         title="rolloutlog",
@@ -345,7 +348,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         other_limit=settings.max_request_bytes,
     )
     app.add_middleware(BodyTimeout, timeout_s=settings.body_timeout_s)
+    # Outermost: it times, logs and traces every request, refused ones included.
+    app.add_middleware(Observe, observe=_observe_request)
     return app
+
+
+def _observe_request(scope: Scope, method: str, route: str, status: int, seconds: float) -> None:
+    service: Service | None = getattr(getattr(scope.get("app"), "state", None), "service", None)
+    if service is not None:
+        service.metrics.observe_request(method, route, status, seconds)
 
 
 def route_roles(app: FastAPI) -> dict[tuple[str, str], Role | None]:

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
+from rolloutlog._telemetry import set_attributes, span
 from rolloutlog.api._auth import Role, require
 from rolloutlog.api._http import NDJSON
 from rolloutlog.api._models import AppendOut, ErrorOut, RunPath
@@ -197,13 +198,15 @@ async def append_events(request: Request, run: RunPath) -> Response:
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         ndjson = request.headers.get("content-type", "").startswith(NDJSON)
         log = service.log
-        batch = await service.preparer.prepare(
-            body, ndjson, await log.partitions(run), log.max_record_bytes
-        )
-        await check_fencing(service, run, batch, fencing)
+        with span("rolloutlog.append.validate"):
+            batch = await service.preparer.prepare(
+                body, ndjson, await log.partitions(run), log.max_record_bytes
+            )
+            await check_fencing(service, run, batch, fencing)
         big = len(batch.values) > SLICED_EVENTS
         prepared = await records_sliced(batch) if big else records(batch)
-        positions = await log.append_records(run, prepared)
+        with span("rolloutlog.append.log"):
+            positions = await log.append_records(run, prepared)
         service.note_seqs(fencing, ((who, seqs[1]) for who, seqs in batch.seqs.items()))
         count = len(positions)
         reply = await _offsets_body(positions)
@@ -211,6 +214,7 @@ async def append_events(request: Request, run: RunPath) -> Response:
             await release(prepared, batch.values, batch.episodes, batch.partitions, positions)
     finally:
         service.end_append()
+    set_attributes({"rolloutlog.run": run, "rolloutlog.events": count, "rolloutlog.bytes": size})
     metrics = service.metrics
     metrics.appends.inc()
     metrics.events.inc(count)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
+from rolloutlog._telemetry import span
 from rolloutlog.api._auth import Role, require
 from rolloutlog.api._http import json_response, stream_json_object, stream_ndjson, wants_ndjson
 from rolloutlog.api._models import (
@@ -28,6 +28,7 @@ from rolloutlog.api._models import (
     RestoreRequest,
     RunPath,
 )
+from rolloutlog.api._observe import Audited
 from rolloutlog.api._service import Service
 from rolloutlog.api._views import (
     checkpoint_view,
@@ -36,7 +37,7 @@ from rolloutlog.api._views import (
     restore_view,
 )
 from rolloutlog.catalog import ManifestEntry, RestoreEntry
-from rolloutlog.errors import InvalidRequest, RolloutlogError, UnknownEpisode, UnknownRestore
+from rolloutlog.errors import InvalidRequest, UnknownEpisode, UnknownRestore
 from rolloutlog.projections import CheckpointResult, EpisodeProjection
 
 __all__ = ["projection_matches", "router"]
@@ -87,9 +88,14 @@ def _service(request: Request) -> Service:
 )
 async def take_checkpoint(request: Request, run: RunPath, body: CheckpointRequest) -> Response:
     service = _service(request)
-    histogram = service.metrics.checkpoint_duration
-    started = time.perf_counter()
-    try:
+    with Audited(
+        request,
+        "checkpoint",
+        service.metrics.checkpoint_duration,
+        run=run,
+        controller_epoch=body.controller_epoch,
+        trigger=body.trigger,
+    ) as audited:
         result = await service.coordinator.checkpoint(
             run,
             body.controller_epoch,
@@ -97,14 +103,11 @@ async def take_checkpoint(request: Request, run: RunPath, body: CheckpointReques
             wait=body.wait,
             trigger=body.trigger,
         )
-    except RolloutlogError as e:
-        histogram.observe(time.perf_counter() - started, ("total", e.code))
-        raise
-    if not isinstance(result, CheckpointResult):
-        histogram.observe(time.perf_counter() - started, ("total", "pending"))
-        pending = await service.catalog.get_checkpoint(run, result)
-        return json_response(checkpoint_view(pending), 202)
-    service.metrics.stages(histogram, dict(result.timings_ms), "committed")
+        if not isinstance(result, CheckpointResult):
+            audited.done("pending", checkpoint_id=result)
+            pending = await service.catalog.get_checkpoint(run, result)
+            return json_response(checkpoint_view(pending), 202)
+        audited.done("committed", result.timings_ms, checkpoint_id=result.checkpoint.checkpoint_id)
     view = checkpoint_view(result.checkpoint, result.staging_keys)
     view["timings_ms"] = dict(result.timings_ms)
     return json_response(view, 201)
@@ -201,9 +204,15 @@ async def get_manifest(request: Request, run: RunPath, checkpoint_id: IdPath) ->
 )
 async def restore(request: Request, run: RunPath, body: RestoreRequest) -> Response:
     service = _service(request)
-    histogram = service.metrics.restore_duration
-    started = time.perf_counter()
-    try:
+    with Audited(
+        request,
+        "restore",
+        service.metrics.restore_duration,
+        run=run,
+        controller_epoch=body.controller_epoch,
+        checkpoint_id=body.checkpoint_id,
+        excluded=len(body.exclude),
+    ) as audited:
         result = await service.coordinator.restore(
             run,
             body.controller_epoch,
@@ -213,11 +222,14 @@ async def restore(request: Request, run: RunPath, body: RestoreRequest) -> Respo
             max_policy_lag=body.max_policy_lag,
             exclude_results=body.exclude_results,
         )
-    except RolloutlogError as e:
-        histogram.observe(time.perf_counter() - started, ("total", e.code))
-        raise
+        audited.done(
+            "committed",
+            result.timings_ms,
+            checkpoint_id=result.restore.checkpoint_id,
+            restore_id=result.restore.restore_id,
+        )
     service.note_attempts(run, ((e.episode, e.attempt) for e in result.entries))
-    service.metrics.stages(histogram, dict(result.timings_ms), "committed")
+    service.metrics.count_cuts(result.cuts)
     view = restore_view(result.restore)
     view["timings_ms"] = dict(result.timings_ms)
     return json_response(view, 201)
@@ -325,11 +337,13 @@ async def episode_projection(
     if (restore is None) == (checkpoint is None):
         raise InvalidRequest("give exactly one of restore=ID and checkpoint=ID", field="restore")
     if checkpoint is not None:
-        projection = await service.coordinator.checkpoint_projection(run, checkpoint, episode)
+        with span("rolloutlog.projection", {"rolloutlog.checkpoint_id": checkpoint}):
+            projection = await service.coordinator.checkpoint_projection(run, checkpoint, episode)
         return json_response(projection.to_json())
     assert restore is not None
     restore_id = await _restore_id(service, run, restore)
-    projections = await service.coordinator.restore_projections(run, restore_id)
+    with span("rolloutlog.projections", {"rolloutlog.restore_id": restore_id}):
+        projections = await service.coordinator.restore_projections(run, restore_id)
     found = projections.get(episode)
     if found is None:
         raise await _not_continued(service, run, restore_id, episode)
@@ -407,7 +421,8 @@ async def restore_projections(
             field="participant",
         )
     service = _service(request)
-    projections = await service.coordinator.restore_projections(run, restore_id)
+    with span("rolloutlog.projections", {"rolloutlog.restore_id": restore_id}):
+        projections = await service.coordinator.restore_projections(run, restore_id)
     selected = sorted(
         (p for p in projections.values() if projection_matches(p, kind, participant)),
         key=lambda p: p.episode,

@@ -1,4 +1,9 @@
-"""Structured logs: one JSON object per line on stderr."""
+"""Structured logs: one JSON object per line on stderr.
+
+Besides the service's own records: ``rolloutlog.access``, one line per request (``Observe``:
+method, route, status, duration, request id, trace id; on with ``serve --access-log``), and
+``rolloutlog.audit``, one line per checkpoint and restore (``audit``: who, what, outcome,
+duration; always on). uvicorn's own access log stays off: ours replaces it."""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ from typing import Any
 
 import orjson
 
-__all__ = ["JsonFormatter", "configure_logging", "uvicorn_log_config"]
+__all__ = ["JsonFormatter", "audit", "configure_logging", "uvicorn_log_config"]
+
+audit_logger = logging.getLogger("rolloutlog.audit")
 
 _STANDARD = frozenset(
     logging.LogRecord("", 0, "", 0, "", (), None).__dict__.keys()
@@ -61,11 +68,26 @@ def uvicorn_log_config(level: str = "info", access_log: bool = False) -> dict[st
         "loggers": {
             "uvicorn": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
             "uvicorn.error": {"level": level.upper()},
-            "uvicorn.access": {
-                "handlers": ["stderr"],
-                "level": "INFO" if access_log else "WARNING",
-                "propagate": False,
-            },
+            # Replaced by rolloutlog.access (structured, with the route and the request id).
+            "uvicorn.access": {"handlers": ["stderr"], "level": "WARNING", "propagate": False},
             "rolloutlog": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
+            "rolloutlog.access": {"level": "INFO" if access_log else "WARNING"},
+            "rolloutlog.audit": {"level": "INFO"},
         },
     }
+
+
+def audit(action: str, outcome: str, duration_s: float, who: dict[str, Any], **what: Any) -> None:
+    """One audit line: ``{"audit": action, "outcome", "duration_ms", "who", …what}``."""
+    audit_logger.info(
+        "%s %s",
+        action,
+        outcome,
+        extra={
+            "audit": action,
+            "outcome": outcome,
+            "duration_ms": round(duration_s * 1000, 3),
+            "who": who,
+            **what,
+        },
+    )

@@ -1,21 +1,44 @@
-"""A small Prometheus text exposition (format 0.0.4): counters, gauges and histograms.
+"""The service's Prometheus series (``prometheus_client``, one registry per app: a process may
+run several services, as the tests do).
 
-Written here rather than pulled in with ``prometheus_client``: the service needs a dozen series,
-an observation must cost a dict lookup and a bisect on the append path, and gauges are read from
-the projectors at scrape time.
+Counted where things happen: requests (``Observe``), appends, checkpoint and restore stages,
+refusals. Read at scrape time from what the projectors already count: live episodes, applied
+records, quarantined records, health, and per partition the log's end, the projector's applied
+offset and the lag between them (the numbers ``GET /v1/runs/{run}/projector`` shows).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+import asyncio
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Counter", "Gauge", "Histogram", "ReadCounter", "Registry"]
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
-Labels = tuple[str, ...]
-M = TypeVar("M", bound="_Metric")
+from rolloutlog.projections._cuts import DISPOSITIONS
+
+if TYPE_CHECKING:
+    from rolloutlog.projections import Coordinator
+
+__all__ = ["CONTENT_TYPE_LATEST", "LATENCY_BUCKETS", "Metrics"]
+
+logger = logging.getLogger("rolloutlog.api")
+
+# ``_created`` series double every counter and histogram for a timestamp nobody graphs.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 #: Latency buckets (seconds) from 0.5 ms to 60 s.
 LATENCY_BUCKETS = (
@@ -38,134 +61,164 @@ LATENCY_BUCKETS = (
 )
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _Projectors(Collector):
+    """Series read from the coordinator at scrape time; the per-partition offsets come from the
+    snapshot ``Metrics.refresh`` took just before (reading a log's end is async)."""
+
+    def __init__(self, coordinator: Coordinator, inflight: Callable[[], int]) -> None:
+        self.coordinator = coordinator
+        self.inflight = inflight
+        self.offsets: Mapping[str, list[tuple[int, int]]] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        coordinator = self.coordinator
+        live = GaugeMetricFamily(
+            "rolloutlog_live_episodes",
+            "Episodes the projector tracks that have not finished.",
+            labels=["run"],
+        )
+        for run, count in sorted(coordinator.live_episode_counts().items()):
+            live.add_metric([run], count)
+        applied = CounterMetricFamily(
+            "rolloutlog_projector_applied_records",
+            "Log records the run's projector applied since the service started.",
+            labels=["run"],
+        )
+        for run, count in sorted(coordinator.events_applied().items()):
+            applied.add_metric([run], count)
+        quarantined = CounterMetricFamily(
+            "rolloutlog_quarantined_records",
+            "Log records the projector skipped and quarantined since the service started.",
+            labels=["run"],
+        )
+        for run, count in sorted(coordinator.quarantined_counts().items()):
+            quarantined.add_metric([run], count)
+        healthy = GaugeMetricFamily(
+            "rolloutlog_run_healthy",
+            "1 while the run's projector is ok, 0 while it is degraded or stopped.",
+            labels=["run"],
+        )
+        for run, health in sorted(coordinator.health().items()):
+            healthy.add_metric([run], 1.0 if health.status == "ok" else 0.0)
+        end = GaugeMetricFamily(
+            "rolloutlog_log_end_offset",
+            "The log's end offset per run and partition (records appended).",
+            labels=["run", "partition"],
+        )
+        offset = GaugeMetricFamily(
+            "rolloutlog_projector_applied_offset",
+            "The offset up to which the projector applied the partition.",
+            labels=["run", "partition"],
+        )
+        lag = GaugeMetricFamily(
+            "rolloutlog_projector_lag_records",
+            "Records of the partition the projector has not applied yet.",
+            labels=["run", "partition"],
+        )
+        for run, partitions in sorted(self.offsets.items()):
+            for partition, (log_end, done) in enumerate(partitions):
+                labels = [run, str(partition)]
+                end.add_metric(labels, log_end)
+                offset.add_metric(labels, done)
+                lag.add_metric(labels, log_end - done)
+        inflight = GaugeMetricFamily(
+            "rolloutlog_inflight_appends", "Append requests being processed."
+        )
+        inflight.add_metric([], self.inflight())
+        yield from (live, applied, quarantined, healthy, end, offset, lag, inflight)
 
 
-def _labels(names: Sequence[str], values: Labels, extra: str = "") -> str:
-    parts = [f'{name}="{_escape(value)}"' for name, value in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
+class Metrics:
+    """The service's series, in its own ``CollectorRegistry``."""
 
+    def __init__(self, coordinator: Coordinator, inflight: Callable[[], int]) -> None:
+        self.registry = registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+        self.http_duration = Histogram(
+            "rolloutlog_http_request_duration_seconds",
+            "HTTP requests by method, route template and status.",
+            ("method", "route", "status"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.appends = Counter(
+            "rolloutlog_appends", "Append requests that succeeded.", registry=registry
+        )
+        self.events = Counter(
+            "rolloutlog_append_events", "Events appended over HTTP.", registry=registry
+        )
+        self.bytes = Counter(
+            "rolloutlog_append_bytes", "Request bytes of appends.", registry=registry
+        )
+        self.append_latency = Histogram(
+            "rolloutlog_append_latency_seconds",
+            "Time to validate, fence and durably append one request.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.checkpoint_duration = Histogram(
+            "rolloutlog_checkpoint_duration_seconds",
+            "Checkpoint durations by stage and outcome.",
+            ("stage", "outcome"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.restore_duration = Histogram(
+            "rolloutlog_restore_duration_seconds",
+            "Restore durations by stage and outcome.",
+            ("stage", "outcome"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.refusals = Counter(
+            "rolloutlog_refusals", "Requests refused, by error code.", ("code",), registry=registry
+        )
+        self.generation_cuts = Counter(
+            "rolloutlog_generation_cuts",
+            "Generation cuts of the episodes restores planned, by what became of them.",
+            ("disposition",),
+            registry=registry,
+        )
+        for disposition in DISPOSITIONS:  # each a series from the start, 0 until one comes
+            self.generation_cuts.labels(disposition)
+        self._projectors = _Projectors(coordinator, inflight)
+        registry.register(self._projectors)
+        self._coordinator = coordinator
+        # One HTTP handler per (method, route, status): ``labels()`` costs a lock and a dict
+        # lookup, kept off the request path after the first request of each.
+        self._http: dict[tuple[str, str, int], Any] = {}
 
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(value)
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        key = (method, route, status)
+        child = self._http.get(key)
+        if child is None:
+            child = self._http[key] = self.http_duration.labels(method, route, str(status))
+        child.observe(seconds)
 
+    def stages(self, histogram: Histogram, timings_ms: Mapping[str, float], outcome: str) -> None:
+        for stage, ms in timings_ms.items():
+            histogram.labels(stage, outcome).observe(ms / 1000.0)
 
-class _Metric:
-    kind = ""
+    def count_cuts(self, dispositions: Mapping[str, int]) -> None:
+        for disposition, count in dispositions.items():
+            self.generation_cuts.labels(disposition).inc(count)
 
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help_text
-        self.label_names = tuple(labels)
+    async def refresh(self) -> None:
+        """Read every running projector's per-partition offsets (``projector_lag``)."""
+        coordinator = self._coordinator
+        runs = sorted(coordinator.events_applied())
 
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        async def one(run: str) -> tuple[str, list[tuple[int, int]]] | None:
+            try:
+                return run, await coordinator.projector_lag(run)
+            except Exception as e:  # a run deleted or a log down: its series are left out
+                logger.debug("no offsets for run %s: %r", run, e)
+                return None
 
-    def lines(self) -> list[str]:
-        raise NotImplementedError
+        found = await asyncio.gather(*(one(run) for run in runs))
+        self._projectors.offsets = dict(item for item in found if item is not None)
 
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labels)
-        self.values: dict[Labels, float] = {}
-
-    def inc(self, amount: float = 1.0, labels: Labels = ()) -> None:
-        self.values[labels] = self.values.get(labels, 0.0) + amount
-
-    def lines(self) -> list[str]:
-        if not self.values and not self.label_names:
-            return [f"{self.name} 0"]
-        return [
-            f"{self.name}{_labels(self.label_names, key)} {_number(value)}"
-            for key, value in sorted(self.values.items())
-        ]
-
-
-class Gauge(_Metric):
-    """A gauge read at scrape time from a callback returning ``{labels: value}``."""
-
-    kind = "gauge"
-
-    def __init__(
-        self,
-        name: str,
-        help_text: str,
-        read: Callable[[], Iterable[tuple[Labels, float]]],
-        labels: Sequence[str] = (),
-    ) -> None:
-        super().__init__(name, help_text, labels)
-        self.read = read
-
-    def lines(self) -> list[str]:
-        return [
-            f"{self.name}{_labels(self.label_names, key)} {_number(value)}"
-            for key, value in sorted(self.read())
-        ]
-
-
-class ReadCounter(Gauge):
-    """A counter read at scrape time (from what a projector counts), like ``Gauge``."""
-
-    kind = "counter"
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(
-        self,
-        name: str,
-        help_text: str,
-        labels: Sequence[str] = (),
-        buckets: Sequence[float] = LATENCY_BUCKETS,
-    ) -> None:
-        super().__init__(name, help_text, labels)
-        self.buckets = tuple(sorted(buckets))
-        #: labels → [count per bucket (+Inf last)], sum
-        self.series: dict[Labels, tuple[list[int], list[float]]] = {}
-
-    def observe(self, value: float, labels: Labels = ()) -> None:
-        series = self.series.get(labels)
-        if series is None:
-            series = ([0] * (len(self.buckets) + 1), [0.0])
-            self.series[labels] = series
-        series[0][bisect.bisect_left(self.buckets, value)] += 1
-        series[1][0] += value
-
-    def lines(self) -> list[str]:
-        out: list[str] = []
-        for key, (counts, total) in sorted(self.series.items()):
-            cumulative = 0
-            for bound, count in zip((*self.buckets, math.inf), counts, strict=True):
-                cumulative += count
-                le = f'le="{_number(bound)}"'
-                out.append(f"{self.name}_bucket{_labels(self.label_names, key, le)} {cumulative}")
-            out.append(f"{self.name}_sum{_labels(self.label_names, key)} {_number(total[0])}")
-            out.append(f"{self.name}_count{_labels(self.label_names, key)} {cumulative}")
-        return out
-
-
-class Registry:
-    def __init__(self) -> None:
-        self.metrics: list[_Metric] = []
-
-    def add(self, metric: M) -> M:
-        self.metrics.append(metric)
-        return metric
-
-    def exposition(self) -> str:
-        lines: list[str] = []
-        for metric in self.metrics:
-            lines.extend(metric.header())
-            lines.extend(metric.lines())
-        return "\n".join(lines) + "\n"
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

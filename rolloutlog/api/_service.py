@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rolloutlog.api._metrics import Counter, Gauge, Histogram, Labels, ReadCounter, Registry
+from rolloutlog.api._metrics import Metrics
 from rolloutlog.api._prepare import Preparer
 from rolloutlog.api._settings import Settings
 from rolloutlog.catalog import Catalog, open_catalog
@@ -18,92 +18,9 @@ from rolloutlog.errors import BackendUnavailable
 from rolloutlog.log import Log, open_log
 from rolloutlog.projections import Coordinator
 
-__all__ = ["Metrics", "RunFencing", "Service"]
+__all__ = ["RunFencing", "Service"]
 
 logger = logging.getLogger("rolloutlog.api")
-
-
-class Metrics:
-    """The service's Prometheus series."""
-
-    def __init__(self, service: Service) -> None:
-        self.registry = Registry()
-        add = self.registry.add
-        self.appends = add(Counter("rolloutlog_appends_total", "Append requests that succeeded."))
-        self.events = add(Counter("rolloutlog_append_events_total", "Events appended over HTTP."))
-        self.bytes = add(Counter("rolloutlog_append_bytes_total", "Request bytes of appends."))
-        self.append_latency = add(
-            Histogram(
-                "rolloutlog_append_latency_seconds",
-                "Time to validate, fence and durably append one request.",
-            )
-        )
-        self.checkpoint_duration = add(
-            Histogram(
-                "rolloutlog_checkpoint_duration_seconds",
-                "Checkpoint durations by stage and outcome.",
-                ("stage", "outcome"),
-            )
-        )
-        self.restore_duration = add(
-            Histogram(
-                "rolloutlog_restore_duration_seconds",
-                "Restore durations by stage and outcome.",
-                ("stage", "outcome"),
-            )
-        )
-        self.refusals = add(
-            Counter("rolloutlog_refusals_total", "Requests refused, by error code.", ("code",))
-        )
-        add(
-            Gauge(
-                "rolloutlog_live_episodes",
-                "Episodes the projector tracks that have not finished.",
-                service.live_episodes,
-                ("run",),
-            )
-        )
-        add(
-            Gauge(
-                "rolloutlog_projector_events_applied",
-                "Records the projector has applied since the service started.",
-                service.events_applied,
-                ("run",),
-            )
-        )
-        add(
-            ReadCounter(
-                "rolloutlog_quarantined_records_total",
-                "Log records the projector skipped and quarantined since the service started.",
-                lambda: [
-                    ((run,), float(count))
-                    for run, count in service.coordinator.quarantined_counts().items()
-                ],
-                ("run",),
-            )
-        )
-        add(
-            Gauge(
-                "rolloutlog_run_healthy",
-                "1 while the run's projector is ok, 0 while it is degraded or stopped.",
-                lambda: [
-                    ((run,), 1.0 if health.status == "ok" else 0.0)
-                    for run, health in service.coordinator.health().items()
-                ],
-                ("run",),
-            )
-        )
-        add(
-            Gauge(
-                "rolloutlog_inflight_appends",
-                "Append requests being processed.",
-                lambda: [((), float(service.inflight))],
-            )
-        )
-
-    def stages(self, histogram: Histogram, timings_ms: dict[str, float], outcome: str) -> None:
-        for stage, ms in timings_ms.items():
-            histogram.observe(ms / 1000.0, (stage, outcome))
 
 
 class _Refresh:
@@ -155,7 +72,7 @@ class Service:
             settings.resolved_catalog_url, keep_committed=settings.keep_committed
         )
         self.coordinator = Coordinator(self.log, self.catalog)
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(self.coordinator, lambda: self.inflight)
         self.preparer = Preparer(settings.validation_workers)
         self.fencing: dict[str, RunFencing] = {}
         # Epochs registered here before the run's fencing state was first loaded.
@@ -329,13 +246,3 @@ class Service:
         self.fencing.pop(run, None)
         self._fencing_locks.pop(run, None)
         self._new_epochs.pop(run, None)
-
-    # -- gauges ------------------------------------------------------------------------------
-
-    def live_episodes(self) -> list[tuple[Labels, float]]:
-        return [
-            ((run,), float(count)) for run, count in self.coordinator.live_episode_counts().items()
-        ]
-
-    def events_applied(self) -> list[tuple[Labels, float]]:
-        return [((run,), float(count)) for run, count in self.coordinator.events_applied().items()]

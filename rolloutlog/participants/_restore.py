@@ -9,6 +9,7 @@ from typing import Any, Self
 import httpx
 import orjson
 
+from rolloutlog._telemetry import client_span
 from rolloutlog.errors import BackendUnavailable, error_from_body, error_from_wire
 from rolloutlog.participants._transport import _Rest
 from rolloutlog.wire import NDJSON
@@ -61,9 +62,14 @@ class Restores:
         params = {k: v for k, v in (("kind", kind), ("participant", participant)) if v}
         rest = self._rest
         headers = {**rest.headers, "Accept": NDJSON}
-        path = f"{rest.prefix}/v1/runs/{run}/restores/{restore_id}/projections"
+        path = f"/v1/runs/{run}/restores/{restore_id}/projections"
         try:
-            async with rest.client.stream("GET", path, params=params, headers=headers) as response:
+            async with (
+                client_span("GET", path, headers) as traced,
+                rest.client.stream(
+                    "GET", rest.prefix + path, params=params, headers=traced
+                ) as response,
+            ):
                 if response.is_error:
                     await response.aread()
                     raise error_from_wire(response.status_code, response.content)

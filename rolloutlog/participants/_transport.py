@@ -30,6 +30,7 @@ from typing import Any, Self
 import httpx
 import orjson
 
+from rolloutlog._telemetry import client_span
 from rolloutlog.errors import (
     AttemptFenced,
     BackendUnavailable,
@@ -354,7 +355,10 @@ class _Rest:
     async def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         headers = {**self.headers, **kw.pop("headers", {})}
         try:
-            response = await self.client.request(method, self.prefix + path, headers=headers, **kw)
+            with client_span(method, path, headers) as traced:
+                response = await self.client.request(
+                    method, self.prefix + path, headers=traced, **kw
+                )
         except httpx.TransportError as e:
             raise BackendUnavailable(f"the service did not answer: {e!r}") from e
         if response.is_error:

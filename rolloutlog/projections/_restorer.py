@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, Restore, RestoreEntry
 from rolloutlog.errors import (
@@ -22,6 +22,7 @@ from rolloutlog.errors import (
 )
 from rolloutlog.log import Log, Record, attempt_started_record, partition_for
 from rolloutlog.projections._checkpointer import DEFAULT_WAIT_DEADLINE_S
+from rolloutlog.projections._cuts import cut_dispositions
 from rolloutlog.projections._feeders import flush_episodes
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._planner import (
@@ -45,6 +46,8 @@ class RestoreResult:
     restore: Restore
     entries: tuple[RestoreEntry, ...]
     timings_ms: Mapping[str, float]
+    #: Generation cuts by disposition (``cut_dispositions``).
+    cuts: Mapping[str, int] = field(default_factory=dict)
 
 
 class ProjectionCache:
@@ -183,6 +186,7 @@ class Restorer:
             for p in plan.episodes
         }
         entries = plan.entries
+        cuts = cut_dispositions(plan, projections, pinned)
         timer.stage("verify")
         # Reserved before any record names it: a restore that dies before its commit leaves
         # attempt records under an id no later restore can commit.
@@ -216,7 +220,7 @@ class Restorer:
         # What stays (cached projections, the trackers' new states): keep the collector from
         # walking it again and again.
         gc.freeze()
-        return RestoreResult(restore, entries, timer.total())
+        return RestoreResult(restore, entries, timer.total(), cuts)
 
     async def committed_checkpoint(self, run: str, checkpoint_id: int | str) -> Checkpoint:
         """The checkpoint a restore or a projection read names (an id or ``"latest"``), which

@@ -6,6 +6,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from rolloutlog._telemetry import StageParent, stage_parent
+
 __all__ = ["RETRY_MAX_S", "StageTimer", "backoff_s"]
 
 #: Catalog writes the service owes (episode records, a failed checkpoint's abort) are retried
@@ -15,15 +17,20 @@ RETRY_MAX_S = 5.0
 
 @dataclass
 class StageTimer:
-    """Milliseconds per named stage of a checkpoint or restore (its ``timings_ms``)."""
+    """Milliseconds per named stage of a checkpoint or restore (its ``timings_ms``); while
+    tracing is on, each stage is also a span, a child of the span current at construction
+    (``rolloutlog.checkpoint`` → ``rolloutlog.checkpoint.markers``, …)."""
 
     started: float = field(default_factory=time.perf_counter)
     last: float = field(default_factory=time.perf_counter)
     stages: dict[str, float] = field(default_factory=dict)
+    parent: StageParent | None = field(default_factory=stage_parent)
 
     def stage(self, name: str) -> None:
         now = time.perf_counter()
         self.stages[name] = round((now - self.last) * 1000, 3)
+        if self.parent is not None:
+            self.parent.record(name, now - self.last)
         self.last = now
 
     def total(self) -> dict[str, float]:

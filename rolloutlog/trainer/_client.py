@@ -20,6 +20,7 @@ from typing import Any, Literal, Self
 import httpx
 import orjson
 
+from rolloutlog._telemetry import client_span
 from rolloutlog.errors import InvalidRequest
 from rolloutlog.trainer._types import (
     CheckpointInfo,
@@ -191,22 +192,26 @@ class AsyncTrainerClient(_Calls):
         await self.stop()
 
     async def _send(self, call: _Call) -> Any:
-        response = await self._client.request(
-            call.method,
-            self._prefix + call.path,
-            params=call.params,
-            json=call.json,
-            headers=self._headers,
-        )
+        with client_span(call.method, call.path, self._headers) as headers:
+            response = await self._client.request(
+                call.method,
+                self._prefix + call.path,
+                params=call.params,
+                json=call.json,
+                headers=headers,
+            )
         if response.is_error:
             raise error_from_response(response)
         return orjson.loads(response.content)
 
     async def _lines(self, call: _Call) -> AsyncIterator[Any]:
-        headers = {**self._headers, "Accept": NDJSON}
-        async with self._client.stream(
-            call.method, self._prefix + call.path, params=call.params, headers=headers
-        ) as response:
+        accept = {**self._headers, "Accept": NDJSON}
+        async with (
+            client_span(call.method, call.path, accept) as headers,
+            self._client.stream(
+                call.method, self._prefix + call.path, params=call.params, headers=headers
+            ) as response,
+        ):
             if response.is_error:
                 await response.aread()
                 raise error_from_response(response)
@@ -441,22 +446,26 @@ class TrainerClient(_Calls):
         self.close()
 
     def _send(self, call: _Call) -> Any:
-        response = self._client.request(
-            call.method,
-            self._prefix + call.path,
-            params=call.params,
-            json=call.json,
-            headers=self._headers,
-        )
+        with client_span(call.method, call.path, self._headers) as headers:
+            response = self._client.request(
+                call.method,
+                self._prefix + call.path,
+                params=call.params,
+                json=call.json,
+                headers=headers,
+            )
         if response.is_error:
             raise error_from_response(response)
         return orjson.loads(response.content)
 
     def _lines(self, call: _Call) -> Iterator[Any]:
-        headers = {**self._headers, "Accept": NDJSON}
-        with self._client.stream(
-            call.method, self._prefix + call.path, params=call.params, headers=headers
-        ) as response:
+        accept = {**self._headers, "Accept": NDJSON}
+        with (
+            client_span(call.method, call.path, accept) as headers,
+            self._client.stream(
+                call.method, self._prefix + call.path, params=call.params, headers=headers
+            ) as response,
+        ):
             if response.is_error:
                 response.read()
                 raise error_from_response(response)

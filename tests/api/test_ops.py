@@ -51,11 +51,11 @@ async def test_metrics_count_appends_refusals_durations_and_live_episodes(api: A
     assert samples['rolloutlog_refusals_total{code="unknown_run"}'] == 1
     assert samples['rolloutlog_refusals_total{code="attempt_fenced"}'] == 1
     assert (
-        samples['rolloutlog_checkpoint_duration_seconds_count{stage="total",outcome="committed"}']
+        samples['rolloutlog_checkpoint_duration_seconds_count{outcome="committed",stage="total"}']
         == 1
     )
     assert (
-        samples['rolloutlog_restore_duration_seconds_count{stage="replay",outcome="committed"}']
+        samples['rolloutlog_restore_duration_seconds_count{outcome="committed",stage="replay"}']
         == 1
     )
     assert samples['rolloutlog_live_episodes{run="run"}'] == 2
