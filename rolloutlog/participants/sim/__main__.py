@@ -35,7 +35,7 @@ def parse(argv: Sequence[str]) -> ServerSettings:
         "--resources", action="append", default=[], metavar="KIND=URL", help="a resources server"
     )
     parser.add_argument("--mode", choices=["restart_only", "stateless", "exported"])
-    parser.add_argument("--verify", choices=["replay", "wait"], default="replay")
+    parser.add_argument("--verify", choices=["replay", "wait"], default="wait")
     parser.add_argument("--verify-delay", type=float, default=0.0, help="seconds")
     parser.add_argument("--token-rate", type=float, default=2000.0, help="tokens per second")
     parser.add_argument("--chunk-tokens", type=int, default=16)

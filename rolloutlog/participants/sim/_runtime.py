@@ -42,7 +42,7 @@ class ServerSettings:
     agent_url: str | None = None
     resources_urls: dict[str, str] = field(default_factory=dict)
     mode: str = "restart_only"
-    verify: str = "replay"
+    verify: str = "wait"
     verify_delay_s: float = 0.0
     token_rate: float = 2000.0
     chunk_tokens: int = 16
