@@ -35,7 +35,7 @@ class Resources(Participant):
     - ``stateless``: nothing to restore;
     - ``exported``: ``record_state`` before each reply (or ``export`` through the batch hook for
       state outside the process), and ``restored_state`` on the replacement attempt.
-    
+
     ``verify`` (``x-ng-checkpoint-verify``) defaults to ``wait``: verify in flight at a checkpoint
     is waited for, never run twice; declare ``replay`` for a verify that may run again.
     """
