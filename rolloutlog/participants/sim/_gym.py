@@ -471,6 +471,7 @@ def merge_policy_stats(workers: list[dict[str, Any]]) -> dict[str, Any]:
         "installed": installed,
         "chunks_skipped": sum(w["chunks_skipped"] for w in workers),
         "cuts_refused": sum(w["cuts_refused"] for w in workers),
+        "appends_retried": sum(w["appends_retried"] for w in workers),
         "parents": parents,
         "workers": [
             {"worker": w["worker"], "calls": len(w["calls"]), "parents": w["parents"]}

@@ -310,6 +310,7 @@ class SimServer:
                 "participant": self.participant.id,
                 "epoch": self.participant.epoch,
                 "holds": self.holds.state(),
+                "appends_retried": self.transport.stats.retries,
                 **self.stats(),
             }
 
