@@ -110,7 +110,7 @@ class GenerationChunkData(_Frozen):
 class SessionStartedData(_Frozen):
     session_id: Name
     mode: SessionMode = "restart_only"
-    verify: StepMode = "replay"
+    verify: StepMode = "wait"
 
 
 class SessionStateData(_Frozen):

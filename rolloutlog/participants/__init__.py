@@ -20,21 +20,29 @@ from rolloutlog.participants._environment import (
     EnvironmentEpisode,
     Resumed,
 )
+from rolloutlog.participants._ledger import LedgerStore, MemoryLedger, SharedLedger
 from rolloutlog.participants._participant import Participant, RolloutContext, task_digest
 from rolloutlog.participants._policy import (
     Generation,
     GenerationPrefix,
     LedgerRowInfo,
     Policy,
+    constrained_request,
     fingerprint,
     ledger_digest,
 )
 from rolloutlog.participants._restore import Restores
 from rolloutlog.participants._sessions import Agent, AgentSession, Resources
-from rolloutlog.participants._transport import HttpTransport, KafkaTransport, Transport
+from rolloutlog.participants._transport import (
+    DEFAULT_DEADLINE_S,
+    HttpTransport,
+    KafkaTransport,
+    Transport,
+)
 
 __all__ = [
     "CAPTURE_KEY_HEADER",
+    "DEFAULT_DEADLINE_S",
     "STAGES",
     "STEP_HEADER",
     "VERIFY_HEADER",
@@ -47,6 +55,8 @@ __all__ = [
     "HttpTransport",
     "KafkaTransport",
     "LedgerRowInfo",
+    "LedgerStore",
+    "MemoryLedger",
     "Participant",
     "Policy",
     "Resources",
@@ -55,7 +65,9 @@ __all__ = [
     "Resumed",
     "RolloutContext",
     "RolloutContextMiddleware",
+    "SharedLedger",
     "Transport",
+    "constrained_request",
     "context_headers",
     "current_context",
     "fingerprint",

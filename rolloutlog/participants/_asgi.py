@@ -8,11 +8,17 @@ Headers (case-insensitive, as ASGI delivers them lower-cased):
 ``RolloutContextMiddleware`` puts the context of each request in a context variable that
 ``current_context()`` reads (None outside a rollout request); ``rollout_context`` is the same as a
 FastAPI dependency. A malformed header is refused with 400 ``invalid_request``.
+
+Both middlewares pass a request without a capture key through by default (health checks, a
+client that is not a rollout). With ``rollout_id_required=True`` they refuse it instead (400
+``invalid_request``, field ``x-rolloutlog-capture-key``), except under the path prefixes in
+``exempt`` (e.g. ``("/health",)``): work done outside any rollout is work no checkpoint can
+account for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -72,11 +78,31 @@ def rollout_context(request: Request) -> RolloutContext | None:
     return parse_context(request.headers.get(CAPTURE_KEY_HEADER), request.headers.get(STEP_HEADER))
 
 
-class RolloutContextMiddleware:
-    """Pure ASGI middleware: sets ``current_context()`` for each HTTP request."""
+class _Required:
+    """``rollout_id_required``: which requests without a capture key are refused."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, required: bool, exempt: Sequence[str]) -> None:
+        self.required = required
+        self.exempt = tuple(exempt)
+
+    def refuses(self, scope: Scope) -> InvalidRequest | None:
+        if not self.required or str(scope.get("path", "")).startswith(self.exempt):
+            return None
+        return InvalidRequest(
+            f"a rollout request needs the {CAPTURE_KEY_HEADER} header (rollout_id_required)",
+            field=CAPTURE_KEY_HEADER,
+        )
+
+
+class RolloutContextMiddleware:
+    """Pure ASGI middleware: sets ``current_context()`` for each HTTP request (and refuses one
+    without a rollout context when ``rollout_id_required``, outside the ``exempt`` prefixes)."""
+
+    def __init__(
+        self, app: ASGIApp, *, rollout_id_required: bool = False, exempt: Sequence[str] = ()
+    ) -> None:
         self.app = app
+        self.required = _Required(rollout_id_required, exempt)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -92,6 +118,9 @@ class RolloutContextMiddleware:
             context = parse_context(key, step)
         except InvalidRequest as e:
             await _refuse(send, e)
+            return
+        if context is None and (refusal := self.required.refuses(scope)) is not None:
+            await _refuse(send, refusal)
             return
         token = _CURRENT.set(context)
         try:
@@ -122,15 +151,23 @@ class ResourcesMiddleware:
     - ``…/close_session``: ``session.ended``.
 
     The session id is ``"<resources id>:<episode>"`` (stable across attempts, so a replacement
-    finds its restored state under it); requests without a capture key pass through untouched.
+    finds its restored state under it); requests without a capture key pass through untouched,
+    or are refused with ``rollout_id_required`` (outside the ``exempt`` prefixes).
     """
 
     def __init__(
-        self, app: ASGIApp, resources: Resources, *, state: StateHook | None = None
+        self,
+        app: ASGIApp,
+        resources: Resources,
+        *,
+        state: StateHook | None = None,
+        rollout_id_required: bool = False,
+        exempt: Sequence[str] = (),
     ) -> None:
         self.app = app
         self.resources = resources
         self.state = state
+        self.required = _Required(rollout_id_required, exempt)
 
     def session_id(self, context: RolloutContext) -> str:
         return f"{self.resources.id}:{context.episode}"
@@ -142,6 +179,9 @@ class ResourcesMiddleware:
         headers = dict(scope.get("headers", ()))
         key = headers.get(CAPTURE_KEY_HEADER.encode())
         if key is None:
+            if (refusal := self.required.refuses(scope)) is not None:
+                await _refuse(send, refusal)
+                return
             await self.app(scope, receive, send)
             return
         step = headers.get(STEP_HEADER.encode())

@@ -48,8 +48,9 @@ class EnvironmentEpisode:
         self.environment = environment
         self.context = RolloutContext(context.episode, context.attempt)
         self.step = step
-        #: The verify mode the resources server reported (``replay`` until one is seen).
-        self.verify_mode: StepMode = "replay"
+        #: The verify mode the resources server reported (``wait`` until one is seen: an
+        #: undeclared server's verify never runs twice).
+        self.verify_mode: StepMode = "wait"
 
     @property
     def capture_key(self) -> str:

@@ -35,6 +35,9 @@ class Resources(Participant):
     - ``stateless``: nothing to restore;
     - ``exported``: ``record_state`` before each reply (or ``export`` through the batch hook for
       state outside the process), and ``restored_state`` on the replacement attempt.
+
+    ``verify`` (``x-ng-checkpoint-verify``) defaults to ``wait``: verify in flight at a checkpoint
+    is waited for, never run twice; declare ``replay`` for a verify that may run again.
     """
 
     kind = "resources"
@@ -46,7 +49,7 @@ class Resources(Participant):
         participant_id: str,
         *,
         mode: SessionMode = "restart_only",
-        verify: StepMode = "replay",
+        verify: StepMode = "wait",
         export_hook: ExportHook | None = None,
     ) -> None:
         super().__init__(transport, run, participant_id)

@@ -9,6 +9,13 @@ request is sent again unchanged, with the same ``seq``s. Fencing and validation 
 retried: they fail the events they name (and every event of the same fenced attempt or epoch) at
 once, and the rest of the batch goes on.
 
+Riding through outages: a retriable failure (the service restarting or unreachable, a broker
+unavailable, ``503 unavailable``) is retried with jittered exponential backoff until the oldest
+event of the request is ``deadline_s`` old (``DEFAULT_DEADLINE_S``, 120 s: long enough for a
+service restart or upgrade). Meanwhile later events wait behind it, so order is kept. An event
+whose append finally fails gets the error on its future (``emit``/``append`` raise it) and is
+passed to ``on_failure(run, event, error)`` if given (for events nobody awaits).
+
 The per-event work on the participant's loop is kept to what the contract needs (measured by
 ``benchmarks/sdk_overhead.py``): the participant classes build envelopes in the codec's field
 order and mark them ``built``, so the Kafka path checks only their caller-supplied values
@@ -21,8 +28,10 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import logging
 import os
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -54,7 +63,15 @@ from rolloutlog.participants._encoding import check_built, encode_record_fast, e
 from rolloutlog.participants._http1 import Http1Connection, direct_http_url
 from rolloutlog.wire import DEFAULT_URL, NDJSON
 
-__all__ = ["HttpTransport", "KafkaTransport", "Transport"]
+__all__ = ["DEFAULT_DEADLINE_S", "FailureCallback", "HttpTransport", "KafkaTransport", "Transport"]
+
+_log = logging.getLogger("rolloutlog.participants.transport")
+
+#: How long an event's append is retried through retriable failures, from its submit.
+DEFAULT_DEADLINE_S = 120.0
+
+#: Called once for each event whose append finally failed: ``(run, event, error)``.
+FailureCallback = Callable[[str, dict[str, Any], BaseException], None]
 
 
 @dataclass(slots=True)
@@ -63,6 +80,7 @@ class _Pending:
     event: dict[str, Any]
     body: bytes
     future: asyncio.Future[Position]
+    submitted: float
 
 
 @dataclass
@@ -80,7 +98,9 @@ class Transport(abc.ABC):
 
     ``append`` returns once every event is durable (the write-ahead rule), with each event's
     partition and offset. Events are plain envelope dicts (docs/design.md §3); the participant classes
-    build them.
+    build them. ``deadline_s`` bounds how long an event's append rides through retriable
+    failures (jittered exponential backoff from ``backoff_s`` up to ``max_backoff_s``);
+    ``on_failure(run, event, error)`` hears of every event whose append finally failed.
     """
 
     def __init__(
@@ -89,18 +109,25 @@ class Transport(abc.ABC):
         max_in_flight: int = 4096,
         max_batch: int = 512,
         max_batch_bytes: int = 8 * 1024 * 1024,
-        retries: int = 6,
+        deadline_s: float = DEFAULT_DEADLINE_S,
         backoff_s: float = 0.05,
+        max_backoff_s: float = 5.0,
+        on_failure: FailureCallback | None = None,
     ) -> None:
         if max_in_flight < 1 or max_batch < 1:
             raise ValueError("max_in_flight and max_batch must be at least 1")
+        if deadline_s < 0 or backoff_s <= 0 or max_backoff_s < backoff_s:
+            raise ValueError("need deadline_s >= 0 and 0 < backoff_s <= max_backoff_s")
         self.max_in_flight = max_in_flight
         self.max_batch = max_batch
         #: A request stops growing past this many bytes (the service refuses bodies over its
         #: limit, 32 MiB by default, as a whole); one larger event still goes alone.
         self.max_batch_bytes = max_batch_bytes
-        self.retries = retries
+        #: Retriable failures are retried until an event is this old (seconds from its submit).
+        self.deadline_s = deadline_s
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.on_failure = on_failure
         self.stats = _Stats()
         self._started = False
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -210,7 +237,7 @@ class Transport(abc.ABC):
         assert loop is not None
         future: asyncio.Future[Position] = loop.create_future()
         queue = self._queue
-        queue.append(_Pending(run, event, body, future))
+        queue.append(_Pending(run, event, body, future, loop.time()))
         if len(queue) == 1:
             self._wake()  # else the sender is awake already: it sleeps only on an empty queue
         return future
@@ -293,11 +320,12 @@ class Transport(abc.ABC):
                 continue
             except RolloutlogError as e:
                 failures += 1
-                if not e.retriable or failures > self.retries:
+                delay = self._retry_delay(batch, failures) if e.retriable else None
+                if delay is None:
                     self._fail(batch, e)
                     return
                 self.stats.retries += 1
-                await asyncio.sleep(min(self.backoff_s * 2 ** (failures - 1), 2.0))
+                await asyncio.sleep(delay)
                 continue
             except Exception as e:  # an unexpected failure fails the batch, never the sender
                 self._fail(batch, BackendUnavailable(f"append failed: {e!r}"))
@@ -308,11 +336,39 @@ class Transport(abc.ABC):
                     item.future.set_result(position)
             return
 
+    def _retry_delay(self, batch: Sequence[_Pending], failures: int) -> float | None:
+        """The pause before retry ``failures`` of ``batch``: doubling from ``backoff_s`` up to
+        ``max_backoff_s``, times a random factor in [0.5, 1] (participants that lost the service
+        together do not come back in step), cut to what is left of the oldest event's deadline;
+        None once that deadline has passed."""
+        assert self._loop is not None
+        left = batch[0].submitted + self.deadline_s - self._loop.time()
+        if left <= 0:
+            return None
+        delay = min(self.max_backoff_s, self.backoff_s * 2.0 ** min(failures - 1, 16))
+        return min(left, delay * random.uniform(0.5, 1.0))
+
     def _fail(self, batch: Sequence[_Pending], error: BaseException) -> None:
         self.stats.failed += len(batch)
+        if batch:
+            first = batch[0].event
+            _log.warning(
+                "%d event(s) of run %s failed for good (first: %s seq %s of episode %s): %r",
+                len(batch),
+                batch[0].run,
+                first.get("type"),
+                first.get("seq"),
+                first.get("episode"),
+                error,
+            )
         for item in batch:
             if not item.future.done():
                 item.future.set_exception(error)
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(item.run, item.event, error)
+                except Exception:  # a broken callback must not stop the sender
+                    _log.exception("on_failure raised")
 
     def _fail_named(self, batch: list[_Pending], error: RolloutlogError) -> list[_Pending]:
         """Fail the events an all-or-nothing refusal names; return the rest to send again."""
@@ -394,9 +450,11 @@ class HttpTransport(Transport):
         token: str | None = None,
         client: httpx.AsyncClient | None = None,
         max_event_bytes: int = 32 * 1024 * 1024,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        on_failure: FailureCallback | None = None,
         **options: Any,
     ) -> None:
-        super().__init__(**options)
+        super().__init__(deadline_s=deadline_s, on_failure=on_failure, **options)
         #: The service's body limit (``serve --max-body-mb``, 32 MiB by default): a larger event
         #: is refused on submit, since the service would close the connection on it unread.
         self.max_event_bytes = max_event_bytes
@@ -455,9 +513,11 @@ class KafkaTransport(Transport):
         token: str | None = None,
         client: httpx.AsyncClient | None = None,
         validate: bool = True,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        on_failure: FailureCallback | None = None,
         **options: Any,
     ) -> None:
-        super().__init__(**options)
+        super().__init__(deadline_s=deadline_s, on_failure=on_failure, **options)
         self.validate = validate
         self._owns_log = isinstance(log, str)
         self.log: Log = open_log(log) if isinstance(log, str) else log

@@ -356,7 +356,7 @@ class EpisodeFold:
                 current = sessions.get(sid)
                 if current is None:
                     # State of a session whose start was not recorded: it fails closed.
-                    view = (sid, who["kind"], who["id"], "restart_only", "replay", state)
+                    view = (sid, who["kind"], who["id"], "restart_only", "wait", state)
                     modes_changed = True
                 else:
                     view = (sid, current[1], current[2], current[3], current[4], state)
@@ -364,7 +364,7 @@ class EpisodeFold:
                 sizes[sid] = size
             elif kind == "session.started":
                 mode = data.get("mode", "restart_only")
-                view = (sid, who["kind"], who["id"], mode, data.get("verify", "replay"), None)
+                view = (sid, who["kind"], who["id"], mode, data.get("verify", "wait"), None)
                 sessions[sid] = _new(SessionView, view)
                 sizes[sid] = 0
                 modes_changed = True

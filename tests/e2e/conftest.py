@@ -71,10 +71,16 @@ def puppets(service: Service, tmp_path: Path) -> Iterator[Callable[[str], Puppet
 
 
 @pytest.fixture
-async def gym(deployment: Deployment) -> AsyncIterator[Gym]:
+def policy_workers() -> int:
+    """Worker processes of the Gym's policy server (a scenario parametrizes it to 2)."""
+    return 1
+
+
+@pytest.fixture
+async def gym(deployment: Deployment, policy_workers: int) -> AsyncIterator[Gym]:
     """The simulated Gym (service and six participant processes) on the deployment; the counter
     server verifies in ``replay`` mode, the stateless verifier in ``wait`` mode."""
-    running = gym_for(deployment, verifier_verify="wait")
+    running = gym_for(deployment, verifier_verify="wait", policy_workers=policy_workers)
     await running.start()
     try:
         yield running

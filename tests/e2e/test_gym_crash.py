@@ -38,13 +38,17 @@ def right(reply: dict[str, Any], task: dict[str, Any]) -> bool:
     return reply["reward"] == 1.0 and reply["response"]["answer"] == expected_answer(task)
 
 
+@pytest.mark.parametrize("policy_workers", [2])
 async def test_one_crash_with_every_kind_of_episode_in_flight(
     gym: Gym, gym_trainer: AsyncTrainerClient, episodes: Episodes
 ) -> None:
     """1 continue from the last boundary, 2 the counter's restored state gives the right reward,
     3 token lineage and an undelivered call, 4 an in-flight generation cut and continued (a
     constrained one regenerated, a completed undelivered one a terminal cut), 6 verify in flight replayed or waited for, 7 episodes
-    finishing before and during the checkpoint, 9 a restart-only session starting over."""
+    finishing before and during the checkpoint, 9 a restart-only session starting over.
+
+    The policy runs two worker processes and the agent alternates between them, so lineage
+    and cuts resolve across workers (a parent recorded by one, a cut claimed by one)."""
     run, trainer = gym.run, gym_trainer
     tasks = {
         "cont": make_task("cont"),
@@ -191,6 +195,13 @@ async def test_one_crash_with_every_kind_of_episode_in_flight(
         ("restart-a1.c1", "restart-a1.c0", 0, 48),
         ("restart-a1.c2", "restart-a1.c1", 0, 48),
     ]
+    # Two workers: calls alternate, so every parent recorded in this attempt was recorded by
+    # the other worker (cont, undeliv, cut, term, constr once each, restart twice).
+    crossed = [
+        c["call_id"] for c in policy["calls"] if c["parent_worker"] not in (None, c["worker"])
+    ]
+    assert len(crossed) == 7 and policy["parents"]["other_worker"] == 7, crossed
+    assert policy["cuts_refused"] == 0  # each restored cut continued by one call, on one worker
     # 7: neither finished episode is redone by anyone.
     keys = {run["capture_key"] for run in environment["runs"]}
     assert keys == {f"{key}-a1" for key in [*continued, "restart"]}
@@ -263,6 +274,7 @@ async def test_a_checkpoint_without_a_crash_disturbs_nothing(
     assert dict(after.counts) == {"continue": 0, "restart": 0, "finished": 4}
 
 
+@pytest.mark.parametrize("policy_workers", [2])
 async def test_a_second_crash_before_and_after_the_replacement_starts(
     gym: Gym, gym_trainer: AsyncTrainerClient, episodes: Episodes
 ) -> None:
@@ -303,6 +315,7 @@ async def test_a_second_crash_before_and_after_the_replacement_starts(
     policy = await gym.stats("policy")
     assert calls_of(policy, "twice-a2") == [("twice-a2.c1", "twice.c0", 0, 48)]
     assert calls_of(policy, "cut-a2") == [("cut.c0", None, 48, 48), ("cut-a2.c1", "cut.c0", 0, 96)]
+    assert policy["parents"]["other_worker"] == 1  # cut-a2.c1's parent: the cut, on the other
 
     # After the replacement started: a checkpoint and a third crash.
     third_checkpoint = await trainer.checkpoint(run)

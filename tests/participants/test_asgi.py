@@ -102,3 +102,35 @@ async def test_a_resources_server_records_its_sessions_from_its_routes(world: Wo
         assert projection["sessions"]["res-0:e1"]["verify"] == "wait"
         replacement = context_headers(RolloutContext("e1", 1))
         assert (await client.post("/close_session", headers=replacement)).status_code == 200
+
+
+async def test_rollout_id_required_refuses_requests_without_a_context(world: World) -> None:
+    app = FastAPI()
+
+    @app.post("/generate")
+    async def generate() -> dict[str, object]:
+        context = current_context()
+        return {"context": None if context is None else context.capture_key}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    strict = RolloutContextMiddleware(app, rollout_id_required=True, exempt=("/health",))
+    lenient = RolloutContextMiddleware(app)
+    resources = Resources(world.transport, RUN, "res-strict")
+    await resources.register()
+    guarded = ResourcesMiddleware(app, resources, rollout_id_required=True, exempt=("/health",))
+    for wrapped, required in ((strict, True), (guarded, True), (lenient, False)):
+        transport = httpx.ASGITransport(app=wrapped)
+        async with httpx.AsyncClient(transport=transport, base_url="http://p.test") as client:
+            bare = await client.post("/generate")
+            if required:
+                assert bare.status_code == 400, bare.text
+                error = bare.json()["error"]
+                assert error["code"] == "invalid_request" and CAPTURE_KEY_HEADER in error["message"]
+            else:
+                assert bare.json() == {"context": None}  # passes through, as before
+            headers = context_headers(RolloutContext("r1", 1))
+            assert (await client.post("/generate", headers=headers)).json() == {"context": "r1-a1"}
+            assert (await client.get("/health")).status_code == 200  # exempt

@@ -62,7 +62,7 @@ async def test_every_kind_continues_through_a_checkpoint_and_a_restore(world: Wo
     # e2: a restart-only session makes it start over
     other = Resources(transport, RUN, "res-1")
     await other.register()
-    assert other.headers == {"x-ng-checkpoint-verify": "replay", "x-ng-checkpoint-restart": "1"}
+    assert other.headers == {"x-ng-checkpoint-verify": "wait", "x-ng-checkpoint-restart": "1"}
     e2 = await env.start_episode("e2", {"prompt": "other"})
     await other.open_session("e2", "res-9")
     await e2.boundary("seed", {"resources": "res-9"})

@@ -22,6 +22,7 @@ from rolloutlog.participants import (
     fingerprint,
 )
 from rolloutlog.participants._http1 import Http1Connection, direct_http_url
+from rolloutlog.participants._transport import _Pending
 from rolloutlog.trainer import AsyncTrainerClient
 from tests._services import free_port
 from tests.api.conftest import TOKENS
@@ -147,15 +148,51 @@ async def test_a_fenced_event_fails_alone_and_its_batch_mates_are_appended(world
         assert interposer.batches[-2:] == [2, 1]  # one request refused, the rest sent again
 
 
-async def test_an_unreachable_service_fails_after_the_retries() -> None:
+async def test_an_unreachable_service_fails_each_event_at_its_deadline() -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused")
 
+    failed: list[tuple[str, object, BaseException]] = []
     client = httpx.AsyncClient(transport=httpx.MockTransport(refuse), base_url="http://x.test")
-    async with client, HttpTransport(client=client, retries=2, backoff_s=0.001) as transport:
+    transport = HttpTransport(
+        client=client,
+        deadline_s=0.3,
+        backoff_s=0.001,
+        max_backoff_s=0.02,
+        on_failure=lambda run, event, error: failed.append((run, event["seq"], error)),
+    )
+    async with client, transport:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        events = [orjson.loads(b'{"type": "x", "episode": "e", "seq": %d}' % n) for n in (1, 2)]
         with pytest.raises(BackendUnavailable):
-            await transport.append(RUN, [orjson.loads(b'{"type": "x", "episode": "e"}')])
-        assert transport.stats.retries == 2 and transport.in_flight == 0
+            await transport.append(RUN, events)
+        elapsed = loop.time() - began
+        assert 0.3 <= elapsed < 2.0  # retried until the deadline, not after a fixed count
+        assert transport.stats.retries >= 5 and transport.in_flight == 0
+        # every event's final failure is reported once, in order
+        assert [(run, seq) for run, seq, _ in failed] == [(RUN, 1), (RUN, 2)]
+        assert all(isinstance(error, BackendUnavailable) for _, _, error in failed)
+
+
+def test_the_retry_backoff_is_jittered_exponential_and_capped_by_the_deadline() -> None:
+    transport = HttpTransport("http://x.test", deadline_s=10.0, backoff_s=0.1, max_backoff_s=2.0)
+    loop = asyncio.new_event_loop()
+    try:
+        transport._loop = loop
+        now = loop.time()
+        batch = [_Pending(RUN, {}, b"", loop.create_future(), now)]
+        for failures, cap in ((1, 0.1), (2, 0.2), (3, 0.4), (6, 2.0), (40, 2.0)):
+            delays = {transport._retry_delay(batch, failures) for _ in range(50)}
+            assert all(d is not None and cap * 0.5 <= d <= cap for d in delays)
+            assert len(delays) > 1  # jittered
+        nearly = [_Pending(RUN, {}, b"", loop.create_future(), now - 9.95)]
+        delay = transport._retry_delay(nearly, 10)
+        assert delay is not None and delay <= 0.05 + 1e-3  # never sleeps past the deadline
+        late = [_Pending(RUN, {}, b"", loop.create_future(), now - 10.5)]
+        assert transport._retry_delay(late, 1) is None
+    finally:
+        loop.close()
 
 
 async def test_requests_stop_growing_at_the_byte_budget(world: World) -> None:

@@ -5,6 +5,11 @@ Roles: ``policy``, ``agent``, ``resources`` (``--mode exported|stateless|restart
 
     python -m rolloutlog.participants.sim policy --port 8801 --service-url http://127.0.0.1:8750 \\
         --run sim --id policy-0
+
+``policy --workers N`` runs N worker processes on the one port (SO_REUSEPORT), each registered
+as ``<id>.w<i>``, sharing their ledger rows through a SQLite file (``SharedLedger``), so a
+call's parent resolves whichever worker recorded it; ``--worker-ports P0,P1,…`` gives each
+worker its own port too (its ``/sim/*`` routes, and an address a round-robin client can use).
 """
 
 from __future__ import annotations
@@ -29,17 +34,28 @@ def parse(argv: Sequence[str]) -> ServerSettings:
     parser.add_argument("--transport", choices=["http", "kafka"], default="http")
     parser.add_argument("--log-url", help="kafka://… for --transport kafka")
     parser.add_argument("--token", help="participant bearer token (default: none)")
-    parser.add_argument("--policy-url")
+    parser.add_argument(
+        "--policy-url", action="append", default=[], help="the policy (repeat: one per worker)"
+    )
     parser.add_argument("--agent-url")
     parser.add_argument(
         "--resources", action="append", default=[], metavar="KIND=URL", help="a resources server"
     )
     parser.add_argument("--mode", choices=["restart_only", "stateless", "exported"])
-    parser.add_argument("--verify", choices=["replay", "wait"], default="replay")
+    parser.add_argument("--verify", choices=["replay", "wait"], default="wait")
     parser.add_argument("--verify-delay", type=float, default=0.0, help="seconds")
     parser.add_argument("--token-rate", type=float, default=2000.0, help="tokens per second")
     parser.add_argument("--chunk-tokens", type=int, default=16)
     parser.add_argument("--policy-version", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="worker processes (policy)")
+    parser.add_argument("--worker-ports", default="", help="P0,P1,…: each worker's own port")
+    parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--ledger-path", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--allow-no-rollout-id",
+        action="store_true",
+        help="pass requests without x-rolloutlog-capture-key through (default: refuse them)",
+    )
     parser.add_argument(
         "--skip-restore",
         action="store_true",
@@ -56,7 +72,7 @@ def parse(argv: Sequence[str]) -> ServerSettings:
         transport=args.transport,
         log_url=args.log_url,
         token=args.token,
-        policy_url=args.policy_url,
+        policy_urls=args.policy_url,
         agent_url=args.agent_url,
         resources_urls=dict(item.split("=", 1) for item in args.resources),
         mode=args.mode or "restart_only",
@@ -66,14 +82,25 @@ def parse(argv: Sequence[str]) -> ServerSettings:
         chunk_tokens=args.chunk_tokens,
         policy_version=args.policy_version,
         skip_restore=args.skip_restore,
+        workers=args.workers,
+        worker_index=args.worker_index,
+        worker_ports=[int(p) for p in args.worker_ports.split(",") if p],
+        ledger_path=args.ledger_path,
+        rollout_id_required=not args.allow_no_rollout_id,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import uvicorn
     from starlette.types import ASGIApp
 
-    settings = parse(sys.argv[1:] if argv is None else argv)
+    from rolloutlog.participants.sim._runtime import serve, supervise
+
+    argv = sys.argv[1:] if argv is None else argv
+    settings = parse(argv)
+    if settings.workers > 1 and settings.worker_index is None:
+        if settings.role != "policy":
+            raise SystemExit("--workers is for the policy role")
+        sys.exit(supervise(argv, settings))
     app: ASGIApp
     if settings.role == "policy":
         from rolloutlog.participants.sim._policy_server import policy_server
@@ -91,17 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from rolloutlog.participants.sim._environment_server import environment_server
 
         app = environment_server(settings).app
-    uvicorn.run(
-        app,
-        host="127.0.0.1",
-        port=settings.port,
-        log_level="warning",
-        access_log=False,
-        # well past httpx's 5 s keep-alive expiry: the client drops an idle connection before
-        # the server does, so a request never races the server closing it (a ReadError)
-        timeout_keep_alive=120,
-        timeout_graceful_shutdown=5,
-    )
+    serve(app, settings)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,13 @@ from rolloutlog.participants.sim._runtime import ServerSettings, SimServer, requ
 __all__ = ["agent_server", "agent_session_id"]
 
 
+#: The JSON schema a constrained model call asks its reply to follow.
+_ANSWER_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "answer", "schema": {"type": "object"}},
+}
+
+
 def agent_session_id(episode: str) -> str:
     return f"agent:{episode}"
 
@@ -30,8 +37,8 @@ def agent_server(settings: ServerSettings) -> SimServer:
     server = SimServer(settings, lambda t: Agent(t, settings.run, settings.participant_id))
     agent = server.participant
     assert isinstance(agent, Agent)
-    assert settings.policy_url is not None
-    policy_url = settings.policy_url
+    assert settings.policy_urls, "the agent needs --policy-url"
+    policy_urls = settings.policy_urls
     runs: list[dict[str, Any]] = []
     server.stats = lambda: {"runs": runs}
     app = server.app
@@ -67,14 +74,15 @@ def agent_server(settings: ServerSettings) -> SimServer:
             await server.holds.park("before_model_call", key, call_index=index)
             reply = (
                 await server.post(
-                    policy_url,
+                    policy_urls[index % len(policy_urls)],
                     "/generate",
                     context,
                     {
                         "turns": state["turns"],
                         "call_index": index,
                         "tokens": task["tokens"],
-                        "constrained": index in constrained,
+                        # a structured-output request: the policy classifies it as constrained
+                        **({"response_format": _ANSWER_FORMAT} if index in constrained else {}),
                         "token_rate": task.get("token_rate"),
                     },
                     restore_id,

@@ -22,7 +22,7 @@ import httpx
 if TYPE_CHECKING:
     from rolloutlog.participants.sim._collector import Collector
 
-__all__ = ["PARTICIPANTS", "Gym"]
+__all__ = ["PARTICIPANTS", "Gym", "merge_policy_stats"]
 
 #: The participant processes a Gym runs: name -> (role, participant id).
 PARTICIPANTS: dict[str, tuple[str, str]] = {
@@ -43,7 +43,7 @@ def free_port() -> int:
         return port
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: SIGKILL it when the launcher dies (Linux), so a killed test
     run leaves no server behind (each runs in its own session, out of reach of the terminal)."""
     if sys.platform == "linux":
@@ -106,6 +106,9 @@ class Gym:
       ``verifier`` (stateless), ``restart`` (restart-only) and ``environment``; each runs
       ``python -m rolloutlog.participants.sim`` in its own process group on a fixed loopback
       port (``url(name)``), logging to ``data_dir/logs/<name>.log``.
+    - ``policy_workers=N`` runs the policy as N worker processes (``policy --workers N``: one
+      port, a shared ledger); the agent spreads its calls over them round robin, and holds,
+      releases and ``stats("policy")`` cover every worker (``merge_policy_stats``).
     - Knobs: ``token_rate`` (tokens/s per call), ``chunk_tokens``, ``counter_verify`` and
       ``verifier_verify`` (``replay``/``wait``), ``verify_delay_s``; per task: rounds, tokens,
       constrained calls, verify delay, token rate (``make_task``).
@@ -134,6 +137,7 @@ class Gym:
         verifier_verify: str = "replay",
         verify_delay_s: float = 0.0,
         policy_version: int = 1,
+        policy_workers: int = 1,
         service_args: tuple[str, ...] = (),
         startup_timeout_s: float = 60.0,
     ) -> None:
@@ -157,6 +161,12 @@ class Gym:
         self.startup_timeout_s = startup_timeout_s
         self.service = _Process("service", free_port())
         self.processes = {name: _Process(name, free_port()) for name in PARTICIPANTS}
+        if policy_workers < 1:
+            raise ValueError("policy_workers must be at least 1")
+        #: each policy worker's own port (none with one worker)
+        self.policy_worker_ports = [free_port() for _ in range(policy_workers)]
+        if policy_workers == 1:
+            self.policy_worker_ports = []
         self.restore_id: int | None = None
         self.skip_resources_restore = False
         self.timings: dict[str, float] = {}
@@ -169,6 +179,13 @@ class Gym:
     def url(self, name: str) -> str:
         """The loopback URL of a participant process (``environment``, ``policy``, …)."""
         return self.processes[name].url
+
+    def control_urls(self, name: str) -> list[str]:
+        """Where a participant's ``/sim/*`` routes answer: each policy worker's own address
+        (``policy_workers`` > 1), else the process's."""
+        if name == "policy" and self.policy_worker_ports:
+            return [f"http://127.0.0.1:{port}" for port in self.policy_worker_ports]
+        return [self.url(name)]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -251,7 +268,11 @@ class Gym:
             self._spawn(self.processes[name], self._participant_args(name))
 
     async def _participants_ready(self) -> None:
-        await asyncio.gather(*(self._ready(p, "/sim/ready") for p in self.processes.values()))
+        await asyncio.gather(*(self._participant_ready(name) for name in self.processes))
+
+    async def _participant_ready(self, name: str) -> None:
+        for url in self.control_urls(name):
+            await self._ready(self.processes[name], "/sim/ready", url)
 
     def kill_participants(self) -> None:
         """SIGKILL every participant process group (all at once, then reap)."""
@@ -271,7 +292,7 @@ class Gym:
         if restore_id is not None:
             self.restore_id = restore_id
         self._spawn(self.processes[name], self._participant_args(name))
-        await self._ready(self.processes[name], "/sim/ready")
+        await self._participant_ready(name)
 
     def _participant_args(self, name: str) -> list[str]:
         role, participant_id = PARTICIPANTS[name]
@@ -298,8 +319,14 @@ class Gym:
         if role == "policy":
             args += ["--token-rate", str(self.token_rate), "--chunk-tokens", str(self.chunk_tokens)]
             args += ["--policy-version", str(self.policy_version)]
+            if self.policy_worker_ports:
+                ports = ",".join(map(str, self.policy_worker_ports))
+                args += ["--workers", str(len(self.policy_worker_ports)), "--worker-ports", ports]
         elif role == "agent":
-            args += ["--policy-url", self.url("policy"), *resources]
+            # one address per policy worker: the agent spreads its calls round robin, so a
+            # rollout's consecutive calls land on different workers
+            args += [f"--policy-url={url}" for url in self.control_urls("policy")]
+            args += resources
         elif role == "environment":
             args += ["--agent-url", self.url("agent"), *resources]
         else:
@@ -322,16 +349,17 @@ class Gym:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
-    async def _ready(self, process: _Process, path: str) -> None:
+    async def _ready(self, process: _Process, path: str, url: str | None = None) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if not process.alive:
                 raise RuntimeError(f"{process.name} exited at start: {self.log_tail(process.name)}")
             with contextlib.suppress(httpx.HTTPError):
-                if (await self._client.get(process.url + path, timeout=2)).status_code == 200:
+                address = url or process.url
+                if (await self._client.get(address + path, timeout=2)).status_code == 200:
                     return
             await asyncio.sleep(0.05)
         raise RuntimeError(f"{process.name} was not ready in time: {self.log_tail(process.name)}")
@@ -355,44 +383,98 @@ class Gym:
         count: int = 1,
     ) -> None:
         """Arm a hold: the next ``count`` episodes reaching ``point`` at participant ``name``
-        park there until ``release``."""
+        park there until ``release`` (armed on every policy worker)."""
         body: dict[str, Any] = {"point": point, "capture_key": capture_key}
         body |= {"after_tokens": after_tokens, "count": count}
-        response = await self._client.post(self.url(name) + "/sim/holds", json=body)
-        response.raise_for_status()
+        for url in self.control_urls(name):
+            response = await self._client.post(url + "/sim/holds", json=body)
+            response.raise_for_status()
 
     async def wait_held(
         self, name: str, point: str, capture_key: str | None = None, *, timeout_s: float = 60.0
     ) -> dict[str, Any]:
-        """Wait until an episode is parked at an armed hold; returns what it parked with."""
+        """Wait until an episode is parked at an armed hold (on any policy worker); returns
+        what it parked with."""
         params: dict[str, Any] = {"point": point, "timeout_s": timeout_s}
         if capture_key is not None:
             params["capture_key"] = capture_key
-        response = await self._client.get(
-            self.url(name) + "/sim/holds/wait", params=params, timeout=timeout_s + 10
-        )
-        response.raise_for_status()
-        result: dict[str, Any] = response.json()
-        return result
+
+        async def wait(url: str) -> dict[str, Any]:
+            response = await self._client.get(
+                url + "/sim/holds/wait", params=params, timeout=timeout_s + 10
+            )
+            response.raise_for_status()
+            result: dict[str, Any] = response.json()
+            return result
+
+        waits = [asyncio.ensure_future(wait(url)) for url in self.control_urls(name)]
+        try:
+            error: BaseException | None = None
+            for next_done in asyncio.as_completed(waits):
+                try:
+                    return await next_done
+                except httpx.HTTPStatusError as e:
+                    error = e  # nothing parked on that worker: wait for the others
+            assert error is not None
+            raise error
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     async def release(
         self, name: str, point: str | None = None, capture_key: str | None = None
     ) -> int:
         """Release the matching holds; returns how many episodes were parked at them."""
         body = {"point": point, "capture_key": capture_key}
-        response = await self._client.post(self.url(name) + "/sim/holds/release", json=body)
-        response.raise_for_status()
-        return int(response.json()["released"])
+        released = 0
+        for url in self.control_urls(name):
+            response = await self._client.post(url + "/sim/holds/release", json=body)
+            response.raise_for_status()
+            released += int(response.json()["released"])
+        return released
 
     async def stats(self, name: str) -> dict[str, Any]:
-        """A participant's ``/sim/stats`` (its epoch, holds, and its kind's counters)."""
-        response = await self._client.get(self.url(name) + "/sim/stats")
-        response.raise_for_status()
-        result: dict[str, Any] = response.json()
-        return result
+        """A participant's ``/sim/stats`` (its epoch, holds, and its kind's counters); a
+        multi-worker policy's workers' stats merged (``merge_policy_stats``)."""
+        results = []
+        for url in self.control_urls(name):
+            response = await self._client.get(url + "/sim/stats")
+            response.raise_for_status()
+            results.append(response.json())
+        return results[0] if len(results) == 1 else merge_policy_stats(results)
 
     def collector(self, **kwargs: Any) -> Collector:
         """A ``Collector`` for this Gym's run and environment server."""
         from rolloutlog.participants.sim._collector import Collector
 
         return Collector(self.service_url, self.run, [self.url("environment")], **kwargs)
+
+
+def merge_policy_stats(workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One view of a multi-worker policy's ``/sim/stats``: calls in the order they started,
+    counters summed, installed rows per capture key (each worker installs the same ones), and
+    ``workers`` (each one's own)."""
+    calls = sorted((c for w in workers for c in w["calls"]), key=lambda c: c["t"])
+    installed: dict[str, int] = {}
+    parents: dict[str, int] = {}
+    for w in workers:
+        for key, count in w["installed"].items():
+            installed[key] = max(installed.get(key, 0), count)
+        for outcome, count in w["parents"].items():
+            parents[outcome] = parents.get(outcome, 0) + count
+    return {
+        **workers[0],
+        "epoch": [w["epoch"] for w in workers],
+        "holds": [h for w in workers for h in w["holds"]],
+        "calls": calls,
+        "installed": installed,
+        "chunks_skipped": sum(w["chunks_skipped"] for w in workers),
+        "cuts_refused": sum(w["cuts_refused"] for w in workers),
+        "appends_retried": sum(w["appends_retried"] for w in workers),
+        "parents": parents,
+        "workers": [
+            {"worker": w["worker"], "calls": len(w["calls"]), "parents": w["parents"]}
+            for w in workers
+        ],
+    }

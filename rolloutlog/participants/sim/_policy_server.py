@@ -4,10 +4,12 @@ policy kind records them (generation chunks for long calls, a ledger row before 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from fastapi import Request
 
+from rolloutlog.participants._ledger import LedgerStore, MemoryLedger, SharedLedger
 from rolloutlog.participants._participant import RolloutContext
 from rolloutlog.participants._policy import GenerationPrefix, Policy, fingerprint
 from rolloutlog.participants.sim._model import (
@@ -22,9 +24,14 @@ __all__ = ["policy_server"]
 
 
 def policy_server(settings: ServerSettings) -> SimServer:
-    """``POST /generate`` ``{"turns": [...], "call_index", "tokens", "constrained"?,
-    "token_rate"?}`` under a rollout context → ``{"call_id", "parent_call_id", "token_ids",
-    "text"}``.
+    """``POST /generate`` ``{"turns": [...], "call_index", "tokens", "token_rate"?}`` plus any
+    constrained-decoding fields (``response_format``, ``tool_choice``, ``guided_*``; a
+    ``constrained`` flag overrides them) under a rollout context → ``{"call_id",
+    "parent_call_id", "token_ids", "text"}``.
+
+    With ``--workers N`` each worker process runs this app as participant ``<id>.w<i>`` and the
+    workers share their ledger rows (``SharedLedger``): a parent resolves whichever worker
+    recorded it, and a restored cut is continued by one call only (``Policy.claim_cut``).
 
     A replacement attempt's calls resolve their parent by fingerprint among the rows restored
     under its capture key (bulk ``Restores.install`` at start when the process is given a
@@ -34,17 +41,28 @@ def policy_server(settings: ServerSettings) -> SimServer:
     Hold points: ``mid_generation`` (once ``after_tokens`` tokens are durable in chunks),
     ``before_record`` (generated, no ledger row yet), ``before_deliver`` (row durable, reply not
     sent). ``/sim/stats``: every call served (``capture_key``, ``call_id``, ``parent_call_id``,
-    ``call_index``, ``generated``, ``continued``, ``constrained``, ``chunks``, ``delivered``),
-    the rows installed per capture key, ``chunks_skipped``, ``cuts_refused``.
+    ``call_index``, ``generated``, ``continued``, ``constrained``, ``chunks``, ``delivered``,
+    ``worker``, ``parent_worker``: who recorded the parent, None when restored, ``t``), the rows
+    installed per capture key, ``chunks_skipped``, ``cuts_refused``, ``parents`` (resolutions
+    by outcome, ``other_worker`` among them), ``worker``.
     """
+    worker = settings.worker_name
+    ledger: LedgerStore = MemoryLedger(worker)
+    participant_id = settings.participant_id
+    if settings.worker_index is not None:
+        # one participant per worker: a shared id would fence the sibling that registered first
+        participant_id = f"{participant_id}.{worker}"
+        if settings.ledger_path is not None:
+            ledger = SharedLedger(settings.ledger_path, worker)
     server = SimServer(
         settings,
         lambda transport: Policy(
             transport,
             settings.run,
-            settings.participant_id,
+            participant_id,
             policy_version=settings.policy_version,
             chunk_tokens=settings.chunk_tokens,
+            ledger=ledger,
         ),
     )
     policy = server.participant
@@ -88,10 +106,12 @@ def policy_server(settings: ServerSettings) -> SimServer:
 
     def stats() -> dict[str, Any]:
         return {
+            "worker": worker,
             "calls": calls,
             "installed": installed,
             "chunks_skipped": policy.chunks_skipped,
             "cuts_refused": policy.cuts_refused,
+            "parents": policy.parents,
         }
 
     server.stats = stats
@@ -105,15 +125,21 @@ def policy_server(settings: ServerSettings) -> SimServer:
         turns: list[str] = list(body.get("turns", []))
         call_index = int(body.get("call_index", len(turns)))
         count = int(body["tokens"])
-        constrained = bool(body.get("constrained", False))
+        flag = body.get("constrained")
+        constrained = policy.is_constrained(body, None if flag is None else bool(flag))
         rate = float(body.get("token_rate") or settings.token_rate)
         digest = request_digest(context.episode, call_index, count, constrained)
         await ensure_restored(context, server.restore_id(request, body))
-        parent = policy.resolve_parent(key, fingerprint(turns)) if turns else None
+        parent = None
+        if turns:
+            # the parent was called with every turn before its own reply (the last one)
+            parent = policy.resolve_parent(
+                key, fingerprint(turns), context_digest=context_digest(turns[:-1])
+            )
         parent_id = parent.call_id if parent is not None else None
         cut: GenerationPrefix | None = None
         projection = cuts.pop(key, None)
-        if projection is not None:
+        if projection is not None and policy.claim_cut(key):
             cut = policy.validate_cut(projection, request_digest=digest)
         call_id = cut.call_id if cut is not None else f"{key}.c{call_index}"
         generation = policy.generation(
@@ -127,6 +153,9 @@ def policy_server(settings: ServerSettings) -> SimServer:
         expected = sim_tokens(context.episode, call_index, count)
         continued = len(generation.token_ids)
         record: dict[str, Any] = {
+            "t": time.time(),
+            "worker": worker,
+            "parent_worker": None if parent is None else parent.recorded_by,
             "capture_key": key,
             "call_id": call_id,
             "parent_call_id": generation.parent_call_id,
@@ -166,6 +195,7 @@ def policy_server(settings: ServerSettings) -> SimServer:
             context_digest=context_digest(turns),
             parent_call_id=generation.parent_call_id,
             constrained=constrained,
+            policy_version=generation.policy_version,
         )
         await server.holds.park("before_deliver", key, call_id=call_id)
         record["delivered"] = True

@@ -5,21 +5,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp
 
 from rolloutlog.errors import BackendUnavailable, RolloutlogError, UnknownEpisode, UnknownRun
-from rolloutlog.participants._asgi import CAPTURE_KEY_HEADER, context_headers
+from rolloutlog.participants._asgi import (
+    CAPTURE_KEY_HEADER,
+    RolloutContextMiddleware,
+    context_headers,
+)
 from rolloutlog.participants._participant import Participant, RolloutContext
 from rolloutlog.participants._restore import Restores
 from rolloutlog.participants._transport import HttpTransport, KafkaTransport, Transport
 
-__all__ = ["RESTORE_HEADER", "Holds", "ServerSettings", "SimServer"]
+__all__ = ["RESTORE_HEADER", "Holds", "ServerSettings", "SimServer", "serve", "supervise"]
 
 #: The header that carries the restore a replacement attempt continues from between sim servers.
 RESTORE_HEADER = "x-sim-restore-id"
@@ -38,16 +50,30 @@ class ServerSettings:
     transport: str = "http"
     log_url: str | None = None
     token: str | None = None
-    policy_url: str | None = None
+    #: the policy server's address, or one per worker (calls go round robin by call index, as a
+    #: load balancer in front of the workers would spread them)
+    policy_urls: list[str] = field(default_factory=list)
     agent_url: str | None = None
     resources_urls: dict[str, str] = field(default_factory=dict)
     mode: str = "restart_only"
-    verify: str = "replay"
+    verify: str = "wait"
     verify_delay_s: float = 0.0
     token_rate: float = 2000.0
     chunk_tokens: int = 16
     policy_version: int = 1
     skip_restore: bool = False
+    #: worker processes (policy only): each serves ``port`` (SO_REUSEPORT) and its own
+    #: ``worker_ports[i]`` (control routes, and the address a round-robin client uses)
+    workers: int = 1
+    worker_index: int | None = None
+    worker_ports: list[int] = field(default_factory=list)
+    ledger_path: str | None = None
+    #: refuse rollout requests without a ``x-rolloutlog-capture-key`` (``/sim/*`` exempt)
+    rollout_id_required: bool = True
+
+    @property
+    def worker_name(self) -> str:
+        return "w0" if self.worker_index is None else f"w{self.worker_index}"
 
 
 @dataclass
@@ -181,6 +207,12 @@ class SimServer:
         self.on_start: list[Callable[[], Any]] = []
         self.app = FastAPI(lifespan=self._lifespan)
         self._routes()
+        self.app.add_middleware(
+            RolloutContextMiddleware,
+            # the environment is the entry point: the trainer names the attempt in the body
+            rollout_id_required=settings.rollout_id_required and settings.role != "environment",
+            exempt=("/sim/",),
+        )
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -227,10 +259,20 @@ class SimServer:
         """One episode's projection of a restore (None when the restore did not continue it)."""
         if restore_id is None:
             return None
-        try:
-            return await self.restores.fetch(self.settings.run, episode, restore_id)
-        except UnknownEpisode:
-            return None
+        # Rides through a service restart like the transport's appends do.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.transport.deadline_s
+        failures = 0
+        while True:
+            try:
+                return await self.restores.fetch(self.settings.run, episode, restore_id)
+            except UnknownEpisode:
+                return None
+            except BackendUnavailable:
+                failures += 1
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(min(2.0, 0.05 * 2**failures))
 
     async def post(
         self, url: str, path: str, context: RolloutContext, body: Any, restore_id: int | None
@@ -268,6 +310,7 @@ class SimServer:
                 "participant": self.participant.id,
                 "epoch": self.participant.epoch,
                 "holds": self.holds.state(),
+                "appends_retried": self.transport.stats.retries,
                 **self.stats(),
             }
 
@@ -310,3 +353,84 @@ def request_context(request: Request) -> RolloutContext:
     if key is None:
         raise ValueError(f"a rollout request needs the {CAPTURE_KEY_HEADER} header")
     return RolloutContext.of(key)
+
+
+def serve(app: ASGIApp, settings: ServerSettings) -> None:
+    """Run one server process under uvicorn on ``settings.port``; a worker of a multi-worker
+    server shares that port with its siblings (SO_REUSEPORT: the kernel spreads connections)
+    and also serves its own ``worker_ports[i]``."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        # well past httpx's 5 s keep-alive expiry: the client drops an idle connection before
+        # the server does, so a request never races the server closing it (a ReadError)
+        timeout_keep_alive=120,
+        timeout_graceful_shutdown=5,
+    )
+    index = settings.worker_index
+    if index is None:
+        uvicorn.Server(config).run()
+        return
+    sockets = [_bind(settings.port, reuse_port=True)]
+    if index < len(settings.worker_ports):
+        sockets.append(_bind(settings.worker_ports[index], reuse_port=False))
+    uvicorn.Server(config).run(sockets=sockets)
+
+
+def _bind(port: int, *, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def supervise(argv: Sequence[str], settings: ServerSettings) -> int:
+    """The parent of a multi-worker server: starts ``settings.workers`` worker processes (this
+    command again, with ``--worker-index i`` and the ledger file this incarnation's workers
+    share), passes SIGTERM/SIGINT on, and exits when any worker does (stopping the rest)."""
+    from rolloutlog.participants._ledger import SharedLedger
+    from rolloutlog.participants.sim._gym import die_with_parent
+
+    stopping: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        stopping.append(signum)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    with tempfile.TemporaryDirectory(prefix="rolloutlog-workers-") as tmp:
+        ledger = os.path.join(tmp, "ledger.sqlite")
+        SharedLedger(ledger, "supervisor").close()  # the schema, before the workers race to it
+        procs: list[subprocess.Popen[bytes]] = []
+        signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, forward)
+        for index in range(settings.workers):
+            args = [*argv, "--worker-index", str(index), "--ledger-path", ledger]
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "rolloutlog.participants.sim", *args],
+                    preexec_fn=die_with_parent,
+                )
+            )
+        while all(proc.poll() is None for proc in procs):
+            time.sleep(0.1)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        codes = [proc.returncode for proc in procs]
+    return 0 if stopping else next((c for c in codes if c), 0)

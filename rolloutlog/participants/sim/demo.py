@@ -4,6 +4,11 @@ Starts the service (embedded log + SQLite in a temp dir, or ``--log``/``--catalo
 simulated participant processes, runs a few hundred rollouts, checkpoints mid-flight, SIGKILLs
 every participant, restores, starts them again, finishes every rollout and prints a report.
 Exits non-zero when a reward is wrong or a rollout is lost.
+
+``--policy-workers N`` runs the policy server as N worker processes (a shared ledger; the agent
+alternates between them), ``--kill-service`` also SIGKILLs the service after the restore, with
+rollouts in flight, and starts it again ``--service-down`` seconds later: the participants ride
+through (their appends retry under their deadline).
 """
 
 from __future__ import annotations
@@ -91,6 +96,9 @@ async def run_demo(
     rounds: int = 2,
     tokens: int = 12,
     long_tokens: int = 64,
+    policy_workers: int = 1,
+    kill_service: bool = False,
+    service_down_s: float = 5.0,
     out: TextIO | None = None,
 ) -> DemoResult:
     """Run the demo; returns the collector's report with the checkpoint and restore figures."""
@@ -108,6 +116,7 @@ async def run_demo(
         log_url=log_url,
         catalog_url=catalog_url,
         participant_transport=participant_transport,
+        policy_workers=policy_workers,
     )
     async with gym:
         timings["start_s"] = gym.timings["start_s"]
@@ -149,6 +158,20 @@ async def run_demo(
             timings["participants_restart_s"] = time.perf_counter() - t0
             progress.say(f"participants restarted in {timings['participants_restart_s']:.1f} s")
             collector.redispatch()
+            if kill_service:
+                # mid-run: replacement rollouts (and new ones) in flight
+                left = rollouts - collector.counts()["done"]
+                await collector.wait_done(rollouts - left * 2 // 3)
+                gym.kill_service()
+                progress.say(
+                    f"SIGKILLed the service with {collector.counts()['running']} rollouts in "
+                    f"flight; starting it again in {service_down_s:.0f} s"
+                )
+                t0 = time.perf_counter()
+                await asyncio.sleep(service_down_s)
+                await gym.start_service()
+                timings["service_down_s"] = time.perf_counter() - t0
+                progress.say(f"service back after {timings['service_down_s']:.1f} s")
             report = await runner
             progress.draw(collector)
             if progress.tty:
@@ -167,6 +190,8 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
     calls = result.stats.get("policy", {}).get("calls", [])
     cuts = [c for c in calls if c["continued"] or c["terminal_cut"]]
     restored = result.stats.get("counter", {}).get("restored", {})
+    policy = result.stats.get("policy", {})
+    retried = sum(stats.get("appends_retried", 0) for stats in result.stats.values())
     resumed = [r for r in result.stats.get("environment", {}).get("runs", []) if r["resumed_stage"]]
     lines = [
         "",
@@ -178,6 +203,9 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
         f"  generation cuts        {len(cuts)} calls continued, "
         f"{sum(c['continued'] for c in cuts)} tokens not generated again",
         f"  counter states         {sum(v is not None for v in restored.values())} restored",
+        f"  policy workers         {len(policy.get('workers', [])) or 1}: "
+        f"{policy.get('parents', {}).get('other_worker', 0)} calls' parents resolved on another "
+        "worker",
         f"  rewards right          {report.right}/{report.rollouts}",
         f"  results recovered      {len(report.recovered)} (after the crash)",
         f"  lost                   {len(report.lost)}",
@@ -187,6 +215,14 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
         f"  restore                {timings['restore_s'] * 1000:.0f} ms round trip "
         f"(service: {_ms(restore.timings_ms if restore else {})})",
         f"  participants restart   {timings['participants_restart_s']:.1f} s",
+        *(
+            [
+                f"  service killed         back after {timings['service_down_s']:.1f} s; "
+                f"participants retried {retried} appends and rode through"
+            ]
+            if "service_down_s" in timings
+            else []
+        ),
         f"  total                  {timings['total_s']:.1f} s",
         "  OK"
         if result.ok
@@ -229,6 +265,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="http",
         help="how participants append: through the service, or straight to Kafka (--log)",
     )
+    parser.add_argument(
+        "--policy-workers", type=int, default=1, help="policy server worker processes"
+    )
+    parser.add_argument(
+        "--kill-service",
+        action="store_true",
+        help="also SIGKILL the service mid-run and start it again (participants ride through)",
+    )
+    parser.add_argument(
+        "--service-down", type=float, default=5.0, help="seconds the killed service stays down"
+    )
     args = parser.parse_args(argv)
     data_dir = args.data_dir
     if data_dir is None and args.keep:
@@ -241,6 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_url=args.log_url,
             catalog_url=args.catalog_url,
             participant_transport=args.transport,
+            policy_workers=args.policy_workers,
+            kill_service=args.kill_service,
+            service_down_s=args.service_down,
         )
     )
     if data_dir is not None:
