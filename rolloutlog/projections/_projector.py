@@ -41,6 +41,7 @@ from rolloutlog.log import (
 from rolloutlog.projections._episode import _Filters
 from rolloutlog.projections._fold import select_records
 from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.projections._planner import restart_only_reason
 from rolloutlog.projections._quarantine import metadata_problem
 from rolloutlog.projections._tracker import EpisodeTracker
 
@@ -85,7 +86,7 @@ class CheckpointCapture:
                 self.entries[episode] = old._replace(
                     action="restart", cut_offset=marker, staging_keys=()
                 )
-                self.reasons[episode] = reason
+                self.reasons.setdefault(episode, reason)  # a more precise one may be there
         self.waiting.clear()
         self.resolved.set()
 
@@ -569,7 +570,7 @@ class Projector:
                 capture.waiting[episode] = (set(tracker.open_waits), offset)
             elif tracker.restart_only_open:
                 action = "restart"
-                capture.reasons[episode] = "a restart_only session is open at the cut"
+                capture.reasons[episode] = restart_only_reason(tracker.sessions)
             elif first is None:
                 action = "restart"
                 capture.reasons[episode] = "the attempt has recorded nothing yet"
@@ -587,6 +588,7 @@ class Projector:
                     tracker.last_stage,
                     tracker.referenced_staging_keys(),
                     tracker.size_bytes,
+                    None,  # the reason, from ``capture.reasons`` when the manifest is written
                 ),
             )
         capture.needed[partition] = needed
@@ -600,7 +602,7 @@ class Projector:
             action = "finished"
         elif tracker.restart_only_open:
             action = "restart"
-            capture.reasons[tracker.episode] = "a restart_only session is open at the cut"
+            capture.reasons[tracker.episode] = restart_only_reason(tracker.sessions)
         else:
             action = "continue"
             capture.versions[tracker.episode] = tracker.version
