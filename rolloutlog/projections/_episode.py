@@ -19,9 +19,10 @@ from rolloutlog.projections._model import (
     LedgerEntry,
     SessionView,
 )
+from rolloutlog.projections._planner import restart_only_reason
 from rolloutlog.projections._verify import Lineage, verify_projection
 
-__all__ = ["EpisodeFold"]
+__all__ = ["CutDecision", "EpisodeFold"]
 
 _new = tuple.__new__
 
@@ -59,6 +60,16 @@ class _Filters:
         filters.attempt = attempt
         return filters
 
+
+#: What a checkpoint's manifest says of an episode at its cut (``EpisodeFold.at_cut``): its
+#: action, why it restarts (for ``restart``), and whether the cut waits for the next boundary of
+#: the owners of the open wait steps (the entry is ``continue`` until then).
+CutDecision = tuple[str, str | None, bool]
+
+_FINISHED: CutDecision = ("finished", None, False)
+_CONTINUE: CutDecision = ("continue", None, False)
+_WAIT: CutDecision = ("continue", None, True)
+_NOTHING_YET: CutDecision = ("restart", "the attempt has recorded nothing yet", False)
 
 #: One generation chunk in the tail: (start, token count, done, its data, its token ids' raw JSON
 #: when the state keeps payloads).
@@ -456,6 +467,32 @@ class EpisodeFold:
                 staging = (*self.staging_keys, key)
             self._staging = staging
         return staging
+
+    def at_cut(self, *, waits: bool = True) -> CutDecision | None:
+        """The capture rule: what a checkpoint's manifest says of this episode at a cut, or None
+        when no attempt of it has begun (nothing to say).
+
+        ``finished``; ``continue`` waiting for a boundary while a wait step is open (``waits``;
+        once the awaited boundary came, the rule is asked again with ``waits=False``);
+        ``restart`` while a ``restart_only`` session is open or when the attempt has recorded
+        nothing yet; ``continue`` otherwise.
+        """
+        if self.first_offset is None and not self.attempt:
+            return None
+        if self.finished:
+            return _FINISHED
+        if waits and self.open_waits:
+            return _WAIT
+        if self.restart_only_open:  # named: which sessions of whom (rare: built when it happens)
+            return ("restart", restart_only_reason(self.sessions), False)
+        if self.first_offset is None:
+            return _NOTHING_YET
+        return _CONTINUE
+
+    def staging_keys_at_cut(self) -> tuple[str, ...]:
+        """The staging keys a manifest entry of this state references: none once finished (the
+        trainer has the episode's rows), else ``referenced_staging_keys``."""
+        return () if self.finished else self.referenced_staging_keys()
 
     def payload_bytes(self) -> int:
         return (

@@ -41,7 +41,6 @@ from rolloutlog.log import (
 from rolloutlog.projections._episode import _Filters
 from rolloutlog.projections._fold import select_records
 from rolloutlog.projections._model import EpisodeProjection
-from rolloutlog.projections._planner import restart_only_reason
 from rolloutlog.projections._quarantine import metadata_problem
 from rolloutlog.projections._tracker import EpisodeTracker
 
@@ -553,29 +552,26 @@ class Projector:
         entries = capture.entries
         needed = offset
         # One tuple per episode straight from the tracker's fields (``_entry`` inlined: this loop
-        # runs for every live episode of the partition while the checkpoint waits).
+        # runs for every live episode of the partition while the checkpoint waits); the action
+        # is the fold's capture rule (``EpisodeFold.at_cut``).
         new, entry_type = tuple.__new__, ManifestEntry
         versions = capture.versions
         for episode, tracker in self.by_partition[partition].items():
+            decision = tracker.at_cut()
+            if decision is None:
+                continue
+            action, reason, waits = decision
+            if action == "finished":
+                entries[episode] = _entry(tracker, action, offset)
+                continue
             first = tracker.first_offset
-            if first is None and not tracker.attempt:
-                continue
-            if tracker.finished:
-                entries[episode] = _entry(tracker, "finished", offset)
-                continue
             if first is not None and first < needed:
                 needed = first
-            if tracker.open_waits:
-                action = "continue"
+            if waits:
                 capture.waiting[episode] = (set(tracker.open_waits), offset)
-            elif tracker.restart_only_open:
-                action = "restart"
-                capture.reasons[episode] = restart_only_reason(tracker.sessions)
-            elif first is None:
-                action = "restart"
-                capture.reasons[episode] = "the attempt has recorded nothing yet"
+            elif reason is not None:
+                capture.reasons[episode] = reason
             else:
-                action = "continue"
                 versions[episode] = tracker.version
             entries[episode] = new(
                 entry_type,
@@ -586,7 +582,7 @@ class Projector:
                     partition,
                     offset,
                     tracker.last_stage,
-                    tracker.referenced_staging_keys(),
+                    tracker.staging_keys_at_cut(),
                     tracker.size_bytes,
                     None,  # the reason, from ``capture.reasons`` when the manifest is written
                 ),
@@ -598,15 +594,17 @@ class Projector:
         if owners & set(tracker.open_waits):
             return
         del capture.waiting[tracker.episode]
-        if tracker.finished:
-            action = "finished"
-        elif tracker.restart_only_open:
-            action = "restart"
-            capture.reasons[tracker.episode] = restart_only_reason(tracker.sessions)
+        # The awaited boundaries came: the capture rule again, the cut just past this record.
+        decision = tracker.at_cut(waits=False)
+        if decision is None:  # a restore reset it to nothing meanwhile: no entry, as at a marker
+            capture.entries.pop(tracker.episode, None)
         else:
-            action = "continue"
-            capture.versions[tracker.episode] = tracker.version
-        capture.entries[tracker.episode] = _entry(tracker, action, offset + 1)
+            action, reason, _ = decision
+            if reason is not None:
+                capture.reasons[tracker.episode] = reason
+            elif action == "continue":
+                capture.versions[tracker.episode] = tracker.version
+            capture.entries[tracker.episode] = _entry(tracker, action, offset + 1)
         if not capture.waiting and len(capture.markers) == capture.partitions:
             capture.resolved.set()
 
@@ -723,7 +721,7 @@ def _entry(tracker: EpisodeTracker, action: str, cut: int) -> ManifestEntry:
         tracker.partition,
         cut,
         tracker.last_stage,
-        tracker.referenced_staging_keys() if action != "finished" else (),
+        tracker.staging_keys_at_cut(),
         tracker.size_bytes,
     )
 
