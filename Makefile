@@ -32,7 +32,7 @@ demo: venv
 # Every script prints its figures and saves JSON under benchmarks/results/ (*_quick.json with
 # --quick, not committed).
 BENCH_STAMP := $(VENV)/.bench-installed
-COMPONENTS := log_append catalog_commit checkpoint_restore api_append sdk_overhead
+COMPONENTS := log_append catalog_commit checkpoint_restore api_append sdk_overhead agent_deltas
 
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'

@@ -96,6 +96,7 @@ def manifest_entry_view(entry: ManifestEntry) -> dict[str, Any]:
         "action": entry.action,
         "cut": {"partition": entry.cut_partition, "offset": entry.cut_offset},
         "last_stage": entry.last_stage,
+        "reason": entry.reason,
     }
 
 

@@ -306,7 +306,10 @@ def manifest_entries_from_parts(
     NamedTuple's Python-level ``__new__``."""
     new = tuple.__new__
     entries = [
-        new(ManifestEntry, (e[0], e[1], e[2], e[3], e[4], e[5], tuple(e[6]), e[7]))
+        new(
+            ManifestEntry,
+            (e[0], e[1], e[2], e[3], e[4], e[5], tuple(e[6]), e[7], e[8] if len(e) > 8 else None),
+        )
         for body in bodies
         for e in orjson.loads(body)
     ]

@@ -128,7 +128,7 @@ manifest_parts = Table(
     Column("checkpoint_id", BigInteger, primary_key=True),
     Column("cut_partition", Integer, primary_key=True),
     # JSON array of the partition's entries in episode order, each [episode, attempt, action,
-    # cut_partition, cut_offset, last_stage, [staging keys], size_bytes] (``ManifestEntry``'s
+    # cut_partition, cut_offset, last_stage, [staging keys], size_bytes, reason] (``ManifestEntry``'s
     # fields): one row per partition instead of one per episode (a 16,000-episode commit inserts
     # 16 rows).
     Column("entries", Text, nullable=False),
@@ -153,6 +153,8 @@ manifest_entries = Table(
     # JSON array of strings, NULL when the episode references no staging keys.
     Column("staging_keys", Text),
     Column("size_bytes", BigInteger),
+    # Why a ``restart`` entry restarts (NULL otherwise, and in entries written before 0006).
+    Column("reason", Text),
 )
 """One row per manifest entry, for analysts' SQL and set-based queries: a view over
 ``manifest_parts`` (per dialect in ``MANIFEST_ENTRIES_VIEW``)."""
@@ -164,7 +166,8 @@ MANIFEST_ENTRIES_VIEW = {
         "json_extract(e.value, '$[2]') AS action, p.cut_partition AS cut_partition, "
         "json_extract(e.value, '$[4]') AS cut_offset, json_extract(e.value, '$[5]') AS last_stage, "
         "CASE WHEN json_array_length(e.value, '$[6]') > 0 THEN json_extract(e.value, '$[6]') END "
-        "AS staging_keys, json_extract(e.value, '$[7]') AS size_bytes "
+        "AS staging_keys, json_extract(e.value, '$[7]') AS size_bytes, "
+        "json_extract(e.value, '$[8]') AS reason "
         "FROM manifest_parts AS p, json_each(p.entries) AS e"
     ),
     "postgresql": (
@@ -174,7 +177,8 @@ MANIFEST_ENTRIES_VIEW = {
         "p.cut_partition AS cut_partition, CAST(e.value ->> 4 AS BIGINT) AS cut_offset, "
         "e.value ->> 5 AS last_stage, "
         "CASE WHEN json_array_length(e.value -> 6) > 0 THEN CAST(e.value -> 6 AS TEXT) END "
-        "AS staging_keys, CAST(e.value ->> 7 AS BIGINT) AS size_bytes "
+        "AS staging_keys, CAST(e.value ->> 7 AS BIGINT) AS size_bytes, "
+        "e.value ->> 8 AS reason "
         "FROM manifest_parts AS p CROSS JOIN LATERAL json_array_elements(CAST(p.entries AS JSON)) "
         "AS e(value)"
     ),

@@ -83,6 +83,9 @@ class ManifestEntry(NamedTuple):
     last_stage: str | None = None
     staging_keys: tuple[str, ...] = ()
     size_bytes: int = 0
+    #: Why the episode restarts (``restart`` entries; None otherwise, and in manifests written
+    #: before catalog revision 0006).
+    reason: str | None = None
 
     @property
     def capture_key(self) -> str:

@@ -170,7 +170,7 @@ def manifest_columns(
     if set(map(type, entries)) != {ManifestEntry}:
         raise InvalidRequest("manifest entries must be ManifestEntry values", field="entries")
     ordered = sorted(entries, key=itemgetter(0))
-    episodes, attempts, actions, partitions, offsets, stages, keys, sizes = zip(
+    episodes, attempts, actions, partitions, offsets, stages, keys, sizes, reasons = zip(
         *ordered, strict=True
     )
     integers = (attempts, partitions, offsets, sizes)
@@ -188,6 +188,7 @@ def manifest_columns(
         or any(set(map(type, column)) != _INT or min(column) < 0 for column in integers)
         or not set(action_counts) <= counts.keys()
         or not set(map(type, stages)) <= _STAGE_TYPES
+        or not set(map(type, reasons)) <= _STAGE_TYPES
         or not key_types <= {str}
     ):
         raise _first_bad_entry(entries)
@@ -217,7 +218,7 @@ def _first_bad_entry(entries: Sequence[ManifestEntry]) -> InvalidRequest:
     for entry in entries:
         if not isinstance(entry, ManifestEntry):
             return InvalidRequest("manifest entries must be ManifestEntry values", field="entries")
-        episode, attempt, action, partition, offset, stage, keys, size = entry
+        episode, attempt, action, partition, offset, stage, keys, size, reason = entry
         if not isinstance(episode, str) or not 1 <= len(episode) <= NAME_LENGTH:
             return _bad_entry(entry, f"episode must be a string of 1-{NAME_LENGTH} characters")
         if episode in seen:
@@ -232,6 +233,8 @@ def _first_bad_entry(entries: Sequence[ManifestEntry]) -> InvalidRequest:
             return _bad_entry(entry, "last_stage must be a string or None")
         if type(keys) not in _KEY_CONTAINERS or any(type(key) is not str for key in keys):
             return _bad_entry(entry, "staging_keys must be a tuple of strings")
+        if reason is not None and type(reason) is not str:
+            return _bad_entry(entry, "reason must be a string or None")
     return InvalidRequest("invalid manifest entries", field="entries")
 
 

@@ -6,7 +6,10 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import orjson
+
 from rolloutlog.log import Opaque, Position
+from rolloutlog.log._deltas import DELTA_KEY, delta_of
 from rolloutlog.participants._environment import VERIFY_HEADER
 from rolloutlog.participants._participant import (
     Participant,
@@ -122,7 +125,13 @@ class Resources(Participant):
 
 
 class AgentSession:
-    """One agent session; snapshots are lazy: a boundary only when the state changed."""
+    """One agent session; snapshots are lazy: a boundary only when the state changed.
+
+    With ``Agent(deltas=True)`` (the default) a JSON-object state is written whole once, then each
+    boundary carries only what changed since the previous one (keys set, new list items, keys
+    removed: ``rolloutlog.log._deltas``), which the fold composes; a list's items already written
+    must not change in place. Other states are written whole each time.
+    """
 
     def __init__(
         self, agent: Agent, context: RolloutContext, session_id: str, step: int = 0
@@ -133,19 +142,44 @@ class AgentSession:
         self.step = step
         self.snapshots = 0
         self.skipped = 0
+        #: Bytes of the states this session wrote (whole or delta).
+        self.state_bytes = 0
         self._last: bytes | None = None
+        #: The last state written, as a copy that the caller's later changes leave alone.
+        self._state: dict[str, Any] | None = None
+
+    def _payload(self, state: Any) -> Opaque | None:
+        """The state to write (whole, or a delta), or None when nothing changed."""
+        previous = self._state
+        if self.agent.deltas and previous is not None and isinstance(state, Mapping):
+            delta = delta_of(previous, state)
+            return Opaque(orjson.dumps({DELTA_KEY: delta})) if delta else None
+        payload = opaque(state)
+        return None if payload.raw == self._last else payload
 
     async def _snapshot(self, stage: str, next_stage: str, state: Any) -> Position | None:
-        payload = opaque(state)
-        if payload.raw == self._last:
+        if not self.agent.hooks:
+            return None
+        payload = self._payload(state)
+        if payload is None:
             self.skipped += 1
             return None
         data = {"owner": self.session_id, "stage": stage, "next": next_stage, "state": payload}
         position = await self.agent.emit("step.boundary", self.context, data, step=self.step)
-        self._last = payload.raw
+        self._remember(state, payload)
         self.step += 1
         self.snapshots += 1
+        self.state_bytes += len(payload.raw)
         return position
+
+    def _remember(self, state: Any, payload: Opaque | None) -> None:
+        if isinstance(state, Mapping):
+            # lists copied (the caller may append to them), items shared: O(keys), no encoding
+            self._state = {k: list(v) if type(v) is list else v for k, v in state.items()}
+            self._last = None
+        else:
+            self._state = None
+            self._last = payload.raw if payload is not None else opaque(state).raw
 
     async def before_model_call(self, state: Any) -> Position | None:
         """A boundary before calling the policy (None when nothing changed since the last one)."""
@@ -162,28 +196,50 @@ class AgentSession:
 
 
 class Agent(Participant):
-    """An agent: sessions whose loop state is snapshotted at boundaries (owner = session id)."""
+    """An agent: sessions whose loop state is snapshotted at boundaries (owner = session id).
+
+    ``hooks=False`` declares an agent that cannot snapshot its loop: its sessions are
+    ``restart_only`` (their episodes restart from scratch, with that reason) and its boundaries
+    are no-ops. ``deltas=False`` writes whole states at every boundary.
+    """
 
     kind = "agent"
 
+    def __init__(
+        self,
+        transport: Transport,
+        run: str,
+        participant_id: str,
+        *,
+        hooks: bool = True,
+        deltas: bool = True,
+    ) -> None:
+        super().__init__(transport, run, participant_id)
+        self.hooks = hooks
+        self.deltas = deltas
+
     async def open_session(self, key: str | RolloutContext, session_id: str) -> AgentSession:
-        """``session.started`` (mode ``exported``: the state lives in the session's boundaries)."""
+        """``session.started``: mode ``exported`` (the state lives in the session's boundaries),
+        or ``restart_only`` for an agent without hooks."""
         context = RolloutContext.of(key)
         sid = check_name("session id", session_id)
-        data = {"session_id": sid, "mode": "exported", "verify": "replay"}
+        mode = "exported" if self.hooks else "restart_only"
+        data = {"session_id": sid, "mode": mode, "verify": "replay"}
         await self.emit("session.started", context, data)
         return AgentSession(self, context, session_id)
 
     def resume(
         self, projection: Mapping[str, Any], session_id: str
     ) -> tuple[AgentSession, Any, str | None]:
-        """The replacement attempt's session, its last snapshot's state and the stage to run
-        next (``model_call``), or (session, None, None) when it had no snapshot."""
+        """The replacement attempt's session, its last snapshot's state (deltas composed) and the
+        stage to run next (``model_call``), or (session, None, None) when it had no snapshot."""
         context = RolloutContext(str(projection["episode"]), int(projection["attempt"]))
         boundary = projection.get("boundaries", {}).get(session_id)
         if boundary is None:
             return AgentSession(self, context, session_id), None, None
         session = AgentSession(self, context, session_id, (boundary.get("step") or 0) + 1)
         state = boundary.get("state")
-        session._last = Opaque.of(state).raw
+        if isinstance(state, Opaque):
+            state = orjson.loads(state.raw)
+        session._remember(state, None)
         return session, state, boundary.get("next")

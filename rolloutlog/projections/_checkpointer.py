@@ -19,7 +19,7 @@ from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffs
 from rolloutlog.errors import BackendUnavailable, RolloutlogError
 from rolloutlog.log import Log
 from rolloutlog.projections._feeders import flush_episodes
-from rolloutlog.projections._planner import replay_start
+from rolloutlog.projections._planner import replay_start, wait_expired_reason
 from rolloutlog.projections._projector import CheckpointCapture, Projector
 from rolloutlog.projections._timing import StageTimer, backoff_s
 
@@ -124,6 +124,7 @@ class Checkpointer:
                     async with asyncio.timeout(deadline):
                         await capture.resolved.wait()
                 except TimeoutError:
+                    _name_expired_waits(projector, capture, deadline)
                     capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
             projector.check_running()  # a run whose log was lost meanwhile commits nothing
             timer.stage("waits")
@@ -222,4 +223,20 @@ def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[M
         PartitionOffset(partition, marker, min(capture.needed.get(partition, marker), marker))
         for partition, marker in sorted(capture.markers.items())
     ]
-    return offsets, list(capture.entries.values())
+    entries = capture.entries
+    for episode, reason in capture.reasons.items():  # restarts only: a few, not every entry
+        entry = entries.get(episode)
+        if entry is not None and entry.action == "restart":
+            entries[episode] = entry._replace(reason=reason)
+    return offsets, list(entries.values())
+
+
+def _name_expired_waits(projector: Projector, capture: CheckpointCapture, deadline: float) -> None:
+    """The reason of each episode whose wait steps outlived the deadline: which steps, whose."""
+    for episode, (owners, _) in capture.waiting.items():
+        tracker = projector.trackers.get(episode)
+        if tracker is not None:
+            still_open = owners & set(tracker.open_waits) or owners
+            capture.reasons[episode] = wait_expired_reason(
+                still_open, tracker.boundaries, tracker.sessions, deadline
+            )

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from rolloutlog.log import Opaque, token_count
+from rolloutlog.log._deltas import compose, is_delta
 from rolloutlog.projections._model import (
     BoundaryView,
     EpisodeProjection,
@@ -19,6 +20,7 @@ from rolloutlog.projections._model import (
     LedgerEntry,
     SessionView,
 )
+from rolloutlog.projections._planner import restart_only_reason
 from rolloutlog.projections._verify import Lineage, verify_projection
 
 __all__ = ["CutDecision", "EpisodeFold"]
@@ -68,7 +70,6 @@ CutDecision = tuple[str, str | None, bool]
 _FINISHED: CutDecision = ("finished", None, False)
 _CONTINUE: CutDecision = ("continue", None, False)
 _WAIT: CutDecision = ("continue", None, True)
-_RESTART_ONLY: CutDecision = ("restart", "a restart_only session is open at the cut", False)
 _NOTHING_YET: CutDecision = ("restart", "the attempt has recorded nothing yet", False)
 
 #: One generation chunk in the tail: (start, token count, done, its data, its token ids' raw JSON
@@ -112,6 +113,7 @@ class EpisodeFold:
         "attempt",
         "boundaries",
         "boundary_bytes",
+        "boundary_deltas",
         "committed_through",
         "deadline_s",
         "episode",
@@ -158,6 +160,8 @@ class EpisodeFold:
         self.task_digest: str | None = None
         self.deadline_s: float | None = None
         self.boundaries: dict[str, BoundaryView] = {}
+        #: Per owner, the delta states (raw) since its view's whole state, in log order.
+        self.boundary_deltas: dict[str, tuple[bytes, ...]] = {}
         #: The stage of the environment's latest boundary.
         self.last_stage: str | None = None
         self.sessions: dict[str, SessionView] = {}
@@ -243,9 +247,14 @@ class EpisodeFold:
                 if self.keep_payloads and start < len(record)
                 else None
             )
-            view = (data["stage"], data.get("next"), state, meta.get("step"), offset)
-            self.boundaries[owner] = _new(BoundaryView, view)
-            self.boundary_bytes[owner] = len(record) - start
+            if start < len(record) and is_delta(record, start):
+                self._delta_boundary(owner, data, meta, offset, state, len(record) - start)
+            else:
+                view = (data["stage"], data.get("next"), state, meta.get("step"), offset)
+                self.boundaries[owner] = _new(BoundaryView, view)
+                self.boundary_bytes[owner] = len(record) - start
+                if owner in self.boundary_deltas:
+                    del self.boundary_deltas[owner]
             if owner == "environment":
                 self.last_stage = data["stage"]
         elif kind == "step.started":
@@ -282,6 +291,35 @@ class EpisodeFold:
             self.reward = data.get("reward")
             if self.keep_payloads and start < len(record):
                 self.result = Opaque(record[start:] if start else record)
+
+    def _delta_boundary(
+        self,
+        owner: str,
+        data: dict[str, Any],
+        meta: dict[str, Any],
+        offset: int,
+        delta: Opaque | None,
+        size: int,
+    ) -> None:
+        """A boundary whose state is a delta (``rolloutlog.log._deltas``): the owner's view keeps
+        its last whole state and the deltas since wait beside it, composed when a projection is
+        built (a restore or a read), never on the projector's path."""
+        previous = self.boundaries.get(owner)
+        base = previous.state if previous is not None else None
+        view = (data["stage"], data.get("next"), base, meta.get("step"), offset)
+        self.boundaries[owner] = _new(BoundaryView, view)
+        self.boundary_bytes[owner] = self.boundary_bytes.get(owner, 0) + size
+        if delta is not None:
+            self.boundary_deltas[owner] = (*self.boundary_deltas.get(owner, ()), delta.raw)
+
+    def _composed_boundaries(self) -> dict[str, BoundaryView]:
+        """The boundaries with each owner's deltas composed onto its last whole state."""
+        boundaries = dict(self.boundaries)
+        for owner, deltas in self.boundary_deltas.items():
+            view = boundaries[owner]
+            base = view.state.raw if view.state is not None else None
+            boundaries[owner] = view._replace(state=Opaque(compose(base, deltas)))
+        return boundaries
 
     def _task(self, data: dict[str, Any], record: bytes, start: int) -> None:
         has_task = start < len(record)
@@ -483,8 +521,8 @@ class EpisodeFold:
             return _FINISHED
         if waits and self.open_waits:
             return _WAIT
-        if self.restart_only_open:
-            return _RESTART_ONLY
+        if self.restart_only_open:  # named: which sessions of whom (rare: built when it happens)
+            return ("restart", restart_only_reason(self.sessions), False)
         if self.first_offset is None:
             return _NOTHING_YET
         return _CONTINUE
@@ -525,7 +563,9 @@ class EpisodeFold:
             task=self.task,
             task_digest=self.task_digest,
             deadline_s=self.deadline_s,
-            boundaries=dict(self.boundaries),
+            boundaries=self._composed_boundaries()
+            if self.boundary_deltas
+            else dict(self.boundaries),
             sessions=dict(self.sessions),
             ledger=tuple(self.ledger),
             generation_cut=generation_cut,
@@ -671,6 +711,7 @@ class EpisodeFold:
 _SHALLOW_FIELDS = frozenset(
     (
         "boundaries",
+        "boundary_deltas",
         "sessions",
         "ledger",
         "staging_keys",

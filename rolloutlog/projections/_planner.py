@@ -4,9 +4,10 @@ out (docs/design.md §6 and §10, "A restore").
 
 The rule, per episode of the checkpoint's manifest (in the manifest's order):
 
-- named in ``exclude`` → ``excluded`` (whatever its action);
+- named in ``exclude`` → ``excluded`` (whatever its action), reason ``EXCLUDED_BY_TRAINER``;
 - ``finished`` in the manifest → not in the plan (reported by the checkpoint already);
-- ``restart`` in the manifest → ``restart`` with the manifest's reason;
+- ``restart`` in the manifest → ``restart`` with the manifest's reason (its cause, recorded by the
+  checkpoint; manifests from before catalog revision 0006 have none: ``MANIFEST_SAYS_RESTART``);
 - ``continue`` → its state at the cut (a pinned tracker's verdict, else the replayed projection,
   verified and put through the policy rule) decides: ``continue`` at its cut, or ``restart`` with
   the reason it cannot continue.
@@ -25,10 +26,11 @@ from typing import Protocol
 
 from rolloutlog.catalog import ManifestEntry, PartitionOffset, RestoreEntry
 from rolloutlog.errors import UnknownEpisode
-from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.projections._model import BoundaryView, EpisodeProjection, SessionView
 from rolloutlog.projections._verify import apply_policy, verify_projection
 
 __all__ = [
+    "EXCLUDED_BY_TRAINER",
     "MANIFEST_SAYS_RESTART",
     "NO_EVENTS_BEFORE_CUT",
     "CutState",
@@ -38,17 +40,74 @@ __all__ = [
     "RestorePolicy",
     "begun_after_reason",
     "check_exclusions",
+    "not_exported_reason",
     "plan_restore",
     "replay_start",
+    "restart_only_reason",
     "to_continue",
+    "wait_expired_reason",
 ]
 
 MANIFEST_SAYS_RESTART = "the checkpoint's manifest says restart"
 NO_EVENTS_BEFORE_CUT = "no events before the cut"
+EXCLUDED_BY_TRAINER = "excluded by the trainer (named in the restore request's exclude)"
+
+
+# -- reasons: each names its cause (which step, session, server, deadline) --------------------
 
 
 def begun_after_reason(checkpoint_id: int) -> str:
     return f"began after the markers of checkpoint {checkpoint_id}"
+
+
+def restart_only_reason(sessions: Mapping[str, SessionView]) -> str:
+    """Why an episode with open ``restart_only`` sessions at its cut restarts: which sessions of
+    which participants (an agent's is one without session hooks)."""
+    named = [
+        f"session {s.session_id} of {_who(s)}"
+        for s in sessions.values()
+        if s.mode == "restart_only"
+    ]
+    return f"restart-only {', '.join(named) or 'session'} open at the cut"
+
+
+def wait_expired_reason(
+    owners: Iterable[str],
+    boundaries: Mapping[str, BoundaryView],
+    sessions: Mapping[str, SessionView],
+    deadline_s: float,
+) -> str:
+    """Why an episode whose wait steps were still open at the checkpoint's deadline restarts:
+    each open step by stage and owner; a ``verify`` step names the resources servers it runs on."""
+    parts = []
+    for owner in sorted(owners):
+        boundary = boundaries.get(owner)
+        stage = (
+            boundary.next if boundary is not None else "seed" if owner == "environment" else None
+        )
+        if stage is None:
+            parts.append(f"wait step of {owner}")
+        elif stage == "verify":
+            servers = sorted({s.participant for s in sessions.values() if s.kind == "resources"})
+            where = f"resources server {', '.join(servers)}" if servers else "its resources server"
+            parts.append(f"verify step of {where}")
+        elif owner == "environment":
+            parts.append(f"{stage} step of the environment")
+        else:
+            parts.append(f"{stage} step of {owner}")
+    return f"{' and '.join(parts) or 'a wait step'} still open at the {deadline_s:g} s deadline"
+
+
+def not_exported_reason(session_ids: Iterable[str], checkpoint_id: int) -> str:
+    """Why an episode with export-on-checkpoint sessions restarts: not exported in time."""
+    named = ", ".join(sorted(session_ids))
+    return f"session {named} not exported by checkpoint {checkpoint_id}'s deadline"
+
+
+def _who(session: SessionView) -> str:
+    if session.kind == "agent":
+        return f"agent {session.participant} (an agent without session hooks)"
+    return f"{session.kind} server {session.participant}"
 
 
 class CutState(Protocol):
@@ -161,15 +220,13 @@ def plan_restore(
         episode = entry.episode
         previous = current.get(episode, entry.attempt)
         if episode in exclude:
-            episodes.append(
-                PlannedEpisode(RestoreEntry(episode, previous, previous + 1, "excluded"))
-            )
+            episodes.append(_excluded(episode, previous))
             continue
         action = entry.action
         if action == "finished":
             continue
         if action == "restart":
-            episodes.append(_restart(episode, previous, MANIFEST_SAYS_RESTART))
+            episodes.append(_restart(episode, previous, entry.reason or MANIFEST_SAYS_RESTART))
             continue
         tracker = pins.get(episode)
         if tracker is not None:
@@ -207,12 +264,15 @@ def plan_restore(
     for episode in sorted(begun_after):
         previous = current.get(episode, begun_after[episode])
         if episode in exclude:
-            episodes.append(
-                PlannedEpisode(RestoreEntry(episode, previous, previous + 1, "excluded"))
-            )
+            episodes.append(_excluded(episode, previous))
         else:
             episodes.append(_restart(episode, previous, after_markers))
     return plan
+
+
+def _excluded(episode: str, previous: int) -> PlannedEpisode:
+    entry = RestoreEntry(episode, previous, previous + 1, "excluded", EXCLUDED_BY_TRAINER)
+    return PlannedEpisode(entry)
 
 
 def _restart(episode: str, previous: int, reason: str | None) -> PlannedEpisode:

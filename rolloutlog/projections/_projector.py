@@ -85,7 +85,7 @@ class CheckpointCapture:
                 self.entries[episode] = old._replace(
                     action="restart", cut_offset=marker, staging_keys=()
                 )
-                self.reasons[episode] = reason
+                self.reasons.setdefault(episode, reason)  # a more precise one may be there
         self.waiting.clear()
         self.resolved.set()
 
@@ -589,6 +589,7 @@ class Projector:
                     tracker.last_stage,
                     tracker.staging_keys_at_cut(),
                     tracker.size_bytes,
+                    None,  # the reason, from ``capture.reasons`` when the manifest is written
                 ),
             )
         capture.needed[partition] = needed

@@ -45,8 +45,9 @@ async def test_an_episodes_history_across_attempts(api: Api) -> None:
     assert restarted["attempts"][1]["began_with"] == "attempt.started"
     assert restarted["attempts"][1]["action"] == "restart"
     (entry,) = restarted["restores"]
-    assert entry["reason"] == "the checkpoint's manifest says restart"
-    assert "restart_only session ('sandbox' of res-0)" in entry["explanation"]
+    reason = "restart-only session sandbox of resources server res-0 open at the cut"
+    assert entry["reason"] == reason
+    assert reason in entry["explanation"]
     (manifest,) = restarted["checkpoints"]
     assert manifest["checkpoint_id"] == 1 and manifest["action"] == "restart"
     timeline = restarted["events"]
@@ -61,7 +62,7 @@ async def test_an_episodes_history_across_attempts(api: Api) -> None:
     assert resumed["stage"] == "seed" and resumed["boundary_offset"] is not None
     assert "continued from checkpoint 1's cut" in continued["restores"][0]["explanation"]
     excluded = (await api.call("GET", f"{run}/episodes/ep-e", "analyst", 200)).json()
-    assert "excluded by the restore request" in excluded["restores"][0]["explanation"]
+    assert "excluded by the trainer" in excluded["restores"][0]["explanation"]
 
     page = (await api.call("GET", f"{run}/episodes/ep-c?limit=1", "analyst", 200)).json()
     assert len(page["events"]) == 1 and page["next_after"] == timeline[0]["offset"]

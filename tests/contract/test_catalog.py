@@ -986,6 +986,42 @@ async def test_a_manifest_survives_the_migration_to_packed_rows_and_back(
     assert await _view_rows(catalog_url, checkpoint_id) == _as_view_rows(entries)
 
 
+async def test_restart_reasons_are_kept_in_the_manifest_and_its_view(catalog_url: str) -> None:
+    """Revision 0006: a restart entry's reason is stored, read back and shown by the view; a
+    downgrade to 0004 drops it and an upgrade reads the old entries with no reason."""
+    reason = "verify step of resources server res-0 still open at the 30 s deadline"
+    entries = [
+        ManifestEntry("r1", 0, "restart", 0, 5, "verify", (), 10, reason),
+        ManifestEntry("r2", 0, "continue", 1, 6, "seed", (), 10),
+    ]
+    async with open_catalog(catalog_url) as catalog:
+        epoch = await controlled_run(catalog)
+        checkpoint_id = await commit(catalog, epoch, entries)
+        assert await catalog.load_manifest(RUN, checkpoint_id) == entries
+    sql = "SELECT episode, reason FROM manifest_entries WHERE run = :run ORDER BY episode"
+    engine = raw_engine(catalog_url)
+    try:
+        async with engine.connect() as conn:
+            rows = (await conn.execute(text(sql), {"run": RUN})).all()
+        assert [tuple(row) for row in rows] == [("r1", reason), ("r2", None)]
+        async with engine.begin() as conn:
+            await conn.run_sync(_downgrade_to, "0004_quarantine")
+    finally:
+        await engine.dispose()
+    async with open_catalog(catalog_url) as catalog:
+        assert catalog.migrated_from == "0004_quarantine"
+        loaded = await catalog.load_manifest(RUN, checkpoint_id)
+        assert loaded == [entries[0]._replace(reason=None), entries[1]]
+
+
+async def test_a_manifest_reason_must_be_text(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    checkpoint_id = await catalog.begin_checkpoint(RUN, epoch)
+    bad = ManifestEntry("r1", 0, "restart", 0, 5, None, (), 0, 42)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="reason must be a string"):
+        await catalog.commit_checkpoint(RUN, checkpoint_id, epoch, make_offsets(), [bad])
+
+
 _STAGING_KEYS_SQL = {
     "postgresql": (
         "SELECT DISTINCT k.key FROM manifest_entries m JOIN checkpoints c USING (run, checkpoint_id) "

@@ -12,15 +12,20 @@ from rolloutlog.catalog import ManifestEntry, PartitionOffset
 from rolloutlog.errors import UnknownEpisode
 from rolloutlog.log import Event
 from rolloutlog.projections import EpisodeProjection, project_events
+from rolloutlog.projections._model import BoundaryView, SessionView
 from rolloutlog.projections._planner import (
+    EXCLUDED_BY_TRAINER,
     MANIFEST_SAYS_RESTART,
     NO_EVENTS_BEFORE_CUT,
     RestorePolicy,
     begun_after_reason,
     check_exclusions,
+    not_exported_reason,
     plan_restore,
     replay_start,
+    restart_only_reason,
     to_continue,
+    wait_expired_reason,
 )
 from tests import factories as f
 
@@ -57,8 +62,14 @@ def bad_digest(episode: str) -> EpisodeProjection:
     return dataclasses.replace(good(episode), task_digest="0" * 64)
 
 
-def entry(episode: str, action: str = "continue", attempt: int = 0, cut: int = 40) -> ManifestEntry:
-    return ManifestEntry(episode, attempt, action, 0, cut)  # type: ignore[arg-type]
+def entry(
+    episode: str,
+    action: str = "continue",
+    attempt: int = 0,
+    cut: int = 40,
+    reason: str | None = None,
+) -> ManifestEntry:
+    return ManifestEntry(episode, attempt, action, 0, cut, reason=reason)  # type: ignore[arg-type]
 
 
 class Pin:
@@ -110,7 +121,27 @@ CASES: dict[str, Case] = {
         [("a", 0, 1, "restart", "task digest does not match the task", 0, None)],
         pinned={"a": Pin("task digest does not match the task")},
     ),
-    "restart: the manifest says so": Case(
+    "restart: the manifest's recorded cause": Case(
+        [
+            entry(
+                "a",
+                "restart",
+                reason="verify step of resources server res-0 still open at the 30 s deadline",
+            )
+        ],
+        [
+            (
+                "a",
+                0,
+                1,
+                "restart",
+                "verify step of resources server res-0 still open at the 30 s deadline",
+                0,
+                None,
+            )
+        ],
+    ),
+    "restart: the manifest says so (a manifest from before revision 0006)": Case(
         [entry("a", "restart")],
         [("a", 0, 1, "restart", MANIFEST_SAYS_RESTART, 0, None)],
         projections={"a": good("a")},  # never consulted
@@ -158,9 +189,9 @@ CASES: dict[str, Case] = {
     "excluded: whatever the manifest says": Case(
         [entry("a"), entry("b", "restart"), entry("c", "finished")],
         [
-            ("a", 0, 1, "excluded", None, 0, None),
-            ("b", 0, 1, "excluded", None, 0, None),
-            ("c", 0, 1, "excluded", None, 0, None),
+            ("a", 0, 1, "excluded", EXCLUDED_BY_TRAINER, 0, None),
+            ("b", 0, 1, "excluded", EXCLUDED_BY_TRAINER, 0, None),
+            ("c", 0, 1, "excluded", EXCLUDED_BY_TRAINER, 0, None),
         ],
         projections={"a": good("a")},
         exclude={"a", "b", "c"},
@@ -169,7 +200,7 @@ CASES: dict[str, Case] = {
         [entry("m", cut=5)],
         [
             ("m", 0, 1, "continue", None, 5, "projection"),
-            ("x", 2, 3, "excluded", None, 0, None),
+            ("x", 2, 3, "excluded", EXCLUDED_BY_TRAINER, 0, None),
             ("y", 0, 1, "restart", AFTER, 0, None),
             ("z", 1, 2, "restart", AFTER, 0, None),
         ],
@@ -199,6 +230,60 @@ CASES: dict[str, Case] = {
     ),
     "nothing to restore": Case([], []),
 }
+
+
+def _session(sid: str, kind: str, participant: str, mode: str) -> SessionView:
+    return SessionView(sid, kind, participant, mode, "wait", None)
+
+
+def _boundary(next_stage: str | None) -> BoundaryView:
+    return BoundaryView("x", next_stage, None, 0, 0)
+
+
+RES = _session("res-0:r1", "resources", "res-0", "exported")
+REASONS: dict[str, tuple[str, str]] = {
+    "verify step open at the deadline names the resources server": (
+        wait_expired_reason(["environment"], {"environment": _boundary("verify")}, {"s": RES}, 30),
+        "verify step of resources server res-0 still open at the 30 s deadline",
+    ),
+    "close_agent step open at the deadline": (
+        wait_expired_reason(["environment"], {"environment": _boundary("close_agent")}, {}, 2.5),
+        "close_agent step of the environment still open at the 2.5 s deadline",
+    ),
+    "a wait step before any boundary of the environment is its seed": (
+        wait_expired_reason(["environment"], {}, {}, 30),
+        "seed step of the environment still open at the 30 s deadline",
+    ),
+    "an agent's wait step": (
+        wait_expired_reason(["agent:r1"], {"agent:r1": _boundary("model_call")}, {}, 30),
+        "model_call step of agent:r1 still open at the 30 s deadline",
+    ),
+    "an agent's wait step before its first boundary": (
+        wait_expired_reason(["agent:r1"], {}, {}, 30),
+        "wait step of agent:r1 still open at the 30 s deadline",
+    ),
+    "restart-only resources session": (
+        restart_only_reason(
+            {"a": _session("tmp:r1", "resources", "tmp", "restart_only"), "b": RES}
+        ),
+        "restart-only session tmp:r1 of resources server tmp open at the cut",
+    ),
+    "restart-only agent session (agent without hooks)": (
+        restart_only_reason({"a": _session("agent:r1", "agent", "agent-0", "restart_only")}),
+        "restart-only session agent:r1 of agent agent-0 (an agent without session hooks) open "
+        "at the cut",
+    ),
+    "session not exported in time": (
+        not_exported_reason(["sandbox:r1"], 4),
+        "session sandbox:r1 not exported by checkpoint 4's deadline",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REASONS.values()), ids=list(REASONS))
+def test_reasons_name_their_cause(case: tuple[str, str]) -> None:
+    got, expected = case
+    assert got == expected
 
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))

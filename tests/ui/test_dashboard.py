@@ -63,7 +63,10 @@ async def test_run_page_checkpoints_restores_plan_and_participants(
     await page.select_option("[data-testid=plan-action]", "restart")
     await expect(page.locator("[data-testid=plan] tr[data-episode]")).to_have_count(1)
     restarted = await page.inner_text("[data-testid=plan] tr[data-episode]")
-    assert "ep-c" in restarted and "the checkpoint's manifest says restart" in restarted
+    assert (
+        "ep-c" in restarted
+        and "restart-only session sandbox of resources server res-0" in restarted
+    )
     await page.select_option("[data-testid=plan-action]", "")
     await page.wait_for_selector('[data-testid=plan] tr[data-episode="ep-e"]')
     await page.fill("[data-testid=plan-search]", "ep-e")
