@@ -988,7 +988,7 @@ async def test_a_manifest_survives_the_migration_to_packed_rows_and_back(
 
 async def test_restart_reasons_are_kept_in_the_manifest_and_its_view(catalog_url: str) -> None:
     """Revision 0006: a restart entry's reason is stored, read back and shown by the view; a
-    downgrade to 0004 drops it and an upgrade reads the old entries with no reason."""
+    downgrade to 0005 drops it and an upgrade reads the old entries with no reason."""
     reason = "verify step of resources server res-0 still open at the 30 s deadline"
     entries = [
         ManifestEntry("r1", 0, "restart", 0, 5, "verify", (), 10, reason),
@@ -1005,11 +1005,11 @@ async def test_restart_reasons_are_kept_in_the_manifest_and_its_view(catalog_url
             rows = (await conn.execute(text(sql), {"run": RUN})).all()
         assert [tuple(row) for row in rows] == [("r1", reason), ("r2", None)]
         async with engine.begin() as conn:
-            await conn.run_sync(_downgrade_to, "0004_quarantine")
+            await conn.run_sync(_downgrade_to, "0005_results")
     finally:
         await engine.dispose()
     async with open_catalog(catalog_url) as catalog:
-        assert catalog.migrated_from == "0004_quarantine"
+        assert catalog.migrated_from == "0005_results"
         loaded = await catalog.load_manifest(RUN, checkpoint_id)
         assert loaded == [entries[0]._replace(reason=None), entries[1]]
 

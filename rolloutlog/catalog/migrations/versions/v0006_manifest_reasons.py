@@ -2,7 +2,7 @@
 ``reason`` column of the ``manifest_entries`` view (NULL for entries written before).
 
 Revision ID: 0006_manifest_reasons
-Revises: 0004_quarantine
+Revises: 0005_results
 Create Date: 2026-11-30
 """
 
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0006_manifest_reasons"
-down_revision: str | None = "0004_quarantine"
+down_revision: str | None = "0005_results"
 branch_labels: str | None = None
 depends_on: str | None = None
 
