@@ -4,6 +4,7 @@ process, so that the SDK's in-memory exporter sees both sides) to each participa
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from opentelemetry.trace import SpanKind
 
 from rolloutlog import _telemetry
 from rolloutlog.api import create_app
+from rolloutlog.errors import ConfigurationError
 from rolloutlog.participants import Restores
 from rolloutlog.trainer import AsyncTrainerClient
 from tests import factories as f
@@ -207,3 +209,22 @@ def test_client_span_names_are_templates() -> None:
     assert _telemetry.path_template("/v1/runs/r/checkpoints/latest") == (
         "/v1/runs/{run}/checkpoints/latest"
     )
+
+
+def test_the_exporter_comes_from_the_otel_variables() -> None:
+    names = _telemetry._exporter_names
+    assert names({}) == []
+    assert names({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == ["otlp"]
+    assert names({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}) == ["otlp"]
+    assert names({"OTEL_TRACES_EXPORTER": "console,otlp"}) == ["console", "otlp"]
+    assert names({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}) == []
+    assert names({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "console"}) == []
+    with pytest.raises(ConfigurationError, match="zipkin"):
+        _telemetry._exporter("zipkin", {})
+
+
+def test_a_missing_otlp_extra_is_a_configuration_error() -> None:
+    if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None:
+        pytest.skip("the gRPC exporter is installed here")
+    with pytest.raises(ConfigurationError, match=r"rolloutlog\[otlp\]"):
+        _telemetry._exporter("otlp", {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
