@@ -38,6 +38,7 @@ __all__ = [
     "set_attributes",
     "span",
     "stage_parent",
+    "tracer_provider",
     "tracing",
     "use_tracer_provider",
 ]
@@ -76,6 +77,11 @@ def _provider() -> trace.TracerProvider | None:
     if provider is None or isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
         return None
     return cast(trace.TracerProvider, provider)
+
+
+def tracer_provider() -> trace.TracerProvider | None:
+    """The provider spans go to (for FastAPI's server spans), or None while tracing is off."""
+    return _provider()
 
 
 def tracing() -> bool:
