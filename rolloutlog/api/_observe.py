@@ -44,14 +44,22 @@ def _acceptable(value: bytes) -> bool:
 
 
 def route_of(scope: Scope) -> str:
-    """The template of the route that served a request (``/v1/runs/{run}/events``)."""
+    """The template of the route that served a request (``/v1/runs/{run}/events``): FastAPI's
+    routes name themselves in the scope; plain Starlette routes and mounts (the schema, static
+    assets) are found by the endpoint they matched."""
     route = scope.get("route")
     path = getattr(route, "path", None)
     if isinstance(path, str):
         return path
-    app_root = scope.get("app_root_path")
-    if "endpoint" in scope and isinstance(app_root, str) and app_root:
-        return app_root + "/{path}"  # a mount (static files)
+    endpoint = scope.get("endpoint")
+    app = scope.get("app")
+    if endpoint is None or app is None:
+        return UNMATCHED
+    for candidate in getattr(app, "routes", ()):
+        if getattr(candidate, "endpoint", None) is endpoint:
+            return str(candidate.path)
+        if getattr(candidate, "app", None) is endpoint:  # a mount
+            return f"{candidate.path}/{{path}}"
     return UNMATCHED
 
 
