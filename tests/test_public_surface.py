@@ -82,6 +82,7 @@ SURFACES: dict[str, list[str]] = {
     ],
     "rolloutlog.projections": [
         "BoundaryView",
+        "CUT_DISPOSITIONS",
         "CheckpointResult",
         "Coordinator",
         "EpisodeFold",

@@ -28,7 +28,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from rolloutlog.projections._cuts import DISPOSITIONS
+from rolloutlog.projections import CUT_DISPOSITIONS
 
 if TYPE_CHECKING:
     from rolloutlog.projections import Coordinator
@@ -181,7 +181,7 @@ class Metrics:
             ("disposition",),
             registry=registry,
         )
-        for disposition in DISPOSITIONS:  # each a series from the start, 0 until one comes
+        for disposition in CUT_DISPOSITIONS:  # each a series from the start, 0 until one comes
             self.generation_cuts.labels(disposition)
         self._projectors = _Projectors(coordinator, inflight)
         registry.register(self._projectors)

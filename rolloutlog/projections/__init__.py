@@ -2,6 +2,7 @@
 
 from rolloutlog.projections._checkpointer import CheckpointResult
 from rolloutlog.projections._coordinator import Coordinator, TrackedEpisode
+from rolloutlog.projections._cuts import CUT_DISPOSITIONS
 from rolloutlog.projections._fold import (
     EpisodeFold,
     RecordView,
@@ -23,6 +24,7 @@ from rolloutlog.projections._restorer import RestoreResult
 
 __all__ = [
     "BoundaryView",
+    "CUT_DISPOSITIONS",
     "CheckpointResult",
     "Coordinator",
     "RestoreResult",

@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from rolloutlog.projections._model import EpisodeProjection, GenerationCut
 from rolloutlog.projections._planner import PinnedCut, RestorePlan
 
-__all__ = ["DISPOSITIONS", "cut_dispositions"]
+__all__ = ["CUT_DISPOSITIONS", "cut_dispositions"]
 
-DISPOSITIONS = ("continued", "terminal", "dropped_by_policy", "restart_invalid")
+#: What a restore can do with a generation cut (the metric's ``disposition`` label).
+CUT_DISPOSITIONS = ("continued", "terminal", "dropped_by_policy", "restart_invalid")
 
 #: How ``generation_cut_problem`` begins the reason of a restart it causes.
 _CUT_PROBLEM = "generation cut of call "
