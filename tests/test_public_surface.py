@@ -98,6 +98,7 @@ SURFACES: dict[str, list[str]] = {
         "project_episode",
         "project_events",
         "select_records",
+        "served_cut_dispositions",
         "token_count",
     ],
     "rolloutlog.catalog": [

@@ -43,6 +43,13 @@ async def test_restores_count_continued_invalid_and_policy_dropped_cuts(api: Api
 
     await api.checkpoint()
     first = await api.restore()
+    assert await _cuts(api) == {**none, "restart_invalid": 1}
+    # The continued cut is counted when the restore's projections are first read, once.
+    projections = f"/v1/runs/{api.run}/restores/{{}}/projections"
+    await api.call(
+        "GET", f"/v1/runs/{api.run}/episodes/a/projection?restore=latest", "participant", 200
+    )
+    await api.call("GET", projections.format(first["restore_id"]), "participant", 200)
     assert await _cuts(api) == {**none, "continued": 1, "restart_invalid": 1}
 
     # The cut survives the next checkpoint; a restore under a policy newer than it drops it
@@ -50,6 +57,12 @@ async def test_restores_count_continued_invalid_and_policy_dropped_cuts(api: Api
     await api.checkpoint()
     second = await api.restore(policy_version=5, max_policy_lag=2)
     assert second["restore_id"] > first["restore_id"]
+    await api.call(
+        "GET",
+        projections.format(second["restore_id"]),
+        "participant",
+        200,
+    )
     assert await _cuts(api) == {
         **none,
         "continued": 1,
