@@ -11,12 +11,14 @@ path costs a check of one global (``benchmarks/tracing_overhead.py`` measures it
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import os
 import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -38,12 +40,15 @@ __all__ = [
     "set_attributes",
     "span",
     "stage_parent",
+    "traced",
     "tracer_provider",
     "tracing",
     "use_tracer_provider",
 ]
 
 _NAME = "rolloutlog"
+P = ParamSpec("P")
+R = TypeVar("R")
 _NOOP = contextlib.nullcontext()
 #: A provider installed by ``use_tracer_provider`` (tests) instead of the global one.
 _override: trace.TracerProvider | None = None
@@ -181,6 +186,30 @@ class client_span:  # lower case: used like a function, as ``span`` is
         tb: TracebackType | None,
     ) -> None:
         self.__exit__(exc_type, exc, tb)
+
+
+def traced(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A decorator: the function (sync, or a coroutine function) runs inside a span, so the calls
+    it makes share one trace (``resume_run``: take-over, restore, the restore's episodes)."""
+
+    def wrap(function: Callable[P, R]) -> Callable[P, R]:
+        if inspect.iscoroutinefunction(function):
+
+            @functools.wraps(function)
+            async def run_async(*args: P.args, **kwargs: P.kwargs) -> Any:
+                with span(name):
+                    return await function(*args, **kwargs)
+
+            return cast(Callable[P, R], run_async)
+
+        @functools.wraps(function)
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            with span(name):
+                return function(*args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 def set_attributes(attributes: Mapping[str, AttributeValue]) -> None:

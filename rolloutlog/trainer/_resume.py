@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from rolloutlog._telemetry import traced
 from rolloutlog.errors import RolloutlogError, UnknownCheckpoint
 from rolloutlog.trainer._client import AsyncTrainerClient, TrainerClient
 from rolloutlog.trainer._types import RestoreEpisode, RestoreInfo
@@ -102,6 +103,7 @@ def _retry_delay_s(error: RolloutlogError, tries: int) -> float | None:
     return delay
 
 
+@traced("rolloutlog.resume_run")
 async def resume_run(
     client: AsyncTrainerClient,
     run: str,
@@ -146,6 +148,7 @@ async def resume_run(
     return _plan(run, epoch, restore, entries, finished)
 
 
+@traced("rolloutlog.resume_run")
 def resume_run_sync(
     client: TrainerClient,
     run: str,

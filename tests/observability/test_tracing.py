@@ -21,7 +21,7 @@ from rolloutlog import _telemetry
 from rolloutlog.api import create_app
 from rolloutlog.errors import ConfigurationError
 from rolloutlog.participants import Restores
-from rolloutlog.trainer import AsyncTrainerClient
+from rolloutlog.trainer import AsyncTrainerClient, resume_run
 from tests import factories as f
 from tests._services import free_port
 from tests.api.conftest import TOKENS, bearer, settings_for, wire
@@ -163,6 +163,27 @@ async def test_a_restore_is_one_trace_from_the_trainer_to_each_participant_fetch
         "rolloutlog.append.validate",
         "rolloutlog.append.log",
     ]
+
+
+async def test_resume_run_is_one_trace(traced: Traced) -> None:
+    async with AsyncTrainerClient(traced.url, token=TOKENS["admin"]) as trainer:
+        await _seed(traced.url, trainer)
+        await trainer.checkpoint(RUN)
+        plan = await resume_run(trainer, RUN)
+    assert {d.episode for d in plan.continued} == {"a", "b"}
+    spans = traced.spans()
+    root = _one(spans, "rolloutlog.resume_run")
+    assert root.parent is None and root.context is not None
+    in_trace = [s for s in spans if s.context and s.context.trace_id == root.context.trace_id]
+    calls = [s.name for s in _children(in_trace, root)]
+    assert calls == [
+        "POST /v1/runs/{run}/controller",
+        "POST /v1/runs/{run}/restores",
+        "GET /v1/runs/{run}/restores/{id}/episodes",
+        "GET /v1/runs/{run}/checkpoints/{id}/manifest",
+    ]
+    restore = _one(in_trace, "POST /v1/runs/{run}/restores", SpanKind.SERVER)
+    assert [s.name for s in _children(in_trace, restore)] == ["rolloutlog.restore"]
 
 
 async def test_the_service_answers_its_callers_traceparent_and_request_id(traced: Traced) -> None:
