@@ -4,8 +4,8 @@ requests, and the service's exporter configured from the standard ``OTEL_*`` var
 Tracing is on once a tracer provider is installed: ``configure_tracing`` installs one in the
 service when an exporter is configured; a trainer or participant process installs its own (any
 OpenTelemetry set-up; the SDK and the trainer client use the global provider). While it is off,
-``span`` hands back one shared no-op context manager and ``inject`` adds nothing, so a disabled
-path costs a check of one global (``benchmarks/tracing_overhead.py`` measures it).
+``span`` hands back one shared no-op context manager and ``client_span`` the headers as they
+are, so a disabled point costs a check of one global (``benchmarks/tracing_overhead.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import importlib
 import inspect
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -28,14 +28,11 @@ from opentelemetry.util.types import AttributeValue
 from rolloutlog.errors import ConfigurationError
 
 __all__ = [
-    "SpanKind",
     "StageParent",
     "client_span",
     "configure_tracing",
     "current_trace_id",
-    "extract",
     "flush_tracing",
-    "inject",
     "path_template",
     "set_attributes",
     "span",
@@ -104,20 +101,14 @@ def _tracer(provider: trace.TracerProvider) -> trace.Tracer:
 
 
 def span(
-    name: str,
-    attributes: Mapping[str, AttributeValue] | None = None,
-    *,
-    kind: SpanKind = SpanKind.INTERNAL,
-    context: Context | None = None,
+    name: str, attributes: Mapping[str, AttributeValue] | None = None
 ) -> contextlib.AbstractContextManager[Span | None]:
     """A span around a block, current inside it (its children nest under it); a no-op while
-    tracing is off. ``context`` parents it elsewhere (an extracted ``traceparent``)."""
+    tracing is off."""
     provider = _provider()
     if provider is None:
         return _NOOP
-    return _tracer(provider).start_as_current_span(
-        name, context=context, kind=kind, attributes=attributes
-    )
+    return _tracer(provider).start_as_current_span(name, attributes=attributes)
 
 
 _IDS = {"runs": "{run}", "episodes": "{episode}", "participants": "{participant}"}
@@ -252,19 +243,6 @@ def stage_parent() -> StageParent | None:
 
     name = getattr(current, "name", None)
     return StageParent(_tracer(provider), context.get_current(), name or _NAME)
-
-
-def inject(headers: MutableMapping[str, str]) -> None:
-    """Add the current trace context (``traceparent``) to outgoing request headers."""
-    if _provider() is not None:
-        propagate.inject(headers)
-
-
-def extract(headers: Mapping[str, str]) -> Context | None:
-    """The trace context a request carries (``traceparent``), or None while tracing is off."""
-    if _provider() is None:
-        return None
-    return propagate.extract(headers)
 
 
 def current_trace_id() -> str | None:
