@@ -4,19 +4,21 @@ requests, and the service's exporter configured from the standard ``OTEL_*`` var
 Tracing is on once a tracer provider is installed: ``configure_tracing`` installs one in the
 service when an exporter is configured; a trainer or participant process installs its own (any
 OpenTelemetry set-up; the SDK and the trainer client use the global provider). While it is off,
-``span`` hands back one shared no-op context manager and ``inject`` adds nothing, so a disabled
-path costs a check of one global (``benchmarks/tracing_overhead.py`` measures it).
+``span`` hands back one shared no-op context manager and ``client_span`` the headers as they
+are, so a disabled point costs a check of one global (``benchmarks/tracing_overhead.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import os
 import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -26,23 +28,24 @@ from opentelemetry.util.types import AttributeValue
 from rolloutlog.errors import ConfigurationError
 
 __all__ = [
-    "SpanKind",
     "StageParent",
     "client_span",
     "configure_tracing",
     "current_trace_id",
-    "extract",
     "flush_tracing",
-    "inject",
     "path_template",
     "set_attributes",
     "span",
     "stage_parent",
+    "traced",
+    "tracer_provider",
     "tracing",
     "use_tracer_provider",
 ]
 
 _NAME = "rolloutlog"
+P = ParamSpec("P")
+R = TypeVar("R")
 _NOOP = contextlib.nullcontext()
 #: A provider installed by ``use_tracer_provider`` (tests) instead of the global one.
 _override: trace.TracerProvider | None = None
@@ -78,6 +81,11 @@ def _provider() -> trace.TracerProvider | None:
     return cast(trace.TracerProvider, provider)
 
 
+def tracer_provider() -> trace.TracerProvider | None:
+    """The provider spans go to (for FastAPI's server spans), or None while tracing is off."""
+    return _provider()
+
+
 def tracing() -> bool:
     """Whether spans are recorded (a tracer provider is installed)."""
     return _provider() is not None
@@ -93,20 +101,14 @@ def _tracer(provider: trace.TracerProvider) -> trace.Tracer:
 
 
 def span(
-    name: str,
-    attributes: Mapping[str, AttributeValue] | None = None,
-    *,
-    kind: SpanKind = SpanKind.INTERNAL,
-    context: Context | None = None,
+    name: str, attributes: Mapping[str, AttributeValue] | None = None
 ) -> contextlib.AbstractContextManager[Span | None]:
     """A span around a block, current inside it (its children nest under it); a no-op while
-    tracing is off. ``context`` parents it elsewhere (an extracted ``traceparent``)."""
+    tracing is off."""
     provider = _provider()
     if provider is None:
         return _NOOP
-    return _tracer(provider).start_as_current_span(
-        name, context=context, kind=kind, attributes=attributes
-    )
+    return _tracer(provider).start_as_current_span(name, attributes=attributes)
 
 
 _IDS = {"runs": "{run}", "episodes": "{episode}", "participants": "{participant}"}
@@ -177,6 +179,30 @@ class client_span:  # lower case: used like a function, as ``span`` is
         self.__exit__(exc_type, exc, tb)
 
 
+def traced(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A decorator: the function (sync, or a coroutine function) runs inside a span, so the calls
+    it makes share one trace (``resume_run``: take-over, restore, the restore's episodes)."""
+
+    def wrap(function: Callable[P, R]) -> Callable[P, R]:
+        if inspect.iscoroutinefunction(function):
+
+            @functools.wraps(function)
+            async def run_async(*args: P.args, **kwargs: P.kwargs) -> Any:
+                with span(name):
+                    return await function(*args, **kwargs)
+
+            return cast(Callable[P, R], run_async)
+
+        @functools.wraps(function)
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            with span(name):
+                return function(*args, **kwargs)
+
+        return run
+
+    return wrap
+
+
 def set_attributes(attributes: Mapping[str, AttributeValue]) -> None:
     """Attributes on the current span (when one is recording)."""
     if _provider() is None:
@@ -217,19 +243,6 @@ def stage_parent() -> StageParent | None:
 
     name = getattr(current, "name", None)
     return StageParent(_tracer(provider), context.get_current(), name or _NAME)
-
-
-def inject(headers: MutableMapping[str, str]) -> None:
-    """Add the current trace context (``traceparent``) to outgoing request headers."""
-    if _provider() is not None:
-        propagate.inject(headers)
-
-
-def extract(headers: Mapping[str, str]) -> Context | None:
-    """The trace context a request carries (``traceparent``), or None while tracing is off."""
-    if _provider() is None:
-        return None
-    return propagate.extract(headers)
 
 
 def current_trace_id() -> str | None:

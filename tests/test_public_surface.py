@@ -82,6 +82,7 @@ SURFACES: dict[str, list[str]] = {
     ],
     "rolloutlog.projections": [
         "BoundaryView",
+        "CUT_DISPOSITIONS",
         "CheckpointResult",
         "Coordinator",
         "EpisodeFold",
@@ -97,6 +98,7 @@ SURFACES: dict[str, list[str]] = {
         "project_episode",
         "project_events",
         "select_records",
+        "served_cut_dispositions",
         "token_count",
     ],
     "rolloutlog.catalog": [

@@ -12,9 +12,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from fastapi.telemetry import TelemetryConfig
 from starlette.exceptions import HTTPException
 
-from rolloutlog._telemetry import configure_tracing, flush_tracing
+from rolloutlog._telemetry import configure_tracing, flush_tracing, tracer_provider
 from rolloutlog.api import (
     _append,
     _checkpoints,
@@ -308,7 +309,12 @@ def _ops_routes(app: FastAPI) -> None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The rolloutlog service as an ASGI app; its lifespan opens and closes the backends."""
     settings = settings or Settings()
-    configure_tracing()  # from the OTEL_* variables
+    # FastAPI's own telemetry makes the server spans (the caller's traceparent, the route
+    # template); off entirely while nothing records spans, which also spares it looking up three
+    # providers per request.
+    telemetry: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
+    if configure_tracing():  # from the OTEL_* variables
+        telemetry = {"tracer_provider": tracer_provider(), "operation_spans": False}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -326,6 +332,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Event-sourced checkpoint log for reinforcement-learning rollouts",
         lifespan=lifespan,
+        telemetry=telemetry,
         docs_url=None,  # served from local files by _openapi.install_docs
         redoc_url=None,
     )
@@ -348,7 +355,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         other_limit=settings.max_request_bytes,
     )
     app.add_middleware(BodyTimeout, timeout_s=settings.body_timeout_s)
-    # Outermost: it times, logs and traces every request, refused ones included.
+    # Outermost of ours: it times and logs every request, refused ones included.
     app.add_middleware(Observe, observe=_observe_request)
     return app
 

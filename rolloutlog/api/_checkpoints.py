@@ -344,6 +344,7 @@ async def episode_projection(
     restore_id = await _restore_id(service, run, restore)
     with span("rolloutlog.projections", {"rolloutlog.restore_id": restore_id}):
         projections = await service.coordinator.restore_projections(run, restore_id)
+    service.metrics.count_served_cuts(run, restore_id, projections.values())
     found = projections.get(episode)
     if found is None:
         raise await _not_continued(service, run, restore_id, episode)
@@ -423,6 +424,7 @@ async def restore_projections(
     service = _service(request)
     with span("rolloutlog.projections", {"rolloutlog.restore_id": restore_id}):
         projections = await service.coordinator.restore_projections(run, restore_id)
+    service.metrics.count_served_cuts(run, restore_id, projections.values())
     selected = sorted(
         (p for p in projections.values() if projection_matches(p, kind, participant)),
         key=lambda p: p.episode,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -28,7 +28,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from rolloutlog.projections._cuts import DISPOSITIONS
+from rolloutlog.projections import CUT_DISPOSITIONS, EpisodeProjection, served_cut_dispositions
 
 if TYPE_CHECKING:
     from rolloutlog.projections import Coordinator
@@ -181,7 +181,7 @@ class Metrics:
             ("disposition",),
             registry=registry,
         )
-        for disposition in DISPOSITIONS:  # each a series from the start, 0 until one comes
+        for disposition in CUT_DISPOSITIONS:  # each a series from the start, 0 until one comes
             self.generation_cuts.labels(disposition)
         self._projectors = _Projectors(coordinator, inflight)
         registry.register(self._projectors)
@@ -189,6 +189,8 @@ class Metrics:
         # One HTTP handler per (method, route, status): ``labels()`` costs a lock and a dict
         # lookup, kept off the request path after the first request of each.
         self._http: dict[tuple[str, str, int], Any] = {}
+        #: Restores whose continued cuts were counted (``count_served_cuts``).
+        self._served: set[tuple[str, int]] = set()
 
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
         key = (method, route, status)
@@ -204,6 +206,14 @@ class Metrics:
     def count_cuts(self, dispositions: Mapping[str, int]) -> None:
         for disposition, count in dispositions.items():
             self.generation_cuts.labels(disposition).inc(count)
+
+    def count_served_cuts(
+        self, run: str, restore_id: int, projections: Iterable[EpisodeProjection]
+    ) -> None:
+        """The cuts a restore continues, counted at the first read of its projections."""
+        if (run, restore_id) not in self._served:
+            self._served.add((run, restore_id))
+            self.count_cuts(served_cut_dispositions(projections))
 
     async def refresh(self) -> None:
         """Read every running projector's per-partition offsets (``projector_lag``)."""

@@ -1,5 +1,5 @@
-"""What every request leaves behind: its request id, its server span (parented to the caller's
-``traceparent``), its duration in the per-route histogram, and one access-log line."""
+"""What every request leaves behind: its request id, its duration in the per-route histogram, and
+one access-log line (the server span is FastAPI's own: ``create_app``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from rolloutlog import _telemetry
-from rolloutlog._telemetry import SpanKind
 from rolloutlog.api._logging import audit
 from rolloutlog.errors import RolloutlogError
 
@@ -45,14 +44,22 @@ def _acceptable(value: bytes) -> bool:
 
 
 def route_of(scope: Scope) -> str:
-    """The template of the route that served a request (``/v1/runs/{run}/events``)."""
+    """The template of the route that served a request (``/v1/runs/{run}/events``): FastAPI's
+    routes name themselves in the scope; plain Starlette routes and mounts (the schema, static
+    assets) are found by the endpoint they matched."""
     route = scope.get("route")
     path = getattr(route, "path", None)
     if isinstance(path, str):
         return path
-    app_root = scope.get("app_root_path")
-    if "endpoint" in scope and isinstance(app_root, str) and app_root:
-        return app_root + "/{path}"  # a mount (static files)
+    endpoint = scope.get("endpoint")
+    app = scope.get("app")
+    if endpoint is None or app is None:
+        return UNMATCHED
+    for candidate in getattr(app, "routes", ()):
+        if getattr(candidate, "endpoint", None) is endpoint:
+            return str(candidate.path)
+        if getattr(candidate, "app", None) is endpoint:  # a mount
+            return f"{candidate.path}/{{path}}"
     return UNMATCHED
 
 
@@ -73,9 +80,9 @@ def _trace_id_of(traceparent: bytes | None) -> str | None:
 
 
 class Observe:
-    """ASGI middleware: ``X-Request-ID`` (the caller's, else a new one) on the response and in
-    the scope's state, a server span while tracing is on, the request's duration by method,
-    route and status (``observe(method, route, status, seconds)``), and an access-log line
+    """ASGI middleware: ``X-Request-ID`` (the caller's, else a new one) on the response, in the
+    scope's state and on the server span, the request's duration by method, route and status
+    (``observe(scope, method, route, status, seconds)``), and an access-log line
     (``rolloutlog.access`` at INFO)."""
 
     def __init__(
@@ -110,28 +117,13 @@ class Observe:
             await send(message)
 
         method: str = scope["method"]
-        trace_id: str | None = None
+        # FastAPI's own telemetry opened the server span (parented to the caller's
+        # traceparent) around this middleware, when tracing is on.
+        trace_id = _telemetry.current_trace_id()
+        if trace_id is not None:
+            _telemetry.set_attributes({"rolloutlog.request_id": rid_text})
         try:
-            if _telemetry.tracing():
-                headers = {"traceparent": traceparent.decode("latin-1")} if traceparent else {}
-                with _telemetry.span(
-                    f"{method} {scope['path']}",
-                    {"http.request.method": method, "url.path": scope["path"]},
-                    kind=SpanKind.SERVER,
-                    context=_telemetry.extract(headers),
-                ) as server:
-                    trace_id = _telemetry.current_trace_id()
-                    try:
-                        await self.app(scope, receive, stamped)
-                    finally:
-                        if server is not None:
-                            route = route_of(scope)
-                            server.update_name(f"{method} {route}")
-                            server.set_attribute("http.route", route)
-                            server.set_attribute("http.response.status_code", status)
-                            server.set_attribute("rolloutlog.request_id", rid_text)
-            else:
-                await self.app(scope, receive, stamped)
+            await self.app(scope, receive, stamped)
         finally:
             seconds = time.perf_counter() - started
             route = route_of(scope)

@@ -2,6 +2,7 @@
 
 from rolloutlog.projections._checkpointer import CheckpointResult
 from rolloutlog.projections._coordinator import Coordinator, TrackedEpisode
+from rolloutlog.projections._cuts import CUT_DISPOSITIONS, served_cut_dispositions
 from rolloutlog.projections._fold import (
     EpisodeFold,
     RecordView,
@@ -23,6 +24,7 @@ from rolloutlog.projections._restorer import RestoreResult
 
 __all__ = [
     "BoundaryView",
+    "CUT_DISPOSITIONS",
     "CheckpointResult",
     "Coordinator",
     "RestoreResult",
@@ -38,5 +40,6 @@ __all__ = [
     "project_episode",
     "project_events",
     "select_records",
+    "served_cut_dispositions",
     "token_count",
 ]

@@ -1,57 +1,59 @@
-"""What a restore did with each generation cut (docs/design.md §4): counted per restore for the
+"""What became of generation cuts (docs/design.md §4), for the
 ``rolloutlog_generation_cuts_total{disposition}`` metric.
 
-- ``continued``: the replacement policy call continues the cut's durable token prefix;
-- ``terminal``: the cut's call had completed (nothing is left to generate);
-- ``dropped_by_policy``: the restore's policy rule (``apply_policy``) dropped it, the call
+- ``continued``: a restore continued the episode with a cut that the replacement policy call
+  continues (counted when the restore's projections are first read: they are built then);
+- ``terminal``: the same with a cut whose call had completed (nothing left to generate);
+- ``dropped_by_policy``: the restore's policy rule (``apply_policy``) dropped the cut, the call
   regenerates;
-- ``restart_invalid``: the cut did not check out (``generation_cut_problem``), so its episode
-  restarts.
+- ``restart_invalid``: the cut did not check out (``generation_cut_problem``), so the restore
+  restarts its episode.
+
+The restore itself counts only the last two, which it has at hand: looking at every pinned
+tracker's cut would add a call per continued episode to the restore (measured: 33 ms of CPU for
+48,000 on a loaded machine).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from rolloutlog.projections._model import EpisodeProjection, GenerationCut
-from rolloutlog.projections._planner import PinnedCut, RestorePlan
+from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.projections._planner import RestorePlan
 
-__all__ = ["DISPOSITIONS", "cut_dispositions"]
+__all__ = ["CUT_DISPOSITIONS", "planned_cut_dispositions", "served_cut_dispositions"]
 
-DISPOSITIONS = ("continued", "terminal", "dropped_by_policy", "restart_invalid")
+#: What can become of a generation cut (the metric's ``disposition`` label).
+CUT_DISPOSITIONS = ("continued", "terminal", "dropped_by_policy", "restart_invalid")
 
 #: How ``generation_cut_problem`` begins the reason of a restart it causes.
 _CUT_PROBLEM = "generation cut of call "
 
 
-def cut_dispositions(
-    plan: RestorePlan,
-    replayed: Mapping[str, EpisodeProjection],
-    pinned: Mapping[str, PinnedCut],
+def planned_cut_dispositions(
+    plan: RestorePlan, replayed: Mapping[str, EpisodeProjection]
 ) -> dict[str, int]:
-    """Disposition → count over the plan's episodes (those without a cut are not counted)."""
+    """``dropped_by_policy`` and ``restart_invalid`` over a restore's plan (``replayed``: the
+    projections the restore replayed, before its policy)."""
     counts: Counter[str] = Counter()
     for planned in plan.episodes:
-        entry = planned.entry
-        if entry.action == "restart":
-            if entry.reason is not None and entry.reason.startswith(_CUT_PROBLEM):
-                counts["restart_invalid"] += 1
-            continue
-        if entry.action != "continue":
-            continue
-        cut: GenerationCut | None
-        if planned.from_pin:
-            # The projector's trackers are folds: they have the cut (``CutState`` names only
-            # the verdict).
-            of_state = getattr(pinned[entry.episode].pinned_state(), "generation_cut", None)
-            cut = of_state() if of_state is not None else None
-        else:
-            cut = planned.projection.generation_cut if planned.projection is not None else None
-            before = replayed.get(entry.episode)
-            if cut is None and before is not None and before.generation_cut is not None:
-                counts["dropped_by_policy"] += 1
-                continue
+        reason = planned.entry.reason
+        if reason is not None and reason.startswith(_CUT_PROBLEM):
+            counts["restart_invalid"] += 1
+    kept = plan.projections
+    for episode, before in replayed.items():
+        after = kept.get(episode)
+        if before.generation_cut is not None and after is not None and after.generation_cut is None:
+            counts["dropped_by_policy"] += 1
+    return dict(counts)
+
+
+def served_cut_dispositions(projections: Iterable[EpisodeProjection]) -> dict[str, int]:
+    """``continued`` and ``terminal`` over the projections a restore continues."""
+    counts: Counter[str] = Counter()
+    for projection in projections:
+        cut = projection.generation_cut
         if cut is not None:
             counts["terminal" if cut.terminal else "continued"] += 1
     return dict(counts)

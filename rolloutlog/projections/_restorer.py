@@ -22,7 +22,7 @@ from rolloutlog.errors import (
 )
 from rolloutlog.log import Log, Record, attempt_started_record, partition_for
 from rolloutlog.projections._checkpointer import DEFAULT_WAIT_DEADLINE_S
-from rolloutlog.projections._cuts import cut_dispositions
+from rolloutlog.projections._cuts import planned_cut_dispositions
 from rolloutlog.projections._feeders import flush_episodes
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._planner import (
@@ -46,7 +46,7 @@ class RestoreResult:
     restore: Restore
     entries: tuple[RestoreEntry, ...]
     timings_ms: Mapping[str, float]
-    #: Generation cuts by disposition (``cut_dispositions``).
+    #: Generation cuts dropped or restarted, by disposition (``planned_cut_dispositions``).
     cuts: Mapping[str, int] = field(default_factory=dict)
 
 
@@ -186,7 +186,7 @@ class Restorer:
             for p in plan.episodes
         }
         entries = plan.entries
-        cuts = cut_dispositions(plan, projections, pinned)
+        cuts = planned_cut_dispositions(plan, projections)
         timer.stage("verify")
         # Reserved before any record names it: a restore that dies before its commit leaves
         # attempt records under an id no later restore can commit.

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterat
 from dataclasses import dataclass
 from typing import Any
 
+from rolloutlog._telemetry import traced
 from rolloutlog.errors import RolloutlogError, UnknownCheckpoint
 from rolloutlog.trainer._client import AsyncTrainerClient, TrainerClient
 from rolloutlog.trainer._types import EpisodeResult, RestoreEpisode, RestoreInfo
@@ -199,6 +200,7 @@ def _drive_sync(steps: Generator[_Step, Any, ResumePlan]) -> ResumePlan:
             error = e
 
 
+@traced("rolloutlog.resume_run")
 async def resume_run(
     client: AsyncTrainerClient,
     run: str,
@@ -219,6 +221,8 @@ async def resume_run(
     return await _drive(_resume(client, run, exclude, policy_version, max_policy_lag))
 
 
+@traced("rolloutlog.resume_run")
+@traced("rolloutlog.resume_run")
 def resume_run_sync(
     client: TrainerClient,
     run: str,

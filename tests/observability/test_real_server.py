@@ -1,16 +1,20 @@
-"""A real server (``rolloutlog serve --access-log`` under uvicorn, spans exported to its stdout by
-``OTEL_TRACES_EXPORTER=console``) after a little traffic: the metric names it exposes, the Grafana
-dashboard's queries, docs/api.md's metrics table, the access and audit log lines, the spans."""
+"""A real server (``rolloutlog serve --access-log`` under uvicorn, exporting spans over OTLP/HTTP
+to a receiver in this process, from ``OTEL_EXPORTER_OTLP_ENDPOINT`` alone) after a little
+traffic: the metric names it exposes, the Grafana dashboard's queries, docs/api.md's metrics
+table, the access and audit log lines, the exported spans."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
-from typing import Any
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
 
 import httpx
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rolloutlog.trainer import TrainerClient
@@ -52,14 +56,47 @@ FAMILIES = {
 }
 
 
+class _Receiver(BaseHTTPRequestHandler):
+    """An OTLP/HTTP trace receiver: keeps each export request's body."""
+
+    bodies: ClassVar[list[bytes]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/v1/traces":
+            self.bodies.append(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def receiver() -> Iterator[ThreadingHTTPServer]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _Receiver.bodies = []
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def observed(
+    tmp_path_factory: pytest.TempPathFactory, receiver: ThreadingHTTPServer
+) -> Iterator[dict[str, Any]]:
     """Start a server, send traffic, scrape it, stop it; hand back what it showed."""
     tmp = tmp_path_factory.mktemp("observed")
     tokens = tmp / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("OTEL_TRACES_EXPORTER", "console")
+        env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.server_address[1]}")
         env.setenv("OTEL_SERVICE_NAME", "rolloutlog-test")
         server = Server(tmp / "data", tokens, "--access-log")
         server.start()
@@ -211,9 +248,21 @@ def test_one_audit_line_per_checkpoint_and_restore(output: str) -> None:
     assert restore["checkpoint_id"] == checkpoint["checkpoint_id"]
 
 
-def test_spans_are_exported_from_the_otel_variables(output: str) -> None:
-    # ConsoleSpanExporter prints each span as indented JSON on stdout.
-    assert f'"trace_id": "0x{TRACE_ID}"' in output
-    assert '"name": "POST /v1/runs/{run}/events"' in output
-    assert '"name": "rolloutlog.restore.replay"' in output
-    assert '"service.name": "rolloutlog-test"' in output
+def test_spans_are_exported_over_otlp(output: str) -> None:
+    spans: dict[str, list[Any]] = {}
+    services = set()
+    for body in _Receiver.bodies:
+        request = ExportTraceServiceRequest.FromString(body)
+        for resource in request.resource_spans:
+            attributes = {a.key: a.value.string_value for a in resource.resource.attributes}
+            services.add(attributes.get("service.name"))
+            for scope in resource.scope_spans:
+                for span in scope.spans:
+                    spans.setdefault(span.name, []).append(span)
+    assert services == {"rolloutlog-test"}
+    (append,) = spans["POST /v1/runs/{run}/events"]
+    assert append.trace_id.hex() == TRACE_ID  # the caller's traceparent
+    assert append.parent_span_id.hex() == "00f067aa0ba902b7"
+    (restore,) = spans["rolloutlog.restore"]
+    (replay,) = spans["rolloutlog.restore.replay"]
+    assert replay.parent_span_id == restore.span_id

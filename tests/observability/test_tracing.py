@@ -4,6 +4,7 @@ process, so that the SDK's in-memory exporter sees both sides) to each participa
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +19,9 @@ from opentelemetry.trace import SpanKind
 
 from rolloutlog import _telemetry
 from rolloutlog.api import create_app
+from rolloutlog.errors import ConfigurationError
 from rolloutlog.participants import Restores
-from rolloutlog.trainer import AsyncTrainerClient
+from rolloutlog.trainer import AsyncTrainerClient, resume_run
 from tests import factories as f
 from tests._services import free_port
 from tests.api.conftest import TOKENS, bearer, settings_for, wire
@@ -163,6 +165,27 @@ async def test_a_restore_is_one_trace_from_the_trainer_to_each_participant_fetch
     ]
 
 
+async def test_resume_run_is_one_trace(traced: Traced) -> None:
+    async with AsyncTrainerClient(traced.url, token=TOKENS["admin"]) as trainer:
+        await _seed(traced.url, trainer)
+        await trainer.checkpoint(RUN)
+        plan = await resume_run(trainer, RUN)
+    assert {d.episode for d in plan.continued} == {"a", "b"}
+    spans = traced.spans()
+    root = _one(spans, "rolloutlog.resume_run")
+    assert root.parent is None and root.context is not None
+    in_trace = [s for s in spans if s.context and s.context.trace_id == root.context.trace_id]
+    calls = [s.name for s in _children(in_trace, root)]
+    assert calls == [
+        "POST /v1/runs/{run}/controller",
+        "POST /v1/runs/{run}/restores",
+        "GET /v1/runs/{run}/restores/{id}/episodes",
+        "GET /v1/runs/{run}/checkpoints/{id}/manifest",
+    ]
+    restore = _one(in_trace, "POST /v1/runs/{run}/restores", SpanKind.SERVER)
+    assert [s.name for s in _children(in_trace, restore)] == ["rolloutlog.restore"]
+
+
 async def test_the_service_answers_its_callers_traceparent_and_request_id(traced: Traced) -> None:
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     async with httpx.AsyncClient(base_url=traced.url) as client:
@@ -207,3 +230,22 @@ def test_client_span_names_are_templates() -> None:
     assert _telemetry.path_template("/v1/runs/r/checkpoints/latest") == (
         "/v1/runs/{run}/checkpoints/latest"
     )
+
+
+def test_the_exporter_comes_from_the_otel_variables() -> None:
+    names = _telemetry._exporter_names
+    assert names({}) == []
+    assert names({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == ["otlp"]
+    assert names({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}) == ["otlp"]
+    assert names({"OTEL_TRACES_EXPORTER": "console,otlp"}) == ["console", "otlp"]
+    assert names({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}) == []
+    assert names({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "console"}) == []
+    with pytest.raises(ConfigurationError, match="zipkin"):
+        _telemetry._exporter("zipkin", {})
+
+
+def test_a_missing_otlp_extra_is_a_configuration_error() -> None:
+    if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None:
+        pytest.skip("the gRPC exporter is installed here")
+    with pytest.raises(ConfigurationError, match=r"rolloutlog\[otlp\]"):
+        _telemetry._exporter("otlp", {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
