@@ -181,6 +181,7 @@ async def test_resume_run_is_one_trace(traced: Traced) -> None:
         "POST /v1/runs/{run}/restores",
         "GET /v1/runs/{run}/restores/{id}/episodes",
         "GET /v1/runs/{run}/checkpoints/{id}/manifest",
+        "GET /v1/runs/{run}/results",
     ]
     restore = _one(in_trace, "POST /v1/runs/{run}/restores", SpanKind.SERVER)
     assert [s.name for s in _children(in_trace, restore)] == ["rolloutlog.restore"]
