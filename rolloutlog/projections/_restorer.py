@@ -118,7 +118,7 @@ class Restorer:
         # Everything appended before this request is folded: the episodes begun after the
         # markers (below) are then all known.
         await projector.wait_until(
-            dict(enumerate(await self.log.end_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
+            dict(enumerate(await self.log.latest_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
         )
         # ... and every finish folded is in the catalog, so the count of unacknowledged results
         # in the reply (and ``exclude_results``) misses none.
