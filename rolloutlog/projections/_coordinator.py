@@ -207,7 +207,7 @@ class Coordinator:
         await projector.wait_until(
             dict(enumerate(await self.log.latest_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
         )
-        await flush_episodes(self.catalog, projector)
+        await flush_episodes(self.catalog, projector, finishes_only=True)
 
     async def restore_projections(self, run: str, restore_id: int) -> dict[str, EpisodeProjection]:
         """Every continued episode's projection of a committed restore (recomputed after a

@@ -122,7 +122,7 @@ class Restorer:
         )
         # ... and every finish folded is in the catalog, so the count of unacknowledged results
         # in the reply (and ``exclude_results``) misses none.
-        await flush_episodes(self.catalog, projector)
+        await flush_episodes(self.catalog, projector, finishes_only=True)
         manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
         current = await self.catalog.current_attempts(run)
         excluded = set(exclude)
