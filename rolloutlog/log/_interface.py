@@ -116,6 +116,12 @@ class Log(abc.ABC):
     async def end_offsets(self, run: str) -> list[int]:
         """The next offset of every partition, as far as this log instance knows it."""
 
+    async def latest_offsets(self, run: str) -> list[int]:
+        """The next offset of every partition including other writers' records (participants
+        appending to the log directly): what a reader must fold to have seen every record
+        appended before the call. Backends where ``end_offsets`` may miss those override it."""
+        return await self.end_offsets(run)
+
     async def follow(
         self, run: str, partition: int, start: int, *, poll_s: float = 0.05
     ) -> AsyncIterator[list[tuple[int, bytes]]]:

@@ -690,6 +690,14 @@ class KafkaLog(KafkaReads, Log):
                 ends[partition] = end
         return ends
 
+    async def latest_offsets(self, run: str) -> list[int]:
+        """Every partition observed on the broker (``end_offsets`` skips the partitions this
+        instance wrote, whose later records by other writers it does not count)."""
+        topic = await self._topic(run)
+        partitions = list(range(len(topic.acked_ends)))
+        observed = await self._observed_ends(self._control, topic, partitions)
+        return [max(acked, seen) for acked, seen in zip(topic.acked_ends, observed, strict=True)]
+
     async def _observed_ends(self, client: Any, topic: _Topic, partitions: list[int]) -> list[int]:
         where = f"end offsets of {topic.name}"
         deadline = time.monotonic() + self._request_timeout_ms / 1000

@@ -134,7 +134,7 @@ class Checkpointer:
             staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, entries))))
             # Every finish below the markers is in the catalog before they commit: a restarted
             # projector reads from the new cut on, and would never record it (issue 18).
-            await flush_episodes(self.catalog, projector)
+            await flush_episodes(self.catalog, projector, finishes_only=True)
             timer.stage("manifest")
             timings = timer.total()
             committed = await self.catalog.commit_checkpoint(

@@ -200,14 +200,14 @@ class Coordinator:
 
     async def sync_results(self, run: str) -> None:
         """Bring the catalog's results up to the log (``UnknownRun``): every record appended
-        before the call is folded and its finish recorded, so a result whose reply left an
+        before the call (by anyone: ``latest_offsets``) is folded and its finish recorded, so a result whose reply left an
         environment is readable (and can be acknowledged) once the trainer asks."""
         projector = await self.projector(run)
         projector.check_running()
         await projector.wait_until(
-            dict(enumerate(await self.log.end_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
+            dict(enumerate(await self.log.latest_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
         )
-        await flush_episodes(self.catalog, projector)
+        await flush_episodes(self.catalog, projector, finishes_only=True)
 
     async def restore_projections(self, run: str, restore_id: int) -> dict[str, EpisodeProjection]:
         """Every continued episode's projection of a committed restore (recomputed after a

@@ -92,21 +92,28 @@ async def record_episodes(catalog: Catalog, projector: Projector, every_s: float
                 await flush_episodes(catalog, projector)
 
 
-async def flush_episodes(catalog: Catalog, projector: Projector) -> None:
+async def flush_episodes(
+    catalog: Catalog, projector: Projector, *, finishes_only: bool = False
+) -> None:
     """Record the projector's new starts and finishes (with the results of the finishes). A
     retriable catalog error keeps the batch queued and is raised; any other error drops that
     batch (the catalog refused it). When it returns, every finish the projector had folded
-    before the call is in the catalog."""
+    before the call is in the catalog. ``finishes_only`` leaves the starts to the feeder: a
+    checkpoint, a restore and the results routes need the finishes only, and a burst of new
+    episodes' starts would lengthen them."""
     lock = _FLUSHING.get(projector)
     if lock is None:
         lock = _FLUSHING[projector] = asyncio.Lock()
     async with lock:
-        await _flush_episodes(catalog, projector)
+        await _flush_episodes(catalog, projector, finishes_only)
 
 
-async def _flush_episodes(catalog: Catalog, projector: Projector) -> None:
-    while projector.has_new_episodes():
+async def _flush_episodes(catalog: Catalog, projector: Projector, finishes_only: bool) -> None:
+    while projector.new_finishes if finishes_only else projector.has_new_episodes():
         starts, finishes = projector.take_new_episodes(_EPISODE_BATCH)
+        if finishes_only:
+            projector.put_back_new_episodes(starts, ())
+            starts = []
         done = False
         try:
             await catalog.record_episodes(projector.run, starts, finishes)

@@ -121,11 +121,11 @@ class Restorer:
         # Everything appended before this request is folded: the episodes begun after the
         # markers (below) are then all known.
         await projector.wait_until(
-            dict(enumerate(await self.log.end_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
+            dict(enumerate(await self.log.latest_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
         )
         # ... and every finish folded is in the catalog, so the count of unacknowledged results
         # in the reply (and ``exclude_results``) misses none.
-        await flush_episodes(self.catalog, projector)
+        await flush_episodes(self.catalog, projector, finishes_only=True)
         manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
         current = await self.catalog.current_attempts(run)
         excluded = set(exclude)

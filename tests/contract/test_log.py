@@ -96,6 +96,15 @@ async def test_end_offsets_follow_appends(log: Log) -> None:
         assert ends[p] == last.get(p, -1) + 1
 
 
+async def test_latest_offsets_count_every_record_appended(log: Log) -> None:
+    await log.ensure_run("run", P)
+    markers = await log.write_markers("run", 1, 1)
+    await log.append("run", [f.started(f"r{i}") for i in range(30)])
+    ends = await log.end_offsets("run")
+    assert all(end > marker for end, marker in zip(ends, markers, strict=True))
+    assert await log.latest_offsets("run") == ends
+
+
 async def test_follow_run_sees_every_partition_from_its_start(log: Log) -> None:
     await log.ensure_run("run", P)
     first = await log.append("run", [f.started(f"r{i}") for i in range(12)])

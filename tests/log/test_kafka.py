@@ -321,6 +321,21 @@ async def test_markers_and_events_through_the_interface(open_kafka: Opener) -> N
 
 
 @pytest.mark.kafka
+async def test_latest_offsets_count_other_writers_records(open_kafka: Opener) -> None:
+    """``end_offsets`` keeps this instance's acknowledged ends where it wrote; ``latest_offsets``
+    (what the results routes and a restore wait for) observes the broker, other writers too."""
+    service, participant = await open_kafka(), await open_kafka()
+    await service.ensure_run("run", 3)
+    markers = await service.write_markers("run", checkpoint_id=1, controller_epoch=1)
+    positions = await participant.append("run", [f.started(f"r{i}") for i in range(12)])
+    ends = [m + 1 for m in markers]
+    for position in positions:
+        ends[position.partition] = max(ends[position.partition], position.offset + 1)
+    assert await service.end_offsets("run") == [m + 1 for m in markers]
+    assert await service.latest_offsets("run") == ends == await participant.latest_offsets("run")
+
+
+@pytest.mark.kafka
 async def test_close_lets_pending_appends_finish(open_kafka: Opener) -> None:
     log = await open_kafka()
     await log.ensure_run("run", 4)

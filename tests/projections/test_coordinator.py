@@ -231,7 +231,7 @@ async def test_excluding_an_unknown_episode_is_refused(service: Service) -> None
     await committed(service)
     with pytest.raises(UnknownEpisode):
         await service.restore(exclude=["nope"])
-    assert await service.catalog.current_attempts("run") == {"a": 0}  # a still at attempt 0
+    assert await service.catalog.current_attempts("run") == {}
 
 
 async def test_a_wait_mode_step_in_flight_is_waited_for(service: Service) -> None:
@@ -301,7 +301,7 @@ async def test_a_restore_that_fails_commits_nothing(
     with pytest.raises(RuntimeError):
         await service.restore()
     monkeypatch.undo()
-    assert await service.catalog.current_attempts("run") == {"a": 0}  # a still at attempt 0
+    assert await service.catalog.current_attempts("run") == {}
     # The old attempt is still current: its events count, and the next restore makes attempt 1.
     await service.append(f.boundary("a", "invoke_agent", attempt=0))
     await committed(service)

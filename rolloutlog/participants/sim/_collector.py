@@ -327,10 +327,10 @@ class Collector:
     ) -> CheckpointInfo:
         """Take a checkpoint. ``pause=True`` quiesces first and leaves dispatch paused (for a
         crash right after); otherwise dispatch goes on."""
+        await self.acknowledge()  # before the quiesce: it adds nothing between it and the marker
         await self.quiesce()
         self._since_checkpoint = set()
         try:
-            await self.acknowledge()
             info = await self.trainer.checkpoint(self.run_name, deadline_s=deadline_s, wait=wait)
         finally:
             if not pause:
