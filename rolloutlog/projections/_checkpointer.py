@@ -17,8 +17,12 @@ from typing import Any
 
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
 from rolloutlog.errors import BackendUnavailable, RolloutlogError
-from rolloutlog.log import Log
-from rolloutlog.projections._planner import replay_start, wait_expired_reason
+from rolloutlog.log import Log, capture_key
+from rolloutlog.projections._planner import (
+    not_exported_reason,
+    replay_start,
+    wait_expired_reason,
+)
 from rolloutlog.projections._projector import CheckpointCapture, Projector
 from rolloutlog.projections._timing import StageTimer, backoff_s
 
@@ -54,6 +58,7 @@ class Checkpointer:
         self.catalog = catalog
         self._projector = projector
         self._spawn = spawn
+        self._exports = _ExportRequests()
 
     async def checkpoint(
         self,
@@ -96,6 +101,9 @@ class Checkpointer:
         except BaseException:
             await self._abort(projector, controller_epoch, capture, "marking failed")
             raise
+        if capture.waiting:
+            deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
+            self._exports.open(projector, capture, marked_at + deadline)
         if capture.waiting and not wait:
             self._spawn(
                 self._finish(projector, controller_epoch, capture, timer, deadline_s, marked_at)
@@ -144,11 +152,20 @@ class Checkpointer:
             )
             timer.stage("commit")
         except BaseException:
+            self._exports.close(run, capture)
             await self._abort(projector, controller_epoch, capture, "commit failed")
             raise
+        self._exports.close(run, capture)
         projector.end_capture(capture, committed=True)
         self._spawn(self._trim(run))
         return CheckpointResult(committed, staging, timer.total())
+
+    async def pending_exports(
+        self, run: str, participant: str, wait_s: float
+    ) -> dict[str, Any] | None:
+        """The pending checkpoint's ``checkpoint`` sessions of ``participant`` still waiting for
+        their export, once there are any (a long poll of up to ``wait_s``), or None."""
+        return await self._exports.wait_for(run, participant, wait_s)
 
     async def _abort(
         self,
@@ -228,11 +245,90 @@ def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[M
 
 
 def _name_expired_waits(projector: Projector, capture: CheckpointCapture, deadline: float) -> None:
-    """The reason of each episode whose wait steps outlived the deadline: which steps, whose."""
+    """The reason of each episode whose waits outlived the deadline: which steps, whose; which
+    sessions were not exported."""
     for episode, (owners, _) in capture.waiting.items():
         tracker = projector.trackers.get(episode)
-        if tracker is not None:
-            still_open = owners & set(tracker.open_waits) or owners
-            capture.reasons[episode] = wait_expired_reason(
-                still_open, tracker.boundaries, tracker.sessions, deadline
+        if tracker is None:
+            continue
+        reasons = []
+        steps = owners & set(tracker.open_waits)
+        if steps:
+            reasons.append(
+                wait_expired_reason(steps, tracker.boundaries, tracker.sessions, deadline)
             )
+        missing = tracker.export_missing(owners, capture.checkpoint_id)
+        if missing:
+            reasons.append(not_exported_reason(missing, capture.checkpoint_id))
+        if reasons:
+            capture.reasons[episode] = "; ".join(reasons)
+
+
+class _ExportRequests:
+    """Per run, the pending checkpoint that waits for exports of ``checkpoint`` sessions, and the
+    participants' long polls for them (``GET …/checkpoints/pending/exports``)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[Projector, CheckpointCapture, float]] = {}
+        self._changed: dict[str, asyncio.Event] = {}
+
+    def open(self, projector: Projector, capture: CheckpointCapture, deadline_at: float) -> None:
+        self._pending[projector.run] = (projector, capture, deadline_at)
+        self._wake(projector.run)
+
+    def close(self, run: str, capture: CheckpointCapture) -> None:
+        found = self._pending.get(run)
+        if found is not None and found[1] is capture:
+            del self._pending[run]
+            self._wake(run)
+
+    def _wake(self, run: str) -> None:
+        event = self._changed.pop(run, None)
+        if event is not None:
+            event.set()
+
+    def sessions(self, run: str, participant: str) -> dict[str, Any] | None:
+        found = self._pending.get(run)
+        if found is None:
+            return None
+        projector, capture, deadline_at = found
+        sessions = []
+        for episode, (owners, _) in list(capture.waiting.items()):
+            tracker = projector.trackers.get(episode)
+            if tracker is None:
+                continue
+            for sid in tracker.export_missing(owners, capture.checkpoint_id):
+                view = tracker.sessions.get(sid)
+                if view is not None and view.participant == participant:
+                    sessions.append(
+                        {
+                            "episode": episode,
+                            "attempt": tracker.attempt,
+                            "capture_key": capture_key(episode, tracker.attempt),
+                            "session_id": sid,
+                        }
+                    )
+        if not sessions:
+            return None
+        return {
+            "checkpoint_id": capture.checkpoint_id,
+            "deadline_at": deadline_at,
+            "sessions": sessions,
+        }
+
+    async def wait_for(self, run: str, participant: str, wait_s: float) -> dict[str, Any] | None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + wait_s
+        while True:
+            found = self.sessions(run, participant)
+            remaining = until - loop.time()
+            if found is not None or remaining <= 0:
+                return found
+            event = self._changed.setdefault(run, asyncio.Event())
+            try:
+                # Woken by a checkpoint that opens or ends; polled meanwhile, since an export
+                # that arrives changes what is missing without a wake-up.
+                async with asyncio.timeout(min(remaining, 0.5)):
+                    await event.wait()
+            except TimeoutError:
+                pass

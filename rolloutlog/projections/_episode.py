@@ -11,8 +11,7 @@ from typing import Any
 
 import orjson
 
-from rolloutlog.log import Opaque, token_count
-from rolloutlog.log._deltas import compose, is_delta
+from rolloutlog.log import Opaque, compose_state, is_delta, token_count
 from rolloutlog.projections._model import (
     BoundaryView,
     EpisodeProjection,
@@ -119,6 +118,7 @@ class EpisodeFold:
         "episode",
         "events",
         "exact",
+        "exports",
         "filters",
         "finished",
         "finished_offset",
@@ -165,6 +165,8 @@ class EpisodeFold:
         #: The stage of the environment's latest boundary.
         self.last_stage: str | None = None
         self.sessions: dict[str, SessionView] = {}
+        #: Exports of ``checkpoint`` sessions (see ``_export``); replaced, never changed in place.
+        self.exports: dict[str, tuple[int, bool, bool]] = {}
         #: A ``restart_only`` session is open in the committed prefix.
         self.restart_only_open = False
         #: Committed ledger rows (kept with payloads only; ``lineage`` judges them otherwise).
@@ -280,6 +282,11 @@ class EpisodeFold:
             kept = None
             if kind == "session.state" and self.keep_payloads and start < len(record):
                 kept = record[start:] if start else record
+            if kind == "session.state" and data.get("checkpoint_id") is not None:
+                self._export(data, kept, len(record) - start)
+                return
+            if self.exports and data["session_id"] in self.exports:
+                self._export_changed(data["session_id"])
             change = (kind, data, kept, len(record) - start, meta["participant"])
             self._pending_sessions.append(change)
         elif kind == "episode.started":
@@ -318,8 +325,52 @@ class EpisodeFold:
         for owner, deltas in self.boundary_deltas.items():
             view = boundaries[owner]
             base = view.state.raw if view.state is not None else None
-            boundaries[owner] = view._replace(state=Opaque(compose(base, deltas)))
+            boundaries[owner] = view._replace(state=Opaque(compose_state(base, deltas)))
         return boundaries
+
+    # -- export-on-checkpoint sessions (mode ``checkpoint``) -----------------------------------
+    #
+    # Such a session writes a change mark (``session.state`` without a checkpoint id) before each
+    # reply and its state only when a checkpoint asks (``session.state`` with the checkpoint's
+    # id). An export is the session's state at once (never in the tail), and it matches the
+    # committed prefix when none of the session's change marks is uncommitted: at the export,
+    # or at the next boundary if marks were pending then (that boundary commits them) and no
+    # mark came after the export. ``exports``: session → (checkpoint id, waits for a boundary,
+    # changed after the export).
+
+    def _export(self, data: dict[str, Any], kept: bytes | None, size: int) -> None:
+        sid = data["session_id"]
+        current = self.sessions.get(sid)
+        if current is None:  # not open in the committed prefix: its episode replays the opening
+            return
+        state = Opaque(kept) if kept is not None else None
+        view = (sid, current[1], current[2], current[3], current[4], state)
+        self.sessions[sid] = _new(SessionView, view)
+        self.session_bytes[sid] = size
+        marks = any(c[1]["session_id"] == sid for c in self._pending_sessions)
+        self.exports = {**self.exports, sid: (data["checkpoint_id"], marks, False)}
+
+    def _export_changed(self, sid: str) -> None:
+        checkpoint_id, waits, _ = self.exports[sid]
+        self.exports = {**self.exports, sid: (checkpoint_id, waits, True)}
+
+    def export_owners(self) -> set[str]:
+        """The wait owners (``export:<session>``) of the open ``checkpoint`` sessions."""
+        return {f"export:{s[0]}" for s in self.sessions.values() if s[3] == "checkpoint"}
+
+    def export_missing(self, owners: set[str], checkpoint_id: int) -> list[str]:
+        """The sessions among ``owners`` (``export:<session>``) still open without an export for
+        ``checkpoint_id`` that matches the committed prefix."""
+        missing = []
+        for owner in owners:
+            if owner.startswith("export:"):
+                sid = owner[7:]
+                if sid not in self.sessions:
+                    continue  # ended since: nothing to restore
+                found = self.exports.get(sid)
+                if found is None or found[0] != checkpoint_id or found[1] or found[2]:
+                    missing.append(sid)
+        return missing
 
     def _task(self, data: dict[str, Any], record: bytes, start: int) -> None:
         has_task = start < len(record)
@@ -366,6 +417,11 @@ class EpisodeFold:
         """A boundary (or ``episode.started``): everything pending joins the committed prefix."""
         if self._pending_sessions:
             self._commit_sessions()
+        if self.exports:  # the change marks an export waited for are committed now
+            self.exports = {
+                sid: (c, False, changed) if waits and not changed else (c, waits, changed)
+                for sid, (c, waits, changed) in self.exports.items()
+            }
         for key in self._pending_staging:
             if key not in self.staging_keys:
                 self.staging_keys.append(key)
@@ -396,6 +452,8 @@ class EpisodeFold:
                     # State of a session whose start was not recorded: it fails closed.
                     view = (sid, who["kind"], who["id"], "restart_only", "replay", state)
                     modes_changed = True
+                elif current[3] == "checkpoint":
+                    continue  # a change mark: the state is the export's
                 else:
                     view = (sid, current[1], current[2], current[3], current[4], state)
                 sessions[sid] = _new(SessionView, view)
@@ -519,7 +577,7 @@ class EpisodeFold:
             return None
         if self.finished:
             return _FINISHED
-        if waits and self.open_waits:
+        if waits and (self.open_waits or self.export_owners()):
             return _WAIT
         if self.restart_only_open:  # named: which sessions of whom (rare: built when it happens)
             return ("restart", restart_only_reason(self.sessions), False)
