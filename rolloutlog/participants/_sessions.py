@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -77,6 +78,18 @@ class Resources(Participant):
         self.export_hook = export_hook
         #: Sessions exported for checkpoints by ``serve_exports``.
         self.exports = 0
+        self._locks: dict[SessionKey, asyncio.Lock] = {}
+
+    def session_lock(self, key: str | RolloutContext, session_id: str) -> asyncio.Lock:
+        """The lock ``export`` holds while it snapshots a session and appends the export. Under
+        ``checkpoint``, hold it around each change of the session's outside state and its
+        ``record_state``: the change mark and the export then land in the log in the order of the
+        changes, so an export never misses a change whose mark precedes it."""
+        name = (RolloutContext.of(key).capture_key, session_id)
+        lock = self._locks.get(name)
+        if lock is None:
+            lock = self._locks[name] = asyncio.Lock()
+        return lock
 
     @property
     def headers(self) -> dict[str, str]:
@@ -113,6 +126,7 @@ class Resources(Participant):
 
     async def end_session(self, key: str | RolloutContext, session_id: str) -> Position:
         """``session.ended`` (on ``/close_session``)."""
+        self._locks.pop((RolloutContext.of(key).capture_key, session_id), None)
         return await self.emit("session.ended", RolloutContext.of(key), {"session_id": session_id})
 
     async def export(
@@ -123,18 +137,21 @@ class Resources(Participant):
         (one coalesced request). A session the hook leaves out is dropped: None, nothing written."""
         if self.export_hook is None:
             raise RuntimeError("this resources server has no export hook")
-        states = await self.export_hook(sessions)
         if checkpoint_id is None and self.mode != "exported":
             return [None] * len(sessions)
+        async with contextlib.AsyncExitStack() as held:
+            for key, sid in sorted(set(sessions)):  # one order: no deadlock between exports
+                await held.enter_async_context(self.session_lock(key, sid))
+            states = await self.export_hook(sessions)
 
-        async def one(key: str, sid: str) -> Position | None:
-            state = states.get((key, sid), _DROPPED)
-            if state is _DROPPED:
-                return None
-            data = {"session_id": sid, "state": opaque(state), "checkpoint_id": checkpoint_id}
-            return await self.emit("session.state", RolloutContext.of(key), data)
+            async def one(key: str, sid: str) -> Position | None:
+                state = states.get((key, sid), _DROPPED)
+                if state is _DROPPED:
+                    return None
+                data = {"session_id": sid, "state": opaque(state), "checkpoint_id": checkpoint_id}
+                return await self.emit("session.state", RolloutContext.of(key), data)
 
-        return list(await asyncio.gather(*(one(key, sid) for key, sid in sessions)))
+            return list(await asyncio.gather(*(one(key, sid) for key, sid in sessions)))
 
     async def serve_exports(self, restores: Restores, *, poll_s: float = 20.0) -> None:
         """Export this server's sessions whenever a checkpoint asks, until cancelled (run it as a
