@@ -160,6 +160,10 @@ async def run_demo(
     return result
 
 
+def _restored(stats: dict[str, Any], server: str) -> int:
+    return sum(v is not None for v in stats.get(server, {}).get("restored", {}).values())
+
+
 def _print_report(out: TextIO, result: DemoResult) -> None:
     report, timings = result.report, result.timings
     checkpoint = report.checkpoints[0]
@@ -178,6 +182,8 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
         f"  generation cuts        {len(cuts)} calls continued, "
         f"{sum(c['continued'] for c in cuts)} tokens not generated again",
         f"  counter states         {sum(v is not None for v in restored.values())} restored",
+        f"  sandbox sessions       {_restored(result.stats, 'sandbox')} restored "
+        "(exported when the checkpoint asked)",
         f"  rewards right          {report.right}/{report.rollouts}",
         f"  lost                   {len(report.lost)}",
         f"  failed                 {len(report.failed)}",
