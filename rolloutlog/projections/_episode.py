@@ -11,7 +11,8 @@ from typing import Any
 
 import orjson
 
-from rolloutlog.log import Opaque, compose_state, is_delta, token_count
+from rolloutlog.log import Opaque, is_delta, token_count
+from rolloutlog.projections._episode_sessions import SessionRules
 from rolloutlog.projections._model import (
     BoundaryView,
     EpisodeProjection,
@@ -80,7 +81,7 @@ _SessionChange = tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]
 _SHARE, _SHALLOW, _DEEP = 0, 1, 2
 
 
-class EpisodeFold:
+class EpisodeFold(SessionRules):
     """One episode's state machine: every rule of the fold, applied one record at a time.
 
     It runs in two modes, chosen by ``keep_payloads`` — what it keeps, never which rules apply:
@@ -165,7 +166,7 @@ class EpisodeFold:
         #: The stage of the environment's latest boundary.
         self.last_stage: str | None = None
         self.sessions: dict[str, SessionView] = {}
-        #: Exports of ``checkpoint`` sessions (see ``_export``); replaced, never changed in place.
+        #: Exports of ``checkpoint`` sessions (see ``SessionRules._export``).
         self.exports: dict[str, tuple[int, bool, bool]] = {}
         #: A ``restart_only`` session is open in the committed prefix.
         self.restart_only_open = False
@@ -298,79 +299,6 @@ class EpisodeFold:
             self.reward = data.get("reward")
             if self.keep_payloads and start < len(record):
                 self.result = Opaque(record[start:] if start else record)
-
-    def _delta_boundary(
-        self,
-        owner: str,
-        data: dict[str, Any],
-        meta: dict[str, Any],
-        offset: int,
-        delta: Opaque | None,
-        size: int,
-    ) -> None:
-        """A boundary whose state is a delta (``rolloutlog.log._deltas``): the owner's view keeps
-        its last whole state and the deltas since wait beside it, composed when a projection is
-        built (a restore or a read), never on the projector's path."""
-        previous = self.boundaries.get(owner)
-        base = previous.state if previous is not None else None
-        view = (data["stage"], data.get("next"), base, meta.get("step"), offset)
-        self.boundaries[owner] = _new(BoundaryView, view)
-        self.boundary_bytes[owner] = self.boundary_bytes.get(owner, 0) + size
-        if delta is not None:
-            self.boundary_deltas[owner] = (*self.boundary_deltas.get(owner, ()), delta.raw)
-
-    def _composed_boundaries(self) -> dict[str, BoundaryView]:
-        """The boundaries with each owner's deltas composed onto its last whole state."""
-        boundaries = dict(self.boundaries)
-        for owner, deltas in self.boundary_deltas.items():
-            view = boundaries[owner]
-            base = view.state.raw if view.state is not None else None
-            boundaries[owner] = view._replace(state=Opaque(compose_state(base, deltas)))
-        return boundaries
-
-    # -- export-on-checkpoint sessions (mode ``checkpoint``) -----------------------------------
-    #
-    # Such a session writes a change mark (``session.state`` without a checkpoint id) before each
-    # reply and its state only when a checkpoint asks (``session.state`` with the checkpoint's
-    # id). An export is the session's state at once (never in the tail), and it matches the
-    # committed prefix when none of the session's change marks is uncommitted: at the export,
-    # or at the next boundary if marks were pending then (that boundary commits them) and no
-    # mark came after the export. ``exports``: session → (checkpoint id, waits for a boundary,
-    # changed after the export).
-
-    def _export(self, data: dict[str, Any], kept: bytes | None, size: int) -> None:
-        sid = data["session_id"]
-        current = self.sessions.get(sid)
-        if current is None:  # not open in the committed prefix: its episode replays the opening
-            return
-        state = Opaque(kept) if kept is not None else None
-        view = (sid, current[1], current[2], current[3], current[4], state)
-        self.sessions[sid] = _new(SessionView, view)
-        self.session_bytes[sid] = size
-        marks = any(c[1]["session_id"] == sid for c in self._pending_sessions)
-        self.exports = {**self.exports, sid: (data["checkpoint_id"], marks, False)}
-
-    def _export_changed(self, sid: str) -> None:
-        checkpoint_id, waits, _ = self.exports[sid]
-        self.exports = {**self.exports, sid: (checkpoint_id, waits, True)}
-
-    def export_owners(self) -> set[str]:
-        """The wait owners (``export:<session>``) of the open ``checkpoint`` sessions."""
-        return {f"export:{s[0]}" for s in self.sessions.values() if s[3] == "checkpoint"}
-
-    def export_missing(self, owners: set[str], checkpoint_id: int) -> list[str]:
-        """The sessions among ``owners`` (``export:<session>``) still open without an export for
-        ``checkpoint_id`` that matches the committed prefix."""
-        missing = []
-        for owner in owners:
-            if owner.startswith("export:"):
-                sid = owner[7:]
-                if sid not in self.sessions:
-                    continue  # ended since: nothing to restore
-                found = self.exports.get(sid)
-                if found is None or found[0] != checkpoint_id or found[1] or found[2]:
-                    missing.append(sid)
-        return missing
 
     def _task(self, data: dict[str, Any], record: bytes, start: int) -> None:
         has_task = start < len(record)
@@ -770,6 +698,7 @@ _SHALLOW_FIELDS = frozenset(
     (
         "boundaries",
         "boundary_deltas",
+        "exports",
         "sessions",
         "ledger",
         "staging_keys",
