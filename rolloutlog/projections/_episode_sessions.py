@@ -23,6 +23,7 @@ class SessionRules:
     sessions: dict[str, SessionView]
     session_bytes: dict[str, int]
     exports: dict[str, tuple[int, bool, bool]]
+    finished: bool
     _pending_sessions: list[tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]]
 
     def _delta_boundary(
@@ -86,8 +87,11 @@ class SessionRules:
 
     def export_missing(self, owners: set[str], checkpoint_id: int) -> list[str]:
         """The sessions among ``owners`` (``export:<session>``) still open without an export for
-        ``checkpoint_id`` that matches the committed prefix."""
-        missing = []
+        ``checkpoint_id`` that matches the committed prefix (none once the episode finished: a
+        finished episode restores nothing)."""
+        missing: list[str] = []
+        if self.finished:
+            return missing
         for owner in owners:
             if owner.startswith("export:"):
                 sid = owner[7:]

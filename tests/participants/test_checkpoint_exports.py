@@ -137,3 +137,15 @@ async def test_a_change_after_the_export_makes_it_stale(world: World) -> None:
     await resources.record_state("e1", "sb:e1", None)
     done = await world.trainer.wait_for_checkpoint(RUN, pending.checkpoint_id, timeout_s=10)
     assert done.counts == {"continue": 0, "restart": 1, "finished": 0}
+
+
+async def test_an_episode_that_finishes_needs_no_export(world: World) -> None:
+    """A session closed and its episode finished after the markers: the checkpoint reports it
+    finished at once instead of waiting for an export that cannot come."""
+    resources, _, env = await setup(world, ["e1"])
+    pending = await world.trainer.checkpoint(RUN, wait=False, deadline_s=20)
+    assert pending.status == "pending"
+    await resources.end_session("e1", "sb:e1")
+    await EnvironmentEpisode(env, RolloutContext("e1"), step=1).finish(1.0, {"answer": 3})
+    done = await world.trainer.wait_for_checkpoint(RUN, pending.checkpoint_id, timeout_s=5)
+    assert done.counts == {"continue": 0, "restart": 0, "finished": 1}
