@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0006_manifest_reasons"
+# 0005 is res18's (results), on another branch: when both are merged this says "0005_results".
 down_revision: str | None = "0004_quarantine"
 branch_labels: str | None = None
 depends_on: str | None = None
