@@ -302,8 +302,9 @@ class EpisodeFold:
     def _ledger_row(self, data: dict[str, Any], record: bytes, start: int) -> None:
         call_id = data["call_id"]
         token_ids_json = record[start:] if start < len(record) else b"[]"
-        if data.get("staging_key"):
-            self._pending_staging.append(data["staging_key"])
+        staging_key = data.get("staging_key")
+        if staging_key:
+            self._pending_staging.append(staging_key)
         if data.get("constrained"):
             self._tail_constrained.add(call_id)
         self._latest_call = call_id
@@ -358,6 +359,9 @@ class EpisodeFold:
                     # State of a session whose start was not recorded: it fails closed.
                     view = (sid, who["kind"], who["id"], "restart_only", "replay", state)
                     modes_changed = True
+                elif state is current[5]:  # no state kept (sizes only): the view stands
+                    sizes[sid] = size
+                    continue
                 else:
                     view = (sid, current[1], current[2], current[3], current[4], state)
                 sessions[sid] = _new(SessionView, view)
