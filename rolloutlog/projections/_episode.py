@@ -72,9 +72,13 @@ _CONTINUE: CutDecision = ("continue", None, False)
 _WAIT: CutDecision = ("continue", None, True)
 _NOTHING_YET: CutDecision = ("restart", "the attempt has recorded nothing yet", False)
 
-#: One generation chunk in the tail: (start, token count, done, its data, its token ids' raw JSON
-#: when the state keeps payloads).
-_Chunk = tuple[int, int, bool, dict[str, Any], bytes | None]
+#: What a generation cut needs of a chunk's data: (parent call id, request digest, policy version,
+#: staging key) — a tuple rather than the decoded dict, which a live episode's tail would keep
+#: alive (~300 bytes an episode in the projector).
+_CallFacts = tuple[str | None, str, int, str | None]
+#: One generation chunk in the tail: (start, token count, done, its call's facts, its token ids'
+#: raw JSON when the state keeps payloads).
+_Chunk = tuple[int, int, bool, _CallFacts, bytes | None]
 #: A pending session change: (type, data, state's raw JSON when kept, state's size, writer).
 _SessionChange = tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]
 #: What ``snapshot`` does to each field: shares it, copies it shallowly, or copies it deeper.
@@ -272,13 +276,20 @@ class EpisodeFold(SessionRules):
             payload = record[start:] if start else record
             tokens = token_count(payload) if start < len(record) else 0
             kept = payload if self.keep_payloads and start < len(record) else None
-            chunk = (data["start"], tokens, bool(data.get("done")), data, kept)
+            staging_key = data.get("staging_key")
+            facts = (
+                data.get("parent_call_id"),
+                data["request_digest"],
+                data["policy_version"],
+                staging_key,
+            )
+            chunk = (data["start"], tokens, bool(data.get("done")), facts, kept)
             chunks = self._tail_chunks.setdefault(call_id, [])
             chunks.append(chunk)
             self._latest_call = call_id
             self._cut_staging_known = len(chunks) == 1 and call_id not in self._tail_constrained
             if self._cut_staging_known:
-                self._cut_staging = data.get("staging_key")
+                self._cut_staging = staging_key
         elif kind in ("session.started", "session.state", "session.ended"):
             kept = None
             if kind == "session.state" and self.keep_payloads and start < len(record):
@@ -319,8 +330,9 @@ class EpisodeFold(SessionRules):
     def _ledger_row(self, data: dict[str, Any], record: bytes, start: int) -> None:
         call_id = data["call_id"]
         token_ids_json = record[start:] if start < len(record) else b"[]"
-        if data.get("staging_key"):
-            self._pending_staging.append(data["staging_key"])
+        staging_key = data.get("staging_key")
+        if staging_key:
+            self._pending_staging.append(staging_key)
         if data.get("constrained"):
             self._tail_constrained.add(call_id)
         self._latest_call = call_id
@@ -382,6 +394,9 @@ class EpisodeFold(SessionRules):
                     modes_changed = True
                 elif current[3] == "checkpoint":
                     continue  # a change mark: the state is the export's
+                elif state is current[5]:  # no state kept (sizes only): the view stands
+                    sizes[sid] = size
+                    continue
                 else:
                     view = (sid, current[1], current[2], current[3], current[4], state)
                 sessions[sid] = _new(SessionView, view)
@@ -461,15 +476,15 @@ class EpisodeFold(SessionRules):
         for chunk in walked:
             if chunk[4] is not None:
                 tokens.extend(orjson.loads(chunk[4]))
-        data = last[3]
+        parent, request_digest, policy_version, staging_key = last[3]
         return GenerationCut(
             call_id=call,
-            parent_call_id=data.get("parent_call_id"),
-            request_digest=data["request_digest"],
+            parent_call_id=parent,
+            request_digest=request_digest,
             token_ids=tuple(tokens),
             terminal=terminal,
-            policy_version=data["policy_version"],
-            staging_key=data.get("staging_key"),
+            policy_version=policy_version,
+            staging_key=staging_key,
             problem=problem,
         )
 
@@ -484,7 +499,7 @@ class EpisodeFold(SessionRules):
                 key = self._cut_staging
             else:
                 found = self._cut_chunks()
-                key = found[3][3].get("staging_key") if found is not None else None
+                key = found[3][3][3] if found is not None else None
             if not key or key in self.staging_keys:
                 staging = tuple(self.staging_keys)
             else:
@@ -534,7 +549,7 @@ class EpisodeFold(SessionRules):
                 if found is None:
                     self._verdict = (self.lineage.verdict(None, None, None),)
                 else:
-                    parent = found[3][3].get("parent_call_id")
+                    parent = found[3][3][0]
                     self._verdict = (self.lineage.verdict(found[0], found[4], parent),)
         return self._verdict[0]
 
@@ -671,15 +686,9 @@ class EpisodeFold(SessionRules):
             }
         cut = projection.generation_cut
         if cut is not None:
-            data = {
-                "call_id": cut.call_id,
-                "parent_call_id": cut.parent_call_id,
-                "request_digest": cut.request_digest,
-                "policy_version": cut.policy_version,
-                "staging_key": cut.staging_key,
-            }
+            facts = (cut.parent_call_id, cut.request_digest, cut.policy_version, cut.staging_key)
             tokens = orjson.dumps(list(cut.token_ids)) if keep else None
-            self._tail_chunks[cut.call_id] = [(0, len(cut.token_ids), cut.terminal, data, tokens)]
+            self._tail_chunks[cut.call_id] = [(0, len(cut.token_ids), cut.terminal, facts, tokens)]
             self._latest_call = cut.call_id
             self._cut_staging_known = False
         self.size_bytes = self.payload_bytes()
