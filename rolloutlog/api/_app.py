@@ -14,17 +14,9 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from rolloutlog.api import (
-    _append,
-    _checkpoints,
-    _exports,
-    _history,
-    _openapi,
-    _quarantine,
-    _runs,
-    _ui,
-)
+from rolloutlog.api import _append, _checkpoints, _history, _openapi, _quarantine, _runs, _ui
 from rolloutlog.api._auth import Role, public
+from rolloutlog.api._exports import router as exports_router
 from rolloutlog.api._http import dumps, json_response
 from rolloutlog.api._models import Health
 from rolloutlog.api._service import Service
@@ -332,7 +324,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _ops_routes(app)
     # The routers' routes join the app's own table as they are (no prefix, no extra
     # dependencies), so that ``app.routes`` lists every route for ``route_roles``.
-    for module in (_runs, _append, _checkpoints, _exports, _quarantine):
+    app.router.routes.extend(exports_router.routes)  # checkpoint exports' long poll
+    for module in (_runs, _append, _checkpoints, _quarantine):
         app.router.routes.extend(module.router.routes)
     app.router.routes.extend(_history.router.routes)
     _openapi.install_docs(app)
