@@ -17,14 +17,11 @@ from typing import Any
 
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
 from rolloutlog.errors import BackendUnavailable, RolloutlogError
-from rolloutlog.log import Log, capture_key
-from rolloutlog.projections._planner import (
-    not_exported_reason,
-    replay_start,
-    wait_expired_reason,
-)
+from rolloutlog.log import Log
+from rolloutlog.projections._planner import replay_start
 from rolloutlog.projections._projector import CheckpointCapture, Projector
 from rolloutlog.projections._timing import StageTimer, backoff_s
+from rolloutlog.projections._waits import ExportRequests, name_expired_waits
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +55,7 @@ class Checkpointer:
         self.catalog = catalog
         self._projector = projector
         self._spawn = spawn
-        self._exports = _ExportRequests()
+        self._exports = ExportRequests()
 
     async def checkpoint(
         self,
@@ -131,7 +128,7 @@ class Checkpointer:
                     async with asyncio.timeout(deadline):
                         await capture.resolved.wait()
                 except TimeoutError:
-                    _name_expired_waits(projector, capture, deadline)
+                    name_expired_waits(projector, capture, deadline)
                     capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
             projector.check_running()  # a run whose log was lost meanwhile commits nothing
             timer.stage("waits")
@@ -242,93 +239,3 @@ def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[M
         if entry is not None and entry.action == "restart":
             entries[episode] = entry._replace(reason=reason)
     return offsets, list(entries.values())
-
-
-def _name_expired_waits(projector: Projector, capture: CheckpointCapture, deadline: float) -> None:
-    """The reason of each episode whose waits outlived the deadline: which steps, whose; which
-    sessions were not exported."""
-    for episode, (owners, _) in capture.waiting.items():
-        tracker = projector.trackers.get(episode)
-        if tracker is None:
-            continue
-        reasons = []
-        steps = owners & set(tracker.open_waits)
-        if steps:
-            reasons.append(
-                wait_expired_reason(steps, tracker.boundaries, tracker.sessions, deadline)
-            )
-        missing = tracker.export_missing(owners, capture.checkpoint_id)
-        if missing:
-            reasons.append(not_exported_reason(missing, capture.checkpoint_id))
-        if reasons:
-            capture.reasons[episode] = "; ".join(reasons)
-
-
-class _ExportRequests:
-    """Per run, the pending checkpoint that waits for exports of ``checkpoint`` sessions, and the
-    participants' long polls for them (``GET …/checkpoints/pending/exports``)."""
-
-    def __init__(self) -> None:
-        self._pending: dict[str, tuple[Projector, CheckpointCapture, float]] = {}
-        self._changed: dict[str, asyncio.Event] = {}
-
-    def open(self, projector: Projector, capture: CheckpointCapture, deadline_at: float) -> None:
-        self._pending[projector.run] = (projector, capture, deadline_at)
-        self._wake(projector.run)
-
-    def close(self, run: str, capture: CheckpointCapture) -> None:
-        found = self._pending.get(run)
-        if found is not None and found[1] is capture:
-            del self._pending[run]
-            self._wake(run)
-
-    def _wake(self, run: str) -> None:
-        event = self._changed.pop(run, None)
-        if event is not None:
-            event.set()
-
-    def sessions(self, run: str, participant: str) -> dict[str, Any] | None:
-        found = self._pending.get(run)
-        if found is None:
-            return None
-        projector, capture, deadline_at = found
-        sessions = []
-        for episode, (owners, _) in list(capture.waiting.items()):
-            tracker = projector.trackers.get(episode)
-            if tracker is None:
-                continue
-            for sid in tracker.export_missing(owners, capture.checkpoint_id):
-                view = tracker.sessions.get(sid)
-                if view is not None and view.participant == participant:
-                    sessions.append(
-                        {
-                            "episode": episode,
-                            "attempt": tracker.attempt,
-                            "capture_key": capture_key(episode, tracker.attempt),
-                            "session_id": sid,
-                        }
-                    )
-        if not sessions:
-            return None
-        return {
-            "checkpoint_id": capture.checkpoint_id,
-            "deadline_at": deadline_at,
-            "sessions": sessions,
-        }
-
-    async def wait_for(self, run: str, participant: str, wait_s: float) -> dict[str, Any] | None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + wait_s
-        while True:
-            found = self.sessions(run, participant)
-            remaining = until - loop.time()
-            if found is not None or remaining <= 0:
-                return found
-            event = self._changed.setdefault(run, asyncio.Event())
-            try:
-                # Woken by a checkpoint that opens or ends; polled meanwhile, since an export
-                # that arrives changes what is missing without a wake-up.
-                async with asyncio.timeout(min(remaining, 0.5)):
-                    await event.wait()
-            except TimeoutError:
-                pass
