@@ -40,20 +40,19 @@ ExportHook = Callable[[Sequence[SessionKey]], Awaitable[Mapping[SessionKey, Any]
 class Resources(Participant):
     """A resources (tool) server; its checkpoint mode is declared in code.
 
+    Mode ``checkpoint`` (export-on-checkpoint, for state outside the process such as a sandbox):
+    ``record_state`` before each reply writes only a small change mark; the state is exported
+    when a checkpoint asks for it (``serve_exports``: the service names this server's sessions
+    open at the checkpoint's markers, ``export_hook`` snapshots them, each export is appended for
+    that checkpoint), and ``restored_state`` gives the export on the replacement attempt. The
+    checkpoint waits for the exports like an open wait step, until its deadline (then those
+    episodes restart). The batch export hook may leave sessions out of its answer: those are
+    dropped (not exported; under ``checkpoint`` their episodes restart at the deadline).
+
     - ``restart_only`` (default, fails closed): a live session restarts its episode;
     - ``stateless``: nothing to restore;
     - ``exported``: ``record_state`` before each reply (or ``export`` through the batch hook for
-      state outside the process), and ``restored_state`` on the replacement attempt;
-    - ``checkpoint`` (export-on-checkpoint, for state outside the process such as a sandbox):
-      ``record_state`` before each reply writes only a small change mark; the state is exported
-      when a checkpoint asks for it (``serve_exports``: the service names this server's live
-      sessions at the checkpoint's markers, ``export_hook`` snapshots them, each export is
-      appended for that checkpoint), and ``restored_state`` gives the export on the replacement
-      attempt. The checkpoint waits for the exports like an open wait step, until its deadline
-      (then those episodes restart).
-
-    The batch export hook may leave sessions out of its answer: those are dropped (not
-    exported; under ``checkpoint`` their episodes restart at the checkpoint's deadline).
+      state outside the process), and ``restored_state`` on the replacement attempt.
     """
 
     kind = "resources"

@@ -160,10 +160,6 @@ async def run_demo(
     return result
 
 
-def _restored(stats: dict[str, Any], server: str) -> int:
-    return sum(v is not None for v in stats.get(server, {}).get("restored", {}).values())
-
-
 def _print_report(out: TextIO, result: DemoResult) -> None:
     report, timings = result.report, result.timings
     checkpoint = report.checkpoints[0]
@@ -171,6 +167,7 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
     calls = result.stats.get("policy", {}).get("calls", [])
     cuts = [c for c in calls if c["continued"] or c["terminal_cut"]]
     restored = result.stats.get("counter", {}).get("restored", {})
+    sandbox = result.stats.get("sandbox", {}).get("restored", {})
     resumed = [r for r in result.stats.get("environment", {}).get("runs", []) if r["resumed_stage"]]
     lines = [
         "",
@@ -181,9 +178,9 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
         f"  resumed at             {_stages(resumed)}",
         f"  generation cuts        {len(cuts)} calls continued, "
         f"{sum(c['continued'] for c in cuts)} tokens not generated again",
-        f"  counter states         {sum(v is not None for v in restored.values())} restored",
-        f"  sandbox sessions       {_restored(result.stats, 'sandbox')} restored "
+        f"  sandbox sessions       {sum(v is not None for v in sandbox.values())} restored "
         "(exported when the checkpoint asked)",
+        f"  counter states         {sum(v is not None for v in restored.values())} restored",
         f"  rewards right          {report.right}/{report.rollouts}",
         f"  lost                   {len(report.lost)}",
         f"  failed                 {len(report.failed)}",
