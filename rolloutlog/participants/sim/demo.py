@@ -164,10 +164,10 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
     report, timings = result.report, result.timings
     checkpoint = report.checkpoints[0]
     restore = report.restores[0].restore
+    sandbox = result.stats.get("sandbox", {}).get("restored", {})
     calls = result.stats.get("policy", {}).get("calls", [])
     cuts = [c for c in calls if c["continued"] or c["terminal_cut"]]
     restored = result.stats.get("counter", {}).get("restored", {})
-    sandbox = result.stats.get("sandbox", {}).get("restored", {})
     resumed = [r for r in result.stats.get("environment", {}).get("runs", []) if r["resumed_stage"]]
     lines = [
         "",
