@@ -608,6 +608,16 @@ def main() -> None:
     parser.add_argument("--backends", default="embedded,kafka")
     parser.add_argument("--parts", default="main,curves")
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 runs (smoke test)")
+    parser.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="rolloutlog's figures only (a before/after comparison of two commits needs no more)",
+    )
+    parser.add_argument("--workloads", default="S1,S2,S3", help="of the main part")
+    parser.add_argument(
+        "--save-as",
+        help="results/NAME.json instead of suite.json (a partial run must not replace it)",
+    )
     parser.add_argument("--saturate", nargs=4, metavar=("URL", "RUN", "SECONDS", "WRITERS"))
     parser.add_argument("--saturate-log")
     parser.add_argument(
@@ -637,6 +647,7 @@ def main() -> None:
         if quick
         else {"S1": s1(), "S2": s2(), "S3": s3()}
     )
+    sizes = {key: workload for key, workload in sizes.items() if key in args.workloads.split(",")}
     results: dict[str, Any] = {
         "quick": quick,
         "runs": runs,
@@ -688,7 +699,7 @@ def main() -> None:
                             else ""
                         )
                     )
-                    if name == backends[0]:
+                    if name == backends[0] and not args.no_baselines:
                         log(f"  baselines on {key}")
                         results["baselines"][key] = measure_baselines(
                             workload, episodes, runs, runs, eventsourcing=key in ("S1", "S2")
@@ -751,7 +762,7 @@ def main() -> None:
     results["ratios"] = ratios(results)
     results["elapsed_s"] = time.perf_counter() - started
     results["load_average_after"] = os.getloadavg()
-    path = save("suite" + ("_quick" if quick else ""), results)
+    path = save(args.save_as or "suite" + ("_quick" if quick else ""), results)
     log(f"saved {path} ({results['elapsed_s']:.0f} s)")
 
 

@@ -27,6 +27,7 @@ from rolloutlog.api import (
     _ui,
 )
 from rolloutlog.api._auth import Role, public
+from rolloutlog.api._exports import router as exports_router
 from rolloutlog.api._http import dumps, json_response
 from rolloutlog.api._metrics import CONTENT_TYPE_LATEST
 from rolloutlog.api._models import Health
@@ -342,6 +343,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _ops_routes(app)
     # The routers' routes join the app's own table as they are (no prefix, no extra
     # dependencies), so that ``app.routes`` lists every route for ``route_roles``.
+    app.router.routes.extend(exports_router.routes)  # checkpoint exports' long poll
     for module in (_runs, _append, _checkpoints, _quarantine):
         app.router.routes.extend(module.router.routes)
     app.router.routes.extend(_history.router.routes)

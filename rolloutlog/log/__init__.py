@@ -7,6 +7,7 @@ from rolloutlog.log._codec import (
     validate_event,
     validate_events,
 )
+from rolloutlog.log._deltas import DELTA_KEY, compose_state, is_delta, state_delta
 from rolloutlog.log._digests import ledger_digest, task_digest, token_count
 from rolloutlog.log._events import (
     OPAQUE_FIELD,
@@ -77,6 +78,7 @@ from rolloutlog.log._record import (
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
+    "DELTA_KEY",
     "DEFAULT_PARTITIONS",
     "MAX_PARTITIONS",
     "NAME_PATTERN",
@@ -117,12 +119,14 @@ __all__ = [
     "capture_key",
     "check_record_size",
     "check_run_name",
+    "compose_state",
     "decode_event",
     "decode_record",
     "encode_event",
     "encode_record",
     "encode_record_dict",
     "episode_id_problem",
+    "is_delta",
     "ledger_digest",
     "marker_record",
     "name_problem",
@@ -138,6 +142,7 @@ __all__ = [
     "record_restore_id",
     "run_name_problem",
     "split_record",
+    "state_delta",
     "task_digest",
     "token_count",
     "validate_event",

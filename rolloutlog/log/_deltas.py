@@ -2,7 +2,7 @@
 
 A ``step.boundary`` whose state is the JSON object ``{"$delta": {"set": {...}, "append": {...},
 "unset": [...]}}`` (encoded by orjson, so its bytes begin with ``DELTA_PREFIX``) does not replace
-its owner's state: the fold composes it onto the owner's previous state (``compose``) — keys set,
+its owner's state: the fold composes it onto the owner's previous state (``compose_state``) — keys set,
 lists extended, keys removed — so an agent's log grows with the new messages of each turn instead
 of the whole history (docs/design.md, "Agent deltas"). Any other state replaces the previous one.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["DELTA_KEY", "DELTA_PREFIX", "compose", "delta_of", "is_delta"]
+__all__ = ["DELTA_KEY", "DELTA_PREFIX", "compose_state", "state_delta", "is_delta"]
 
 DELTA_KEY = "$delta"
 DELTA_PREFIX = b'{"$delta":'
@@ -25,7 +25,7 @@ def is_delta(record: bytes, start: int = 0) -> bool:
     return record.startswith(DELTA_PREFIX, start)
 
 
-def delta_of(previous: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
+def state_delta(previous: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
     """What changed from ``previous`` to ``state`` (both JSON objects): the keys set, the lists
     that only grew (their new items), the keys gone; ``{}`` when nothing changed. Items a list
     already had are compared, never re-sent: they must not change in place."""
@@ -57,7 +57,7 @@ def delta_of(previous: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str,
     return delta
 
 
-def compose(base: bytes | None, deltas: Iterable[bytes]) -> bytes:
+def compose_state(base: bytes | None, deltas: Iterable[bytes]) -> bytes:
     """The state that ``deltas`` (delta payloads, in log order) make of ``base`` (an owner's
     last whole state; None for an empty object)."""
     state = orjson.loads(base) if base is not None else {}

@@ -15,7 +15,8 @@ ParticipantKind: TypeAlias = Literal["environment", "policy", "agent", "resource
 #: Who may write an event: the four participant kinds, and the service itself (markers, attempts).
 WriterKind: TypeAlias = Literal["environment", "policy", "agent", "resources", "service"]
 StepMode: TypeAlias = Literal["replay", "wait"]
-SessionMode: TypeAlias = Literal["restart_only", "stateless", "exported"]
+#: ``checkpoint``: the session's state is exported when a checkpoint asks (export-on-checkpoint).
+SessionMode: TypeAlias = Literal["restart_only", "stateless", "exported", "checkpoint"]
 #: The participant id the service writes its own events (markers, attempt starts) under.
 SERVICE_PARTICIPANT_ID = "rolloutlog"
 
@@ -116,6 +117,8 @@ class SessionStartedData(_Frozen):
 class SessionStateData(_Frozen):
     session_id: Name
     state: Opaque
+    #: Set on an export-on-checkpoint session's export for that checkpoint (None otherwise).
+    checkpoint_id: NonNegative | None = None
 
 
 class SessionEndedData(_Frozen):

@@ -56,7 +56,7 @@ encode_record_fast = encode_record_dict
 
 _name = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}").fullmatch
 _STEP_MODES = frozenset(("replay", "wait"))
-_SESSION_MODES = frozenset(("restart_only", "stateless", "exported"))
+_SESSION_MODES = frozenset(("restart_only", "stateless", "exported", "checkpoint"))
 _INTS = {int}
 #: Episode ids seen valid (an episode records many events); bounded, cleared when full.
 _episodes: set[str] = set()
@@ -158,8 +158,12 @@ def _session_started(data: dict[str, Any]) -> bool:
 
 
 def _session_state(data: dict[str, Any]) -> bool:
+    checkpoint_id = data["checkpoint_id"]
     return (
-        len(data) == 2 and _name(data["session_id"]) is not None and type(data["state"]) is Opaque
+        len(data) == 3
+        and _name(data["session_id"]) is not None
+        and type(data["state"]) is Opaque
+        and (checkpoint_id is None or _count(checkpoint_id))
     )
 
 

@@ -83,6 +83,24 @@ class Restores:
         except httpx.TransportError as e:
             raise BackendUnavailable(f"the service did not answer: {e!r}") from e
 
+    async def pending_exports(
+        self, run: str, participant: str, *, wait_s: float = 20.0
+    ) -> dict[str, Any] | None:
+        """The pending checkpoint's sessions that wait for an export by ``participant``
+        (``GET /v1/runs/{run}/checkpoints/pending/exports``, a long poll of up to ``wait_s``):
+        ``{"checkpoint_id", "deadline_at", "sessions": [{"episode", "attempt", "capture_key",
+        "session_id"}]}``, or None when no checkpoint waited for one in that time."""
+        response = await self._rest.request(
+            "GET",
+            f"/v1/runs/{run}/checkpoints/pending/exports",
+            params={"participant": participant, "wait_s": wait_s},
+            timeout=wait_s + 10.0,
+        )
+        if response.status_code == 204:
+            return None
+        result: dict[str, Any] = orjson.loads(response.content)
+        return result
+
     async def fetch(self, run: str, episode: str, restore: int | str = "latest") -> dict[str, Any]:
         """One episode's projection as the restore continues it (``UnknownEpisode`` when the
         restore restarted or excluded it: ``details`` say which)."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import orjson
 
-from rolloutlog.log import Opaque, Position
-from rolloutlog.log._deltas import DELTA_KEY, delta_of
+from rolloutlog.errors import RolloutlogError
+from rolloutlog.log import DELTA_KEY, Opaque, Position, state_delta
 from rolloutlog.participants._environment import VERIFY_HEADER
 from rolloutlog.participants._participant import (
     Participant,
@@ -17,22 +18,36 @@ from rolloutlog.participants._participant import (
     check_name,
     opaque,
 )
+from rolloutlog.participants._restore import Restores
 from rolloutlog.participants._transport import Transport
 
 __all__ = ["Agent", "AgentSession", "ExportHook", "Resources", "SessionKey"]
 
-SessionMode = Literal["restart_only", "stateless", "exported"]
+SessionMode = Literal["restart_only", "stateless", "exported", "checkpoint"]
 StepMode = Literal["replay", "wait"]
 #: The reply header saying a session cannot be captured (it restarts with its episode).
 RESTART_HEADER = "x-ng-checkpoint-restart"
 #: (capture key, session id)
 SessionKey = tuple[str, str]
-#: Exports the states of many sessions at once (sandboxes may snapshot concurrently).
+#: A ``checkpoint`` session's change mark (its state is exported at checkpoints instead).
+_CHANGED = Opaque(b"{}")
+_DROPPED = object()
+#: Exports the states of many sessions at once (sandboxes may snapshot concurrently); a session
+#: left out of the answer is dropped.
 ExportHook = Callable[[Sequence[SessionKey]], Awaitable[Mapping[SessionKey, Any]]]
 
 
 class Resources(Participant):
     """A resources (tool) server; its checkpoint mode is declared in code.
+
+    Mode ``checkpoint`` (export-on-checkpoint, for state outside the process such as a sandbox):
+    ``record_state`` before each reply writes only a small change mark; the state is exported
+    when a checkpoint asks for it (``serve_exports``: the service names this server's sessions
+    open at the checkpoint's markers, ``export_hook`` snapshots them, each export is appended for
+    that checkpoint), and ``restored_state`` gives the export on the replacement attempt. The
+    checkpoint waits for the exports like an open wait step, until its deadline (then those
+    episodes restart). The batch export hook may leave sessions out of its answer: those are
+    dropped (not exported; under ``checkpoint`` their episodes restart at the deadline).
 
     - ``restart_only`` (default, fails closed): a live session restarts its episode;
     - ``stateless``: nothing to restore;
@@ -56,13 +71,27 @@ class Resources(Participant):
         export_hook: ExportHook | None = None,
     ) -> None:
         super().__init__(transport, run, participant_id)
-        if mode not in ("restart_only", "stateless", "exported"):
+        if mode not in ("restart_only", "stateless", "exported", "checkpoint"):
             raise ValueError(f"unknown resources mode {mode!r}")
         if verify not in ("replay", "wait"):
             raise ValueError(f"unknown verify mode {verify!r}")
         self.mode: SessionMode = mode
         self.verify: StepMode = verify
         self.export_hook = export_hook
+        #: Sessions exported for checkpoints by ``serve_exports``.
+        self.exports = 0
+        self._locks: dict[SessionKey, asyncio.Lock] = {}
+
+    def session_lock(self, key: str | RolloutContext, session_id: str) -> asyncio.Lock:
+        """The lock ``export`` holds while it snapshots a session and appends the export. Under
+        ``checkpoint``, hold it around each change of the session's outside state and its
+        ``record_state``: the change mark and the export then land in the log in the order of the
+        changes, so an export never misses a change whose mark precedes it."""
+        name = (RolloutContext.of(key).capture_key, session_id)
+        lock = self._locks.get(name)
+        if lock is None:
+            lock = self._locks[name] = asyncio.Lock()
+        return lock
 
     @property
     def headers(self) -> dict[str, str]:
@@ -87,28 +116,74 @@ class Resources(Participant):
     async def record_state(
         self, key: str | RolloutContext, session_id: str, state: Any
     ) -> Position | None:
-        """``session.state`` before a reply leaves (only ``exported`` servers keep state; the
-        others return None without writing)."""
-        if self.mode != "exported":
+        """``session.state`` before a reply leaves: the state on ``exported`` servers, a change
+        mark without it on ``checkpoint`` servers (the state is exported at checkpoints); the
+        others return None without writing."""
+        if self.mode == "checkpoint":
+            state = _CHANGED
+        elif self.mode != "exported":
             return None
-        data = {"session_id": session_id, "state": opaque(state)}
+        data = {"session_id": session_id, "state": opaque(state), "checkpoint_id": None}
         return await self.emit("session.state", RolloutContext.of(key), data)
 
     async def end_session(self, key: str | RolloutContext, session_id: str) -> Position:
         """``session.ended`` (on ``/close_session``)."""
+        self._locks.pop((RolloutContext.of(key).capture_key, session_id), None)
         return await self.emit("session.ended", RolloutContext.of(key), {"session_id": session_id})
 
-    async def export(self, sessions: Sequence[SessionKey]) -> list[Position | None]:
+    async def export(
+        self, sessions: Sequence[SessionKey], *, checkpoint_id: int | None = None
+    ) -> list[Position | None]:
         """Export many sessions' outside state through ``export_hook`` (one call) and record
-        each as ``session.state``, concurrently (one coalesced request)."""
+        each as ``session.state`` (for ``checkpoint_id``, when a checkpoint asked), concurrently
+        (one coalesced request). A session the hook leaves out is dropped: None, nothing written."""
         if self.export_hook is None:
             raise RuntimeError("this resources server has no export hook")
-        states = await self.export_hook(sessions)
-        return list(
-            await asyncio.gather(
-                *(self.record_state(key, sid, states[(key, sid)]) for key, sid in sessions)
-            )
-        )
+        if checkpoint_id is None and self.mode != "exported":
+            return [None] * len(sessions)
+        async with contextlib.AsyncExitStack() as held:
+            for key, sid in sorted(set(sessions)):  # one order: no deadlock between exports
+                await held.enter_async_context(self.session_lock(key, sid))
+            states = await self.export_hook(sessions)
+
+            async def one(key: str, sid: str) -> Position | None:
+                state = states.get((key, sid), _DROPPED)
+                if state is _DROPPED:
+                    return None
+                data = {"session_id": sid, "state": opaque(state), "checkpoint_id": checkpoint_id}
+                return await self.emit("session.state", RolloutContext.of(key), data)
+
+            return list(await asyncio.gather(*(one(key, sid) for key, sid in sessions)))
+
+    async def serve_exports(self, restores: Restores, *, poll_s: float = 20.0) -> None:
+        """Export this server's sessions whenever a checkpoint asks, until cancelled (run it as a
+        task beside the server). Each reply of ``Restores.pending_exports`` (a long poll) names
+        a pending checkpoint and the sessions it waits for; each is exported once. Failures to
+        reach the service are retried after a pause (the checkpoint's deadline bounds the wait)."""
+        done: set[tuple[int, str, str]] = set()
+        while True:
+            try:
+                pending = await restores.pending_exports(self.run, self.id, wait_s=poll_s)
+            except RolloutlogError as e:
+                if not e.retriable:
+                    raise
+                await asyncio.sleep(1.0)
+                continue
+            if pending is None:
+                continue
+            checkpoint_id = int(pending["checkpoint_id"])
+            done = {d for d in done if d[0] >= checkpoint_id}  # older checkpoints ended
+            fresh = [
+                (str(s["capture_key"]), str(s["session_id"]))
+                for s in pending["sessions"]
+                if (checkpoint_id, s["capture_key"], s["session_id"]) not in done
+            ]
+            if not fresh:  # exported already, not yet applied by the service: ask again soon
+                await asyncio.sleep(0.1)
+                continue
+            await self.export(fresh, checkpoint_id=checkpoint_id)
+            done.update((checkpoint_id, key, sid) for key, sid in fresh)
+            self.exports += len(fresh)
 
     def restored_state(self, projection: Mapping[str, Any], session_id: str) -> Any:
         """The state a replacement attempt restores for ``session_id`` (None when none)."""
@@ -152,7 +227,7 @@ class AgentSession:
         """The state to write (whole, or a delta), or None when nothing changed."""
         previous = self._state
         if self.agent.deltas and previous is not None and isinstance(state, Mapping):
-            delta = delta_of(previous, state)
+            delta = state_delta(previous, state)
             return Opaque(orjson.dumps({DELTA_KEY: delta})) if delta else None
         payload = opaque(state)
         return None if payload.raw == self._last else payload

@@ -22,6 +22,7 @@ from rolloutlog.projections._feeders import flush_episodes
 from rolloutlog.projections._planner import replay_start, wait_expired_reason
 from rolloutlog.projections._projector import CheckpointCapture, Projector
 from rolloutlog.projections._timing import StageTimer, backoff_s
+from rolloutlog.projections._waits import ExportRequests, name_expired_waits
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Checkpointer:
         self.catalog = catalog
         self._projector = projector
         self._spawn = spawn
+        self._exports = ExportRequests()
 
     async def checkpoint(
         self,
@@ -97,6 +99,9 @@ class Checkpointer:
         except BaseException:
             await self._abort(projector, controller_epoch, capture, "marking failed")
             raise
+        if capture.waiting:
+            deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
+            self._exports.open(projector, capture, marked_at + deadline)
         if capture.waiting and not wait:
             self._spawn(
                 self._finish(projector, controller_epoch, capture, timer, deadline_s, marked_at)
@@ -124,7 +129,7 @@ class Checkpointer:
                     async with asyncio.timeout(deadline):
                         await capture.resolved.wait()
                 except TimeoutError:
-                    _name_expired_waits(projector, capture, deadline)
+                    name_expired_waits(projector, capture, deadline)
                     capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
             projector.check_running()  # a run whose log was lost meanwhile commits nothing
             timer.stage("waits")
@@ -148,11 +153,20 @@ class Checkpointer:
             )
             timer.stage("commit")
         except BaseException:
+            self._exports.close(run, capture)
             await self._abort(projector, controller_epoch, capture, "commit failed")
             raise
+        self._exports.close(run, capture)
         projector.end_capture(capture, committed=True)
         self._spawn(self._trim(run))
         return CheckpointResult(committed, staging, timer.total())
+
+    async def pending_exports(
+        self, run: str, participant: str, wait_s: float
+    ) -> dict[str, Any] | None:
+        """The pending checkpoint's ``checkpoint`` sessions of ``participant`` still waiting for
+        their export, once there are any (a long poll of up to ``wait_s``), or None."""
+        return await self._exports.wait_for(run, participant, wait_s)
 
     async def _abort(
         self,
@@ -229,14 +243,3 @@ def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[M
         if entry is not None and entry.action == "restart":
             entries[episode] = entry._replace(reason=reason)
     return offsets, list(entries.values())
-
-
-def _name_expired_waits(projector: Projector, capture: CheckpointCapture, deadline: float) -> None:
-    """The reason of each episode whose wait steps outlived the deadline: which steps, whose."""
-    for episode, (owners, _) in capture.waiting.items():
-        tracker = projector.trackers.get(episode)
-        if tracker is not None:
-            still_open = owners & set(tracker.open_waits) or owners
-            capture.reasons[episode] = wait_expired_reason(
-                still_open, tracker.boundaries, tracker.sessions, deadline
-            )

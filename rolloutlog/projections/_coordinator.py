@@ -159,6 +159,13 @@ class Coordinator:
 
     # -- checkpoints and restores ----------------------------------------------------------
 
+    async def pending_exports(
+        self, run: str, participant: str, wait_s: float
+    ) -> dict[str, Any] | None:
+        """Export requests of the run's pending checkpoint for one participant (long poll)."""
+        await self.projector(run)  # unknown_run for a run that does not exist
+        return await self._checkpointer.pending_exports(run, participant, wait_s)
+
     async def checkpoint(
         self,
         run: str,

@@ -11,8 +11,8 @@ from typing import Any
 
 import orjson
 
-from rolloutlog.log import Opaque, token_count
-from rolloutlog.log._deltas import compose, is_delta
+from rolloutlog.log import Opaque, is_delta, token_count
+from rolloutlog.projections._episode_sessions import SessionRules
 from rolloutlog.projections._model import (
     BoundaryView,
     EpisodeProjection,
@@ -72,16 +72,20 @@ _CONTINUE: CutDecision = ("continue", None, False)
 _WAIT: CutDecision = ("continue", None, True)
 _NOTHING_YET: CutDecision = ("restart", "the attempt has recorded nothing yet", False)
 
-#: One generation chunk in the tail: (start, token count, done, its data, its token ids' raw JSON
-#: when the state keeps payloads).
-_Chunk = tuple[int, int, bool, dict[str, Any], bytes | None]
+#: What a generation cut needs of a chunk's data: (parent call id, request digest, policy version,
+#: staging key) — a tuple rather than the decoded dict, which a live episode's tail would keep
+#: alive (~300 bytes an episode in the projector).
+_CallFacts = tuple[str | None, str, int, str | None]
+#: One generation chunk in the tail: (start, token count, done, its call's facts, its token ids'
+#: raw JSON when the state keeps payloads).
+_Chunk = tuple[int, int, bool, _CallFacts, bytes | None]
 #: A pending session change: (type, data, state's raw JSON when kept, state's size, writer).
 _SessionChange = tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]
 #: What ``snapshot`` does to each field: shares it, copies it shallowly, or copies it deeper.
 _SHARE, _SHALLOW, _DEEP = 0, 1, 2
 
 
-class EpisodeFold:
+class EpisodeFold(SessionRules):
     """One episode's state machine: every rule of the fold, applied one record at a time.
 
     It runs in two modes, chosen by ``keep_payloads`` — what it keeps, never which rules apply:
@@ -119,6 +123,7 @@ class EpisodeFold:
         "episode",
         "events",
         "exact",
+        "exports",
         "filters",
         "finished",
         "finished_offset",
@@ -165,6 +170,8 @@ class EpisodeFold:
         #: The stage of the environment's latest boundary.
         self.last_stage: str | None = None
         self.sessions: dict[str, SessionView] = {}
+        #: Exports of ``checkpoint`` sessions (see ``SessionRules._export``).
+        self.exports: dict[str, tuple[int, bool, bool]] = {}
         #: A ``restart_only`` session is open in the committed prefix.
         self.restart_only_open = False
         #: Committed ledger rows (kept with payloads only; ``lineage`` judges them otherwise).
@@ -269,17 +276,29 @@ class EpisodeFold:
             payload = record[start:] if start else record
             tokens = token_count(payload) if start < len(record) else 0
             kept = payload if self.keep_payloads and start < len(record) else None
-            chunk = (data["start"], tokens, bool(data.get("done")), data, kept)
+            staging_key = data.get("staging_key")
+            facts = (
+                data.get("parent_call_id"),
+                data["request_digest"],
+                data["policy_version"],
+                staging_key,
+            )
+            chunk = (data["start"], tokens, bool(data.get("done")), facts, kept)
             chunks = self._tail_chunks.setdefault(call_id, [])
             chunks.append(chunk)
             self._latest_call = call_id
             self._cut_staging_known = len(chunks) == 1 and call_id not in self._tail_constrained
             if self._cut_staging_known:
-                self._cut_staging = data.get("staging_key")
+                self._cut_staging = staging_key
         elif kind in ("session.started", "session.state", "session.ended"):
             kept = None
             if kind == "session.state" and self.keep_payloads and start < len(record):
                 kept = record[start:] if start else record
+            if kind == "session.state" and data.get("checkpoint_id") is not None:
+                self._export(data, kept, len(record) - start)
+                return
+            if self.exports and data["session_id"] in self.exports:
+                self._export_changed(data["session_id"])
             change = (kind, data, kept, len(record) - start, meta["participant"])
             self._pending_sessions.append(change)
         elif kind == "episode.started":
@@ -291,35 +310,6 @@ class EpisodeFold:
             self.reward = data.get("reward")
             if self.keep_payloads and start < len(record):
                 self.result = Opaque(record[start:] if start else record)
-
-    def _delta_boundary(
-        self,
-        owner: str,
-        data: dict[str, Any],
-        meta: dict[str, Any],
-        offset: int,
-        delta: Opaque | None,
-        size: int,
-    ) -> None:
-        """A boundary whose state is a delta (``rolloutlog.log._deltas``): the owner's view keeps
-        its last whole state and the deltas since wait beside it, composed when a projection is
-        built (a restore or a read), never on the projector's path."""
-        previous = self.boundaries.get(owner)
-        base = previous.state if previous is not None else None
-        view = (data["stage"], data.get("next"), base, meta.get("step"), offset)
-        self.boundaries[owner] = _new(BoundaryView, view)
-        self.boundary_bytes[owner] = self.boundary_bytes.get(owner, 0) + size
-        if delta is not None:
-            self.boundary_deltas[owner] = (*self.boundary_deltas.get(owner, ()), delta.raw)
-
-    def _composed_boundaries(self) -> dict[str, BoundaryView]:
-        """The boundaries with each owner's deltas composed onto its last whole state."""
-        boundaries = dict(self.boundaries)
-        for owner, deltas in self.boundary_deltas.items():
-            view = boundaries[owner]
-            base = view.state.raw if view.state is not None else None
-            boundaries[owner] = view._replace(state=Opaque(compose(base, deltas)))
-        return boundaries
 
     def _task(self, data: dict[str, Any], record: bytes, start: int) -> None:
         has_task = start < len(record)
@@ -340,8 +330,9 @@ class EpisodeFold:
     def _ledger_row(self, data: dict[str, Any], record: bytes, start: int) -> None:
         call_id = data["call_id"]
         token_ids_json = record[start:] if start < len(record) else b"[]"
-        if data.get("staging_key"):
-            self._pending_staging.append(data["staging_key"])
+        staging_key = data.get("staging_key")
+        if staging_key:
+            self._pending_staging.append(staging_key)
         if data.get("constrained"):
             self._tail_constrained.add(call_id)
         self._latest_call = call_id
@@ -366,6 +357,11 @@ class EpisodeFold:
         """A boundary (or ``episode.started``): everything pending joins the committed prefix."""
         if self._pending_sessions:
             self._commit_sessions()
+        if self.exports:  # the change marks an export waited for are committed now
+            self.exports = {
+                sid: (c, False, changed) if waits and not changed else (c, waits, changed)
+                for sid, (c, waits, changed) in self.exports.items()
+            }
         for key in self._pending_staging:
             if key not in self.staging_keys:
                 self.staging_keys.append(key)
@@ -396,6 +392,11 @@ class EpisodeFold:
                     # State of a session whose start was not recorded: it fails closed.
                     view = (sid, who["kind"], who["id"], "restart_only", "wait", state)
                     modes_changed = True
+                elif current[3] == "checkpoint":
+                    continue  # a change mark: the state is the export's
+                elif state is current[5]:  # no state kept (sizes only): the view stands
+                    sizes[sid] = size
+                    continue
                 else:
                     view = (sid, current[1], current[2], current[3], current[4], state)
                 sessions[sid] = _new(SessionView, view)
@@ -475,15 +476,15 @@ class EpisodeFold:
         for chunk in walked:
             if chunk[4] is not None:
                 tokens.extend(orjson.loads(chunk[4]))
-        data = last[3]
+        parent, request_digest, policy_version, staging_key = last[3]
         return GenerationCut(
             call_id=call,
-            parent_call_id=data.get("parent_call_id"),
-            request_digest=data["request_digest"],
+            parent_call_id=parent,
+            request_digest=request_digest,
             token_ids=tuple(tokens),
             terminal=terminal,
-            policy_version=data["policy_version"],
-            staging_key=data.get("staging_key"),
+            policy_version=policy_version,
+            staging_key=staging_key,
             problem=problem,
         )
 
@@ -498,7 +499,7 @@ class EpisodeFold:
                 key = self._cut_staging
             else:
                 found = self._cut_chunks()
-                key = found[3][3].get("staging_key") if found is not None else None
+                key = found[3][3][3] if found is not None else None
             if not key or key in self.staging_keys:
                 staging = tuple(self.staging_keys)
             else:
@@ -519,7 +520,7 @@ class EpisodeFold:
             return None
         if self.finished:
             return _FINISHED
-        if waits and self.open_waits:
+        if waits and (self.open_waits or self.export_owners()):
             return _WAIT
         if self.restart_only_open:  # named: which sessions of whom (rare: built when it happens)
             return ("restart", restart_only_reason(self.sessions), False)
@@ -548,7 +549,7 @@ class EpisodeFold:
                 if found is None:
                     self._verdict = (self.lineage.verdict(None, None, None),)
                 else:
-                    parent = found[3][3].get("parent_call_id")
+                    parent = found[3][3][0]
                     self._verdict = (self.lineage.verdict(found[0], found[4], parent),)
         return self._verdict[0]
 
@@ -685,15 +686,9 @@ class EpisodeFold:
             }
         cut = projection.generation_cut
         if cut is not None:
-            data = {
-                "call_id": cut.call_id,
-                "parent_call_id": cut.parent_call_id,
-                "request_digest": cut.request_digest,
-                "policy_version": cut.policy_version,
-                "staging_key": cut.staging_key,
-            }
+            facts = (cut.parent_call_id, cut.request_digest, cut.policy_version, cut.staging_key)
             tokens = orjson.dumps(list(cut.token_ids)) if keep else None
-            self._tail_chunks[cut.call_id] = [(0, len(cut.token_ids), cut.terminal, data, tokens)]
+            self._tail_chunks[cut.call_id] = [(0, len(cut.token_ids), cut.terminal, facts, tokens)]
             self._latest_call = cut.call_id
             self._cut_staging_known = False
         self.size_bytes = self.payload_bytes()
@@ -712,6 +707,7 @@ _SHALLOW_FIELDS = frozenset(
     (
         "boundaries",
         "boundary_deltas",
+        "exports",
         "sessions",
         "ledger",
         "staging_keys",

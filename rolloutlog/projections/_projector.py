@@ -573,7 +573,10 @@ class Projector:
             if first is not None and first < needed:
                 needed = first
             if waits:
-                capture.waiting[episode] = (set(tracker.open_waits), offset)
+                capture.waiting[episode] = (
+                    set(tracker.open_waits) | tracker.export_owners(),
+                    offset,
+                )
             elif reason is not None:
                 capture.reasons[episode] = reason
             else:
@@ -596,7 +599,9 @@ class Projector:
 
     def _check_wait(self, capture: CheckpointCapture, tracker: EpisodeTracker, offset: int) -> None:
         owners, _ = capture.waiting[tracker.episode]
-        if owners & set(tracker.open_waits):
+        if owners & set(tracker.open_waits) or tracker.export_missing(
+            owners, capture.checkpoint_id
+        ):
             return
         del capture.waiting[tracker.episode]
         # The awaited boundaries came: the capture rule again, the cut just past this record.

@@ -32,6 +32,7 @@ EXPECTED = {
     ("GET", "/v1/runs/{run}/checkpoints/latest"): Role.ANALYST,
     ("GET", "/v1/runs/{run}/checkpoints/{checkpoint_id}"): Role.ANALYST,
     ("GET", "/v1/runs/{run}/checkpoints/{checkpoint_id}/manifest"): Role.ANALYST,
+    ("GET", "/v1/runs/{run}/checkpoints/pending/exports"): Role.PARTICIPANT,
     ("POST", "/v1/runs/{run}/restores"): Role.TRAINER,
     ("GET", "/v1/runs/{run}/restores"): Role.ANALYST,
     ("GET", "/v1/runs/{run}/restores/{restore_id}"): Role.ANALYST,

@@ -12,6 +12,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -988,7 +989,11 @@ async def test_a_manifest_survives_the_migration_to_packed_rows_and_back(
 
 async def test_restart_reasons_are_kept_in_the_manifest_and_its_view(catalog_url: str) -> None:
     """Revision 0006: a restart entry's reason is stored, read back and shown by the view; a
-    downgrade to 0005 drops it and an upgrade reads the old entries with no reason."""
+    downgrade to the revision before drops it and an upgrade reads the old entries with no
+    reason."""
+    script = ScriptDirectory.from_config(alembic_config())
+    before_reasons = script.get_revision("0006_manifest_reasons").down_revision
+    assert isinstance(before_reasons, str)
     reason = "verify step of resources server res-0 still open at the 30 s deadline"
     entries = [
         ManifestEntry("r1", 0, "restart", 0, 5, "verify", (), 10, reason),
@@ -1005,11 +1010,11 @@ async def test_restart_reasons_are_kept_in_the_manifest_and_its_view(catalog_url
             rows = (await conn.execute(text(sql), {"run": RUN})).all()
         assert [tuple(row) for row in rows] == [("r1", reason), ("r2", None)]
         async with engine.begin() as conn:
-            await conn.run_sync(_downgrade_to, "0005_results")
+            await conn.run_sync(_downgrade_to, before_reasons)
     finally:
         await engine.dispose()
     async with open_catalog(catalog_url) as catalog:
-        assert catalog.migrated_from == "0005_results"
+        assert catalog.migrated_from == before_reasons
         loaded = await catalog.load_manifest(RUN, checkpoint_id)
         assert loaded == [entries[0]._replace(reason=None), entries[1]]
 

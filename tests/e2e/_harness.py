@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -91,7 +91,10 @@ class Service:
             args += ["--catalog", d.catalog_url]
         return args
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    #: What ``start`` waits for: ``/readyz`` (ready), or ``/healthz`` (serving, maybe unready).
+    wait_for = "/readyz"
+
+    def _spawn(self, preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
         with open(self.output, "ab") as out:
             return subprocess.Popen(
                 self.command(),
@@ -99,10 +102,11 @@ class Service:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=preexec_fn,
             )
 
     async def start(self) -> None:
-        """Start (or restart, on the same data) and wait until it is ready."""
+        """Start (or restart, on the same data) and wait until ``wait_for`` answers 200."""
         assert self.proc is None or self.proc.poll() is not None
         self.starts += 1
         self.proc = self._spawn()
@@ -112,10 +116,10 @@ class Service:
                 if self.proc.poll() is not None:
                     raise AssertionError(f"the service exited: {self.tail()}")
                 with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.url}/readyz")).status_code == 200:
+                    if (await client.get(f"{self.url}{self.wait_for}")).status_code == 200:
                         return
                 await asyncio.sleep(0.05)
-        raise AssertionError(f"the service did not get ready: {self.tail()}")
+        raise AssertionError(f"the service did not get {self.wait_for[1:]}: {self.tail()}")
 
     def kill(self) -> None:
         assert self.proc is not None

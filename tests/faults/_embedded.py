@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import resource
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,6 @@ import httpx
 import orjson
 
 from rolloutlog.log import Event, Log, encode_event, encode_record, open_log
-from tests._services import ROOT
 from tests.api.conftest import TOKENS
 from tests.e2e._harness import Deployment, Service
 
@@ -28,7 +27,7 @@ class LimitedService(Service):
         super().__init__(Deployment("embedded", data_dir), workdir)
         self.limits = dict(limits or {})
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self, preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
         limits = self.limits
 
         def apply_limits() -> None:  # in the child, before exec
@@ -36,15 +35,7 @@ class LimitedService(Service):
                 _, hard = resource.getrlimit(which)
                 resource.setrlimit(which, (soft, hard))
 
-        with open(self.output, "ab") as out:
-            return subprocess.Popen(
-                self.command(),
-                cwd=ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=apply_limits,
-            )
+        return super()._spawn(apply_limits)
 
     @property
     def pid(self) -> int:

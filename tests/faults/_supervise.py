@@ -14,12 +14,11 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 
 from rolloutlog.log import partition_for
 from tests._services import free_port, port_open, tansu_binary
-from tests.e2e._harness import SERVICE_START_S, Service
+from tests.e2e._harness import Service
 
 #: Records that are not rolloutlog envelopes, or whose metadata has the wrong types, for an
 #: episode ``e`` of the run (a ``{episode}`` in them names it).
@@ -57,20 +56,7 @@ class UnreadyService(Service):
     """A real ``rolloutlog serve`` whose start waits for ``/healthz`` only: with a broken run it
     serves, but ``/readyz`` says 503."""
 
-    async def start(self) -> None:
-        assert self.proc is None or self.proc.poll() is not None
-        self.starts += 1
-        self.proc = self._spawn()
-        deadline = time.monotonic() + SERVICE_START_S
-        async with httpx.AsyncClient(timeout=2) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"the service exited: {self.tail()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.url}/healthz")).status_code == 200:
-                        return
-                await asyncio.sleep(0.05)
-        raise AssertionError(f"the service did not start: {self.tail()}")
+    wait_for = "/healthz"
 
 
 @dataclass

@@ -6,8 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from rolloutlog.log import parse_capture_key
-from rolloutlog.log._deltas import compose, delta_of
+from rolloutlog.log import compose_state, parse_capture_key, state_delta
 from rolloutlog.participants import Agent, Environment
 from tests.participants._agent_loop import run_loop
 from tests.participants.conftest import RUN, World
@@ -38,16 +37,19 @@ async def _log_bytes(world: World) -> int:
 def test_a_delta_composes_sets_appends_and_removals() -> None:
     before = {"step": 1, "messages": [{"m": 1}], "gone": True, "usage": {"t": 1}}
     after = {"step": 2, "messages": [{"m": 1}, {"m": 2}], "usage": {"t": 5}, "new": []}
-    delta = delta_of(before, after)
+    delta = state_delta(before, after)
     assert delta == {
         "set": {"step": 2, "usage": {"t": 5}, "new": []},
         "append": {"messages": [{"m": 2}]},
         "unset": ["gone"],
     }
-    assert orjson.loads(compose(orjson.dumps(before), [orjson.dumps({"$delta": delta})])) == after
-    assert delta_of(after, after) == {}
+    assert (
+        orjson.loads(compose_state(orjson.dumps(before), [orjson.dumps({"$delta": delta})]))
+        == after
+    )
+    assert state_delta(after, after) == {}
     # a list that changed other than by growing is set whole
-    assert delta_of({"a": [1, 2]}, {"a": [9, 2, 3]}) == {"set": {"a": [9, 2, 3]}}
+    assert state_delta({"a": [1, 2]}, {"a": [9, 2, 3]}) == {"set": {"a": [9, 2, 3]}}
 
 
 async def test_agent_deltas_through_two_checkpoints_and_restores(world: World) -> None:

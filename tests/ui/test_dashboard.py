@@ -94,7 +94,7 @@ async def test_episode_page_attempts_timeline_and_payload(browser: Browser, serv
     assert await _field(page, summary, "event_count") == str(history["event_count"])
     assert await page.locator("[data-testid=attempts] tr[data-attempt]").count() == 2
     why = await page.inner_text('[data-testid=attempts] tr[data-attempt="1"]')
-    assert "restart_only session ('sandbox' of res-0)" in why
+    assert "restart-only session sandbox of resources server res-0 open at the cut" in why
     assert await page.locator("[data-testid=timeline] tr[data-offset]").count() == len(
         history["events"]
     )

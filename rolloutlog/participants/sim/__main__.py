@@ -41,7 +41,7 @@ def parse(argv: Sequence[str]) -> ServerSettings:
     parser.add_argument(
         "--resources", action="append", default=[], metavar="KIND=URL", help="a resources server"
     )
-    parser.add_argument("--mode", choices=["restart_only", "stateless", "exported"])
+    parser.add_argument("--mode", choices=["restart_only", "stateless", "exported", "sandbox"])
     parser.add_argument("--verify", choices=["replay", "wait"], default="wait")
     parser.add_argument("--verify-delay", type=float, default=0.0, help="seconds")
     parser.add_argument("--token-rate", type=float, default=2000.0, help="tokens per second")

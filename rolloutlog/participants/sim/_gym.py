@@ -31,9 +31,11 @@ PARTICIPANTS: dict[str, tuple[str, str]] = {
     "counter": ("resources", "counter-0"),
     "verifier": ("resources", "verifier-0"),
     "restart": ("resources", "restart-0"),
+    "sandbox": ("resources", "sandbox-0"),
     "environment": ("environment", "env-0"),
 }
 _MODES = {"counter": "exported", "verifier": "stateless", "restart": "restart_only"}
+_MODES["sandbox"] = "sandbox"  # export-on-checkpoint: state in a SQLite file of its own
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ __all__ = [
 
 #: The resources servers a task can use (one process each): ``counter`` (exported: its state must
 #: be restored), ``verifier`` (stateless) and ``restart`` (restart-only: restarts its episodes).
-RESOURCES_KINDS: tuple[str, ...] = ("counter", "verifier", "restart")
+RESOURCES_KINDS: tuple[str, ...] = ("counter", "verifier", "restart", "sandbox")
 _VOCAB = 50_000
 
 

@@ -187,6 +187,7 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
     report, timings = result.report, result.timings
     checkpoint = report.checkpoints[0]
     restore = report.restores[0].restore
+    sandbox = result.stats.get("sandbox", {}).get("restored", {})
     calls = result.stats.get("policy", {}).get("calls", [])
     cuts = [c for c in calls if c["continued"] or c["terminal_cut"]]
     restored = result.stats.get("counter", {}).get("restored", {})
@@ -202,6 +203,8 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
         f"  resumed at             {_stages(resumed)}",
         f"  generation cuts        {len(cuts)} calls continued, "
         f"{sum(c['continued'] for c in cuts)} tokens not generated again",
+        f"  sandbox sessions       {sum(v is not None for v in sandbox.values())} restored "
+        "(exported when the checkpoint asked)",
         f"  counter states         {sum(v is not None for v in restored.values())} restored",
         f"  policy workers         {len(policy.get('workers', [])) or 1}: "
         f"{policy.get('parents', {}).get('other_worker', 0)} calls' parents resolved on another "

@@ -1,0 +1,103 @@
+"""The fold's rules for agent delta boundaries and export-on-checkpoint sessions, kept beside
+``_episode.py`` (``EpisodeFold`` inherits them; they read and write its fields)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rolloutlog.log import Opaque, compose_state
+from rolloutlog.projections._model import BoundaryView, SessionView
+
+__all__ = ["SessionRules"]
+
+_new = tuple.__new__
+
+
+class SessionRules:
+    """Delta boundaries (``rolloutlog.log._deltas``) and ``checkpoint`` sessions' exports."""
+
+    __slots__ = ()
+    boundaries: dict[str, BoundaryView]
+    boundary_bytes: dict[str, int]
+    boundary_deltas: dict[str, tuple[bytes, ...]]
+    sessions: dict[str, SessionView]
+    session_bytes: dict[str, int]
+    exports: dict[str, tuple[int, bool, bool]]
+    finished: bool
+    _pending_sessions: list[tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]]
+
+    def _delta_boundary(
+        self,
+        owner: str,
+        data: dict[str, Any],
+        meta: dict[str, Any],
+        offset: int,
+        delta: Opaque | None,
+        size: int,
+    ) -> None:
+        """A boundary whose state is a delta (``rolloutlog.log._deltas``): the owner's view keeps
+        its last whole state and the deltas since wait beside it, composed when a projection is
+        built (a restore or a read), never on the projector's path."""
+        previous = self.boundaries.get(owner)
+        base = previous.state if previous is not None else None
+        view = (data["stage"], data.get("next"), base, meta.get("step"), offset)
+        self.boundaries[owner] = _new(BoundaryView, view)
+        self.boundary_bytes[owner] = self.boundary_bytes.get(owner, 0) + size
+        if delta is not None:
+            self.boundary_deltas[owner] = (*self.boundary_deltas.get(owner, ()), delta.raw)
+
+    def _composed_boundaries(self) -> dict[str, BoundaryView]:
+        """The boundaries with each owner's deltas composed onto its last whole state."""
+        boundaries = dict(self.boundaries)
+        for owner, deltas in self.boundary_deltas.items():
+            view = boundaries[owner]
+            base = view.state.raw if view.state is not None else None
+            boundaries[owner] = view._replace(state=Opaque(compose_state(base, deltas)))
+        return boundaries
+
+    # -- export-on-checkpoint sessions (mode ``checkpoint``) -----------------------------------
+    #
+    # Such a session writes a change mark (``session.state`` without a checkpoint id) before each
+    # reply and its state only when a checkpoint asks (``session.state`` with the checkpoint's
+    # id). An export is the session's state at once (never in the tail), and it matches the
+    # committed prefix when none of the session's change marks is uncommitted: at the export,
+    # or at the next boundary if marks were pending then (that boundary commits them) and no
+    # mark came after the export. ``exports``: session → (checkpoint id, waits for a boundary,
+    # changed after the export).
+
+    def _export(self, data: dict[str, Any], kept: bytes | None, size: int) -> None:
+        sid = data["session_id"]
+        current = self.sessions.get(sid)
+        if current is None:  # not open in the committed prefix: its episode replays the opening
+            return
+        state = Opaque(kept) if kept is not None else None
+        view = (sid, current[1], current[2], current[3], current[4], state)
+        self.sessions[sid] = _new(SessionView, view)
+        self.session_bytes[sid] = size
+        marks = any(c[1]["session_id"] == sid for c in self._pending_sessions)
+        self.exports[sid] = (data["checkpoint_id"], marks, False)
+
+    def _export_changed(self, sid: str) -> None:
+        checkpoint_id, waits, _ = self.exports[sid]
+        self.exports[sid] = (checkpoint_id, waits, True)
+
+    def export_owners(self) -> set[str]:
+        """The wait owners (``export:<session>``) of the open ``checkpoint`` sessions."""
+        return {f"export:{s[0]}" for s in self.sessions.values() if s[3] == "checkpoint"}
+
+    def export_missing(self, owners: set[str], checkpoint_id: int) -> list[str]:
+        """The sessions among ``owners`` (``export:<session>``) still open without an export for
+        ``checkpoint_id`` that matches the committed prefix (none once the episode finished: a
+        finished episode restores nothing)."""
+        missing: list[str] = []
+        if self.finished:
+            return missing
+        for owner in owners:
+            if owner.startswith("export:"):
+                sid = owner[7:]
+                if sid not in self.sessions:
+                    continue  # ended since: nothing to restore
+                found = self.exports.get(sid)
+                if found is None or found[0] != checkpoint_id or found[1] or found[2]:
+                    missing.append(sid)
+        return missing
