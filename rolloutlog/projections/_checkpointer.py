@@ -19,7 +19,7 @@ from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffs
 from rolloutlog.errors import BackendUnavailable, RolloutlogError
 from rolloutlog.log import Log
 from rolloutlog.projections._feeders import flush_episodes
-from rolloutlog.projections._planner import replay_start, wait_expired_reason
+from rolloutlog.projections._planner import replay_start
 from rolloutlog.projections._projector import CheckpointCapture, Projector
 from rolloutlog.projections._timing import StageTimer, backoff_s
 from rolloutlog.projections._waits import ExportRequests, name_expired_waits
