@@ -50,6 +50,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+#: How long /readyz waits for the log's and the catalog's probe each: a stalled backend answers
+#: nothing (the catalog's own statement bound is 30 s by default), and a probe must answer sooner.
+READY_PROBE_S = 2.0
+
 _HTTP_CODES = {
     400: "invalid_request",
     401: "unauthorized",
@@ -265,16 +269,19 @@ def _ops_routes(app: FastAPI) -> None:
     async def readyz(request: Request) -> Response:
         service: Service = request.app.state.service
         checks: dict[str, str] = {}
-        try:
-            await service.log.ping()
-            checks["log"] = "ok"
-        except Exception as e:  # any failure means "not ready"; the reason is reported
-            checks["log"] = f"{type(e).__name__}: {e}"
-        try:
-            await service.catalog.list_runs(limit=1)
-            checks["catalog"] = "ok"
-        except Exception as e:  # as above
-            checks["catalog"] = f"{type(e).__name__}: {e}"
+        probes: dict[str, Callable[[], Awaitable[object]]] = {
+            "log": service.log.ping,
+            "catalog": lambda: service.catalog.list_runs(limit=1),
+        }
+        for name, probe in probes.items():
+            try:
+                async with asyncio.timeout(READY_PROBE_S):
+                    await probe()
+                checks[name] = "ok"
+            except TimeoutError:
+                checks[name] = f"no answer within {READY_PROBE_S:g} s"
+            except Exception as e:  # any failure means "not ready"; the reason is reported
+                checks[name] = f"{type(e).__name__}: {e}"
         if service.draining:
             checks["service"] = "shutting down"
         # A run whose projector cannot make progress makes the service unready (its checkpoints

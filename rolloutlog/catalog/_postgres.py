@@ -7,13 +7,18 @@ so a checkpoint and its manifest come from one snapshot. Bulk rows go through as
 
 Query parameters of the URL that are not ``asyncpg.connect`` arguments are PostgreSQL server
 settings, as in asyncpg's own DSNs: ``postgresql+asyncpg://user@host/db?search_path=catalog``
-keeps the catalog in schema ``catalog``.
+keeps the catalog in schema ``catalog``. Three parameters bound how long the catalog waits for the
+server (seconds; see ``TIMEOUTS_S``): ``connect_timeout``, ``command_timeout`` and ``pool_timeout``,
+e.g. ``?command_timeout=10``. A server that stalls (SIGSTOPped, a network path that drops packets)
+answers nothing and closes nothing; past these bounds a catalog call fails ``BackendUnavailable``
+instead of waiting for it.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import asyncpg  # type: ignore[import-untyped]
@@ -22,12 +27,23 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from rolloutlog.catalog._backend import Backend, integrity_error
-from rolloutlog.errors import BackendUnavailable, CatalogError, RolloutlogError
+from rolloutlog.catalog._backend import Backend, _causes, integrity_error
+from rolloutlog.errors import (
+    BackendUnavailable,
+    CatalogError,
+    ConfigurationError,
+    RolloutlogError,
+)
 
 # Any constant works; it only has to be the same for every process that migrates this catalog.
 _MIGRATION_LOCK_KEY = 0x726F6C6C6F7574
-_CONNECT_TIMEOUT_S = 10
+# Defaults of the URL's timeout parameters. The longest catalog statement is a checkpoint's
+# manifest COPY (16,000 rows in well under a second), so 30 s only ever cuts off a stalled server.
+TIMEOUTS_S: dict[str, float] = {
+    "connect_timeout": 10.0,  # asyncpg.connect's ``timeout``: TCP, start-up and authentication
+    "command_timeout": 30.0,  # one statement, measured by asyncpg, which then cancels it
+    "pool_timeout": 30.0,  # waiting for a pooled connection while all are busy (or stuck)
+}
 # What SQLAlchemy's asyncpg dialect passes to asyncpg.connect (or consumes itself).
 _CONNECT_PARAMETERS = frozenset(inspect.signature(asyncpg.connect).parameters) | {
     "prepared_statement_cache_size",
@@ -45,8 +61,14 @@ _UNAVAILABLE_SQLSTATES = {
 class PostgresBackend(Backend):
     name: ClassVar[str] = "postgresql"
 
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.timeouts_s = _timeouts(make_url(url).query)
+
     def create_engine(self) -> AsyncEngine:
+        timeouts = self.timeouts_s
         url = make_url(self.url)
+        url = url.difference_update_query(TIMEOUTS_S)
         settings = {
             name: value if isinstance(value, str) else value[-1]
             for name, value in url.query.items()
@@ -56,8 +78,10 @@ class PostgresBackend(Backend):
             url.difference_update_query(settings),
             pool_size=5,
             max_overflow=5,
+            pool_timeout=timeouts["pool_timeout"],
             connect_args={
-                "timeout": _CONNECT_TIMEOUT_S,
+                "timeout": timeouts["connect_timeout"],
+                "command_timeout": timeouts["command_timeout"],
                 "server_settings": {"application_name": "rolloutlog-catalog", **settings},
             },
         )
@@ -91,6 +115,15 @@ class PostgresBackend(Backend):
     def driver_errors(self) -> tuple[type[BaseException], ...]:
         return (asyncpg.PostgresError, asyncpg.InterfaceError)
 
+    def translate(self, error: BaseException) -> RolloutlogError:
+        # Name the bounds: a bare TimeoutError does not tell the operator which knob to turn.
+        if any(isinstance(c, TimeoutError | sa_exc.TimeoutError) for c in _causes(error)):
+            bounds = ", ".join(f"{name}={value:g}" for name, value in self.timeouts_s.items())
+            return BackendUnavailable(
+                f"PostgreSQL catalog did not answer in time ({bounds} s)", backend=self.name
+            )
+        return super().translate(error)
+
     def classify(self, error: BaseException) -> RolloutlogError | None:
         if isinstance(error, asyncpg.PostgresConnectionError | asyncpg.InterfaceError):
             return BackendUnavailable(f"PostgreSQL catalog unavailable: {error}", backend=self.name)
@@ -109,6 +142,27 @@ class PostgresBackend(Backend):
                 backend=self.name,
             )
         return None
+
+
+def _timeouts(query: Mapping[str, str | tuple[str, ...]]) -> dict[str, float]:
+    """``TIMEOUTS_S`` overridden by the URL's parameters of the same names."""
+    found = dict(TIMEOUTS_S)
+    for name in TIMEOUTS_S:
+        value = query.get(name)
+        if value is None:
+            continue
+        text = value if isinstance(value, str) else value[-1]
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ConfigurationError(
+                f"catalog URL parameter {name}={text!r}: a positive number of seconds",
+                parameter=name,
+            )
+        found[name] = seconds
+    return found
 
 
 def _closed_by_the_server(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:

@@ -56,7 +56,7 @@ _RECONNECT_S = 0.25
 
 @dataclass(eq=False)
 class ReadTopic:
-    """What reads need to know of a run's topic (``kafka._Topic`` is one)."""
+    """What reads need to know of a run's topic (``_kafka_writes.Topic`` is one)."""
 
     name: str
     partitions: int

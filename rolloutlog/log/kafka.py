@@ -10,8 +10,8 @@ overlapping (measured on Tansu: 350 KB records go from ~110 to ~155 MB/s with tw
 
 Each lane has a writer task that coalesces the records of every append waiting at that moment
 into one record batch per partition, so everything queued during a round trip leaves in the next
-request. An append resolves once each of its records is acknowledged, with the offsets of the
-produce acknowledgements. Sizes are checked before anything is sent; a broker failure after that
+request (``_kafka_writes``). An append resolves once each of its records is acknowledged, with
+the offsets of the produce acknowledgements. Sizes are checked before anything is sent; a broker failure after that
 can still leave part of a batch written (Kafka has no atomic multi-partition write without
 transactions, which Tansu lacks): events carry ``seq`` so that a retry's duplicates are dropped.
 
@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -51,7 +49,6 @@ from rolloutlog.errors import (
     ConfigurationError,
     InvalidRequest,
     LogError,
-    RunLost,
     UnknownRun,
 )
 from rolloutlog.log._interface import (
@@ -69,7 +66,6 @@ from rolloutlog.log._kafka_wire import (
     REQUEST_ERRORS,
     ByteBudget,
     ClientPool,
-    chained,
     describe,
     fetch,
     list_offsets,
@@ -77,6 +73,7 @@ from rolloutlog.log._kafka_wire import (
     send,
     translate,
 )
+from rolloutlog.log._kafka_writes import KafkaWrites, Lane, Topic, dead
 
 __all__ = ["KafkaLog", "from_url"]
 
@@ -106,65 +103,7 @@ class _MetadataRequest(MetadataRequest):  # type: ignore[misc]
 aiokafka.client.MetadataRequest = _MetadataRequest
 
 
-@dataclass(eq=False, slots=True)
-class _Append:
-    """One ``append_records`` call: resolved once its last record is acknowledged."""
-
-    records: Sequence[Record]
-    future: asyncio.Future[list[Position]]
-    offsets: list[int]
-    remaining: int
-
-    def acknowledged(self, indexes: Sequence[int], offset: int) -> int:
-        """Records ``indexes`` landed at ``offset`` onwards; returns the offset after them."""
-        offsets = self.offsets
-        for index in indexes:
-            offsets[index] = offset
-            offset += 1
-        self.remaining -= len(indexes)
-        if self.remaining == 0 and not self.future.done():
-            self.future.set_result(
-                [
-                    Position(record.partition, at)
-                    for record, at in zip(self.records, offsets, strict=True)
-                ]
-            )
-        return offset
-
-    def fail(self, error: BaseException, topic: str) -> None:
-        if not self.future.done():
-            self.future.set_exception(chained(error, f"append to {topic}", topic=topic))
-
-
-#: Some records of one append (their indexes in it), bound for one lane.
-_Share = tuple[_Append, Sequence[int]]
-#: Consecutive records of one batch that came from one append.
-_Run = tuple[_Append, list[int]]
-
-
-@dataclass(eq=False)
-class _Lane:
-    """One producer's share of a topic: the records waiting for it, and the task handing them
-    over (it exists while there are any)."""
-
-    #: Which of the log's producers writes this lane's records.
-    index: int
-    pending: list[_Share] = field(default_factory=list)
-    writer: asyncio.Task[None] | None = None
-
-
-@dataclass(eq=False)
-class _Topic(ReadTopic):
-    """What this instance knows of one run's topic."""
-
-    #: Partition ``p`` is written through ``lanes[p % len(lanes)]`` only, which keeps its order.
-    lanes: list[_Lane]
-    #: A produce failed since the topic was last seen: look it up before the next append, so
-    #: that a lost topic refuses appends at once instead of after the producer's retries.
-    suspect: bool = False
-
-
-class KafkaLog(KafkaReads, Log):
+class KafkaLog(KafkaReads, KafkaWrites, Log):
     """The log on a Kafka-protocol broker; one topic ``{topic_prefix}{run}`` per run.
 
     Options: ``idempotence`` None detects (True requires, False never asks);
@@ -222,7 +161,7 @@ class KafkaLog(KafkaReads, Log):
         self._control: Any = None
         self._producer_count = producers
         self._producers: list[Any] = []
-        self._topics: dict[str, _Topic] = {}
+        self._topics: dict[str, Topic] = {}
         self._create_lock = asyncio.Lock()
         self._replace_lock = asyncio.Lock()
         #: None until the first trim tells whether the broker implements DeleteRecords.
@@ -374,7 +313,7 @@ class KafkaLog(KafkaReads, Log):
     async def _read_topic(self, run: str) -> ReadTopic:
         return await self._topic(run)
 
-    async def _topic(self, run: str) -> _Topic:
+    async def _topic(self, run: str) -> Topic:
         topic = self._topics.get(run)
         if topic is not None:
             return topic
@@ -389,14 +328,14 @@ class KafkaLog(KafkaReads, Log):
             count, leaders = await self._await_leaders(name, count)
         return await self._register(run, name, count, leaders)
 
-    async def _register(self, run: str, name: str, count: int, leaders: list[int]) -> _Topic:
+    async def _register(self, run: str, name: str, count: int, leaders: list[int]) -> Topic:
         existing = self._topics.get(run)
         if existing is not None:
             return existing
         for producer in self._producers:
             await self._producer_knows(producer, name, count)
-        lanes = [_Lane(index) for index in range(len(self._producers))]
-        return self._topics.setdefault(run, _Topic(name, count, leaders, [-1] * count, lanes))
+        lanes = [Lane(index) for index in range(len(self._producers))]
+        return self._topics.setdefault(run, Topic(name, count, leaders, [-1] * count, lanes))
 
     async def _producer_knows(self, producer: Any, name: str, count: int) -> None:
         """A producer checks explicit partitions against its own metadata: make sure it has seen
@@ -419,11 +358,11 @@ class KafkaLog(KafkaReads, Log):
         a connection the broker reset raises RuntimeError), and then fails every later batch:
         only a new producer recovers, without restarting the service."""
         producer = self._producers[index]
-        if not _dead(producer):
+        if not dead(producer):
             return producer
         async with self._replace_lock:
             producer = self._producers[index]
-            if not _dead(producer):
+            if not dead(producer):
                 return producer
             log.warning("kafka log %s: producer %d died; starting a new one", self.url, index)
             fresh = self._new_producer(self.idempotent)
@@ -538,137 +477,7 @@ class KafkaLog(KafkaReads, Log):
                 )
         self.check_records(records)
         self._require_started()
-        future: asyncio.Future[list[Position]] = asyncio.get_running_loop().create_future()
-        append = _Append(records, future, [0] * len(records), len(records))
-        lanes = topic.lanes
-        if len(lanes) == 1:
-            self._enqueue(topic, lanes[0], append, range(len(records)))
-        else:
-            shares: list[list[int]] = [[] for _ in lanes]
-            for index, record in enumerate(records):
-                shares[record.partition % len(lanes)].append(index)
-            for lane, share in zip(lanes, shares, strict=True):
-                if share:
-                    self._enqueue(topic, lane, append, share)
-        return await future
-
-    def _enqueue(self, topic: _Topic, lane: _Lane, append: _Append, indexes: Sequence[int]) -> None:
-        lane.pending.append((append, indexes))
-        if lane.writer is None:
-            lane.writer = asyncio.create_task(self._write(topic, lane), name=f"write {topic.name}")
-
-    async def _write(self, topic: _Topic, lane: _Lane) -> None:
-        """Hand everything pending in ``lane`` to its producer, one batch per partition."""
-        try:
-            await asyncio.sleep(0)  # appends made in the same loop turn join this round
-            while lane.pending:
-                pending, lane.pending = lane.pending, []
-                try:
-                    producer = await self._producer(lane.index)
-                    batches = self._build_batches(producer, pending)
-                except Exception as e:  # no producer, or a record the batch builder refuses
-                    for append, _ in pending:
-                        append.fail(e, topic.name)
-                    continue
-                for partition, builder, members in batches:
-                    await self._submit(topic, producer, partition, builder, members)
-        finally:
-            lane.writer = None
-
-    @staticmethod
-    def _build_batches(producer: Any, pending: list[_Share]) -> list[tuple[int, Any, list[_Run]]]:
-        """Closed record batches in submission order (per partition, the order records came in),
-        each with the runs of appends whose records it holds, in batch order."""
-        timestamp = int(time.time() * 1000)
-        ready: list[tuple[int, Any, list[_Run]]] = []
-        open_batches: dict[int, tuple[Any, list[_Run]]] = {}
-        create_batch = producer.create_batch
-        for append, indexes in pending:
-            records = append.records
-            for index in indexes:
-                record = records[index]
-                partition = record.partition
-                current = open_batches.get(partition)
-                if current is None:
-                    current = open_batches[partition] = (create_batch(), [])
-                builder, members = current
-                if builder.append(timestamp=timestamp, key=record.key, value=record.value) is None:
-                    # Full. A fresh batch always takes its first record, however large.
-                    ready.append((partition, builder, members))
-                    current = open_batches[partition] = (create_batch(), [])
-                    builder, members = current
-                    builder.append(timestamp=timestamp, key=record.key, value=record.value)
-                if members and members[-1][0] is append:
-                    members[-1][1].append(index)
-                else:
-                    members.append((append, [index]))
-        ready.extend(
-            (partition, builder, members) for partition, (builder, members) in open_batches.items()
-        )
-        for _, builder, _ in ready:
-            builder.close()
-        return ready
-
-    async def _submit(
-        self, topic: _Topic, producer: Any, partition: int, builder: Any, members: list[_Run]
-    ) -> None:
-        granted = await self._budget.acquire(builder.size())
-        try:
-            # Waits while this partition's previous batch is still queued in the producer.
-            acked = await producer.send_batch(builder, topic.name, partition=partition)
-        except Exception as e:  # closed producer, stale metadata: these records fail
-            self._budget.release(granted)
-            topic.suspect = True
-            error: BaseException = _producer_error(producer, e)
-            if isinstance(e, kafka_errors.UnknownTopicOrPartitionError):
-                error = _lost(topic, partition, "the broker no longer knows the topic")
-            for append, _ in members:
-                append.fail(error, topic.name)
-            return
-        acked.add_done_callback(
-            functools.partial(self._acknowledged, topic, producer, partition, members, granted)
-        )
-
-    def _acknowledged(
-        self,
-        topic: _Topic,
-        producer: Any,
-        partition: int,
-        members: list[_Run],
-        granted: int,
-        acked: asyncio.Future[Any],
-    ) -> None:
-        self._budget.release(granted)
-        if acked.cancelled():
-            error: BaseException | None = BackendUnavailable("the produce request was cancelled")
-        else:
-            error = acked.exception()
-            if error is not None:
-                topic.suspect = True
-                error = _producer_error(producer, error)
-        if isinstance(error, kafka_errors.UnknownTopicOrPartitionError):
-            error = _lost(topic, partition, "the broker no longer knows the topic")
-        if error is None and acked.result().offset < topic.acked_ends[partition]:
-            # Written below what this instance had acknowledged: the broker lost the partition's
-            # records and took these at offsets that named others. Not acknowledged.
-            error = _lost(
-                topic,
-                partition,
-                f"records landed at {acked.result().offset}, below the acknowledged end "
-                f"{topic.acked_ends[partition]}",
-            )
-        if error is not None:
-            for append, _ in members:
-                append.fail(error, topic.name)
-            return
-        offset = acked.result().offset
-        for append, indexes in members:
-            offset = append.acknowledged(indexes, offset)
-        if offset > topic.acked_ends[partition]:
-            topic.acked_ends[partition] = offset
-        for key in ((topic.name, partition), (topic.name, -1)):
-            for waker in self._wakers.get(key, ()):
-                waker.set()
+        return await self._hand_over(topic, records)
 
     # -- ends and trimming -----------------------------------------------------------------------
 
@@ -698,7 +507,7 @@ class KafkaLog(KafkaReads, Log):
         observed = await self._observed_ends(self._control, topic, partitions)
         return [max(acked, seen) for acked, seen in zip(topic.acked_ends, observed, strict=True)]
 
-    async def _observed_ends(self, client: Any, topic: _Topic, partitions: list[int]) -> list[int]:
+    async def _observed_ends(self, client: Any, topic: Topic, partitions: list[int]) -> list[int]:
         where = f"end offsets of {topic.name}"
         deadline = time.monotonic() + self._request_timeout_ms / 1000
         try:
@@ -792,31 +601,6 @@ class KafkaLog(KafkaReads, Log):
                 raise BackendUnavailable(f"delete topic {name}: it is still listed", topic=name)
             await asyncio.sleep(_BACKOFF_S)
         return True
-
-
-def _dead(producer: Any) -> bool:
-    """Whether a started producer's sender task has ended (aiokafka exposes no public check)."""
-    sender = getattr(producer, "_sender", None)
-    task = getattr(sender, "sender_task", None)
-    return task is not None and task.done()
-
-
-def _producer_error(producer: Any, error: BaseException) -> BaseException:
-    """A batch that failed because its producer died is refused as retriable: the next append
-    gets a new producer."""
-    if _dead(producer) and not isinstance(error, BackendUnavailable):
-        unavailable = BackendUnavailable(f"the producer failed ({error!r}); it is being replaced")
-        unavailable.__cause__ = error
-        return unavailable
-    return error
-
-
-def _lost(topic: _Topic, partition: int, why: str) -> RunLost:
-    return RunLost(
-        f"{topic.name}[{partition}]: {why}: the broker lost the run's records (restarted empty?)",
-        topic=topic.name,
-        partition=partition,
-    )
 
 
 def _flag(value: str) -> bool | None:

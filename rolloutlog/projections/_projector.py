@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 #: How many committed checkpoints' capture versions a projector keeps (retention keeps two).
 _CAPTURES_KEPT = 2
+#: The longest the projector applies records without letting the event loop run: a page holds up
+#: to 8 MiB of records, and a page of tiny events took seconds, /healthz included.
+_YIELD_EVERY_S = 0.02
 
 __all__ = ["CheckpointCapture", "Projector", "RestoreReset", "RunHealth", "StartPlan"]
 
@@ -344,10 +347,14 @@ class Projector:
         applied = self.applied
         take = self._take
         own_restores = self._applied_restores
+        yield_at = time.perf_counter() + _YIELD_EVERY_S
         async for partition, page in self.log.follow_run(self.run, list(applied)):
             for offset, record in page:
                 if offset < applied[partition]:
                     continue
+                if time.perf_counter() > yield_at:
+                    await asyncio.sleep(0)
+                    yield_at = time.perf_counter() + _YIELD_EVERY_S
                 if own_restores and record_restore_id(record) in own_restores:
                     # This projector applied the restore's resets when it committed: its
                     # 16,000 records change nothing more, so skip them undecoded.

@@ -25,6 +25,7 @@ from rolloutlog.errors import (
     BackendUnavailable,
     CatalogError,
     CheckpointInProgress,
+    ConfigurationError,
     InvalidRequest,
 )
 from rolloutlog.log import capture_key
@@ -110,6 +111,35 @@ async def test_postgres_server_settings_travel_in_the_url(postgres_schema: str) 
             assert result.scalar_one() == 1
     finally:
         await engine.dispose()
+
+
+@pytest.mark.postgres
+async def test_postgres_timeouts_travel_in_the_url(postgres_schema: str) -> None:
+    """A statement past ``command_timeout`` is cut off client-side and is ``unavailable``; the
+    timeout parameters are the catalog's own, never sent as server settings."""
+    url = postgres_schema + "&command_timeout=0.3&pool_timeout=4&connect_timeout=5"
+    backend = PostgresBackend(url)
+    assert backend.timeouts_s == {"connect_timeout": 5, "command_timeout": 0.3, "pool_timeout": 4}
+    engine = backend.create_engine()
+    try:
+        async with engine.connect() as conn:
+            assert (await conn.exec_driver_sql("SELECT 1")).scalar_one() == 1
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(Exception) as raised:
+            async with engine.connect() as conn:
+                await conn.exec_driver_sql("SELECT pg_sleep(5)")
+        assert asyncio.get_running_loop().time() - started < 3
+        translated = backend.translate(raised.value)
+        assert isinstance(translated, BackendUnavailable), translated
+        assert "command_timeout=0.3" in translated.message, translated.message
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf"])
+def test_postgres_timeouts_must_be_positive_seconds(value: str) -> None:
+    with pytest.raises(ConfigurationError, match="command_timeout"):
+        PostgresBackend(f"postgresql+asyncpg://u@h/db?command_timeout={value}")
 
 
 async def _terminate_backends(url: str, name: str) -> None:

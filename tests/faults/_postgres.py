@@ -4,7 +4,8 @@ server refuses to run as root). The machine's own cluster (5432) is never touche
 
 ``kill()`` SIGKILLs the postmaster and its backends by PID (each backend is its own process group
 leader, so a group kill would miss them); ``start()`` brings the cluster back on the same port and
-data dir, through crash recovery, as an operator's restart would.
+data dir, through crash recovery, as an operator's restart would. ``freeze()``/``thaw()``
+SIGSTOP/SIGCONT the same processes: a stalled server.
 """
 
 from __future__ import annotations
@@ -148,8 +149,24 @@ class PostgresCluster:
         while any(_alive(pid) for pid in pids[1:]) and time.monotonic() < deadline:
             time.sleep(0.02)
 
+    def freeze(self) -> None:
+        """SIGSTOP the postmaster and every backend: connections stay open, nothing answers
+        (a hung host or a network path that drops packets)."""
+        self._signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT what ``freeze`` stopped (and any backend forked since: none, it was stopped)."""
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, signum: int) -> None:
+        assert self.proc is not None and self.proc.poll() is None
+        for pid in [self.proc.pid, *_children(self.proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.thaw()  # a frozen postmaster would not reap its SIGKILLed backends
             self.kill()  # throwaway: nothing to shut down cleanly for
         shutil.rmtree(self.root, ignore_errors=True)
 

@@ -7,12 +7,15 @@ needs it answers 503 ``unavailable``, and a checkpoint whose commit meets the ou
 not half-written. Once PostgreSQL is back on the same port and data dir, the same service
 process commits checkpoints again, records the episode that finished during the outage as
 ``finished``, and its fold holds every acknowledged event. A service started while the catalog
-is down exits with one line on stderr.
+is down exits with one line on stderr. A catalog that stalls (SIGSTOP: connections open, no
+answers) is bounded by the catalog URL's timeouts: what needs it answers 503 within a few of them,
+``/readyz`` within its probe bound, and all recovers when the server resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 import time
@@ -25,6 +28,7 @@ import asyncpg
 import httpx
 import pytest
 
+from rolloutlog.api._app import READY_PROBE_S
 from tests import factories as f
 from tests._services import ROOT, free_port
 from tests.api.conftest import TOKENS, wire
@@ -278,3 +282,126 @@ def test_start_with_the_catalog_down_is_one_line(tmp_path: Path) -> None:
     assert "catalog unreachable" in lines[0] and "Connection refused" in lines[0], lines[0]
     assert f"127.0.0.1:{port}" in lines[0] and "secret" not in lines[0], lines[0]
     assert done.stdout == ""
+
+
+# The stalled catalog's bounds (URL parameters of the PostgreSQL backend): short, so that the test
+# is quick. What needs the catalog must answer within a few of them; /readyz within its own probe.
+STALL_BOUNDS = "command_timeout=1.5&pool_timeout=1.5&connect_timeout=1.5"
+STALL_ANSWER_S = 12.0
+STALL_S = 8.0
+#: /readyz probes the log, then the catalog, each for at most READY_PROBE_S.
+READY_WITHIN_S = 2 * READY_PROBE_S + 1.0
+
+
+@pytest.mark.slow  # ~15 s on a quiet machine
+async def test_catalog_stalled_under_a_running_service(
+    cluster: PostgresCluster, deployment: Deployment, tmp_path: Path
+) -> None:
+    """SIGSTOP, not SIGKILL: every connection stays open and nothing answers. Without bounds on
+    the driver's waits this hung checkpoints, restores and ``/readyz`` for as long as the stall."""
+    bounded = dataclasses.replace(
+        deployment, catalog_url=f"{deployment.catalog_url}?{STALL_BOUNDS}"
+    )
+    service = Service(bounded, tmp_path)
+    await service.start()
+    try:
+        async with httpx.AsyncClient(base_url=service.url, timeout=60) as http:
+            await stall_scenario(Client(http), cluster)
+    finally:
+        if cluster.proc is not None and cluster.proc.poll() is None:
+            cluster.thaw()  # the next test of the module needs it
+        service.stop()
+
+
+async def _timed(request: Any) -> tuple[httpx.Response, float]:
+    started = time.monotonic()
+    response = await request
+    return response, time.monotonic() - started
+
+
+async def stall_scenario(api: Client, cluster: PostgresCluster) -> None:
+    assert (await api.call("POST", "/v1/runs", json={"run": RUN, "partitions": 2})).is_success
+    registered = await api.call(
+        "POST", f"/v1/runs/{RUN}/participants", json={"id": "env-0", "kind": "environment"}
+    )
+    assert registered.status_code == 201, registered.text
+    epoch = (await api.call("POST", f"/v1/runs/{RUN}/controller")).json()["controller_epoch"]
+    last_state: dict[str, Any] = {}
+    events = []
+    for episode in EPISODES:
+        last_state[episode] = {"episode": episode, "n": 0}
+        events += [f.started(episode), f.boundary(episode, "seed", last_state[episode], step=0)]
+    assert (await api.append(RUN, *events)).status_code == 200
+    assert (await api.checkpoint(epoch)).status_code == 201
+
+    cluster.freeze()
+    stalled_at = time.monotonic()
+    # What needs the catalog, asked while appends go on beside it.
+    catalog_calls = asyncio.gather(
+        _timed(api.checkpoint(epoch)),
+        _timed(
+            api.call(
+                "POST",
+                f"/v1/runs/{RUN}/restores",
+                json={"controller_epoch": epoch, "checkpoint_id": "latest"},
+            )
+        ),
+        _timed(api.call("GET", "/readyz")),
+    )
+    step = 0
+    while time.monotonic() - stalled_at < STALL_S:
+        step += 1
+        for episode in ("e0", "e2", "e3"):
+            last_state[episode] = {"episode": episode, "n": step}
+            event = f.boundary(episode, "invoke_agent", last_state[episode], step=step)
+            appended, took = await _timed(api.append(RUN, event))
+            assert appended.status_code == 200, appended.text
+            assert took < 2.0, f"an append that needs no catalog took {took:.1f} s"
+        await asyncio.sleep(0.2)
+    assert (await api.append(RUN, f.finished("e1"))).status_code == 200
+    (checkpoint, checkpoint_s), (restore, restore_s), (ready, ready_s) = await catalog_calls
+    assert unavailable(checkpoint) and checkpoint_s < STALL_ANSWER_S, (
+        checkpoint_s,
+        checkpoint.text,
+    )
+    assert unavailable(restore) and restore_s < STALL_ANSWER_S, (restore_s, restore.text)
+    assert ready.status_code == 503 and ready_s < READY_WITHIN_S, (ready_s, ready.text)
+    assert ready.json()["catalog"] != "ok", ready.text
+    # Once more, now that nothing of the stalled calls holds a pooled connection.
+    ready, ready_s = await _timed(api.call("GET", "/readyz"))
+    assert ready.status_code == 503 and ready_s < READY_WITHIN_S, (ready_s, ready.text)
+    assert (await api.call("GET", "/healthz")).status_code == 200
+
+    cluster.thaw()
+
+    async def next_checkpoint() -> dict[str, Any] | None:
+        response = await api.checkpoint(epoch)
+        if response.status_code == 201:
+            committed: dict[str, Any] = response.json()
+            return committed
+        code = response.json()["error"]["code"]
+        assert code in ("unavailable", "checkpoint_in_progress"), response.text
+        return None
+
+    committed = await until("a checkpoint commits again", next_checkpoint)
+    assert committed["counts"] == {"continue": 3, "restart": 0, "finished": 1}, committed
+
+    async def ready_again() -> bool:
+        return (await api.call("GET", "/readyz")).status_code == 200
+
+    await until("/readyz is 200 again", ready_again)
+    # Every acknowledged event is in the log and in the fold.
+    for episode in ("e0", "e2", "e3"):
+        response = await api.call(
+            "GET",
+            f"/v1/runs/{RUN}/episodes/{episode}/projection",
+            params={"checkpoint": committed["checkpoint_id"]},
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["boundaries"]["environment"]["state"] == last_state[episode]
+    restore = await api.call(
+        "POST",
+        f"/v1/runs/{RUN}/restores",
+        json={"controller_epoch": epoch, "checkpoint_id": "latest"},
+    )
+    assert restore.status_code == 201, restore.text
