@@ -64,7 +64,9 @@ class _FileVariants(PydanticBaseSettingsSource):
 class ServeConfig(BaseSettings):
     """Everything ``serve`` is configured with; ``settings()`` is what the app gets."""
 
-    model_config = SettingsConfigDict(env_prefix=PREFIX, frozen=True, extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX, env_ignore_empty=True, frozen=True, extra="ignore"
+    )
 
     data_dir: Path = DEFAULT_DATA_DIR
     host: str = DEFAULT_HOST
