@@ -1,20 +1,17 @@
 """``rolloutlog serve`` configured from the environment: every setting from its ``ROLLOUTLOG_*``
 variable, the secrets from ``*_FILE`` files, one precedence rule (flag > variable > file >
-default), ``postgres://`` URLs, and start-up failures as one line with the exit code."""
+default), ``postgres://`` URLs, and start-up failures as one line with the exit code. A service
+started from the environment alone (the container's variables): tests/api/test_deploy.py."""
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
@@ -22,8 +19,8 @@ from rolloutlog.api import Role, Tokens
 from rolloutlog.api._config import ServeConfig
 from rolloutlog.catalog import open_catalog
 from rolloutlog.errors import ConfigurationError
-from tests._services import ROOT, free_port
-from tests.api.conftest import TOKENS, bearer
+from tests._services import free_port
+from tests.api.conftest import TOKENS
 
 SERVE = (sys.executable, "-m", "rolloutlog.api.cli", "serve")
 
@@ -140,96 +137,6 @@ async def test_every_spelling_of_a_postgresql_url_opens_the_catalog(
         run = f"spelled-{uuid.uuid4().hex[:6]}"
         await catalog.create_run(run, log_url="embedded:///nowhere", partitions=2)
         assert (await catalog.get_run(run)).partitions == 2
-
-
-class Serving:
-    """``rolloutlog serve`` started with no argument at all: its environment says everything."""
-
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.url = f"http://127.0.0.1:{env['ROLLOUTLOG_PORT']}"
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                SERVE, cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT
-            )
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"not ready: {self.log.read_text()}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
-
-
-@pytest.fixture
-def serving() -> Iterator[list[Serving]]:
-    started: list[Serving] = []
-    yield started
-    for one in started:
-        if one.proc.poll() is None:
-            one.proc.kill()
-            one.proc.wait()
-
-
-@pytest.mark.slow
-@pytest.mark.postgres
-def test_serve_runs_from_the_environment_alone(
-    postgres_schema: str, tmp_path: Path, serving: list[Serving]
-) -> None:
-    secrets = tmp_path / "secrets"
-    secrets.mkdir()
-    # As the compose file hands them over: files, never argv or a plain variable.
-    (secrets / "catalog_url").write_text("postgres://" + postgres_schema.split("://", 1)[1] + "\n")
-    for role in ("participant", "trainer", "analyst", "admin"):
-        (secrets / f"token_{role}").write_text(TOKENS[role] + "\n")
-    env = {
-        "ROLLOUTLOG_DATA_DIR": str(tmp_path / "data"),
-        "ROLLOUTLOG_HOST": "127.0.0.1",
-        "ROLLOUTLOG_PORT": str(free_port()),
-        "ROLLOUTLOG_CATALOG_URL_FILE": str(secrets / "catalog_url"),
-        "ROLLOUTLOG_KEEP_COMMITTED": "3",
-        **{
-            f"ROLLOUTLOG_TOKEN_{role.upper()}_FILE": str(secrets / f"token_{role}")
-            for role in ("participant", "trainer", "analyst", "admin")
-        },
-    }
-    service = Serving(env, tmp_path / "serve.log")
-    serving.append(service)
-    service.wait_ready()
-    assert "secret" not in " ".join(service.proc.args)  # type: ignore[arg-type]
-    assert httpx.get(f"{service.url}/v1/runs", timeout=5).status_code == 401  # tokens are on
-    created = httpx.post(
-        f"{service.url}/v1/runs", json={"run": "from-env"}, headers=bearer("trainer"), timeout=30
-    )
-    assert created.status_code == 201, created.text
-    import asyncio
-
-    async def in_the_schema() -> list[str]:
-        import asyncpg
-
-        url = make_url(postgres_schema)
-        conn = await asyncpg.connect(
-            url.set(drivername="postgresql", query={}).render_as_string(hide_password=False),
-            server_settings={"search_path": url.query["search_path"]},  # type: ignore[dict-item]
-        )
-        try:
-            return [r["run"] for r in await conn.fetch("SELECT run FROM runs")]
-        finally:
-            await conn.close()
-
-    assert asyncio.run(in_the_schema()) == ["from-env"]
-    assert not (tmp_path / "data" / "catalog.sqlite3").exists()  # PostgreSQL, not the default
-    assert service.stop() == 0
 
 
 def _one_line_failure(env: dict[str, str], *args: str, cwd: Path) -> tuple[int, str]:
