@@ -12,7 +12,7 @@
     rolloutlog --version
 
 Exit codes, the ``--json`` convention (JSON Lines) and the environment variables are in
-docs/api.md, "CLI". ``python -m rolloutlog.api.cli`` runs it too. It lives in the ``api`` package
+docs/api.md, "CLI clients". ``python -m rolloutlog.api.cli`` runs it too. It lives in the ``api`` package
 because ``serve`` configures and starts the app from that package's private modules; the
 client commands import nothing of the server's stack, so that the command starts fast.
 """
