@@ -169,6 +169,17 @@ def test_checkpoints_restores_and_episodes(server: Server, cli: Cli) -> None:
     assert cli("checkpoints", "cli", "latest").lines()[0] == "checkpoint 2: committed"
     assert cli("checkpoints", "cli", "1", "--json").json_lines()[0]["checkpoint_id"] == 1
     assert cli("checkpoints", "cli", "--status", "aborted").out == "(no checkpoints)\n"
+    manifest = cli("checkpoints", "cli", "2", "--manifest")
+    assert [row.split()[:3] for row in manifest.lines()[1:]] == [
+        ["a", "continue", "0"],
+        ["b", "continue", "0"],
+    ], manifest.out
+    entries = cli("checkpoints", "cli", "latest", "--manifest", "--json").json_lines()
+    assert sorted(e["episode"] for e in entries) == ["a", "b"]
+    assert cli("checkpoints", "cli", "--manifest").status == EXIT_USAGE
+    stats = cli("runs", "show", "cli", "--stats")
+    assert any(line.split()[0] == "events.log_records" for line in stats.lines()), stats.out
+    assert "stats" in cli("runs", "show", "cli", "--stats", "--json").json_lines()[0]
 
     restored = cli("restore", "cli", "--exclude", "b", "--episodes")
     assert restored.status == 0, restored.err

@@ -73,15 +73,32 @@ def runs_list(client: TrainerClient, as_json: bool) -> int:
     return EXIT_OK
 
 
+def _flat(value: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested objects as ``a.b.c  value`` rows."""
+    rows: list[tuple[str, Any]] = []
+    for key, item in value.items():
+        if isinstance(item, Mapping) and item:
+            rows.extend(_flat(item, f"{prefix}{key}."))
+        else:
+            rows.append((f"{prefix}{key}", item))
+    return rows
+
+
 @runs.command("show")
 @run_argument
+@click.option(
+    "--stats",
+    is_flag=True,
+    help="Also show the run's statistics: events, bytes, checkpoint and restore timings.",
+)
 @client_command
 @json_option
-def runs_show(client: TrainerClient, run: str, as_json: bool) -> int:
+def runs_show(client: TrainerClient, run: str, stats: bool, as_json: bool) -> int:
     """Show RUN: partitions, log, controller, counts and health."""
     found = client.get_run(run)
+    extra = client.stats(run) if stats else None
     if as_json:
-        json_line(found, _out())
+        json_line({**found, **({"stats": extra} if extra is not None else {})}, _out())
         return EXIT_OK
     counts = found["counts"]
     health = found.get("health") or {}
@@ -100,6 +117,9 @@ def runs_show(client: TrainerClient, run: str, as_json: bool) -> int:
         ],
         _out(),
     )
+    if extra is not None:
+        print("stats", file=_out())
+        fields((row for row in _flat(extra) if row[0] != "run"), _out())
     return EXIT_OK
 
 
@@ -249,6 +269,11 @@ def checkpoint(
     show_default=True,
     help="List at most this many, newest first.",
 )
+@click.option(
+    "--manifest",
+    is_flag=True,
+    help="With ID: list the checkpoint's manifest (each episode's action, attempt and cut).",
+)
 @client_command
 @json_option
 def checkpoints(
@@ -257,11 +282,16 @@ def checkpoints(
     checkpoint_id: int | str | None,
     status: str | None,
     limit: int,
+    manifest: bool,
     as_json: bool,
 ) -> int:
     """List RUN's checkpoints, newest first; or show checkpoint ID (or the latest committed)."""
+    if manifest and checkpoint_id is None:
+        raise click.UsageError("--manifest needs a checkpoint: checkpoints RUN ID --manifest")
     if checkpoint_id is not None:
         info = client.get_checkpoint(run, checkpoint_id)  # type: ignore[arg-type]
+        if manifest:
+            return _manifest(client, run, info.checkpoint_id, as_json)
         if as_json:
             json_line(dict(info.raw), _out())
         else:
@@ -284,6 +314,24 @@ def checkpoints(
     ]
     if not table((dict(c.raw) for c in found), columns, _out()):
         print("(no checkpoints)", file=_out())
+    return EXIT_OK
+
+
+def _manifest(client: TrainerClient, run: str, checkpoint_id: int, as_json: bool) -> int:
+    entries = client.manifest(run, checkpoint_id)
+    if as_json:
+        json_lines(entries, _out())
+        return EXIT_OK
+    columns: list[Column] = [
+        ("EPISODE", lambda e: e["episode"]),
+        ("ACTION", lambda e: e["action"]),
+        ("ATTEMPT", lambda e: e["attempt"]),
+        ("CAPTURE_KEY", lambda e: e["capture_key"]),
+        ("CUT", lambda e: f"{e['cut']['partition']}:{e['cut']['offset']}"),
+        ("LAST_STAGE", lambda e: e.get("last_stage")),
+    ]
+    if not table(entries, columns, _out()):
+        print(f"(checkpoint {checkpoint_id} holds no episode)", file=_out())
     return EXIT_OK
 
 
