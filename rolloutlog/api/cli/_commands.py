@@ -175,7 +175,9 @@ def _controller_options(f: Any) -> Any:
 def _epoch(client: TrainerClient, run: str, take_over: bool, epoch: int | None) -> int:
     """The controller epoch to act with: taken over, given, or the run's current one."""
     if take_over and epoch is not None:
-        raise click.UsageError("--take-over and --epoch exclude each other")
+        raise click.UsageError(
+            "--take-over and --epoch exclude each other", click.get_current_context()
+        )
     if take_over:
         return client.take_over(run)
     if epoch is not None:
@@ -287,7 +289,10 @@ def checkpoints(
 ) -> int:
     """List RUN's checkpoints, newest first; or show checkpoint ID (or the latest committed)."""
     if manifest and checkpoint_id is None:
-        raise click.UsageError("--manifest needs a checkpoint: checkpoints RUN ID --manifest")
+        raise click.UsageError(
+            "--manifest needs a checkpoint: checkpoints RUN ID --manifest",
+            click.get_current_context(),
+        )
     if checkpoint_id is not None:
         info = client.get_checkpoint(run, checkpoint_id)  # type: ignore[arg-type]
         if manifest:
@@ -368,7 +373,9 @@ def _excluded(exclude: Sequence[str], exclude_file: Path | None) -> list[str]:
         try:
             text = exclude_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise click.BadParameter(str(e), param_hint="'--exclude-file'") from e
+            raise click.BadParameter(
+                str(e), click.get_current_context(), param_hint="'--exclude-file'"
+            ) from e
         found.extend(line.strip() for line in text.splitlines() if line.strip())
     return found
 
