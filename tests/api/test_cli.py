@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -26,7 +27,13 @@ import pytest
 
 from rolloutlog.api.cli import cli as command_tree
 from rolloutlog.api.cli import main
-from rolloutlog.api.cli._main import EXIT_BROKEN_PIPE, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
+from rolloutlog.api.cli._main import (
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    EXIT_REFUSED,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+)
 from tests import factories as f
 from tests._services import ROOT
 from tests.api.conftest import TOKENS, bearer, wire
@@ -241,6 +248,40 @@ def test_no_wait_returns_at_once_with_the_checkpoint_pending(server: Server, cli
     assert cli("checkpoints", "cli-wait", "latest").lines()[0] == (
         f"checkpoint {body['checkpoint_id']}: committed"
     )
+
+
+def test_ctrl_c_ends_a_waiting_command_with_130(server: Server) -> None:
+    seed(server, "cli-int", "i")
+    post(
+        server,
+        "/v1/runs/cli-int/events",
+        "participant",
+        wire(f.step_started("i", "close", mode="wait")),
+    )
+    environ = {**os.environ, "ROLLOUTLOG_URL": server.url, "ROLLOUTLOG_TOKEN": TOKENS["admin"]}
+    proc = subprocess.Popen(
+        [*CLI, "checkpoint", "cli-int", "--take-over", "--deadline", "60"],
+        cwd=ROOT,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while not httpx.get(
+        f"{server.url}/v1/runs/cli-int/checkpoints", headers=bearer("analyst")
+    ).json()["checkpoints"]:
+        assert time.monotonic() < deadline and proc.poll() is None, "the checkpoint never began"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)  # while it waits for the checkpoint
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_INTERRUPTED
+    assert [line for line in err.splitlines() if line] == [
+        "rolloutlog: interrupted: stopped before it finished"
+    ], err
+    assert out == ""
+    # The checkpoint goes on without its client: close the wait step so that it commits.
+    post(server, "/v1/runs/cli-int/events", "participant", wire(f.boundary("i", "close")))
 
 
 def test_every_listing_prints_json_lines(server: Server, cli: Cli) -> None:
