@@ -7,11 +7,14 @@ from pathlib import Path
 
 from rolloutlog.api._tokens import Tokens
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Settings"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "LOG_LEVELS", "Settings"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8750
 DEFAULT_DATA_DIR = Path("rolloutlog-data")
+#: The service's log levels (``serve --log-level``), least verbose last.
+LOG_LEVELS = ("debug", "info", "warning", "error")
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -24,9 +27,9 @@ class Settings:
     catalog_url: str | None = None
     tokens: Tokens = field(default_factory=Tokens)
     #: Largest body ``POST …/events`` accepts (streamed; refused at the limit with 413).
-    max_events_bytes: int = 32 * 1024 * 1024
+    max_events_bytes: int = 32 * MIB
     #: Largest body any other route accepts.
-    max_request_bytes: int = 4 * 1024 * 1024
+    max_request_bytes: int = 4 * MIB
     #: Committed checkpoints kept per run (older ones expire).
     keep_committed: int = 2
     #: Processes that validate and encode append bodies (0: in the service's own process).

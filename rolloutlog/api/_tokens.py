@@ -2,8 +2,9 @@
 
 Roles are ``participant``, ``trainer`` and ``analyst``; ``admin`` holds all three. Tokens come
 from a file (JSON or TOML: ``{"trainer": ["…"], "analyst": "…"}``) and/or the environment
-(``ROLLOUTLOG_TOKEN_TRAINER=tok1,tok2``). With no token configured at all, authentication is off
-and the service must listen on loopback only (``serve`` refuses anything else).
+(``ROLLOUTLOG_TOKEN_TRAINER=tok1,tok2``, or a file named by ``ROLLOUTLOG_TOKEN_TRAINER_FILE``).
+With no token configured at all, authentication is off and the service must listen on loopback
+only (``serve`` refuses anything else).
 
 A presented token is compared with *every* configured token using ``hmac.compare_digest``, so
 neither the match nor its position leaks through timing.
@@ -14,7 +15,6 @@ from __future__ import annotations
 import enum
 import hmac
 import ipaddress
-import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from rolloutlog.api._env import env_value
 from rolloutlog.errors import ConfigurationError
 
 __all__ = [
@@ -123,12 +124,12 @@ class Tokens:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Tokens:
-        """``ROLLOUTLOG_TOKEN_<ROLE>``, comma-separated for several tokens."""
-        env = os.environ if environ is None else environ
+        """``ROLLOUTLOG_TOKEN_<ROLE>`` (or the file ``ROLLOUTLOG_TOKEN_<ROLE>_FILE`` names),
+        comma- or newline-separated for several tokens."""
         mapping: dict[str, list[str]] = {}
         for role in Role:
-            value = env.get(ENV_PREFIX + role.value.upper(), "")
-            tokens = [t.strip() for t in value.split(",") if t.strip()]
+            value = env_value(ENV_PREFIX + role.value.upper(), environ) or ""
+            tokens = [t.strip() for t in value.replace("\n", ",").split(",") if t.strip()]
             if tokens:
                 mapping[role.value] = tokens
         return cls.from_mapping(mapping, "environment")

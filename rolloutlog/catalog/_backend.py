@@ -126,18 +126,24 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+#: PostgreSQL URLs as operators write them (libpq's ``postgresql://``, the shorter
+#: ``postgres://`` of many hosting providers): all of them go through asyncpg.
+POSTGRES_SCHEMES = ("postgresql+asyncpg://", "postgresql://", "postgres://")
+
+
 def backend_for(url: str) -> Backend:
     """The backend for a catalog URL, its module imported only when chosen."""
     if url.startswith("sqlite+aiosqlite://"):
         from rolloutlog.catalog._sqlite import SQLiteBackend
 
         return SQLiteBackend(url)
-    if url.startswith("postgresql+asyncpg://"):
+    scheme = next((s for s in POSTGRES_SCHEMES if url.startswith(s)), None)
+    if scheme is not None:
         from rolloutlog.catalog._postgres import PostgresBackend
 
-        return PostgresBackend(url)
+        return PostgresBackend(POSTGRES_SCHEMES[0] + url.removeprefix(scheme))
     raise CatalogError(
         f"unsupported catalog URL {url!r}: use sqlite+aiosqlite:///PATH or "
-        "postgresql+asyncpg://USER@HOST/DB",
+        "postgresql://USER@HOST/DB (also postgres://, postgresql+asyncpg://)",
         url=url,
     )

@@ -142,6 +142,15 @@ class _Calls:
         return f"/v1/runs/{run}/checkpoints/{checkpoint_id}"
 
     @staticmethod
+    def _restores_call(run: str, limit: int) -> _Call:
+        return _Call("GET", f"/v1/runs/{run}/restores", _params(limit=limit))
+
+    @staticmethod
+    def _history_call(run: str, episode: str, after: int | None, limit: int | None) -> _Call:
+        path = f"/v1/runs/{run}/episodes/{episode}"
+        return _Call("GET", path, _params(after=after, limit=limit))
+
+    @staticmethod
     def _projection_call(
         run: str, episode: str, restore: CheckpointRef | None, checkpoint: int | None
     ) -> _Call:
@@ -373,6 +382,19 @@ class AsyncTrainerClient(_Calls):
         return RestoreInfo.from_json(
             await self._send(_Call("GET", f"/v1/runs/{run}/restores/{restore_id}"))
         )
+
+    async def list_restores(self, run: str, *, limit: int = 100) -> list[RestoreInfo]:
+        """The run's restores, newest first (without their episodes)."""
+        body = await self._send(self._restores_call(run, limit))
+        return [RestoreInfo.from_json(r) for r in body["restores"]]
+
+    async def episode_history(
+        self, run: str, episode: str, *, after: int | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """One episode across attempts: why each began, its manifest and plan entries, its
+        event timeline from offset ``after`` on (``GET …/episodes/{episode}``; docs/api.md)."""
+        result: dict[str, Any] = await self._send(self._history_call(run, episode, after, limit))
+        return result
 
     async def restore_episodes(
         self, run: str, restore_id: int, *, action: str | None = None
@@ -607,6 +629,18 @@ class TrainerClient(_Calls):
         return RestoreInfo.from_json(
             self._send(_Call("GET", f"/v1/runs/{run}/restores/{restore_id}"))
         )
+
+    def list_restores(self, run: str, *, limit: int = 100) -> list[RestoreInfo]:
+        """The run's restores, newest first (without their episodes)."""
+        body = self._send(self._restores_call(run, limit))
+        return [RestoreInfo.from_json(r) for r in body["restores"]]
+
+    def episode_history(
+        self, run: str, episode: str, *, after: int | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """One episode across attempts (see ``AsyncTrainerClient.episode_history``)."""
+        result: dict[str, Any] = self._send(self._history_call(run, episode, after, limit))
+        return result
 
     def restore_episodes(
         self, run: str, restore_id: int, *, action: str | None = None

@@ -1,11 +1,10 @@
 """End to end through a real server: ``python -m rolloutlog.api.cli serve`` in a subprocess
-(uvicorn, a free loopback port, tokens from a file), the trainer client, the CLI, and a graceful
-shutdown by SIGTERM that finishes in-flight appends."""
+(uvicorn, a free loopback port, tokens from a file), the trainer client, and a graceful shutdown
+by SIGTERM that finishes in-flight appends. The CLI's commands: tests/api/test_cli.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -96,19 +95,6 @@ def post(server: Server, path: str, role: str, body: Any, **kw: Any) -> httpx.Re
     return httpx.post(server.url + path, json=body, headers=bearer(role), timeout=30, **kw)
 
 
-def cli(server: Server, *args: str, token: str = "admin") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ROLLOUTLOG_URL": server.url, "ROLLOUTLOG_TOKEN": TOKENS[token]}
-    return subprocess.run(
-        [sys.executable, "-m", "rolloutlog.api.cli", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_the_whole_path_through_a_real_server(server: Server) -> None:
     assert post(server, "/v1/runs", "trainer", {"run": "e2e", "partitions": 4}).status_code == 201
     registered = post(
@@ -161,62 +147,6 @@ def test_the_whole_path_through_a_real_server(server: Server) -> None:
     log = server.log.read_text()
     assert '"message":"service stopped"' in log
     assert all(line.startswith("{") for line in log.splitlines() if line.strip())
-
-
-def test_the_cli_against_a_real_server(server: Server) -> None:
-    post(server, "/v1/runs", "trainer", {"run": "cli", "partitions": 2})
-    post(server, "/v1/runs/cli/participants", "participant", {"id": "env-0", "kind": "environment"})
-    post(server, "/v1/runs/cli/events", "participant", wire(f.started("a"), f.boundary("a")))
-
-    runs = cli(server, "runs")
-    assert runs.returncode == 0, runs.stderr
-    header, row = runs.stdout.splitlines()[:2]
-    assert header.split()[:3] == ["RUN", "PARTITIONS", "EPOCH"]
-    assert row.split()[:2] == ["cli", "2"]
-
-    no_controller = cli(server, "checkpoint", "cli")
-    assert no_controller.returncode == 1
-    assert "--take-over" in no_controller.stderr
-
-    taken = cli(server, "checkpoint", "cli", "--take-over", "--json")
-    assert taken.returncode == 0, taken.stderr
-    checkpoint = json.loads(taken.stdout)
-    assert (checkpoint["status"], checkpoint["counts"]["continue"]) == ("committed", 1)
-
-    again = cli(server, "checkpoint", "cli")  # as the current controller
-    assert again.returncode == 0, again.stderr
-    assert again.stdout.startswith("checkpoint 2: committed")
-
-    listed = cli(server, "checkpoints", "cli")
-    assert [line.split()[:2] for line in listed.stdout.splitlines()[1:]] == [
-        ["2", "committed"],
-        ["1", "committed"],
-    ]
-
-    restored = cli(server, "restore", "cli", "--episodes")
-    assert restored.returncode == 0, restored.stderr
-    assert "restore 1 from checkpoint 2" in restored.stdout
-    assert any(
-        line.split()[:3] == ["a", "continue", "0->1"] for line in restored.stdout.splitlines()
-    )
-
-    episodes = cli(server, "episodes", "cli", "--json")
-    assert [json.loads(line)["capture_key"] for line in episodes.stdout.splitlines()] == ["a-a1"]
-
-    forbidden = cli(server, "restore", "cli", token="analyst")
-    assert forbidden.returncode == 1
-    assert "forbidden" in forbidden.stderr
-
-    unreachable = subprocess.run(
-        [sys.executable, "-m", "rolloutlog.api.cli", "runs", "--url", "http://127.0.0.1:1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert unreachable.returncode == 1
-    assert "cannot reach" in unreachable.stderr
 
 
 def test_sigterm_finishes_in_flight_appends_and_loses_none(server: Server) -> None:

@@ -38,7 +38,7 @@ def test_capture_keys() -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["mysql+aiomysql://x/y", "sqlite:///plain-sync.db", "postgresql://sync/driver"]
+    "url", ["mysql+aiomysql://x/y", "sqlite:///plain-sync.db", "postgresql+psycopg2://sync/driver"]
 )
 def test_unsupported_urls_are_refused(url: str) -> None:
     with pytest.raises(CatalogError, match="unsupported catalog URL"):

@@ -1,0 +1,29 @@
+"""The ``rolloutlog`` command: ``serve`` the service, or talk to one.
+
+    rolloutlog serve [--data-dir DIR] [--host H] [--port P] [--log URL] [--catalog URL] …
+    rolloutlog runs [list | show RUN | create RUN | delete RUN]
+    rolloutlog checkpoint RUN [--deadline S] [--no-wait] [--take-over | --epoch N]
+    rolloutlog checkpoints RUN [ID|latest] [--status S] [--limit N]
+    rolloutlog restore RUN [--checkpoint ID|latest] [--exclude EPISODE]… [--episodes]
+    rolloutlog restores RUN [ID]
+    rolloutlog episodes RUN [--status S]
+    rolloutlog episode RUN EPISODE
+    rolloutlog completion bash|zsh|fish
+    rolloutlog --version
+
+Exit codes, the ``--json`` convention (JSON Lines) and the environment variables are in
+docs/api.md, "CLI clients". ``python -m rolloutlog.api.cli`` runs it too. It lives in the ``api`` package
+because ``serve`` configures and starts the app from that package's private modules; the
+client commands import nothing of the server's stack, so that the command starts fast.
+"""
+
+from __future__ import annotations
+
+from rolloutlog.api.cli._commands import COMMANDS
+from rolloutlog.api.cli._main import cli, main
+from rolloutlog.api.cli._serve import GC_THRESHOLDS, serve
+
+__all__ = ["GC_THRESHOLDS", "cli", "main"]
+
+for _command in [serve, *COMMANDS]:
+    cli.add_command(_command)

@@ -1,0 +1,331 @@
+"""``rolloutlog serve``: configure (flags > ``ROLLOUTLOG_*`` > ``*_FILE`` > defaults), check
+what can be checked before anything opens, then run the service on uvicorn.
+
+A start-up failure is one line on stderr naming its cause and the exit code, and nothing else:
+``rolloutlog serve: cannot start: CODE: message (exit N)`` — exit 2 for a configuration mistake
+(fix the flags or variables), 1 for anything the environment refused (a database, a broker, a
+data directory in use, a port taken).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+from click.core import ParameterSource
+
+from rolloutlog.api._env import FILE_SUFFIX, SECRET_SETTINGS, env_name
+from rolloutlog.api._settings import (
+    DEFAULT_DATA_DIR,
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    LOG_LEVELS,
+    MIB,
+    Settings,
+)
+from rolloutlog.api._tokens import ENV_PREFIX, MIN_TOKEN_LENGTH, Role
+from rolloutlog.api.cli._main import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
+from rolloutlog.errors import ConfigurationError, RolloutlogError
+
+if TYPE_CHECKING:
+    import socket
+
+    import uvicorn
+    from fastapi import FastAPI
+
+__all__ = ["GC_THRESHOLDS", "serve", "start_failure"]
+
+#: The garbage collector's thresholds while serving (see ``run_service``).
+GC_THRESHOLDS = (50_000, 50, 1_000)
+
+#: ``details["backend"]`` of the catalog's errors: a start-up failure names the catalog's URL.
+CATALOG_BACKENDS = frozenset({"postgresql", "sqlite"})
+
+
+def no_tokens_message(host: str) -> str:
+    env = ", ".join(ENV_PREFIX + role.value.upper() for role in Role)
+    return (
+        f"refusing to listen on {host} without tokens (anyone who can reach that address could "
+        "append events, take over runs and restore them): give --tokens FILE (a JSON or TOML file "
+        f"mapping roles to tokens of {MIN_TOKEN_LENGTH}+ characters) or set {env} (or their "
+        f"{FILE_SUFFIX} variants), or listen on a loopback address (--host {DEFAULT_HOST})"
+    )
+
+
+def start_failure(code: str, message: str, exit_code: int) -> int:
+    """Print the one line of a failed start and return its exit code."""
+    line = f"rolloutlog serve: cannot start: {code}: {message} (exit {exit_code})"
+    print(" ".join(line.split()), file=sys.stderr)
+    return exit_code
+
+
+def _option(*decls: str, field: str, **kw: Any) -> Callable[[Any], Any]:
+    """A ``serve`` flag; its variable is read by ``ServeConfig``, named here for ``--help``."""
+    name = env_name(field)
+    names = f"{name}, {name}{FILE_SUFFIX}" if field in SECRET_SETTINGS else name
+    help_text = f"{kw.pop('help')} [env var: {names}]"
+    return click.option(*decls, field, help=help_text, show_default=True, **kw)
+
+
+@click.command()
+@_option(
+    "--data-dir",
+    field="data_dir",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_DATA_DIR,
+    help="Directory of the embedded log and the SQLite catalog.",
+)
+@_option(
+    "--host",
+    field="host",
+    default=DEFAULT_HOST,
+    help="Address to listen on; a non-loopback one needs tokens.",
+)
+@_option("--port", field="port", type=int, default=DEFAULT_PORT, help="Port to listen on.")
+@_option(
+    "--log",
+    field="log_url",
+    metavar="URL",
+    help="Log URL: kafka://HOST:PORT[,HOST:PORT…] or embedded:///DIR [default: embedded "
+    "under the data directory]",
+)
+@_option(
+    "--catalog",
+    field="catalog_url",
+    metavar="URL",
+    help="Catalog URL: postgresql://USER:PASSWORD@HOST/DB (also postgres://, "
+    "postgresql+asyncpg://) or sqlite+aiosqlite:///PATH [default: SQLite under the data "
+    "directory]",
+)
+@_option(
+    "--tokens",
+    field="tokens",
+    type=click.Path(path_type=Path),
+    metavar="FILE",
+    help="JSON (.json) or TOML file of bearer tokens per role; ROLLOUTLOG_TOKEN_<ROLE> "
+    "variables add to it.",
+)
+@_option(
+    "--keep-committed",
+    field="keep_committed",
+    type=int,
+    default=Settings.keep_committed,
+    help="Committed checkpoints kept per run.",
+)
+@_option(
+    "--max-body-mb",
+    field="max_body_mb",
+    type=int,
+    default=Settings.max_events_bytes // MIB,
+    help="Largest append body, in MiB.",
+)
+@_option(
+    "--validation-workers",
+    field="validation_workers",
+    type=int,
+    default=Settings.validation_workers,
+    help="Processes that validate and encode appends (0: the service's own).",
+)
+@_option(
+    "--log-level",
+    field="log_level",
+    type=click.Choice(LOG_LEVELS),
+    default="info",
+    help="Least severe log record written (JSON lines on stderr).",
+)
+@_option("--access-log", field="access_log", is_flag=True, default=False, help="Log every request.")
+@_option(
+    "--shutdown-timeout",
+    field="shutdown_timeout",
+    type=float,
+    default=Settings.drain_timeout_s,
+    help="Seconds a graceful stop waits for in-flight requests.",
+)
+@_option(
+    "--header-timeout",
+    field="header_timeout",
+    type=float,
+    default=Settings.header_timeout_s,
+    help="Seconds a request's headers may take (then 408).",
+)
+@_option(
+    "--body-timeout",
+    field="body_timeout",
+    type=float,
+    default=Settings.body_timeout_s,
+    help="Seconds a request body may stall (then 408).",
+)
+@_option(
+    "--max-inflight-appends",
+    field="max_inflight_appends",
+    type=int,
+    default=Settings.max_inflight_appends,
+    help="Appends processed at once; one more is refused with 503.",
+)
+@click.pass_context
+def serve(ctx: click.Context, /, **flags: Any) -> int:
+    """Run the service (REST API, projector, checkpoints and restores).
+
+    Every flag can also come from its ROLLOUTLOG_* variable; the log and catalog URLs also from
+    a file named by ROLLOUTLOG_LOG_URL_FILE / ROLLOUTLOG_CATALOG_URL_FILE (Docker secrets).
+    Precedence: flag, then variable, then *_FILE, then default.
+
+    \b
+    Exit codes: 0 stopped by SIGTERM/SIGINT; 1 could not start (a backend, the data
+    directory or the port refused); 2 a configuration mistake.
+    """
+    given = {
+        name: value
+        for name, value in flags.items()
+        if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    }
+    flag_names = {p.name: p.opts[0] for p in ctx.command.params if p.name}
+    return run_service(given, flag_names)
+
+
+def run_service(given: Mapping[str, Any], flag_names: Mapping[str, str]) -> int:
+    """Configure, check and run the service; its exit code."""
+    from rolloutlog.api._config import ServeConfig
+    from rolloutlog.api._tokens import Tokens, is_loopback_host
+
+    try:
+        config = ServeConfig.load(given, flag_names)
+        tokens = Tokens.load(config.tokens)
+    except ConfigurationError as e:
+        return start_failure(e.code, e.message, EXIT_USAGE)
+    if not tokens.enabled and not is_loopback_host(config.host):
+        return start_failure(ConfigurationError.code, no_tokens_message(config.host), EXIT_USAGE)
+    settings = config.settings(tokens)
+    locked = _data_dir_in_use(settings)
+    if locked is not None:
+        return start_failure(locked.code, locked.message, EXIT_REFUSED)
+    try:
+        listener = _listen(config.host, config.port)
+    except OSError as e:
+        where = f"{config.host}:{config.port}"
+        return start_failure("cannot_listen", f"{where}: {e.strerror or e}", EXIT_REFUSED)
+    with listener:
+        return _serve(
+            config.log_level, config.access_log, config.shutdown_timeout, settings, listener
+        )
+
+
+def _serve(
+    log_level: str,
+    access_log: bool,
+    shutdown_timeout: float,
+    settings: Settings,
+    listener: socket.socket,
+) -> int:
+    import asyncio
+    import gc
+    import math
+    import signal
+
+    import uvicorn
+
+    from rolloutlog.api._app import create_app
+    from rolloutlog.api._logging import configure_logging, uvicorn_log_config
+    from rolloutlog.api._protocol import http_protocol
+
+    configure_logging(log_level)
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        http=http_protocol(settings.header_timeout_s),
+        log_config=uvicorn_log_config(log_level, access_log),
+        access_log=access_log,
+        timeout_graceful_shutdown=math.ceil(shutdown_timeout),
+        # The lifespan (opening the log and the catalog) runs in ``_start_then_serve`` before
+        # uvicorn starts: a start-up failure is then one line on stderr, not a logged traceback.
+        lifespan="off",
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    # An append allocates thousands of short-lived objects (envelopes, records, the projector's
+    # decoded metadata); with the default thresholds (700, 10, 10) the collector ran every few
+    # requests and walked the projector's trackers each time. Measured: ~7k -> ~10k events/s.
+    gc.set_threshold(*GC_THRESHOLDS)
+    # uvicorn handles SIGTERM/SIGINT itself (stop accepting, finish in-flight requests, run the
+    # lifespan's shutdown), then re-raises the signal with the handlers it found. These make
+    # that last step a no-op, so a graceful stop exits 0 rather than dying by the signal.
+    stopped_by: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda number, frame: stopped_by.append(number))
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        failed = runner.run(_start_then_serve(app, server, settings, listener, stopped_by))
+    if failed is not None:
+        return failed
+    return EXIT_OK if server.started or stopped_by else EXIT_REFUSED
+
+
+async def _start_then_serve(
+    app: FastAPI,
+    server: uvicorn.Server,
+    settings: Settings,
+    listener: socket.socket,
+    stopped_by: list[int],
+) -> int | None:
+    """Open the service (the app's lifespan), then serve until a signal; the exit code when it
+    could not start, after printing why."""
+    import contextlib
+
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            await stack.enter_async_context(app.router.lifespan_context(app))
+        except Exception as e:  # whatever stopped the start, the operator needs its cause
+            return start_failure(*_failure(e, settings))
+        if not stopped_by:  # a SIGTERM during start-up: stop as soon as it is up
+            await server.serve(sockets=[listener])
+    return None
+
+
+def _failure(error: BaseException, settings: Settings) -> tuple[str, str, int]:
+    """Code, cause (naming the catalog, when it was that) and exit code of a failed start."""
+    if not isinstance(error, RolloutlogError):
+        return "internal", f"{type(error).__name__}: {error}", EXIT_REFUSED
+    cause = error.message
+    if error.details.get("backend") in CATALOG_BACKENDS:
+        from sqlalchemy.engine import make_url
+
+        url = make_url(settings.resolved_catalog_url).render_as_string(hide_password=True)
+        cause += f" (catalog {url})"
+    local = isinstance(error, ConfigurationError)
+    return error.code, cause, EXIT_USAGE if local else EXIT_REFUSED
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The service's socket, bound before the log and catalog open: a port already taken
+    fails the start at once, before a catalog migration or a log recovery ran for nothing."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _data_dir_in_use(settings: Settings) -> RolloutlogError | None:
+    """Why the embedded data directory cannot be ours, before anything opens it. The log takes
+    the lock for good when the service starts (a process that wins the race in between makes
+    that start fail instead, still before the catalog is touched)."""
+    url = settings.resolved_log_url
+    if not url.startswith("embedded://"):
+        return None
+    from rolloutlog.log import DataDirLock
+    from rolloutlog.log.embedded import from_url
+
+    try:
+        DataDirLock.acquire(from_url(url).data_dir).release()
+    except RolloutlogError as e:
+        return e
+    return None

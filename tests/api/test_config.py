@@ -1,0 +1,203 @@
+"""``rolloutlog serve`` configured from the environment: every setting from its ``ROLLOUTLOG_*``
+variable, the secrets from ``*_FILE`` files, one precedence rule (flag > variable > file >
+default), ``postgres://`` URLs, and start-up failures as one line with the exit code. A service
+started from the environment alone (the container's variables): tests/api/test_deploy.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from rolloutlog.api import Role, Tokens
+from rolloutlog.api._config import ServeConfig
+from rolloutlog.catalog import open_catalog
+from rolloutlog.errors import ConfigurationError
+from tests._services import free_port
+from tests.api.conftest import TOKENS
+
+SERVE = (sys.executable, "-m", "rolloutlog.api.cli", "serve")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``ROLLOUTLOG_*`` setting of the machine leaks in (the tests' own stay)."""
+    for name in list(os.environ):
+        if name.startswith("ROLLOUTLOG_") and not name.startswith(
+            ("ROLLOUTLOG_TEST_", "ROLLOUTLOG_REQUIRE_")
+        ):
+            monkeypatch.delenv(name)
+
+
+def test_one_precedence_rule_flag_variable_file_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert ServeConfig.load({}, {}).catalog_url is None  # the default: SQLite under the data dir
+    secret = tmp_path / "catalog_url"
+    secret.write_text("postgres://rolloutlog:pw@db/rolloutlog\n")  # a secrets file's newline
+    monkeypatch.setenv("ROLLOUTLOG_CATALOG_URL_FILE", str(secret))
+    assert ServeConfig.load({}, {}).catalog_url == "postgres://rolloutlog:pw@db/rolloutlog"
+    monkeypatch.setenv("ROLLOUTLOG_CATALOG_URL", "postgresql://from-the-variable/db")
+    assert ServeConfig.load({}, {}).catalog_url == "postgresql://from-the-variable/db"
+    flag = {"catalog_url": "sqlite+aiosqlite:///flag.sqlite3"}
+    assert ServeConfig.load(flag, {}).catalog_url == "sqlite+aiosqlite:///flag.sqlite3"
+    # An empty variable counts as unset (``VAR=`` in an env file): the file applies again.
+    monkeypatch.setenv("ROLLOUTLOG_CATALOG_URL", "")
+    assert ServeConfig.load({}, {}).catalog_url == "postgres://rolloutlog:pw@db/rolloutlog"
+    monkeypatch.setenv("ROLLOUTLOG_PORT", "9001")
+    assert ServeConfig.load({}, {}).port == 9001
+    assert ServeConfig.load({"port": 9002}, {}).port == 9002
+
+
+def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = {
+        "DATA_DIR": "/srv/rolloutlog",
+        "HOST": "0.0.0.0",
+        "PORT": "9000",
+        "LOG_URL": "kafka://kafka:9092",
+        "CATALOG_URL": "postgresql://u@db/x",
+        "TOKENS": "/etc/rolloutlog/tokens.toml",
+        "KEEP_COMMITTED": "5",
+        "MAX_BODY_MB": "64",
+        "VALIDATION_WORKERS": "2",
+        "LOG_LEVEL": "warning",
+        "ACCESS_LOG": "true",
+        "SHUTDOWN_TIMEOUT": "12.5",
+        "HEADER_TIMEOUT": "4",
+        "BODY_TIMEOUT": "6",
+        "MAX_INFLIGHT_APPENDS": "8",
+    }
+    assert {name.lower() for name in values} == set(ServeConfig.model_fields)
+    for name, value in values.items():
+        monkeypatch.setenv(f"ROLLOUTLOG_{name}", value)
+    config = ServeConfig.load({}, {})
+    assert (config.host, config.port, config.tokens) == (
+        "0.0.0.0",
+        9000,
+        Path("/etc/rolloutlog/tokens.toml"),
+    )
+    assert (config.log_level, config.access_log) == ("warning", True)
+    settings = config.settings(Tokens())
+    assert settings.data_dir == Path("/srv/rolloutlog")
+    assert (settings.log_url, settings.catalog_url) == ("kafka://kafka:9092", "postgresql://u@db/x")
+    assert (settings.keep_committed, settings.max_events_bytes) == (5, 64 * 1024 * 1024)
+    assert (settings.validation_workers, settings.drain_timeout_s) == (2, 12.5)
+    assert (settings.header_timeout_s, settings.body_timeout_s) == (4, 6)
+    assert settings.max_inflight_appends == 8
+
+
+def test_a_bad_value_names_where_it_came_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("ROLLOUTLOG_PORT", "http")
+    with pytest.raises(ConfigurationError, match=r"^ROLLOUTLOG_PORT: .*valid integer.*'http'"):
+        ServeConfig.load({}, {})
+    monkeypatch.delenv("ROLLOUTLOG_PORT")
+    with pytest.raises(ConfigurationError, match=r"^--keep-committed: .*greater than 0"):
+        ServeConfig.load({"keep_committed": 0}, {"keep_committed": "--keep-committed"})
+    monkeypatch.setenv("ROLLOUTLOG_LOG_LEVEL", "chatty")
+    with pytest.raises(ConfigurationError, match=r"ROLLOUTLOG_LOG_LEVEL: .*debug, info"):
+        ServeConfig.load({}, {})
+    monkeypatch.delenv("ROLLOUTLOG_LOG_LEVEL")
+    monkeypatch.setenv("ROLLOUTLOG_LOG_URL_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ConfigurationError, match=r"^ROLLOUTLOG_LOG_URL_FILE: cannot read "):
+        ServeConfig.load({}, {})
+
+
+def test_tokens_come_from_their_variables_or_files(tmp_path: Path) -> None:
+    trainer = tmp_path / "trainer"
+    trainer.write_text(f"{TOKENS['trainer']}\n{TOKENS['admin']}\n")  # one per line
+    tokens = Tokens.from_env(
+        {
+            "ROLLOUTLOG_TOKEN_TRAINER_FILE": str(trainer),
+            "ROLLOUTLOG_TOKEN_ANALYST": TOKENS["analyst"],
+            "ROLLOUTLOG_TOKEN_ANALYST_FILE": str(tmp_path / "never-read"),
+        }
+    )
+    assert tokens.roles_of(TOKENS["trainer"]) == {Role.TRAINER}
+    assert tokens.roles_of(TOKENS["admin"]) == {Role.TRAINER}
+    assert tokens.roles_of(TOKENS["analyst"]) == {Role.ANALYST}  # the variable wins
+    with pytest.raises(ConfigurationError, match="ROLLOUTLOG_TOKEN_ADMIN_FILE"):
+        Tokens.from_env({"ROLLOUTLOG_TOKEN_ADMIN_FILE": str(tmp_path / "missing")})
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("scheme", ["postgres://", "postgresql://", "postgresql+asyncpg://"])
+async def test_every_spelling_of_a_postgresql_url_opens_the_catalog(
+    postgres_schema: str, scheme: str
+) -> None:
+    url = scheme + postgres_schema.split("://", 1)[1]
+    async with open_catalog(url) as catalog:
+        run = f"spelled-{uuid.uuid4().hex[:6]}"
+        await catalog.create_run(run, log_url="embedded:///nowhere", partitions=2)
+        assert (await catalog.get_run(run)).partitions == 2
+
+
+def _one_line_failure(env: dict[str, str], *args: str, cwd: Path) -> tuple[int, str]:
+    done = subprocess.run(
+        [*SERVE, *args],
+        cwd=cwd,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and done.stdout == "", done.stderr
+    assert lines[0].startswith("rolloutlog serve: cannot start: "), lines[0]
+    assert lines[0].endswith(f"(exit {done.returncode})"), lines[0]
+    return done.returncode, lines[0]
+
+
+@pytest.mark.slow
+def test_a_bad_setting_or_a_taken_port_is_one_line(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    status, line = _one_line_failure(
+        {"ROLLOUTLOG_PORT": "eighty"}, "--data-dir", str(data), cwd=tmp_path
+    )
+    assert status == 2 and "invalid_configuration: ROLLOUTLOG_PORT: " in line
+    status, line = _one_line_failure(
+        {"ROLLOUTLOG_TOKENS": str(tmp_path / "no-tokens.toml")},
+        "--data-dir",
+        str(data),
+        cwd=tmp_path,
+    )
+    assert status == 2 and "cannot read the token file" in line
+    status, line = _one_line_failure(
+        {"ROLLOUTLOG_HOST": "0.0.0.0"}, "--data-dir", str(data), cwd=tmp_path
+    )
+    assert status == 2 and "refusing to listen on 0.0.0.0 without tokens" in line
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status, line = _one_line_failure(
+            {"ROLLOUTLOG_PORT": str(port), "ROLLOUTLOG_DATA_DIR": str(data)}, cwd=tmp_path
+        )
+    assert status == 1 and f"cannot_listen: 127.0.0.1:{port}: " in line, line
+    # Refused before the log or the catalog opened: nothing was created or migrated.
+    assert not (data / "catalog.sqlite3").exists() and not (data / "log").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_a_missing_database_is_one_line(postgres_url: str, tmp_path: Path) -> None:
+    missing = make_url(postgres_url).set(database=f"missing_{uuid.uuid4().hex[:8]}")
+    url = "postgres://" + missing.render_as_string(hide_password=False).split("://", 1)[1]
+    status, line = _one_line_failure(
+        {"ROLLOUTLOG_CATALOG_URL": url, "ROLLOUTLOG_PORT": str(free_port())},
+        "--data-dir",
+        str(tmp_path),
+        cwd=tmp_path,
+    )
+    assert status == 1
+    assert (
+        f'catalog_error: catalog failed: DBAPIError: database "{missing.database}" does not exist'
+        in line
+    )
