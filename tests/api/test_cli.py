@@ -458,3 +458,46 @@ def test_serve_has_a_flag_for_every_setting() -> None:
     serve = command_tree.commands["serve"]
     flags = {p.name for p in serve.params if isinstance(p, click.Option) and p.name != "help"}
     assert flags == set(ServeConfig.model_fields)
+
+
+def test_results_and_their_acknowledgement(server: Server, cli: Cli) -> None:
+    seed(server, "cli-results", "r1", "r2", "r3")
+    assert cli("checkpoint", "cli-results", "--take-over").status == 0  # all three live
+    finished = [
+        f.finished("r1", reward=0.5, result={"score": 1}),
+        f.finished("r2", reward=2.0, result="done"),
+    ]
+    post(server, "/v1/runs/cli-results/events", "participant", wire(*finished))
+
+    listed = cli("results", "cli-results")  # the group's default: list
+    assert listed.status == 0, listed.err
+    header, *rows = listed.lines()
+    assert header.split()[:4] == ["EPISODE", "ATTEMPT", "CAPTURE_KEY", "REWARD"]
+    assert [row.split()[:4] for row in rows] == [["r1", "0", "r1", "0.5"], ["r2", "0", "r2", "2"]]
+    lines = cli("results", "cli-results", "--json").json_lines()
+    assert [(r["episode"], r["result"], r["acknowledged"]) for r in lines] == [
+        ("r1", {"score": 1}, False),
+        ("r2", "done", False),
+    ]
+    only = cli("results", "cli-results", "--episode", "r2", "--json").json_lines()
+    assert [r["episode"] for r in only] == ["r2"]
+    since = cli("results", "cli-results", "--since-checkpoint", "1", "--json").json_lines()
+    assert [r["episode"] for r in since] == ["r1", "r2"]  # both finished past its cut
+
+    acked = cli("results", "ack", "cli-results", "r1", "r3")
+    assert (acked.status, acked.out) == (0, "acknowledged 1 of 2 results\n"), acked.err
+    again = cli("results", "ack", "cli-results", "r1", "--json").json_lines()
+    assert again == [{"run": "cli-results", "acknowledged": 0}]  # idempotent
+    left = cli("results", "list", "cli-results", "--unacknowledged", "--json").json_lines()
+    assert [r["episode"] for r in left] == ["r2"]
+
+    [restored] = cli("restore", "cli-results", "--exclude-results", "--json").json_lines()
+    assert restored["counts"]["excluded"] == 2  # r1 and r2: their results are held
+    assert restored["unacknowledged_results"] == 1  # r2's
+
+    missing = cli("results", "cli-results", "--since-checkpoint", "9")
+    assert missing.status == EXIT_REFUSED and ": unknown_checkpoint: " in missing.err
+    usage = cli("results", "ack", "cli-results")
+    assert usage.status == EXIT_USAGE and "Missing argument" in usage.err
+    forbidden = cli("results", "ack", "cli-results", "r2", role="analyst")
+    assert forbidden.status == EXIT_REFUSED and ": forbidden: " in forbidden.err

@@ -8,6 +8,8 @@
     rolloutlog restores RUN [ID]
     rolloutlog episodes RUN [--status S]
     rolloutlog episode RUN EPISODE
+    rolloutlog results RUN [--unacknowledged] [--since-checkpoint ID] [--episode EPISODE]…
+    rolloutlog results ack RUN EPISODE…
     rolloutlog completion bash|zsh|fish
     rolloutlog --version
 
@@ -21,9 +23,10 @@ from __future__ import annotations
 
 from rolloutlog.api.cli._commands import COMMANDS
 from rolloutlog.api.cli._main import cli, main
+from rolloutlog.api.cli._results import results
 from rolloutlog.api.cli._serve import GC_THRESHOLDS, serve
 
 __all__ = ["GC_THRESHOLDS", "cli", "main"]
 
-for _command in [serve, *COMMANDS]:
+for _command in [serve, *COMMANDS, results]:
     cli.add_command(_command)

@@ -411,6 +411,11 @@ def _excluded(exclude: Sequence[str], exclude_file: Path | None) -> list[str]:
     type=click.IntRange(min=0),
     help="Restart rather than continue episodes whose policy lags more versions than this.",
 )
+@click.option(
+    "--exclude-results",
+    is_flag=True,
+    help="Also exclude the episodes whose finished result the service holds (see 'results').",
+)
 @click.option("--episodes", is_flag=True, help="Also list the restored episodes and their fate.")
 @_controller_options
 @client_command
@@ -423,6 +428,7 @@ def restore(
     exclude_file: Path | None,
     policy_version: int | None,
     max_policy_lag: int | None,
+    exclude_results: bool,
     episodes: bool,
     take_over: bool,
     epoch: int | None,
@@ -440,6 +446,7 @@ def restore(
             policy_version=policy_version,
             max_policy_lag=max_policy_lag,
             controller_epoch=controller,
+            exclude_results=exclude_results,
         )
         entries = (
             [dataclasses.asdict(e) for e in client.restore_episodes(run, info.restore_id)]
