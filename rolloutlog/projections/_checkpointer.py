@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_WAIT_DEADLINE_S", "CheckpointResult", "Checkpointer"]
 
 _STAGING_KEYS = attrgetter("staging_keys")
+_ACTION = itemgetter(2)
+_SIZE = itemgetter(7)
 
 #: How long a checkpoint waits for open wait steps when the request names no deadline; also how
 #: long a checkpoint or restore waits for the projector to reach the log's offsets.
@@ -129,6 +132,7 @@ class Checkpointer:
             projector.check_running()  # a run whose log was lost meanwhile commits nothing
             timer.stage("waits")
             offsets, entries = _manifest(capture)
+            delta = _delta(capture, entries)
             # Each key once, in the manifest's order (sorting 48,000 keys cost a S1 checkpoint
             # tens of milliseconds).
             staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, entries))))
@@ -137,20 +141,37 @@ class Checkpointer:
             await flush_episodes(self.catalog, projector)
             timer.stage("manifest")
             timings = timer.total()
-            committed = await self.catalog.commit_checkpoint(
-                run,
-                checkpoint_id,
-                controller_epoch,
-                offsets,
-                entries,
-                timings_ms=timings,
-                marked_at=marked_at,
-            )
+            if delta is None:
+                committed = await self.catalog.commit_checkpoint(
+                    run,
+                    checkpoint_id,
+                    controller_epoch,
+                    offsets,
+                    entries,
+                    timings_ms=timings,
+                    marked_at=marked_at,
+                )
+            else:
+                committed = await self.catalog.commit_checkpoint(
+                    run,
+                    checkpoint_id,
+                    controller_epoch,
+                    offsets,
+                    delta.changed,
+                    timings_ms=timings,
+                    marked_at=marked_at,
+                    base_checkpoint_id=delta.base,
+                    removed=delta.removed,
+                    totals=delta.totals,
+                )
             timer.stage("commit")
         except BaseException:
             await self._abort(projector, controller_epoch, capture, "commit failed")
             raise
-        projector.end_capture(capture, committed=True)
+        if delta is None:
+            projector.end_capture(capture, committed=True)
+        else:
+            projector.end_capture(capture, committed=True, depth=delta.depth, amended=delta.amended)
         self._spawn(self._trim(run))
         return CheckpointResult(committed, staging, timer.total())
 
@@ -216,6 +237,46 @@ class Checkpointer:
         for partition, before in floor.items():
             if before > 0 and not await self.log.trim(run, partition, before):
                 return
+
+
+#: A chain of delta manifests is at most this many deltas long: the next manifest is whole.
+MAX_CHAIN_DEPTH = 16
+
+
+@dataclass(frozen=True, slots=True)
+class _Delta:
+    base: int
+    changed: list[ManifestEntry]
+    removed: list[ManifestEntry]
+    totals: dict[str, int]
+    depth: int
+    amended: int
+
+
+def _delta(capture: CheckpointCapture, entries: list[ManifestEntry]) -> _Delta | None:
+    """What the manifest changes from its base's (None: write it whole). Whole when there is no
+    base, when the chain is ``MAX_CHAIN_DEPTH`` deltas long, or when its deltas would amend at
+    least half as many entries as it holds: a read composes at most 1.5x the manifest's
+    entries, and a whole manifest's cost is spread over the deltas before it."""
+    base = capture.base
+    if base is None or base.depth >= MAX_CHAIN_DEPTH:
+        return None
+    before = base.entries
+    get = before.get
+    changed = [entry for entry in entries if get(entry[0]) is not entry]
+    gone = before.keys() - capture.entries.keys()
+    amended = base.amended + len(changed) + len(gone)
+    if 2 * amended >= len(entries):
+        return None
+    counts = Counter(map(_ACTION, entries))
+    totals = {
+        "continue": counts["continue"],
+        "restart": counts["restart"],
+        "finished": counts["finished"],
+        "size_bytes": sum(map(_SIZE, entries)),
+    }
+    removed = [before[episode] for episode in gone]
+    return _Delta(base.checkpoint_id, changed, removed, totals, base.depth + 1, amended)
 
 
 def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[ManifestEntry]]:

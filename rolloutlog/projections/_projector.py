@@ -49,7 +49,14 @@ logger = logging.getLogger(__name__)
 #: How many committed checkpoints' capture versions a projector keeps (retention keeps two).
 _CAPTURES_KEPT = 2
 
-__all__ = ["CheckpointCapture", "Projector", "RestoreReset", "RunHealth", "StartPlan"]
+__all__ = [
+    "CheckpointCapture",
+    "ManifestBase",
+    "Projector",
+    "RestoreReset",
+    "RunHealth",
+    "StartPlan",
+]
 
 
 @dataclass
@@ -68,6 +75,11 @@ class CheckpointCapture:
     waiting: dict[str, tuple[set[str], int]] = field(default_factory=dict)
     #: Each continued episode's tracker version at its cut (see ``Projector.pin_cut_states``).
     versions: dict[str, int] = field(default_factory=dict)
+    #: Each entry's tracker version when it was decided: the next checkpoint reuses the entry
+    #: of a tracker still at that version (waits that expired are decided by the clock: absent).
+    seen: dict[str, int] = field(default_factory=dict)
+    #: The committed checkpoint whose entries this one reuses (the base of its delta manifest).
+    base: ManifestBase | None = None
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     resolved: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -86,8 +98,22 @@ class CheckpointCapture:
                     action="restart", cut_offset=marker, staging_keys=()
                 )
                 self.reasons.setdefault(episode, reason)  # a more precise one may be there
+            self.seen.pop(episode, None)
         self.waiting.clear()
         self.resolved.set()
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestBase:
+    """The newest checkpoint this projector captured and saw commit: its whole manifest, and
+    how its stored manifest is chained (``depth`` deltas since a whole one, ``amended`` entries
+    written in those deltas)."""
+
+    checkpoint_id: int
+    entries: Mapping[str, ManifestEntry]
+    seen: Mapping[str, int]
+    depth: int
+    amended: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +201,8 @@ class Projector:
         self._applied_restores: set[int] = set()
         #: Per committed checkpoint this projector captured: continued episodes' versions.
         self._captured: dict[int, dict[str, int]] = {}
+        #: The newest committed capture, which the next checkpoint's manifest amends.
+        self._base: ManifestBase | None = None
         self._pinned: list[EpisodeTracker] = []
         self._inflight_restores: dict[int, asyncio.Future[bool]] = {}
         self._restore_resets: dict[int, Mapping[str, RestoreReset]] = {}
@@ -527,14 +555,24 @@ class Projector:
 
     def begin_capture(self, checkpoint_id: int) -> CheckpointCapture:
         """Register the checkpoint whose markers are about to be written."""
-        capture = CheckpointCapture(checkpoint_id, self.partitions)
+        capture = CheckpointCapture(checkpoint_id, self.partitions, base=self._base)
         self._capture = capture
         return capture
 
-    def end_capture(self, capture: CheckpointCapture, committed: bool) -> None:
-        """The checkpoint committed (finished episodes are reported: stop tracking them) or not."""
+    def end_capture(
+        self, capture: CheckpointCapture, committed: bool, *, depth: int = 0, amended: int = 0
+    ) -> None:
+        """The checkpoint committed (finished episodes are reported: stop tracking them; its
+        manifest is stored ``depth`` deltas after a whole one, ``amended`` entries in those) or
+        not (the next manifest is written whole: a commit whose reply was lost may be in the
+        catalog all the same)."""
         if self._capture is capture:
             self._capture = None
+        self._base = (
+            ManifestBase(capture.checkpoint_id, capture.entries, capture.seen, depth, amended)
+            if committed
+            else None
+        )
         if committed:
             self._captured[capture.checkpoint_id] = capture.versions
             for old in sorted(self._captured)[:-_CAPTURES_KEPT]:
@@ -558,10 +596,26 @@ class Projector:
         needed = offset
         # One tuple per episode straight from the tracker's fields (``_entry`` inlined: this loop
         # runs for every live episode of the partition while the checkpoint waits); the action
-        # is the fold's capture rule (``EpisodeFold.at_cut``).
+        # is the fold's capture rule (``EpisodeFold.at_cut``). A tracker unchanged since the
+        # previous committed checkpoint keeps that checkpoint's entry (the same object: its
+        # cut is still a cut of the same state, and the manifest's delta leaves it out).
         new, entry_type = tuple.__new__, ManifestEntry
-        versions = capture.versions
+        versions, seen = capture.versions, capture.seen
+        base = capture.base
+        before = base.seen if base is not None else {}
+        reuse = base.entries if base is not None else {}
         for episode, tracker in self.by_partition[partition].items():
+            version = tracker.version
+            if before.get(episode) == version:
+                entry = reuse[episode]
+                entries[episode] = entry
+                seen[episode] = version
+                if entry[2] == "continue":
+                    versions[episode] = version
+                first = tracker.first_offset
+                if first is not None and first < needed:
+                    needed = first
+                continue
             decision = tracker.at_cut()
             if decision is None:
                 continue
@@ -574,10 +628,12 @@ class Projector:
                 needed = first
             if waits:
                 capture.waiting[episode] = (set(tracker.open_waits), offset)
-            elif reason is not None:
-                capture.reasons[episode] = reason
             else:
-                versions[episode] = tracker.version
+                seen[episode] = version
+                if reason is not None:
+                    capture.reasons[episode] = reason
+                else:
+                    versions[episode] = version
             entries[episode] = new(
                 entry_type,
                 (
@@ -609,6 +665,8 @@ class Projector:
                 capture.reasons[tracker.episode] = reason
             elif action == "continue":
                 capture.versions[tracker.episode] = tracker.version
+            if action != "finished":
+                capture.seen[tracker.episode] = tracker.version
             capture.entries[tracker.episode] = _entry(tracker, action, offset + 1)
         if not capture.waiting and len(capture.markers) == capture.partitions:
             capture.resolved.set()
