@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, repeat
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -133,9 +133,10 @@ class Checkpointer:
             timer.stage("waits")
             offsets, entries = _manifest(capture)
             delta = _delta(capture, entries)
+            whole = capture.whole or {}
             # Each key once, in the manifest's order (sorting 48,000 keys cost a S1 checkpoint
             # tens of milliseconds).
-            staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, entries))))
+            staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, whole.values()))))
             # Every finish below the markers is in the catalog before they commit: a restarted
             # projector reads from the new cut on, and would never record it (issue 18).
             await flush_episodes(self.catalog, projector)
@@ -147,7 +148,7 @@ class Checkpointer:
                     checkpoint_id,
                     controller_epoch,
                     offsets,
-                    entries,
+                    list(whole.values()),
                     timings_ms=timings,
                     marked_at=marked_at,
                 )
@@ -254,29 +255,36 @@ class _Delta:
 
 
 def _delta(capture: CheckpointCapture, entries: list[ManifestEntry]) -> _Delta | None:
-    """What the manifest changes from its base's (None: write it whole). Whole when there is no
-    base, when the chain is ``MAX_CHAIN_DEPTH`` deltas long, or when its deltas would amend at
-    least half as many entries as it holds: a read composes at most 1.5x the manifest's
-    entries, and a whole manifest's cost is spread over the deltas before it."""
+    """What the manifest changes from its base's (None: write it whole, ``capture.whole``).
+    ``entries`` are the capture's: every live episode's without a base, else those whose
+    trackers changed. Whole when there is no base, when the chain is ``MAX_CHAIN_DEPTH`` deltas
+    long, or when its deltas would amend at least half as many entries as it holds: a read
+    composes at most 1.5x the manifest's entries, and a whole manifest's cost is spread over
+    the deltas before it. Sets ``capture.totals`` either way, from what changed."""
+    whole = capture.compose()
     base = capture.base
-    if base is None or base.depth >= MAX_CHAIN_DEPTH:
+    if base is None:
+        counts = Counter(map(_ACTION, entries))
+        capture.totals = {
+            **{action: counts[action] for action in ("continue", "restart", "finished")},
+            "size_bytes": sum(map(_SIZE, entries)),
+        }
         return None
     before = base.entries
-    get = before.get
-    changed = [entry for entry in entries if get(entry[0]) is not entry]
-    gone = before.keys() - capture.entries.keys()
-    amended = base.amended + len(changed) + len(gone)
-    if 2 * amended >= len(entries):
+    totals = dict(base.totals)
+    removed = [before[episode] for episode in capture.gone]
+    for entry, sign in chain(
+        zip(filter(None, map(before.get, capture.entries)), repeat(-1)),
+        zip(removed, repeat(-1)),
+        zip(entries, repeat(1)),
+    ):
+        totals[entry[2]] += sign
+        totals["size_bytes"] += sign * entry[7]
+    capture.totals = totals
+    amended = base.amended + len(entries) + len(removed)
+    if base.depth >= MAX_CHAIN_DEPTH or 2 * amended >= len(whole):
         return None
-    counts = Counter(map(_ACTION, entries))
-    totals = {
-        "continue": counts["continue"],
-        "restart": counts["restart"],
-        "finished": counts["finished"],
-        "size_bytes": sum(map(_SIZE, entries)),
-    }
-    removed = [before[episode] for episode in gone]
-    return _Delta(base.checkpoint_id, changed, removed, totals, base.depth + 1, amended)
+    return _Delta(base.checkpoint_id, entries, removed, totals, base.depth + 1, amended)
 
 
 def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[ManifestEntry]]:
