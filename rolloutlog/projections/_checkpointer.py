@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -134,9 +134,8 @@ class Checkpointer:
             offsets, entries = _manifest(capture)
             delta = _delta(capture, entries)
             whole = capture.whole or {}
-            # Each key once, in the manifest's order (sorting 48,000 keys cost a S1 checkpoint
-            # tens of milliseconds).
-            staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, whole.values()))))
+            # Each key once: the keys the whole manifest references, counted as entries change.
+            staging = tuple(capture.staging)
             # Every finish below the markers is in the catalog before they commit: a restarted
             # projector reads from the new cut on, and would never record it (issue 18).
             await flush_episodes(self.catalog, projector)
@@ -260,27 +259,38 @@ def _delta(capture: CheckpointCapture, entries: list[ManifestEntry]) -> _Delta |
     trackers changed. Whole when there is no base, when the chain is ``MAX_CHAIN_DEPTH`` deltas
     long, or when its deltas would amend at least half as many entries as it holds: a read
     composes at most 1.5x the manifest's entries, and a whole manifest's cost is spread over
-    the deltas before it. Sets ``capture.totals`` either way, from what changed."""
-    whole = capture.compose()
+    the deltas before it. Sets ``capture.totals`` and ``capture.staging`` either way, from
+    what changed."""
     base = capture.base
     if base is None:
+        whole = capture.compose()
+        capture.staging = Counter(chain.from_iterable(map(_STAGING_KEYS, entries)))
         counts = Counter(map(_ACTION, entries))
         capture.totals = {
             **{action: counts[action] for action in ("continue", "restart", "finished")},
             "size_bytes": sum(map(_SIZE, entries)),
         }
         return None
+    # Counts and staging references follow what changed (before ``compose`` amends the base).
     before = base.entries
-    totals = dict(base.totals)
-    removed = [before[episode] for episode in capture.gone]
-    for entry, sign in chain(
-        zip(filter(None, map(before.get, capture.entries)), repeat(-1)),
-        zip(removed, repeat(-1)),
-        zip(entries, repeat(1)),
-    ):
-        totals[entry[2]] += sign
-        totals["size_bytes"] += sign * entry[7]
-    capture.totals = totals
+    replaced = [before[episode] for episode in capture.entries if episode in before]
+    removed = [before[episode] for episode in capture.gone if episode in before]
+    totals, staging = dict(base.totals), base.staging
+    for entry in chain(replaced, removed):
+        totals[entry[2]] -= 1
+        totals["size_bytes"] -= entry[7]
+        for key in entry[6]:
+            if staging[key] > 1:
+                staging[key] -= 1
+            else:
+                del staging[key]
+    for entry in entries:
+        totals[entry[2]] += 1
+        totals["size_bytes"] += entry[7]
+        for key in entry[6]:
+            staging[key] = staging.get(key, 0) + 1
+    capture.totals, capture.staging = totals, staging
+    whole = capture.compose()
     amended = base.amended + len(entries) + len(removed)
     if base.depth >= MAX_CHAIN_DEPTH or 2 * amended >= len(whole):
         return None

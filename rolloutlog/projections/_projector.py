@@ -84,17 +84,23 @@ class CheckpointCapture:
     #: Set by ``compose``: the whole manifest, and each of its entries' ``seen`` version.
     whole: dict[str, ManifestEntry] | None = None
     whole_seen: dict[str, int] | None = None
-    #: The whole manifest's ``continue``/``restart``/``finished`` counts and ``size_bytes``.
+    #: The whole manifest's ``continue``/``restart``/``finished`` counts and ``size_bytes``,
+    #: and how many of its entries reference each staging key.
     totals: dict[str, int] = field(default_factory=dict)
+    staging: dict[str, int] = field(default_factory=dict)
 
     def compose(self) -> dict[str, ManifestEntry]:
-        """The whole manifest: the base's with this capture's entries (C-level dict copies,
-        not a Python pass over the live episodes)."""
+        """The whole manifest: the base's, amended in place by this capture's entries (no
+        Python pass over the live episodes; a base whose next checkpoint fails is dropped, see
+        ``Projector.end_capture``). ``seen`` is a copy: the base's stays as the versions of its
+        own checkpoint (``pin_cut_states``)."""
+        if self.whole is not None:
+            return self.whole
         base = self.base
         if base is None:
             self.whole, self.whole_seen = self.entries, self.seen
             return self.entries
-        whole, seen = dict(base.entries), dict(base.seen)
+        whole, seen = base.entries, dict(base.seen)
         whole.update(self.entries)
         seen.update(self.seen)
         for episode in self.gone:
@@ -134,7 +140,7 @@ class ManifestBase:
     written in those deltas)."""
 
     checkpoint_id: int
-    entries: Mapping[str, ManifestEntry]
+    entries: dict[str, ManifestEntry]
     seen: Mapping[str, int]
     #: Per partition, the ``replay_from`` it committed: a delta keeps the smaller of it and its
     #: changed episodes' first offsets (never above the true one; exact again once whole).
@@ -142,6 +148,7 @@ class ManifestBase:
     depth: int
     amended: int
     totals: Mapping[str, int]
+    staging: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -616,6 +623,7 @@ class Projector:
                 depth,
                 amended,
                 capture.totals,
+                capture.staging,
             )
             self._captured[capture.checkpoint_id] = seen
             for old in sorted(self._captured)[:-_CAPTURES_KEPT]:
