@@ -143,7 +143,7 @@ class Service:
                 stdout=subprocess.DEVNULL,
                 stderr=errors,
             )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a 64,000-episode catch-up on a busy machine
         while True:
             try:
                 if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
