@@ -13,6 +13,10 @@ participant's live state folded from them; pyeventsourcing: one aggregate event 
   rollouts' ledgers to restore, 2,000 finished ones it must skip);
 - S4: S1, plus churn episodes that participants append while checkpoints are taken
   (``churn_batch``).
+
+Between two measured checkpoints, ``Workload.advance`` moves a fixed number of live rollouts on
+by one event each (the next session state, or a boundary where the workload has no session):
+the churn of a live run, the same count at every size.
 """
 
 from __future__ import annotations
@@ -283,14 +287,61 @@ class Workload:
                 yield state_episode(index, blob)
         elif self.name == "S3":
             # The finished ones interleaved, so that every partition holds some of each.
-            every = max(1, self.count // max(1, self.finished)) if self.finished else 0
-            made = 0
+            live = set(self.live_indexes())
             for index in range(self.count):
-                finished = bool(every) and index % every == every - 1 and made < self.finished
-                made += finished
-                yield s3_episode(index, finished)
+                yield s3_episode(index, index not in live)
         else:
             raise ValueError(f"unknown workload {self.name}")
+
+    def live_indexes(self) -> list[int]:
+        """The indexes of the episodes that stay live (S3 finishes some)."""
+        if self.name != "S3" or not self.finished:
+            return list(range(self.count))
+        every, made, out = max(1, self.count // self.finished), 0, []
+        for index in range(self.count):
+            finished = index % every == every - 1 and made < self.finished
+            made += finished
+            if not finished:
+                out.append(index)
+        return out
+
+    def advance(self, round_: int, rollouts: int, epoch: int) -> list[dict[str, Any]]:
+        """One more event for each of ``rollouts`` live episodes (spread over the workload,
+        others each round): a new state of the exported session (S1, S2 and their curves,
+        appended by ``resources-{shard}``) or a boundary (S3, ``environment-{shard}``).
+        Participants append them with the ``epoch`` they registered again with."""
+        live = self.live_indexes()
+        count = min(rollouts, len(live))
+        stride = max(1, len(live) // count)
+        sessions = self.name != "S3"
+        prefix = {"S3": "lin", "S2": "big", "state": "big"}.get(self.name, "r")
+        out = []
+        for k in range(count):
+            index = live[(k * stride + round_) % len(live)]
+            kind = "resources" if sessions else "environment"
+            event: dict[str, Any] = {
+                "v": 1,
+                "episode": f"{prefix}{index}",
+                "attempt": 0,
+                "step": 2 if self.name in ("S1", "live") else None,
+                "participant": {"id": f"{kind}-{index % SHARDS}", "kind": kind, "epoch": epoch},
+                "seq": index * 100 + 50 + round_,
+                "ts": TS + round_,
+            }
+            if sessions:
+                event["type"] = "session.state"
+                event["data"] = {"session_id": "s1", "state": {"turn": 2, "round": round_}}
+            else:
+                event["type"] = "step.boundary"
+                event["step"] = 3 + round_
+                event["data"] = {
+                    "owner": "environment",
+                    "stage": "invoke_agent",
+                    "next": "invoke_agent",
+                    "state": {"turn": 3 + round_},
+                }
+            out.append(event)
+        return out
 
     def participants(self) -> list[tuple[str, str]]:
         kinds = ("environment", "resources") if self.name in ("S2", "state") else None

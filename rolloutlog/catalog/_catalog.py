@@ -423,6 +423,9 @@ class Catalog:
         *,
         timings_ms: Mapping[str, float] | None = None,
         marked_at: float | None = None,
+        base_checkpoint_id: int | None = None,
+        removed: Sequence[ManifestEntry] = (),
+        totals: Mapping[str, int] | None = None,
     ) -> Checkpoint:
         """Commit a pending checkpoint manifest-last, in one transaction.
 
@@ -430,6 +433,12 @@ class Catalog:
         sets ``committed`` and the run's latest pointer, and applies retention: committed
         checkpoints beyond the newest ``keep_committed`` become ``expired`` and lose their
         manifest. A reader sees either none of it or all of it.
+
+        With ``base_checkpoint_id`` (a retained committed checkpoint) the manifest is a delta:
+        ``entries`` are those that differ from the base's manifest, ``removed`` the base's
+        entries of episodes it no longer names, and ``totals`` (``continue``, ``restart``,
+        ``finished``, ``size_bytes``) count the whole manifest. Reads compose the chain
+        (docs/design.md, "Incremental manifests").
         """
         check_timings(timings_ms)
         async with self._write() as conn:
@@ -445,6 +454,9 @@ class Catalog:
                 marked_at=marked_at,
                 now=self._clock(),
                 keep_committed=self._keep_committed,
+                base_checkpoint_id=base_checkpoint_id,
+                removed=removed,
+                totals=totals,
             )
         self._after_bulk_commit()
         return committed

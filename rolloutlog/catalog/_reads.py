@@ -16,6 +16,7 @@ from rolloutlog.catalog._schema import (
     checkpoint_offsets,
     checkpoints,
     episodes,
+    manifest_chain,
     manifest_entries,
     manifest_parts,
     participants,
@@ -25,6 +26,7 @@ from rolloutlog.catalog._schema import (
     runs,
 )
 from rolloutlog.catalog._values import (
+    REMOVED,
     Checkpoint,
     CheckpointStatus,
     Episode,
@@ -283,15 +285,48 @@ async def manifest_page(
     action: ManifestAction | None = None,
 ) -> list[ManifestEntry]:
     await require_committed(conn, run, checkpoint_id)
-    bodies = (
-        await conn.execute(
-            select(manifest_parts.c.entries).where(
-                manifest_parts.c.run == run, manifest_parts.c.checkpoint_id == checkpoint_id
-            )
-        )
-    ).scalars()
+    bodies, chained = await manifest_bodies(conn, run, checkpoint_id)
     with collector_paused():
-        return manifest_entries_from_parts(bodies.all(), after, limit, action)
+        return manifest_entries_from_parts(bodies, after, limit, action, chained=chained)
+
+
+async def manifest_bodies(
+    conn: AsyncConnection, run: str, checkpoint_id: int
+) -> tuple[list[str], bool]:
+    """The packed parts a committed checkpoint's manifest is made of, the oldest member of its
+    chain first (``manifest_chain``), and whether there is more than one member."""
+    rows = (
+        await conn.execute(
+            select(manifest_chain.c.depth, manifest_parts.c.entries)
+            .join(
+                manifest_parts,
+                (manifest_parts.c.run == manifest_chain.c.run)
+                & (manifest_parts.c.checkpoint_id == manifest_chain.c.ancestor_id),
+            )
+            .where(manifest_chain.c.run == run, manifest_chain.c.checkpoint_id == checkpoint_id)
+            .order_by(manifest_chain.c.depth.desc())
+        )
+    ).all()
+    return [row[1] for row in rows], any(row[0] for row in rows)
+
+
+def compose_parts(bodies: Sequence[str]) -> list[list[Any]]:
+    """The raw entries of a chain's packed parts (oldest first): per episode the newest, and
+    none for an episode whose newest is a ``removed`` tombstone."""
+    newest = {entry[0]: entry for body in bodies for entry in orjson.loads(body)}
+    return [entry for entry in newest.values() if entry[2] != REMOVED]
+
+
+def entries_from_raw(raw: Sequence[list[Any]]) -> list[ManifestEntry]:
+    """Packed entries (JSON arrays, decoded) as ``ManifestEntry`` values."""
+    new = tuple.__new__
+    return [
+        new(
+            ManifestEntry,
+            (e[0], e[1], e[2], e[3], e[4], e[5], tuple(e[6]), e[7], e[8] if len(e) > 8 else None),
+        )
+        for e in raw
+    ]
 
 
 def manifest_entries_from_parts(
@@ -299,20 +334,16 @@ def manifest_entries_from_parts(
     after: str | None = None,
     limit: int | None = None,
     action: ManifestAction | None = None,
+    *,
+    chained: bool = False,
 ) -> list[ManifestEntry]:
     """The entries of a manifest's packed rows in episode order (the rows of the
     ``manifest_entries`` view, ordered by episode), from after ``after``, of ``action``, at most
-    ``limit``. Built for speed: 16,000 per read, by ``tuple.__new__`` rather than the
-    NamedTuple's Python-level ``__new__``."""
-    new = tuple.__new__
-    entries = [
-        new(
-            ManifestEntry,
-            (e[0], e[1], e[2], e[3], e[4], e[5], tuple(e[6]), e[7], e[8] if len(e) > 8 else None),
-        )
-        for body in bodies
-        for e in orjson.loads(body)
-    ]
+    ``limit``; ``chained``: the rows are a chain's, oldest first (``compose_parts``). Built for
+    speed: 16,000 per read, by ``tuple.__new__`` rather than the NamedTuple's Python-level
+    ``__new__``."""
+    raw = compose_parts(bodies) if chained else [e for body in bodies for e in orjson.loads(body)]
+    entries = entries_from_raw(raw)
     by_episode = itemgetter(0)
     entries.sort(key=by_episode)  # each part is in episode order already: a merge, in effect
     if after is not None:
@@ -551,26 +582,32 @@ async def episode_manifest_entries(
     conn: AsyncConnection, run: str, episode: str, partition: int
 ) -> list[tuple[int, ManifestEntry]]:
     """``(checkpoint_id, entry)`` of every kept committed manifest that names ``episode``: only
-    the packed row of the episode's partition is read, not the whole manifest."""
+    the packed rows of the episode's partition in each manifest's chain are read."""
     await get_run(conn, run)
     rows = await conn.execute(
-        select(manifest_parts.c.checkpoint_id, manifest_parts.c.entries)
+        select(manifest_chain.c.checkpoint_id, manifest_parts.c.entries)
+        .join(
+            manifest_parts,
+            (manifest_parts.c.run == manifest_chain.c.run)
+            & (manifest_parts.c.checkpoint_id == manifest_chain.c.ancestor_id),
+        )
         .join(
             checkpoints,
-            (checkpoints.c.run == manifest_parts.c.run)
-            & (checkpoints.c.checkpoint_id == manifest_parts.c.checkpoint_id),
+            (checkpoints.c.run == manifest_chain.c.run)
+            & (checkpoints.c.checkpoint_id == manifest_chain.c.checkpoint_id),
         )
         .where(
-            manifest_parts.c.run == run,
+            manifest_chain.c.run == run,
             manifest_parts.c.cut_partition == partition,
             checkpoints.c.status == "committed",
         )
-        .order_by(manifest_parts.c.checkpoint_id)
+        .order_by(manifest_chain.c.checkpoint_id, manifest_chain.c.depth.desc())
     )
-    found: list[tuple[int, ManifestEntry]] = []
-    for checkpoint_id, body in rows:
-        for entry in manifest_entries_from_parts([body], after=None):
-            if entry.episode == episode:
-                found.append((checkpoint_id, entry))
+    newest: dict[int, list[Any]] = {}
+    for checkpoint_id, body in rows:  # each chain oldest first: the newest entry stays
+        for entry in orjson.loads(body):
+            if entry[0] == episode:
+                newest[checkpoint_id] = entry
                 break
-    return found
+    kept = [(c, raw) for c, raw in newest.items() if raw[2] != REMOVED]
+    return list(zip([c for c, _ in kept], entries_from_raw([raw for _, raw in kept]), strict=True))

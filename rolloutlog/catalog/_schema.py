@@ -136,6 +136,22 @@ manifest_parts = Table(
     sqlite_with_rowid=False,
 )
 
+manifest_chain = Table(
+    "manifest_chain",
+    metadata,
+    Column("run", Name, primary_key=True),
+    Column("checkpoint_id", BigInteger, primary_key=True),
+    # 0: the checkpoint's own parts; 1: those of the checkpoint it amends; and so on to a
+    # checkpoint whose parts are a whole manifest. A delta's parts hold only the entries that
+    # changed since its base, and ``removed`` tombstones for episodes it no longer names: the
+    # manifest is, per episode, the entry of the smallest depth, unless that is a tombstone.
+    Column("depth", Integer, primary_key=True),
+    Column("ancestor_id", BigInteger, nullable=False),
+    sqlite_with_rowid=False,
+)
+"""Which checkpoints' parts make up each retained committed checkpoint's manifest (migration
+0007): rows of an expired checkpoint go with its expiry; parts stay while a chain names them."""
+
 views = MetaData()
 """Views over the tables, created by the migrations (``MANIFEST_ENTRIES_VIEW``); not tables."""
 
@@ -159,29 +175,48 @@ manifest_entries = Table(
 """One row per manifest entry, for analysts' SQL and set-based queries: a view over
 ``manifest_parts`` (per dialect in ``MANIFEST_ENTRIES_VIEW``)."""
 
-MANIFEST_ENTRIES_VIEW = {
+#: The entry fields of a packed part (``ManifestEntry``'s), as the view's columns, per dialect.
+_ENTRY_FIELDS = {
     "sqlite": (
-        "CREATE VIEW manifest_entries AS SELECT p.run AS run, p.checkpoint_id AS checkpoint_id, "
         "json_extract(e.value, '$[0]') AS episode, json_extract(e.value, '$[1]') AS attempt, "
         "json_extract(e.value, '$[2]') AS action, p.cut_partition AS cut_partition, "
         "json_extract(e.value, '$[4]') AS cut_offset, json_extract(e.value, '$[5]') AS last_stage, "
         "CASE WHEN json_array_length(e.value, '$[6]') > 0 THEN json_extract(e.value, '$[6]') END "
         "AS staging_keys, json_extract(e.value, '$[7]') AS size_bytes, "
-        "json_extract(e.value, '$[8]') AS reason "
-        "FROM manifest_parts AS p, json_each(p.entries) AS e"
+        "json_extract(e.value, '$[8]') AS reason"
     ),
     "postgresql": (
-        "CREATE VIEW manifest_entries AS SELECT p.run AS run, p.checkpoint_id AS checkpoint_id, "
         'CAST(e.value ->> 0 AS VARCHAR(200)) COLLATE "C" AS episode, '
         "CAST(e.value ->> 1 AS INTEGER) AS attempt, CAST(e.value ->> 2 AS VARCHAR(16)) AS action, "
         "p.cut_partition AS cut_partition, CAST(e.value ->> 4 AS BIGINT) AS cut_offset, "
         "e.value ->> 5 AS last_stage, "
         "CASE WHEN json_array_length(e.value -> 6) > 0 THEN CAST(e.value -> 6 AS TEXT) END "
         "AS staging_keys, CAST(e.value ->> 7 AS BIGINT) AS size_bytes, "
-        "e.value ->> 8 AS reason "
-        "FROM manifest_parts AS p CROSS JOIN LATERAL json_array_elements(CAST(p.entries AS JSON)) "
-        "AS e(value)"
+        "e.value ->> 8 AS reason"
     ),
+}
+_EXPAND = {
+    "sqlite": "json_each(p.entries) AS e",
+    "postgresql": "LATERAL json_array_elements(CAST(p.entries AS JSON)) AS e(value)",
+}
+_VIEW_COLUMNS = (
+    "run, checkpoint_id, episode, attempt, action, cut_partition, cut_offset, last_stage, "
+    "staging_keys, size_bytes, reason"
+)
+# Per checkpoint and episode, the entry of its chain's smallest depth; tombstones hide the
+# episode. Both databases push a query's ``run``/``checkpoint_id`` condition into the window's
+# subquery (they are its PARTITION BY columns), so one manifest reads only its own chain.
+MANIFEST_ENTRIES_VIEW = {
+    dialect: (
+        f"CREATE VIEW manifest_entries AS SELECT {_VIEW_COLUMNS} FROM (SELECT c.run AS run, "
+        f"c.checkpoint_id AS checkpoint_id, {fields}, row_number() OVER (PARTITION BY c.run, "
+        "c.checkpoint_id, p.cut_partition, "
+        + ("json_extract(e.value, '$[0]')" if dialect == "sqlite" else "e.value ->> 0")
+        + " ORDER BY c.depth) AS newest FROM manifest_chain AS c JOIN manifest_parts AS p ON "
+        f"p.run = c.run AND p.checkpoint_id = c.ancestor_id CROSS JOIN {_EXPAND[dialect]}) "
+        "AS m WHERE newest = 1 AND action <> 'removed'"
+    )
+    for dialect, fields in _ENTRY_FIELDS.items()
 }
 
 restores = Table(

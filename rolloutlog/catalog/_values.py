@@ -29,6 +29,10 @@ EPISODE_STATUSES: frozenset[str] = frozenset({"running", "finished", "excluded"}
 
 DEFAULT_KEEP_COMMITTED = 2
 
+#: The action of a packed tombstone: a delta manifest's mark of an episode its base named and it
+#: does not (never read back: the composition drops it).
+REMOVED = "removed"
+
 
 @dataclass(frozen=True, slots=True)
 class Run:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain
 from operator import gt, itemgetter
 from typing import Any
@@ -15,12 +15,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog._backend import Backend
+from rolloutlog.catalog._reads import compose_parts, manifest_bodies
 from rolloutlog.catalog._schema import (
     NAME_LENGTH,
     checkpoint_offsets,
     checkpoints,
     episodes,
-    manifest_entries,
+    manifest_chain,
     manifest_parts,
     participants,
     quarantined_records,
@@ -32,6 +33,7 @@ from rolloutlog.catalog._schema import (
 from rolloutlog.catalog._validate import check_count, check_episode
 from rolloutlog.catalog._values import (
     QUARANTINE_FIRST_BYTES,
+    REMOVED,
     RESTORE_ACTIONS,
     Checkpoint,
     ManifestEntry,
@@ -153,7 +155,10 @@ _KEY_CONTAINERS = {tuple, list}
 
 
 def manifest_columns(
-    run: str, checkpoint_id: int, entries: Sequence[ManifestEntry]
+    run: str,
+    checkpoint_id: int,
+    entries: Sequence[ManifestEntry],
+    removed: Sequence[ManifestEntry] = (),
 ) -> tuple[list[Sequence[Any]], dict[str, int], int, int]:
     """Check entries and encode them as ``manifest_parts`` columns (``MANIFEST_PART_COLUMNS``
     order: one row per cut partition, its entries in episode order as one JSON array); return
@@ -165,8 +170,21 @@ def manifest_columns(
     """
     count = len(entries)
     counts = {"continue": 0, "restart": 0, "finished": 0}
+    if removed:
+        check = {entry.episode for entry in entries}
+        if set(map(type, removed)) != {ManifestEntry} or any(r[0] in check for r in removed):
+            raise InvalidRequest(
+                "removed entries must be ManifestEntry values of episodes not in entries",
+                field="removed",
+            )
+        new = tuple.__new__  # an action no ManifestEntry carries outside a stored part
+        tombstones = [new(ManifestEntry, (r[0], r[1], REMOVED, r[3], r[4])) for r in removed]
+    else:
+        tombstones = []
     if not count:
-        return [[] for _ in MANIFEST_PART_COLUMNS], counts, 0, 0
+        if not tombstones:
+            return [[] for _ in MANIFEST_PART_COLUMNS], counts, 0, 0
+        return _part_columns(run, checkpoint_id, tombstones), counts, 0, 0
     if set(map(type, entries)) != {ManifestEntry}:
         raise InvalidRequest("manifest entries must be ManifestEntry values", field="entries")
     ordered = sorted(entries, key=itemgetter(0))
@@ -196,20 +214,27 @@ def manifest_columns(
         if "-a" in episode:
             check_episode(episode)
     counts.update(action_counts)
+    if tombstones:
+        ordered = sorted([*ordered, *tombstones], key=itemgetter(0))
+    return _part_columns(run, checkpoint_id, ordered), counts, sum(sizes), max(partitions)
+
+
+def _part_columns(
+    run: str, checkpoint_id: int, ordered: Sequence[ManifestEntry]
+) -> list[Sequence[Any]]:
     parts: dict[int, list[ManifestEntry]] = {}
     for entry in ordered:
         parts.setdefault(entry[3], []).append(entry)
     numbers = sorted(parts)
     # Entries are tuples of the JSON array's fields; orjson encodes them at C speed.
     bodies = [orjson.dumps(parts[number], default=tuple).decode() for number in numbers]
-    columns: list[Sequence[Any]] = [
+    return [
         [run] * len(numbers),
         [checkpoint_id] * len(numbers),
         numbers,
         bodies,
         [len(parts[number]) for number in numbers],
     ]
-    return columns, counts, sum(sizes), max(partitions)
 
 
 def _first_bad_entry(entries: Sequence[ManifestEntry]) -> InvalidRequest:
@@ -272,12 +297,42 @@ async def commit_checkpoint_rows(
     marked_at: float | None,
     now: float,
     keep_committed: int,
+    base_checkpoint_id: int | None = None,
+    removed: Sequence[ManifestEntry] = (),
+    totals: Mapping[str, int] | None = None,
 ) -> Checkpoint:
+    if base_checkpoint_id is None and (removed or totals is not None):
+        raise InvalidRequest("removed and totals belong to a delta manifest", field="removed")
     with collector_paused():
-        columns, counts, total_bytes, max_partition = manifest_columns(run, checkpoint_id, entries)
+        columns, counts, total_bytes, max_partition = manifest_columns(
+            run, checkpoint_id, entries, removed
+        )
     entry_count = len(entries)
+    if base_checkpoint_id is not None:
+        counts, total_bytes = _delta_totals(totals)
+        entry_count = sum(counts.values())
     run_row = await lock_run(conn, run, controller_epoch)
     pending = await pending_checkpoint(conn, run, checkpoint_id)
+    chain = [(0, checkpoint_id)]
+    if base_checkpoint_id is not None:
+        base_chain = (
+            await conn.execute(
+                select(manifest_chain.c.depth, manifest_chain.c.ancestor_id)
+                .where(
+                    manifest_chain.c.run == run,
+                    manifest_chain.c.checkpoint_id == base_checkpoint_id,
+                )
+                .order_by(manifest_chain.c.depth)
+            )
+        ).all()
+        if not base_chain:
+            raise InvalidRequest(
+                f"checkpoint {base_checkpoint_id} of run {run!r} is not a retained committed "
+                "checkpoint: a delta manifest cannot amend it",
+                field="base_checkpoint_id",
+                base_checkpoint_id=base_checkpoint_id,
+            )
+        chain += [(depth + 1, ancestor) for depth, ancestor in base_chain]
     partitions = int(run_row.partitions)
     _check_offsets(run, partitions, offsets)
     if entry_count and max_partition >= partitions:
@@ -301,6 +356,13 @@ async def commit_checkpoint_rows(
         ],
     )
     await backend.bulk_insert(conn, manifest_parts, MANIFEST_PART_COLUMNS, columns)
+    await conn.execute(
+        insert(manifest_chain),
+        [
+            {"run": run, "checkpoint_id": checkpoint_id, "depth": depth, "ancestor_id": ancestor}
+            for depth, ancestor in chain
+        ],
+    )
     marked = pending.marked_at if pending.marked_at is not None else marked_at
     await conn.execute(
         update(checkpoints)
@@ -343,8 +405,20 @@ async def commit_checkpoint_rows(
     )
 
 
+def _delta_totals(totals: Mapping[str, int] | None) -> tuple[dict[str, int], int]:
+    """A delta's counts of its whole (composed) manifest, which only its writer knows."""
+    names = ("continue", "restart", "finished", "size_bytes")
+    if totals is None or set(totals) != set(names):
+        raise InvalidRequest(f"a delta manifest needs totals {names}", field="totals")
+    for name in names:
+        check_count(totals[name], name)
+    return {name: int(totals[name]) for name in names[:3]}, int(totals["size_bytes"])
+
+
 async def _apply_retention(conn: AsyncConnection, run: str, keep: int, now: float) -> None:
-    """Expire committed checkpoints beyond the newest ``keep`` and delete their manifests."""
+    """Expire committed checkpoints beyond the newest ``keep``; delete the packed parts no
+    retained checkpoint's chain names any more (an expired checkpoint a retained delta amends
+    keeps its parts until a whole manifest is written after it)."""
     expired = (
         (
             await conn.execute(
@@ -365,10 +439,36 @@ async def _apply_retention(conn: AsyncConnection, run: str, keep: int, now: floa
         .values(status="expired", ended_at=now)
     )
     await conn.execute(
-        delete(manifest_parts).where(
-            manifest_parts.c.run == run, manifest_parts.c.checkpoint_id.in_(expired)
+        delete(manifest_chain).where(
+            manifest_chain.c.run == run, manifest_chain.c.checkpoint_id.in_(expired)
         )
     )
+    await _drop_unchained_parts(conn, run)
+
+
+async def _drop_unchained_parts(conn: AsyncConnection, run: str) -> None:
+    named = select(manifest_chain.c.ancestor_id).where(manifest_chain.c.run == run)
+    await conn.execute(
+        delete(manifest_parts).where(
+            manifest_parts.c.run == run, manifest_parts.c.checkpoint_id.not_in(named)
+        )
+    )
+
+
+async def _current_attempts(
+    conn: AsyncConnection, run: str, named: Sequence[str], into: dict[str, int]
+) -> None:
+    for start in range(0, len(named), 10_000):
+        into.update(
+            (
+                await conn.execute(
+                    select(episodes.c.episode, episodes.c.current_attempt).where(
+                        episodes.c.run == run,
+                        episodes.c.episode.in_(named[start : start + 10_000]),
+                    )
+                )
+            ).all()
+        )
 
 
 async def reserve_restore_id(conn: AsyncConnection, run: str, controller_epoch: int) -> int:
@@ -429,42 +529,17 @@ async def commit_restore_rows(
             checkpoint_id=checkpoint_id,
             status=status,
         )
-    this_manifest = (manifest_parts.c.run == run) & (
-        manifest_parts.c.checkpoint_id == checkpoint_id
-    )
-    bodies = (await conn.execute(select(manifest_parts.c.entries).where(this_manifest))).scalars()
+    bodies, _ = await manifest_bodies(conn, run, checkpoint_id)
     with collector_paused():
-        manifest: dict[str, str] = {
-            entry[0]: entry[2] for body in bodies.all() for entry in orjson.loads(body)
-        }
+        manifest: dict[str, str] = {entry[0]: entry[2] for entry in compose_parts(bodies)}
     # Current attempts of the manifest's episodes (and of the plan's others, below), not of the
     # whole run, whose episodes table grows with every episode.
-    in_manifest = select(manifest_entries.c.episode).where(
-        manifest_entries.c.run == run, manifest_entries.c.checkpoint_id == checkpoint_id
-    )
-    current: dict[str, int] = dict(
-        (
-            await conn.execute(
-                select(episodes.c.episode, episodes.c.current_attempt).where(
-                    episodes.c.run == run, episodes.c.episode.in_(in_manifest)
-                )
-            )
-        ).all()
-    )
+    current: dict[str, int] = {}
     # Episodes the checkpoint does not name (begun after its markers) may be restarted or
     # excluded, never continued: they have no cut to continue from.
     beyond = [entry.episode for entry in entries if entry.episode not in manifest]
-    for start in range(0, len(beyond), 10_000):
-        current.update(
-            (
-                await conn.execute(
-                    select(episodes.c.episode, episodes.c.current_attempt).where(
-                        episodes.c.run == run,
-                        episodes.c.episode.in_(beyond[start : start + 10_000]),
-                    )
-                )
-            ).all()
-        )
+    for named in (list(manifest), beyond):
+        await _current_attempts(conn, run, named, current)
     reserved = restore_id is not None
     if restore_id is None:
         restore_id = int(run_row.last_restore_id) + 1
@@ -640,6 +715,7 @@ _RUN_TABLES = (
     quarantined_records,
     restore_episodes,
     restores,
+    manifest_chain,
     manifest_parts,
     checkpoint_offsets,
     checkpoints,

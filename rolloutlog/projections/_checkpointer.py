@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_WAIT_DEADLINE_S", "CheckpointResult", "Checkpointer"]
 
 _STAGING_KEYS = attrgetter("staging_keys")
+_ACTION = itemgetter(2)
+_SIZE = itemgetter(7)
 
 #: How long a checkpoint waits for open wait steps when the request names no deadline; also how
 #: long a checkpoint or restore waits for the projector to reach the log's offsets.
@@ -134,30 +137,48 @@ class Checkpointer:
             projector.check_running()  # a run whose log was lost meanwhile commits nothing
             timer.stage("waits")
             offsets, entries = _manifest(capture)
-            # Each key once, in the manifest's order (sorting 48,000 keys cost a S1 checkpoint
-            # tens of milliseconds).
-            staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, entries))))
+            delta = _delta(capture, entries)
+            whole = capture.whole or {}
+            # Each key once: the keys the whole manifest references, counted as entries change.
+            staging = tuple(capture.staging)
             # Every finish below the markers is in the catalog before they commit: a restarted
             # projector reads from the new cut on, and would never record it (issue 18).
             await flush_episodes(self.catalog, projector, finishes_only=True)
             timer.stage("manifest")
             timings = timer.total()
-            committed = await self.catalog.commit_checkpoint(
-                run,
-                checkpoint_id,
-                controller_epoch,
-                offsets,
-                entries,
-                timings_ms=timings,
-                marked_at=marked_at,
-            )
+            if delta is None:
+                committed = await self.catalog.commit_checkpoint(
+                    run,
+                    checkpoint_id,
+                    controller_epoch,
+                    offsets,
+                    list(whole.values()),
+                    timings_ms=timings,
+                    marked_at=marked_at,
+                )
+            else:
+                committed = await self.catalog.commit_checkpoint(
+                    run,
+                    checkpoint_id,
+                    controller_epoch,
+                    offsets,
+                    delta.changed,
+                    timings_ms=timings,
+                    marked_at=marked_at,
+                    base_checkpoint_id=delta.base,
+                    removed=delta.removed,
+                    totals=delta.totals,
+                )
             timer.stage("commit")
         except BaseException:
             self._exports.close(run, capture)
             await self._abort(projector, controller_epoch, capture, "commit failed")
             raise
         self._exports.close(run, capture)
-        projector.end_capture(capture, committed=True)
+        if delta is None:
+            projector.end_capture(capture, committed=True)
+        else:
+            projector.end_capture(capture, committed=True, depth=delta.depth, amended=delta.amended)
         self._spawn(self._trim(run))
         return CheckpointResult(committed, staging, timer.total())
 
@@ -230,6 +251,64 @@ class Checkpointer:
         for partition, before in floor.items():
             if before > 0 and not await self.log.trim(run, partition, before):
                 return
+
+
+#: A chain of delta manifests is at most this many deltas long: the next manifest is whole.
+MAX_CHAIN_DEPTH = 16
+
+
+@dataclass(frozen=True, slots=True)
+class _Delta:
+    base: int
+    changed: list[ManifestEntry]
+    removed: list[ManifestEntry]
+    totals: dict[str, int]
+    depth: int
+    amended: int
+
+
+def _delta(capture: CheckpointCapture, entries: list[ManifestEntry]) -> _Delta | None:
+    """What the manifest changes from its base's (None: write it whole, ``capture.whole``).
+    ``entries`` are the capture's: every live episode's without a base, else those whose
+    trackers changed. Whole when there is no base, when the chain is ``MAX_CHAIN_DEPTH`` deltas
+    long, or when its deltas would amend at least half as many entries as it holds: a read
+    composes at most 1.5x the manifest's entries, and a whole manifest's cost is spread over
+    the deltas before it. Sets ``capture.totals`` and ``capture.staging`` either way, from
+    what changed."""
+    base = capture.base
+    if base is None:
+        whole = capture.compose()
+        capture.staging = Counter(chain.from_iterable(map(_STAGING_KEYS, entries)))
+        counts = Counter(map(_ACTION, entries))
+        capture.totals = {
+            **{action: counts[action] for action in ("continue", "restart", "finished")},
+            "size_bytes": sum(map(_SIZE, entries)),
+        }
+        return None
+    # Counts and staging references follow what changed (before ``compose`` amends the base).
+    before = base.entries
+    replaced = [before[episode] for episode in capture.entries if episode in before]
+    removed = [before[episode] for episode in capture.gone if episode in before]
+    totals, staging = dict(base.totals), base.staging
+    for entry in chain(replaced, removed):
+        totals[entry[2]] -= 1
+        totals["size_bytes"] -= entry[7]
+        for key in entry[6]:
+            if staging[key] > 1:
+                staging[key] -= 1
+            else:
+                del staging[key]
+    for entry in entries:
+        totals[entry[2]] += 1
+        totals["size_bytes"] += entry[7]
+        for key in entry[6]:
+            staging[key] = staging.get(key, 0) + 1
+    capture.totals, capture.staging = totals, staging
+    whole = capture.compose()
+    amended = base.amended + len(entries) + len(removed)
+    if base.depth >= MAX_CHAIN_DEPTH or 2 * amended >= len(whole):
+        return None
+    return _Delta(base.checkpoint_id, entries, removed, totals, base.depth + 1, amended)
 
 
 def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[ManifestEntry]]:

@@ -698,6 +698,7 @@ class EpisodeFold(SessionRules):
         catching up): later records of older attempts are fenced, but the cut's truncation needs
         the history, so the state is no longer exactly the fold's."""
         if attempt > self.filters.attempt:
+            self.version += 1  # its manifest entry names the new attempt
             self.filters.attempt = attempt
             self.attempt = attempt
             self.exact = False

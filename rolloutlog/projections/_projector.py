@@ -46,13 +46,20 @@ from rolloutlog.projections._tracker import EpisodeTracker
 
 logger = logging.getLogger(__name__)
 
-#: How many committed checkpoints' capture versions a projector keeps (retention keeps two).
+#: How many committed checkpoints' entry versions a projector keeps (retention keeps two).
 _CAPTURES_KEPT = 2
 #: The longest the projector applies records without letting the event loop run: a page holds up
 #: to 8 MiB of records, and a page of tiny events took seconds, /healthz included.
 _YIELD_EVERY_S = 0.02
 
-__all__ = ["CheckpointCapture", "Projector", "RestoreReset", "RunHealth", "StartPlan"]
+__all__ = [
+    "CheckpointCapture",
+    "ManifestBase",
+    "Projector",
+    "RestoreReset",
+    "RunHealth",
+    "StartPlan",
+]
 
 
 @dataclass
@@ -69,8 +76,44 @@ class CheckpointCapture:
     reasons: dict[str, str] = field(default_factory=dict)
     #: Episodes whose cut waits for a boundary: episode → (owners awaited, marker offset).
     waiting: dict[str, tuple[set[str], int]] = field(default_factory=dict)
-    #: Each continued episode's tracker version at its cut (see ``Projector.pin_cut_states``).
-    versions: dict[str, int] = field(default_factory=dict)
+    #: Each entry's tracker version when it was decided (waits that expired are decided by the
+    #: clock: absent): an entry stands while its tracker stays at that version (the next
+    #: checkpoint keeps it; a restore pins it, see ``Projector.pin_cut_states``).
+    seen: dict[str, int] = field(default_factory=dict)
+    #: The committed checkpoint this one amends: ``entries`` then hold only the episodes whose
+    #: trackers changed since its markers, ``gone`` those of its entries no longer tracked.
+    base: ManifestBase | None = None
+    gone: list[str] = field(default_factory=list)
+    #: Set by ``compose``: the whole manifest, and each of its entries' ``seen`` version.
+    whole: dict[str, ManifestEntry] | None = None
+    whole_seen: dict[str, int] | None = None
+    #: The whole manifest's ``continue``/``restart``/``finished`` counts and ``size_bytes``,
+    #: and how many of its entries reference each staging key.
+    totals: dict[str, int] = field(default_factory=dict)
+    staging: dict[str, int] = field(default_factory=dict)
+
+    def compose(self) -> dict[str, ManifestEntry]:
+        """The whole manifest: the base's, amended in place by this capture's entries (no
+        Python pass over the live episodes; a base whose next checkpoint fails is dropped, see
+        ``Projector.end_capture``). ``seen`` is a copy: the base's stays as the versions of its
+        own checkpoint (``pin_cut_states``)."""
+        if self.whole is not None:
+            return self.whole
+        base = self.base
+        if base is None:
+            self.whole, self.whole_seen = self.entries, self.seen
+            return self.entries
+        whole, seen = base.entries, dict(base.seen)
+        whole.update(self.entries)
+        seen.update(self.seen)
+        for episode in self.gone:
+            whole.pop(episode, None)
+            seen.pop(episode, None)
+        for episode in self.entries.keys() - self.seen.keys():  # waits that expired
+            seen.pop(episode, None)
+        self.whole, self.whole_seen = whole, seen
+        return whole
+
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     resolved: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -91,6 +134,24 @@ class CheckpointCapture:
                 self.reasons.setdefault(episode, reason)  # a more precise one may be there
         self.waiting.clear()
         self.resolved.set()
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestBase:
+    """The newest checkpoint this projector captured and saw commit: its whole manifest, and
+    how its stored manifest is chained (``depth`` deltas since a whole one, ``amended`` entries
+    written in those deltas)."""
+
+    checkpoint_id: int
+    entries: dict[str, ManifestEntry]
+    seen: Mapping[str, int]
+    #: Per partition, the ``replay_from`` it committed: a delta keeps the smaller of it and its
+    #: changed episodes' first offsets (never above the true one; exact again once whole).
+    needed: Mapping[int, int]
+    depth: int
+    amended: int
+    totals: Mapping[str, int]
+    staging: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,8 +237,13 @@ class Projector:
         self.committed_restores: set[int] = set()
         #: Committed restores whose resets this projector applied itself (``end_restore``).
         self._applied_restores: set[int] = set()
-        #: Per committed checkpoint this projector captured: continued episodes' versions.
-        self._captured: dict[int, dict[str, int]] = {}
+        #: Per committed checkpoint this projector captured: its entries' tracker versions.
+        self._captured: dict[int, Mapping[str, int]] = {}
+        #: The newest committed capture, which the next checkpoint's manifest amends.
+        self._base: ManifestBase | None = None
+        #: Per partition, the episodes whose trackers changed (or went) since the last marker
+        #: captured there: all a capture that amends a base looks at.
+        self._dirty: list[set[str]] = [set() for _ in range(partitions)]
         self._pinned: list[EpisodeTracker] = []
         self._inflight_restores: dict[int, asyncio.Future[bool]] = {}
         self._restore_resets: dict[int, Mapping[str, RestoreReset]] = {}
@@ -280,6 +346,7 @@ class Projector:
         if len(plan.start_offsets) != self.partitions:  # the log's count wins over the catalog's
             self.partitions = len(plan.start_offsets)
             self.by_partition = [{} for _ in range(self.partitions)]
+            self._dirty = [set() for _ in range(self.partitions)]
         self.committed_restores.update(plan.committed_restores)
         self.retired.update(plan.retired)
         self.applied = list(plan.start_offsets)
@@ -327,6 +394,7 @@ class Projector:
                         _finish(tracker, meta, record, record_payload_start(record))
                     )
             tracker.attempt = attempt
+            self._dirty[tracker.partition].add(episode)
         self._buffered.clear()
         self._refolding.clear()
         reported_below = self._reported_below
@@ -490,7 +558,8 @@ class Projector:
             return None  # a restore that never committed changes nothing
         tracker = self._tracker(episode, partition)
         started, finished = tracker.first_offset is not None, tracker.finished
-        tracker.observe(offset, meta, record, start)
+        if tracker.observe(offset, meta, record, start):
+            self._dirty[partition].add(episode)
         if not started and tracker.first_offset is not None:
             self.new_starts.append(EpisodeStart(episode, partition, offset, meta["ts"]))
         if tracker.finished and not finished:
@@ -512,6 +581,7 @@ class Projector:
         # The restore's own resets were applied when it committed (``end_restore``); what is left
         # is a restore seen while catching up after a restart (the start-up refold handles it).
         tracker.fence_to(meta["attempt"])
+        self._dirty[partition].add(meta["episode"])
 
     def begun_after(self, markers: Mapping[int, int], known: Container[str]) -> dict[str, int]:
         """Episodes (with their current attempt) whose first event is at or past their
@@ -529,21 +599,40 @@ class Projector:
         tracker = self.trackers.pop(episode, None)
         if tracker is not None:
             self.by_partition[tracker.partition].pop(episode, None)
+            self._dirty[tracker.partition].add(episode)
 
     # -- checkpoints -----------------------------------------------------------------------
 
     def begin_capture(self, checkpoint_id: int) -> CheckpointCapture:
         """Register the checkpoint whose markers are about to be written."""
-        capture = CheckpointCapture(checkpoint_id, self.partitions)
+        capture = CheckpointCapture(checkpoint_id, self.partitions, base=self._base)
         self._capture = capture
         return capture
 
-    def end_capture(self, capture: CheckpointCapture, committed: bool) -> None:
-        """The checkpoint committed (finished episodes are reported: stop tracking them) or not."""
+    def end_capture(
+        self, capture: CheckpointCapture, committed: bool, *, depth: int = 0, amended: int = 0
+    ) -> None:
+        """The checkpoint committed (finished episodes are reported: stop tracking them; its
+        manifest is stored ``depth`` deltas after a whole one, ``amended`` entries in those) or
+        not (the next manifest is written whole: a commit whose reply was lost may be in the
+        catalog all the same)."""
         if self._capture is capture:
             self._capture = None
+        self._base = None
         if committed:
-            self._captured[capture.checkpoint_id] = capture.versions
+            whole = capture.whole if capture.whole is not None else capture.compose()
+            seen = capture.whole_seen if capture.whole_seen is not None else capture.seen
+            self._base = ManifestBase(
+                capture.checkpoint_id,
+                whole,
+                seen,
+                dict(capture.needed),
+                depth,
+                amended,
+                capture.totals,
+                capture.staging,
+            )
+            self._captured[capture.checkpoint_id] = seen
             for old in sorted(self._captured)[:-_CAPTURES_KEPT]:
                 del self._captured[old]
             for entry in capture.entries.values():
@@ -562,15 +651,31 @@ class Projector:
     def _capture_partition(self, capture: CheckpointCapture, partition: int, offset: int) -> None:
         capture.markers[partition] = offset
         entries = capture.entries
+        dirty, self._dirty[partition] = self._dirty[partition], set()
+        trackers = self.by_partition[partition]
+        base = capture.base
         needed = offset
-        # One tuple per episode straight from the tracker's fields (``_entry`` inlined: this loop
-        # runs for every live episode of the partition while the checkpoint waits); the action
-        # is the fold's capture rule (``EpisodeFold.at_cut``).
+        pairs: Iterable[tuple[str, EpisodeTracker]] = trackers.items()
+        before: Mapping[str, int] = {}
+        if base is not None:
+            # What changed since the base's markers: the other entries stand (see ``seen``).
+            needed = min(offset, base.needed.get(partition, offset))
+            before = base.seen
+            pairs = [(e, trackers[e]) for e in dirty if e in trackers]
+            capture.gone.extend(e for e in dirty if e not in trackers and e in base.entries)
+        # One tuple per episode straight from the tracker's fields (``_entry`` inlined: on a
+        # first capture this loop runs for every live episode of the partition while the
+        # checkpoint waits); the action is the fold's capture rule (``EpisodeFold.at_cut``).
         new, entry_type = tuple.__new__, ManifestEntry
-        versions = capture.versions
-        for episode, tracker in self.by_partition[partition].items():
+        seen = capture.seen
+        for episode, tracker in pairs:
+            version = tracker.version
+            if before.get(episode) == version:
+                continue  # a record it did not admit: its entry stands
             decision = tracker.at_cut()
             if decision is None:
+                if base is not None and episode in base.entries:
+                    capture.gone.append(episode)
                 continue
             action, reason, waits = decision
             if action == "finished":
@@ -584,10 +689,10 @@ class Projector:
                     set(tracker.open_waits) | tracker.export_owners(),
                     offset,
                 )
-            elif reason is not None:
-                capture.reasons[episode] = reason
             else:
-                versions[episode] = tracker.version
+                seen[episode] = version
+                if reason is not None:
+                    capture.reasons[episode] = reason
             entries[episode] = new(
                 entry_type,
                 (
@@ -615,12 +720,15 @@ class Projector:
         decision = tracker.at_cut(waits=False)
         if decision is None:  # a restore reset it to nothing meanwhile: no entry, as at a marker
             capture.entries.pop(tracker.episode, None)
+            base = capture.base
+            if base is not None and tracker.episode in base.entries:
+                capture.gone.append(tracker.episode)
         else:
             action, reason, _ = decision
             if reason is not None:
                 capture.reasons[tracker.episode] = reason
-            elif action == "continue":
-                capture.versions[tracker.episode] = tracker.version
+            if action != "finished":
+                capture.seen[tracker.episode] = tracker.version
             capture.entries[tracker.episode] = _entry(tracker, action, offset + 1)
         if not capture.waiting and len(capture.markers) == capture.partitions:
             capture.resolved.set()
@@ -654,6 +762,7 @@ class Projector:
             self.retired.add(episode)
             return
         tracker = self._tracker(episode, partition_for(episode, self.partitions))
+        self._dirty[tracker.partition].add(episode)
         if reset.action == "continue" and reset.pinned is not None:
             tracker.continue_at_cut(reset.attempt)
         elif reset.action == "continue" and reset.projection is not None:
@@ -669,7 +778,7 @@ class Projector:
         cut stays readable (``pinned_state``) until the restore ends. A restore takes their
         verdicts from these instead of replaying their records."""
         versions = self._captured.get(checkpoint_id)
-        if not versions:
+        if not versions:  # (its entries' versions: a ``continue`` entry's is the cut's)
             return {}
         trackers = self.trackers
         out: dict[str, EpisodeTracker] = {}

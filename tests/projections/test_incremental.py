@@ -1,0 +1,115 @@
+"""Incremental checkpoints (issue 16): a checkpoint after a committed one stores only the entries
+whose episodes changed, and tombstones for those that went; read back, it is the manifest a
+fresh service would capture; restores of it continue the same episodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import text
+
+from rolloutlog.catalog import ManifestEntry
+from rolloutlog.projections import CheckpointResult
+from tests import factories as f
+from tests.projections.conftest import Service, open_service
+
+
+async def committed(service: Service) -> CheckpointResult:
+    result = await service.checkpoint()
+    assert isinstance(result, CheckpointResult)
+    return result
+
+
+async def stored(service: Service, checkpoint_id: int) -> list[list[object]]:
+    """The packed entries a checkpoint's own parts hold (not composed)."""
+    import orjson
+
+    engine = service.catalog._engine  # the catalog's own database, read as stored
+    assert engine is not None
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text("SELECT entries FROM manifest_parts WHERE run = :run AND checkpoint_id = :c"),
+            {"run": service.run, "c": checkpoint_id},
+        )
+        return sorted(
+            (entry for (body,) in rows.all() for entry in orjson.loads(body)),
+            key=lambda e: str(e[0]),
+        )
+
+
+def comparable(entries: list[ManifestEntry]) -> dict[str, tuple[object, ...]]:
+    """Entries without their cut offset (an unchanged one keeps its earlier cut)."""
+    return {e.episode: (e.attempt, e.action, e.last_stage, e.staging_keys) for e in entries}
+
+
+async def test_a_checkpoint_stores_what_changed_and_reads_whole(
+    service: Service, tmp_path: Path, deployment: dict[str, Any]
+) -> None:
+    quiet = [f"q{i:02d}" for i in range(12)]  # a delta is written while it amends < half
+    for name in ("a", "b", *quiet):
+        await service.append(f.started(name), f.boundary(name, "seed", {"t": 1}))
+    await service.append(f.started("e"), f.boundary("e"), f.finished("e"))
+    first = await committed(service)
+    assert len(await stored(service, first.checkpoint.checkpoint_id)) == 15  # whole
+    await service.append(f.boundary("a", "invoke_agent", {"t": 2}))  # a changes
+    await service.append(f.finished("b"))  # b finishes
+    await service.append(f.started("z"), f.boundary("z"))  # z begins
+    second = await committed(service)
+    delta = await stored(service, second.checkpoint.checkpoint_id)
+    # a, b and z changed; e was reported finished by the first: a tombstone.
+    assert [(e[0], e[2]) for e in delta] == [
+        ("a", "continue"),
+        ("b", "finished"),
+        ("e", "removed"),
+        ("z", "continue"),
+    ]
+    manifest = await service.catalog.load_manifest(service.run, second.checkpoint.checkpoint_id)
+    assert {e.episode: e.action for e in manifest} == {
+        "a": "continue",
+        "b": "finished",
+        "z": "continue",
+        **{name: "continue" for name in quiet},
+    }
+    assert second.checkpoint.counts == {"continue": 14, "restart": 0, "finished": 1}
+    assert second.checkpoint.entry_count == 15
+    # Unchanged entries keep the first checkpoint's cut.
+    firsts = {
+        e.episode: e
+        for e in await service.catalog.load_manifest(service.run, first.checkpoint.checkpoint_id)
+    }
+    for entry in manifest:
+        if entry.episode in quiet:
+            assert entry == firsts[entry.episode]
+    # A fresh service over the same log and catalog captures the same manifest, whole.
+    await service.close()
+    again = await open_service(tmp_path, **deployment)
+    try:
+        third = await again.checkpoint()
+        assert isinstance(third, CheckpointResult)
+        whole = await again.catalog.load_manifest(again.run, third.checkpoint.checkpoint_id)
+        assert len(await stored(again, third.checkpoint.checkpoint_id)) == 14  # b reported
+        after = comparable(manifest)
+        del after["b"]
+        assert comparable(whole) == after
+        result = await again.restore()
+        assert result.restore.counts == {"continue": 14, "restart": 0, "excluded": 0}
+    finally:
+        await again.close()
+
+
+async def test_a_restore_of_a_delta_continues_every_episode(service: Service) -> None:
+    names = [f"r{i}" for i in range(6)]
+    for name in names:
+        await service.append(f.started(name), f.boundary(name, "seed", {"t": 1}))
+    await committed(service)
+    await service.append(f.boundary("r1", "invoke_agent", {"t": 2}))
+    second = await committed(service)
+    assert len(await stored(service, second.checkpoint.checkpoint_id)) == 1
+    result = await service.restore()
+    assert result.restore.checkpoint_id == second.checkpoint.checkpoint_id
+    assert result.restore.counts == {"continue": 6, "restart": 0, "excluded": 0}
+    # After the restore every episode has a new attempt: the next checkpoint names each anew.
+    third = await committed(service)
+    manifest = await service.catalog.load_manifest(service.run, third.checkpoint.checkpoint_id)
+    assert {e.episode: e.attempt for e in manifest} == {name: 1 for name in names}
