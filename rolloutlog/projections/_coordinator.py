@@ -58,7 +58,7 @@ class TrackedEpisode:
 class Coordinator:
     """One per service: owns a projector per run and runs checkpoints and restores."""
 
-    def __init__(self, log: Log, catalog: Catalog, *, projection_cache_bytes: int = 512 << 20):
+    def __init__(self, log: Log, catalog: Catalog, *, projection_cache_bytes: int = 256 << 20):
         self.log = log
         self.catalog = catalog
         self.projectors: dict[str, Projector] = {}
