@@ -422,9 +422,8 @@ async def restore_projections(
         )
     service = _service(request)
     with span("rolloutlog.projections", {"rolloutlog.restore_id": restore_id}):
-        projections = await service.coordinator.restore_projections(run, restore_id)
-    selected = sorted(
-        (p for p in projections.values() if projection_matches(p, kind, participant)),
-        key=lambda p: p.episode,
-    )
+        # Checked before the response starts (an unknown restore is a 404); then each
+        # projection is sent as soon as it is folded (in no fixed order).
+        projections = await service.coordinator.restore_projection_stream(run, restore_id)
+    selected = (p async for p in projections if projection_matches(p, kind, participant))
     return stream_ndjson(selected, EpisodeProjection.to_json)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, Restore, RestoreEntry
@@ -34,7 +34,7 @@ from rolloutlog.projections._planner import (
     to_continue,
 )
 from rolloutlog.projections._projector import Projector, RestoreReset
-from rolloutlog.projections._replay import replay_at_cuts
+from rolloutlog.projections._replay import replay_at_cuts, replay_stream
 from rolloutlog.projections._start_plan import all_restores
 from rolloutlog.projections._timing import StageTimer
 
@@ -108,6 +108,11 @@ class ProjectionCache:
     def forget_run(self, run: str) -> None:
         for key in [key for key in self._entries if key[0] == run]:
             del self._entries[key]
+
+
+async def _each(projections: Iterable[EpisodeProjection]) -> AsyncIterator[EpisodeProjection]:
+    for projection in projections:
+        yield projection
 
 
 class Restorer:
@@ -317,6 +322,18 @@ class Restorer:
         cached = self.cache.get(run, restore_id)
         if cached is not None:
             return cached
+        stream = await self.projection_stream(run, restore_id)
+        return {projection.episode: projection async for projection in stream}
+
+    async def projection_stream(
+        self, run: str, restore_id: int
+    ) -> AsyncIterator[EpisodeProjection]:
+        """``restore_projections`` one at a time: from the cache, else as the replay folds each
+        (``replay_stream``), cached once all were folded. Unknown or gone restores raise here,
+        before anything is streamed."""
+        cached = self.cache.get(run, restore_id)
+        if cached is not None:
+            return _each(cached.values())
         restore = await self.catalog.get_restore(run, restore_id)
         entries = await self.catalog.restore_episodes(
             run, restore_id, action="continue", limit=None
@@ -337,9 +354,26 @@ class Restorer:
             r.restore_id for r in await all_restores(self.catalog, run) if r.restore_id < restore_id
         }
         attempts = {e.episode: e.attempt for e in entries}
-        result = await self._replay(run, checkpoint, wanted, restores, attempts)
+        projector = self._projectors.get(run)
+        stream = replay_stream(
+            self.log,
+            run,
+            wanted,
+            replay_start(checkpoint.offsets),
+            restores,
+            quarantined=projector.quarantined if projector is not None else frozenset(),
+            attempts=attempts,
+        )
+        return self._caching(run, restore_id, stream)
+
+    async def _caching(
+        self, run: str, restore_id: int, stream: AsyncIterator[EpisodeProjection]
+    ) -> AsyncIterator[EpisodeProjection]:
+        result: dict[str, EpisodeProjection] = {}
+        async for projection in stream:
+            result[projection.episode] = projection
+            yield projection
         self.cache.put(run, restore_id, result)
-        return result
 
     async def checkpoint_projection(
         self, run: str, checkpoint_id: int, episode: str

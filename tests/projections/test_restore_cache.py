@@ -72,3 +72,30 @@ async def test_the_budget_drops_other_runs_restores_first(tmp_path: Path) -> Non
         assert ("r1", 2) not in big and ("r1", 3) in big
     finally:
         await service.close()
+
+
+async def test_a_first_fetch_streams_each_projection_once_the_read_passes_its_cut(
+    tmp_path: Path,
+) -> None:
+    """One partition: ``a``'s cut is on the log's first page, ``b``'s 1,500 records later. The
+    stream (as after a restart: nothing cached) hands ``a`` out before reading ``b``'s last page,
+    and the streamed projections are those the restore served from its replay."""
+    service = await open_service(tmp_path, partitions=1)
+    try:
+        await service.append(f.started("a"), f.boundary("a", "seed", {"turn": 1}))
+        await service.append(f.started("b"))
+        for start in range(0, 1500, 500):
+            await service.append(
+                *(f.boundary("b", "seed", {"turn": n}) for n in range(start, start + 500))
+            )
+        restore_id = await _restored(service)
+        served = await service.coordinator.restore_projections("run", restore_id)
+        service.coordinator._restore_cache.forget_run("run")
+        stream = await service.coordinator.restore_projection_stream("run", restore_id)
+        streamed = [projection async for projection in stream]
+        assert [p.episode for p in streamed] == ["a", "b"]
+        assert {p.episode: p for p in streamed} == served
+        assert streamed[1].boundaries["environment"].state.value() == {"turn": 1499}
+        assert ("run", restore_id) in service.coordinator._restore_cache  # cached once complete
+    finally:
+        await service.close()
