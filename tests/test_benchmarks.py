@@ -87,3 +87,13 @@ def test_report_names_missed_targets() -> None:
     missed = text.split("### Missed targets", 1)[1].split("##", 1)[0]
     assert "S1 checkpoint ≤ 100 ms on embedded: measured 500 ms" in missed
     assert "S1 restore" not in missed
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_fold_rate_folds_every_record_from_kafka(kafka_bootstrap: str) -> None:
+    import suite
+
+    figures = asyncio.run(suite.fold_rate(kafka_bootstrap, workloads.s1(50), 1))
+    assert figures["records"] == 500 and figures["live"] == 50
+    assert figures["events_per_s"]["median"] > 0
