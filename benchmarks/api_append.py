@@ -44,14 +44,14 @@ LIVE_EPISODES = 16_000
 TARGETS = {"events_per_s": 50_000, "p99_ms_at_half_load": 25.0, "rss_mb_16k_live": 250.0}
 
 
-def boundary(i: int, seq: int) -> dict[str, Any]:
+def boundary(i: int, seq: int, who: str = "env-0") -> dict[str, Any]:
     return {
         "v": 1,
         "type": "step.boundary",
         "episode": f"r{i % 4096}",
         "attempt": 0,
         "step": seq % 50,
-        "participant": {"id": "env-0", "kind": "environment", "epoch": 1},
+        "participant": {"id": who, "kind": "environment", "epoch": 1},
         "seq": seq,
         "ts": 1764400000.0 + seq,
         "data": {
@@ -69,7 +69,7 @@ def started(i: int, seq: int) -> dict[str, Any]:
         "v": 1,
         "type": "episode.started",
         "episode": f"live{i}",
-        "participant": {"id": "env-1", "kind": "environment", "epoch": 1},
+        "participant": {"id": "env-live", "kind": "environment", "epoch": 1},
         "seq": seq,
         "ts": 1764400000.0,
         "data": {"task": task, "task_digest": "0" * 64, "deadline_s": 600.0},
@@ -169,18 +169,20 @@ class Server:
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
-def bodies(count: int, first_seq: int) -> list[bytes]:
+def bodies(count: int, first_seq: int, who: str = "env-0") -> list[bytes]:
     out = []
     seq = first_seq
     for _ in range(count):
-        out.append(orjson.dumps([boundary(seq + k, seq + k) for k in range(BATCH)]))
+        out.append(orjson.dumps([boundary(seq + k, seq + k, who) for k in range(BATCH)]))
         seq += BATCH
     return out
 
 
 async def throughput(port: int, seconds: float, seq: int) -> tuple[float, int]:
     """Closed loop: every client sends its next batch as soon as the last one is acknowledged."""
-    per_client = [bodies(int(seconds * 120), seq + c * 10_000_000) for c in range(CLIENTS)]
+    # One participant per client (each with its own seqs: the service refuses seqs that jump
+    # absurdly past a participant's highest).
+    per_client = [bodies(int(seconds * 120), seq, f"env-{c}") for c in range(CLIENTS)]
     connections = [Connection(port) for _ in range(CLIENTS)]
     for conn in connections:
         await conn.open()
@@ -203,14 +205,14 @@ async def throughput(port: int, seconds: float, seq: int) -> tuple[float, int]:
     elapsed = time.perf_counter() - started_at
     for conn in connections:
         conn.close()
-    return done / elapsed, seq + CLIENTS * 10_000_000
+    return done / elapsed, seq + int(seconds * 120) * BATCH
 
 
 async def latency(port: int, events_per_s: float, seconds: float, seq: int) -> dict[str, float]:
     """Open loop at ``events_per_s``: requests leave on schedule whether or not others finished."""
     requests_per_s = events_per_s / BATCH
     total = max(int(requests_per_s * seconds), CLIENTS)
-    payloads = bodies(total, seq)
+    payloads = [bodies(-(-total // CLIENTS), seq, f"env-{c}") for c in range(CLIENTS)]
     connections = [Connection(port) for _ in range(CLIENTS)]
     for conn in connections:
         await conn.open()
@@ -219,7 +221,7 @@ async def latency(port: int, events_per_s: float, seconds: float, seq: int) -> d
     started_at = time.perf_counter() + 0.05
 
     async def client(index: int, conn: Connection) -> None:
-        for n, body in enumerate(payloads[index::CLIENTS]):
+        for n, body in enumerate(payloads[index]):
             due = started_at + (n + index / CLIENTS) * interval
             delay = due - time.perf_counter()
             if delay > 0:
@@ -248,7 +250,7 @@ async def live_memory(server: Server) -> dict[str, float]:
     conn = Connection(server.port)
     await conn.open()
     status, _ = await conn.request(
-        "POST", f"/v1/runs/{RUN}/participants", b'{"id": "env-1", "kind": "environment"}'
+        "POST", f"/v1/runs/{RUN}/participants", b'{"id": "env-live", "kind": "environment"}'
     )
     assert status == 201, status
     seq = 1
@@ -258,7 +260,7 @@ async def live_memory(server: Server) -> dict[str, float]:
             batch.append(started(i, seq))
             event = boundary(0, seq + 1)
             event["episode"] = f"live{i}"
-            event["participant"] = {"id": "env-1", "kind": "environment", "epoch": 1}
+            event["participant"] = {"id": "env-live", "kind": "environment", "epoch": 1}
             batch.append(event)
             seq += 2
         status, reply = await conn.request("POST", f"/v1/runs/{RUN}/events", orjson.dumps(batch))
@@ -284,7 +286,10 @@ async def started_server() -> Server:
     await conn.open()
     for path, body in (
         ("/v1/runs", orjson.dumps({"run": RUN, "partitions": 16})),
-        (f"/v1/runs/{RUN}/participants", b'{"id": "env-0", "kind": "environment"}'),
+        *(
+            (f"/v1/runs/{RUN}/participants", b'{"id": "env-%d", "kind": "environment"}' % c)
+            for c in range(CLIENTS)
+        ),
     ):
         status, reply = await conn.request("POST", path, body)
         assert status == 201, reply

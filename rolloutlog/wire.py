@@ -4,9 +4,44 @@ are turned back into their classes by ``rolloutlog.errors.error_from_wire``."""
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_URL", "NDJSON"]
+__all__ = ["DEFAULT_URL", "NDJSON", "NdjsonSplitter"]
 
 #: The service's address when neither the caller nor ``ROLLOUTLOG_URL`` names one.
 DEFAULT_URL = "http://127.0.0.1:8750"
 #: Newline-delimited JSON: event batches in, episode and projection streams out.
 NDJSON = "application/x-ndjson"
+
+
+class NdjsonSplitter:
+    """Splits a streamed NDJSON body into its lines as bytes, as the chunks arrive.
+
+    A restore's projections are ~100 MB of NDJSON for 16,000 episodes: orjson parses bytes, so
+    the lines are cut from the bytes as they are, never decoded to text and split again (what
+    ``httpx``'s ``aiter_lines`` does). Blank lines are dropped."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The lines this chunk completes."""
+        if b"\n" not in chunk:
+            if chunk:
+                self._parts.append(chunk)
+            return []
+        lines = chunk.split(b"\n")
+        if self._parts:
+            self._parts.append(lines[0])
+            lines[0] = b"".join(self._parts)
+            self._parts.clear()
+        tail = lines.pop()
+        if tail:
+            self._parts.append(tail)
+        return [line for line in lines if line and not line.isspace()]
+
+    def end(self) -> list[bytes]:
+        """The last line, when the body does not end with a newline."""
+        rest = b"".join(self._parts)
+        self._parts.clear()
+        return [rest] if rest and not rest.isspace() else []

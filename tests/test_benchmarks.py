@@ -108,3 +108,13 @@ def test_live_churn_advances_live_episodes_with_valid_events() -> None:
             for event in events:
                 validate_event(event)
                 assert event["episode"] in live
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_fold_rate_folds_every_record_from_kafka(kafka_bootstrap: str) -> None:
+    import suite
+
+    figures = asyncio.run(suite.fold_rate(kafka_bootstrap, workloads.s1(50), 1))
+    assert figures["records"] == 500 and figures["live"] == 50
+    assert figures["events_per_s"]["median"] > 0

@@ -224,7 +224,7 @@ SURFACES: dict[str, list[str]] = {
         "error_from_body",
         "error_from_wire",
     ],
-    "rolloutlog.wire": ["DEFAULT_URL", "NDJSON"],
+    "rolloutlog.wire": ["DEFAULT_URL", "NDJSON", "NdjsonSplitter"],
 }
 
 

@@ -423,10 +423,9 @@ async def restore_projections(
         )
     service = _service(request)
     with span("rolloutlog.projections", {"rolloutlog.restore_id": restore_id}):
-        projections = await service.coordinator.restore_projections(run, restore_id)
-    service.metrics.count_served_cuts(run, restore_id, projections.values())
-    selected = sorted(
-        (p for p in projections.values() if projection_matches(p, kind, participant)),
-        key=lambda p: p.episode,
-    )
+        # Checked before the response starts (an unknown restore is a 404); then each
+        # projection is sent as soon as it is folded (in no fixed order).
+        projections = await service.coordinator.restore_projection_stream(run, restore_id)
+    counted = service.metrics.count_streamed_cuts(run, restore_id, projections)
+    selected = (p async for p in counted if projection_matches(p, kind, participant))
     return stream_ndjson(selected, EpisodeProjection.to_json)

@@ -10,8 +10,9 @@ offset and the lag between them (the numbers ``GET /v1/runs/{run}/projector`` sh
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -211,9 +212,23 @@ class Metrics:
         self, run: str, restore_id: int, projections: Iterable[EpisodeProjection]
     ) -> None:
         """The cuts a restore continues, counted at the first read of its projections."""
+        self._count_served_once(run, restore_id, served_cut_dispositions(projections))
+
+    async def count_streamed_cuts(
+        self, run: str, restore_id: int, projections: AsyncIterator[EpisodeProjection]
+    ) -> AsyncIterator[EpisodeProjection]:
+        """``count_served_cuts`` over a stream: each projection passes through, and the cuts are
+        counted once the stream has sent them all."""
+        counts: collections.Counter[str] = collections.Counter()
+        async for projection in projections:
+            counts.update(served_cut_dispositions((projection,)))
+            yield projection
+        self._count_served_once(run, restore_id, counts)
+
+    def _count_served_once(self, run: str, restore_id: int, counts: Mapping[str, int]) -> None:
         if (run, restore_id) not in self._served:
             self._served.add((run, restore_id))
-            self.count_cuts(served_cut_dispositions(projections))
+            self.count_cuts(counts)
 
     async def refresh(self) -> None:
         """Read every running projector's per-partition offsets (``projector_lag``)."""

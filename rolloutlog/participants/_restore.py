@@ -12,9 +12,17 @@ import orjson
 from rolloutlog._telemetry import client_span
 from rolloutlog.errors import BackendUnavailable, error_from_body, error_from_wire
 from rolloutlog.participants._transport import _Rest
-from rolloutlog.wire import NDJSON
+from rolloutlog.wire import NDJSON, NdjsonSplitter
 
 __all__ = ["Restores"]
+
+
+def _value(line: bytes) -> dict[str, Any]:
+    """One projection line; an in-band ``{"error": …}`` line (the stream failed) is raised."""
+    value: dict[str, Any] = orjson.loads(line)
+    if isinstance(value, dict) and set(value) == {"error"}:
+        raise error_from_body(200, value)
+    return value
 
 
 class Restores:
@@ -73,13 +81,12 @@ class Restores:
                 if response.is_error:
                     await response.aread()
                     raise error_from_wire(response.status_code, response.content)
-                async for line in response.aiter_lines():
-                    if not line.strip():
-                        continue
-                    value = orjson.loads(line)
-                    if isinstance(value, dict) and set(value) == {"error"}:
-                        raise error_from_body(200, value)
-                    yield value
+                lines = NdjsonSplitter()
+                async for chunk in response.aiter_bytes():
+                    for line in lines.feed(chunk):
+                        yield _value(line)
+                for line in lines.end():
+                    yield _value(line)
         except httpx.TransportError as e:
             raise BackendUnavailable(f"the service did not answer: {e!r}") from e
 

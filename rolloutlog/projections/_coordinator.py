@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Coroutine, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,7 +58,7 @@ class TrackedEpisode:
 class Coordinator:
     """One per service: owns a projector per run and runs checkpoints and restores."""
 
-    def __init__(self, log: Log, catalog: Catalog, *, projection_cache_bytes: int = 512 << 20):
+    def __init__(self, log: Log, catalog: Catalog, *, projection_cache_bytes: int = 256 << 20):
         self.log = log
         self.catalog = catalog
         self.projectors: dict[str, Projector] = {}
@@ -220,6 +220,12 @@ class Coordinator:
         """Every continued episode's projection of a committed restore (recomputed after a
         service restart: deterministic from the log and the catalog)."""
         return await self._restorer.restore_projections(run, restore_id)
+
+    async def restore_projection_stream(
+        self, run: str, restore_id: int
+    ) -> AsyncIterator[EpisodeProjection]:
+        """``restore_projections`` streamed: each as soon as it is folded (the bulk route)."""
+        return await self._restorer.projection_stream(run, restore_id)
 
     async def checkpoint_projection(
         self, run: str, checkpoint_id: int, episode: str

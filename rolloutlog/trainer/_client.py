@@ -30,7 +30,7 @@ from rolloutlog.trainer._types import (
     error_from_body,
     error_from_response,
 )
-from rolloutlog.wire import DEFAULT_URL, NDJSON
+from rolloutlog.wire import DEFAULT_URL, NDJSON, NdjsonSplitter
 
 __all__ = ["DEFAULT_URL", "AsyncTrainerClient", "TrainerClient"]
 
@@ -224,9 +224,12 @@ class AsyncTrainerClient(_Calls):
             if response.is_error:
                 await response.aread()
                 raise error_from_response(response)
-            async for line in response.aiter_lines():
-                if line.strip():
+            lines = NdjsonSplitter()
+            async for chunk in response.aiter_bytes():
+                for line in lines.feed(chunk):
                     yield _line(line)
+            for line in lines.end():
+                yield _line(line)
 
     # -- runs ------------------------------------------------------------------------------
 
@@ -491,9 +494,12 @@ class TrainerClient(_Calls):
             if response.is_error:
                 response.read()
                 raise error_from_response(response)
-            for line in response.iter_lines():
-                if line.strip():
+            lines = NdjsonSplitter()
+            for chunk in response.iter_bytes():
+                for line in lines.feed(chunk):
                     yield _line(line)
+            for line in lines.end():
+                yield _line(line)
 
     def health(self) -> dict[str, Any]:
         result: dict[str, Any] = self._send(_Call("GET", "/readyz"))
