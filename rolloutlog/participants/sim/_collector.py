@@ -6,22 +6,26 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
 import httpx
 
-from rolloutlog.errors import RunExists
+from rolloutlog.errors import RolloutlogError, RunExists
 from rolloutlog.participants.sim._model import expected_reward
 from rolloutlog.trainer import AsyncTrainerClient, CheckpointInfo, ResumePlan, resume_run
 
 __all__ = ["Collector", "CollectorReport", "Rollout"]
 
 _FINAL = ("done", "failed", "lost")
+#: How long the collector asks again to acknowledge results while the service is down (the
+#: participants' append deadline: both ride through the same restart).
+ACK_DEADLINE_S = 120.0
 
 
 @dataclass
@@ -296,10 +300,26 @@ class Collector:
         them back after a restore); how many were new to it."""
         held, self._unacknowledged = self._unacknowledged, set()
         try:
-            return await self.trainer.ack_results(self.run_name, held)
+            return await self._ride_through(lambda: self.trainer.ack_results(self.run_name, held))
         except BaseException:
             self._unacknowledged |= held  # acknowledged next time
             raise
+
+    async def _ride_through(self, call: Callable[[], Awaitable[int]]) -> int:
+        """``call`` asked again while the service is unreachable or answers a retriable refusal
+        (a restart, an upgrade), with jittered doubling pauses, for up to ``ACK_DEADLINE_S``."""
+        deadline = time.monotonic() + ACK_DEADLINE_S
+        delay = 0.1
+        while True:
+            try:
+                return await call()
+            except (httpx.TransportError, RolloutlogError) as e:
+                if isinstance(e, RolloutlogError) and not e.retriable:
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, 5.0)
 
     def pause(self) -> None:
         """Dispatch no new rollouts (those in flight go on)."""
