@@ -151,6 +151,10 @@ class _Calls:
         return _Call("GET", path, _params(after=after, limit=limit))
 
     @staticmethod
+    def _quarantine_call(run: str, after: str | None, limit: int | None) -> _Call:
+        return _Call("GET", f"/v1/runs/{run}/quarantine", _params(after=after, limit=limit))
+
+    @staticmethod
     def _projection_call(
         run: str, episode: str, restore: CheckpointRef | None, checkpoint: int | None
     ) -> _Call:
@@ -277,6 +281,24 @@ class AsyncTrainerClient(_Calls):
 
     async def stats(self, run: str) -> dict[str, Any]:
         result: dict[str, Any] = await self._send(_Call("GET", f"/v1/runs/{run}/stats"))
+        return result
+
+    async def participants(self, run: str) -> list[dict[str, Any]]:
+        """The run's registered participants: id, kind, epoch, registered and last seen."""
+        body = await self._send(_Call("GET", f"/v1/runs/{run}/participants"))
+        return list(body["participants"])
+
+    async def quarantine(
+        self, run: str, *, after: str | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """One page of the run's quarantined log records after ``PARTITION:OFFSET`` ``after``:
+        ``{"records", "next_after"}`` (``GET …/quarantine``; docs/api.md, Bad records)."""
+        result: dict[str, Any] = await self._send(self._quarantine_call(run, after, limit))
+        return result
+
+    async def projector(self, run: str) -> dict[str, Any]:
+        """How far this service's projector trails the run's log, per partition."""
+        result: dict[str, Any] = await self._send(_Call("GET", f"/v1/runs/{run}/projector"))
         return result
 
     async def episodes(self, run: str, *, status: str | None = None) -> AsyncIterator[Any]:
@@ -544,6 +566,23 @@ class TrainerClient(_Calls):
 
     def stats(self, run: str) -> dict[str, Any]:
         result: dict[str, Any] = self._send(_Call("GET", f"/v1/runs/{run}/stats"))
+        return result
+
+    def participants(self, run: str) -> list[dict[str, Any]]:
+        """The run's registered participants: id, kind, epoch, registered and last seen."""
+        body = self._send(_Call("GET", f"/v1/runs/{run}/participants"))
+        return list(body["participants"])
+
+    def quarantine(
+        self, run: str, *, after: str | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """One page of the run's quarantined records (see ``AsyncTrainerClient.quarantine``)."""
+        result: dict[str, Any] = self._send(self._quarantine_call(run, after, limit))
+        return result
+
+    def projector(self, run: str) -> dict[str, Any]:
+        """How far this service's projector trails the run's log, per partition."""
+        result: dict[str, Any] = self._send(_Call("GET", f"/v1/runs/{run}/projector"))
         return result
 
     def episodes(self, run: str, *, status: str | None = None) -> Iterator[Any]:

@@ -501,3 +501,65 @@ def test_results_and_their_acknowledgement(server: Server, cli: Cli) -> None:
     assert usage.status == EXIT_USAGE and "Missing argument" in usage.err
     forbidden = cli("results", "ack", "cli-results", "r2", role="analyst")
     assert forbidden.status == EXIT_REFUSED and ": forbidden: " in forbidden.err
+
+
+def test_participants_quarantine_projector_and_projection(server: Server, cli: Cli) -> None:
+    seed(server, "cli-analyst", "p1", "p2")
+    assert cli("checkpoint", "cli-analyst", "--take-over").status == 0
+    assert cli("restore", "cli-analyst").status == 0
+
+    listed = cli("participants", "cli-analyst", role="analyst")
+    assert listed.status == 0, listed.err
+    header, *rows = listed.lines()
+    assert header.split()[:3] == ["ID", "KIND", "EPOCH"]
+    assert [row.split()[:3] for row in rows] == [["env-0", "environment", "1"]]
+    [one] = cli("participants", "cli-analyst", "--json").json_lines()
+    assert (one["id"], one["kind"], one["epoch"]) == ("env-0", "environment", 1)
+
+    # HTTP appends are validated, so this run has nothing quarantined (the bad records
+    # themselves are tests/faults/test_bad_records.py's): an empty listing prints no line.
+    assert cli("quarantine", "cli-analyst", role="analyst").out == "(no quarantined records)\n"
+    assert cli("quarantine", "cli-analyst", "--after", "0:0", "--json").out == ""
+
+    lag = cli("projector", "cli-analyst", role="analyst")
+    assert lag.status == 0, lag.err
+    [as_json] = cli("projector", "cli-analyst", "--json").json_lines()
+    ends = [p["end_offset"] for p in as_json["partitions"]]
+    assert len(ends) == 2 and as_json["log_records"] == sum(ends) >= 4  # the 4 seeded events
+    assert as_json["lag"] == 0, as_json  # a committed checkpoint: the projector reached its markers
+    assert lag.lines()[0] == f"projector of run cli-analyst: 0 records behind of {sum(ends)}"
+    assert [row.split()[:2] for row in lag.lines()[2:]] == [
+        ["0", str(ends[0])],
+        ["1", str(ends[1])],
+    ]
+
+    shown = cli("projection", "cli-analyst", "p1", "--restore", "latest", role="participant")
+    assert shown.status == 0, shown.err
+    assert shown.lines()[0] == "episode p1: live, attempt 1, capture key p1-a1", shown.out
+    boundary = shown.out.split("boundaries\n")[1].splitlines()[1]
+    assert boundary.split()[:2] == ["environment", "seed"], shown.out
+    [at_cut] = cli("projection", "cli-analyst", "p2", "--checkpoint", "1", "--json").json_lines()
+    assert (at_cut["episode"], at_cut["attempt"]) == ("p2", 0)
+    assert at_cut["boundaries"]["environment"]["stage"] == "seed"
+
+    neither = cli("projection", "cli-analyst", "p1")
+    assert neither.status == EXIT_USAGE and "exactly one of --restore" in neither.err
+    both = cli("projection", "cli-analyst", "p1", "--restore", "1", "--checkpoint", "1")
+    assert both.status == EXIT_USAGE
+    bad_after = cli("quarantine", "cli-analyst", "--after", "nowhere")
+    assert bad_after.status == EXIT_REFUSED and ": invalid_request: " in bad_after.err
+    for args in (
+        ("participants", "no-such-run"),
+        ("quarantine", "no-such-run"),
+        ("projector", "no-such-run"),
+        ("projection", "no-such-run", "p1", "--restore", "latest"),
+    ):
+        try:
+            _one_error_line(cli(*args), EXIT_REFUSED, "unknown_run")
+        except AssertionError as e:
+            raise AssertionError(f"{args}: {e}") from e
+    _one_error_line(
+        cli("projection", "cli-analyst", "p1", "--checkpoint", "9"),
+        EXIT_REFUSED,
+        "unknown_checkpoint",
+    )

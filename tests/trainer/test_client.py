@@ -23,6 +23,7 @@ from rolloutlog.errors import (
     UnknownCheckpoint,
     UnknownRun,
 )
+from rolloutlog.log import Record, partition_for
 from rolloutlog.trainer import (
     AsyncTrainerClient,
     CheckpointInfo,
@@ -33,6 +34,7 @@ from rolloutlog.trainer import (
 )
 from tests import factories as f
 from tests.api.conftest import TOKENS, Api, open_api, settings_for
+from tests.faults._supervise import bad_records, eventually
 
 
 @pytest.fixture
@@ -256,3 +258,44 @@ def test_unknown_error_codes_become_service_errors() -> None:
     )
     assert isinstance(known, StaleController)
     assert known.details == {"x": 1}
+
+
+async def test_participants_projector_and_quarantine_pages(api: Api) -> None:
+    analyst = AsyncTrainerClient(token=TOKENS["analyst"], client=api.client)
+    await api.seed(["a"])
+    [participant] = await analyst.participants("run")
+    assert (participant["id"], participant["kind"], participant["epoch"]) == (
+        "env-0",
+        "environment",
+        1,
+    )
+    # Three records no HTTP append would take, straight into a's partition of the log.
+    home = partition_for("a", 4)
+    await api.service.log.append_records(
+        "run", [Record(home, b"a", value) for value in bad_records("a")]
+    )
+
+    async def quarantined() -> bool:
+        return len((await analyst.quarantine("run"))["records"]) == 3
+
+    await eventually(quarantined, 10, "the quarantine listing")
+    first = await analyst.quarantine("run", limit=2)
+    assert [r["partition"] for r in first["records"]] == [home, home]
+    assert first["next_after"] == f"{home}:{first['records'][-1]['offset']}"
+    rest = await analyst.quarantine("run", after=first["next_after"], limit=2)
+    assert len(rest["records"]) == 1 and rest["next_after"] is None
+    assert "not a JSON envelope" in first["records"][0]["reason"]
+
+    async def caught_up() -> bool:
+        return int((await analyst.projector("run"))["lag"]) == 0
+
+    await eventually(caught_up, 10, "the projector past the bad records")
+    lag = await analyst.projector("run")
+    assert lag["log_records"] == sum(p["end_offset"] for p in lag["partitions"])
+    assert len(lag["partitions"]) == 4 and lag["partitions"][home]["end_offset"] >= 5
+    with pytest.raises(UnknownRun):
+        await analyst.projector("nope")
+    with pytest.raises(UnknownRun):
+        await analyst.participants("nope")
+    with pytest.raises(InvalidRequest):
+        await analyst.quarantine("run", after="nowhere")

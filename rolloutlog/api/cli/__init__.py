@@ -10,6 +10,10 @@
     rolloutlog episode RUN EPISODE
     rolloutlog results RUN [--unacknowledged] [--since-checkpoint ID] [--episode EPISODE]…
     rolloutlog results ack RUN EPISODE…
+    rolloutlog participants RUN
+    rolloutlog quarantine RUN [--after PARTITION:OFFSET] [--limit N]
+    rolloutlog projector RUN
+    rolloutlog projection RUN EPISODE (--restore ID|latest | --checkpoint ID)
     rolloutlog completion bash|zsh|fish
     rolloutlog --version
 
@@ -21,6 +25,7 @@ client commands import nothing of the server's stack, so that the command starts
 
 from __future__ import annotations
 
+from rolloutlog.api.cli._analyst import ANALYST_COMMANDS
 from rolloutlog.api.cli._commands import COMMANDS
 from rolloutlog.api.cli._main import cli, main
 from rolloutlog.api.cli._results import results
@@ -28,5 +33,5 @@ from rolloutlog.api.cli._serve import GC_THRESHOLDS, serve
 
 __all__ = ["GC_THRESHOLDS", "cli", "main"]
 
-for _command in [serve, *COMMANDS, results]:
+for _command in [serve, *COMMANDS, results, *ANALYST_COMMANDS]:
     cli.add_command(_command)
