@@ -150,7 +150,10 @@ async def test_the_collector_across_three_crashes(tmp_path: Path) -> None:
                 collector.redispatch()
             report = await runner
     assert report.ok, (report.wrong, report.lost, report.failed)
-    assert len(report.restores) == 3 and report.continued >= 1
+    # Some restore continued a rollout. (Its final attempt may still have restarted: a sandbox
+    # session changed after its export is not exported again and restarts at the deadline.)
+    assert len(report.restores) == 3
+    assert any(d.action == "continue" for plan in report.restores for d in plan.dispatch)
     for rollout in collector.rollouts.values():
         attempts = [parse_capture_key(key)[1] for key, _ in rollout.history]
         assert attempts == sorted(set(attempts)), rollout.history
