@@ -325,7 +325,9 @@ class Workload:
                 "attempt": 0,
                 "step": 2 if self.name in ("S1", "live") else None,
                 "participant": {"id": f"{kind}-{index % SHARDS}", "kind": kind, "epoch": epoch},
-                "seq": index * 100 + 50 + round_,
+                # Dense from 1 for the new epoch, increasing round after round (a seq more than
+                # 2^20 past a participant's highest is refused as poisoning).
+                "seq": 1 + round_ * count + k,
                 "ts": TS + round_,
             }
             if sessions:
