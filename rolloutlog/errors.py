@@ -25,6 +25,7 @@ __all__ = [
     "Forbidden",
     "InvalidEvent",
     "InvalidRequest",
+    "LeaseLost",
     "LogError",
     "ParticipantFenced",
     "PayloadTooLarge",
@@ -178,6 +179,11 @@ class BackendUnavailable(RolloutlogError):
     code = "unavailable"
     http_status = 503
     retriable = True
+
+
+class LeaseLost(BackendUnavailable):
+    """A replica wrote for a partition it no longer owns (its lease moved to another replica, at a
+    newer generation): the write had no effect. The partition's new owner does the work."""
 
 
 class DataDirLocked(RolloutlogError):

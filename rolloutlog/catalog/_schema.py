@@ -314,3 +314,84 @@ results = Table(
 """Finished episodes' results, copied from their ``episode.finished`` records by the projector's
 episode feeder: they outlive the log's retention (trimmed below the retained checkpoints) and
 the manifests' (only the newest N are kept), and carry the trainer's acknowledgement."""
+
+
+replicas = Table(
+    "replicas",
+    metadata,
+    Column("replica_id", Name, primary_key=True),
+    # Where the replica serves (``host:port``), for operators; NULL when it did not say.
+    Column("address", Text, nullable=True),
+    Column("started_at", Double, nullable=False),
+    Column("heartbeat_at", Double, nullable=False),
+    # The replica counts as live until this time (the catalog's clock); its leases lapse then.
+    Column("expires_at", Double, nullable=False),
+)
+"""The service replicas sharing this catalog (migration 0008): one row per replica, renewed by
+its heartbeat."""
+
+partition_leases = Table(
+    "partition_leases",
+    metadata,
+    Column("run", Name, primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    # The owner; NULL while released (a new owner takes it at the next generation).
+    Column("replica_id", Name, nullable=True),
+    # Bumped at every change of owner: a part written under an older one is refused (fencing).
+    Column("generation", BigInteger, nullable=False),
+    Column("acquired_at", Double, nullable=False),
+    ForeignKeyConstraint(["run"], ["runs.run"]),
+)
+"""Which replica folds each partition of each run (migration 0008)."""
+
+checkpoint_parts = Table(
+    "checkpoint_parts",
+    metadata,
+    Column("run", Name, primary_key=True),
+    Column("checkpoint_id", BigInteger, primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    Column("replica_id", Name, nullable=False),
+    # The lease generation the part was written under.
+    Column("generation", BigInteger, nullable=False),
+    Column("written_at", Double, nullable=False),
+    # The part's counts (JSON), summed into the checkpoint's when the last part commits it.
+    Column("totals", Text, nullable=True),
+)
+"""Who wrote each partition's part of a checkpoint's manifest (migration 0008): a checkpoint
+commits when every partition has one."""
+
+restore_requests = Table(
+    "restore_requests",
+    metadata,
+    Column("run", Name, primary_key=True),
+    Column("restore_id", BigInteger, primary_key=True),
+    Column("checkpoint_id", BigInteger, nullable=False),
+    Column("controller_epoch", BigInteger, nullable=False),
+    # The replica that took the trainer's request and commits (or aborts) it.
+    Column("requested_by", Name, nullable=False),
+    Column("status", String(16), nullable=False),
+    # The request as the owners plan it (JSON: exclusions, policy).
+    Column("request", Text, nullable=False),
+    Column("requested_at", Double, nullable=False),
+    # Past this time any replica may abort a request still ``planning``.
+    Column("deadline_at", Double, nullable=False),
+    Column("ended_at", Double, nullable=True),
+    Column("reason", Text, nullable=True),
+    CheckConstraint("status IN ('planning', 'committed', 'aborted')", name="status_known"),
+    ForeignKeyConstraint(["run"], ["runs.run"]),
+)
+"""Restores being planned by the partitions' owners, and how each ended (migration 0008)."""
+
+restore_parts = Table(
+    "restore_parts",
+    metadata,
+    Column("run", Name, primary_key=True),
+    Column("restore_id", BigInteger, primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    Column("replica_id", Name, nullable=False),
+    Column("generation", BigInteger, nullable=False),
+    Column("written_at", Double, nullable=False),
+    # The partition's plan entries (JSON).
+    Column("entries", Text, nullable=False),
+)
+"""Each partition owner's part of a restore plan (migration 0008)."""

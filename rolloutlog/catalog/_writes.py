@@ -19,13 +19,17 @@ from rolloutlog.catalog._reads import compose_parts, manifest_bodies
 from rolloutlog.catalog._schema import (
     NAME_LENGTH,
     checkpoint_offsets,
+    checkpoint_parts,
     checkpoints,
     episodes,
     manifest_chain,
     manifest_parts,
+    partition_leases,
     participants,
     quarantined_records,
     restore_episodes,
+    restore_parts,
+    restore_requests,
     restores,
     results,
     runs,
@@ -711,6 +715,10 @@ def _check_plan(entries: Sequence[RestoreEntry]) -> None:
 
 #: Tables holding a run's rows, children before the tables they reference.
 _RUN_TABLES = (
+    restore_parts,
+    restore_requests,
+    checkpoint_parts,
+    partition_leases,
     results,
     quarantined_records,
     restore_episodes,

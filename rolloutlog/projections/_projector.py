@@ -232,6 +232,10 @@ class Projector:
         self.trackers: dict[str, EpisodeTracker] = {}
         self.by_partition: list[dict[str, EpisodeTracker]] = [{} for _ in range(partitions)]
         self.applied: list[int] = [0] * partitions
+        #: The partitions this projector folds, and the lease generation it holds each at
+        #: (issue 17: a replica folds only the partitions it owns; a lone replica owns all).
+        self.owned: frozenset[int] = frozenset(range(partitions))
+        self.generations: dict[int, int] = {}
         #: Episodes that need no tracking any more (reported finished, or excluded).
         self.retired: set[str] = set()
         self.committed_restores: set[int] = set()
