@@ -621,6 +621,10 @@ class Appends:
             self.acked.append(Acked(event, position["partition"], position["offset"], replica.url))
         return True
 
+    async def ok(self, replica: Service, events: list[dict[str, Any]]) -> None:
+        """``post``, which must be acknowledged."""
+        assert await self.post(replica, events), f"append refused: {self.refused[-1]}"
+
     def episodes(self) -> set[str]:
         """Episodes whose ``episode.started`` was acknowledged."""
         return {a.event["episode"] for a in self.acked if a.event["type"] == "episode.started"}

@@ -168,7 +168,7 @@ async def test_three_replicas_serve_every_route(three: Replicas, deployment: Dep
         leases = await setup_run(three, clients, three.members)
         assert {owner for owner, _ in leases.values()} == {"r1", "r2", "r3"}
         for index in range(12):
-            assert await appends.post(three.members[index % 3], episode_events(f"e{index}"))
+            await appends.ok(three.members[index % 3], episode_events(f"e{index}"))
         episodes = appends.episodes()
         assert len({a.partition for a in appends.acked}) > 1
 
@@ -199,7 +199,7 @@ async def test_three_replicas_serve_every_route(three: Replicas, deployment: Dep
         for index, episode in enumerate(sorted(episodes)):
             who = f.participant(epoch=epoch)
             event = f.boundary(episode, "close_agent", {"turn": 2}, attempt=1, who=who)
-            assert await appends.post(three.members[index % 3], wire(event))
+            await appends.ok(three.members[index % 3], wire(event))
         await assert_folded(clients[r3.url], appends, deployment.log_url or "")
     assert not appends.refused
     await appends.close()
@@ -214,10 +214,10 @@ async def test_sigkill_mid_checkpoint(three: Replicas, deployment: Deployment) -
     async with trainers(three.members) as clients:
         leases = await setup_run(three, clients, three.members)
         for index in range(6):
-            assert await appends.post(three.members[index % 3], episode_events(f"e{index}"))
+            await appends.ok(three.members[index % 3], episode_events(f"e{index}"))
         first = await clients[three.members[0].url].checkpoint(RUN)
         assert first.status == "committed"
-        assert await appends.post(three.members[1], episode_events("w", wait=True))
+        await appends.ok(three.members[1], episode_events("w", wait=True))
         held = next(a.partition for a in appends.acked if a.event["episode"] == "w")
         victim = three[str(leases[held][0])]
         survivors = [r for r in three.members if r is not victim]
@@ -240,9 +240,9 @@ async def test_sigkill_mid_checkpoint(three: Replicas, deployment: Deployment) -
             assert latest.checkpoint_id == first.checkpoint_id
 
         # The wait step ends (through a survivor); the next checkpoint commits after failover.
-        assert await appends.post(survivors[0], wire(f.boundary("w", "seed", {"turn": 1})))
+        await appends.ok(survivors[0], wire(f.boundary("w", "seed", {"turn": 1})))
         for index in range(6, 9):
-            assert await appends.post(survivors[index % 2], episode_events(f"e{index}"))
+            await appends.ok(survivors[index % 2], episode_events(f"e{index}"))
         last = await assert_folded(clients[survivors[1].url], appends, deployment.log_url or "")
         parts = (await three.catalog.checkpoint(RUN, last.checkpoint_id))["parts"]
         assert parts == await three.catalog.leases(RUN)  # by the survivors, at their generations
@@ -258,7 +258,7 @@ async def test_sigkill_mid_restore(three: Replicas, deployment: Deployment) -> N
     async with trainers(three.members) as clients:
         await setup_run(three, clients, three.members)
         for index in range(9):
-            assert await appends.post(three.members[index % 3], episode_events(f"e{index}"))
+            await appends.ok(three.members[index % 3], episode_events(f"e{index}"))
         checkpoint = await clients[r2.url].checkpoint(RUN)
         assert checkpoint.status == "committed"
 
@@ -319,7 +319,7 @@ async def test_sigstop_zombie_is_fenced(three: Replicas, deployment: Deployment)
     async with trainers(three.members) as clients:
         before = await setup_run(three, clients, three.members)
         for index in range(6):
-            assert await appends.post(three.members[index % 3], episode_events(f"e{index}"))
+            await appends.ok(three.members[index % 3], episode_events(f"e{index}"))
         assert (await clients[r1.url].checkpoint(RUN)).status == "committed"
         fenced = {(p, g) for p, (owner, g) in before.items() if owner == "r3"}
 
@@ -332,7 +332,7 @@ async def test_sigstop_zombie_is_fenced(three: Replicas, deployment: Deployment)
                 assert moved[partition][1] > generation, (partition, moved[partition])
             # A wait step in a partition r3 never owned holds the next checkpoint pending.
             for index in range(20):
-                assert await appends.post(r1, episode_events(f"w{index}", wait=True))
+                await appends.ok(r1, episode_events(f"w{index}", wait=True))
                 if appends.acked[-1].partition not in {p for p, _ in fenced}:
                     break
             waiting = appends.acked[-1].event["episode"]
@@ -343,7 +343,7 @@ async def test_sigstop_zombie_is_fenced(three: Replicas, deployment: Deployment)
         finally:
             r3.resume()
         await asyncio.sleep(2 * REPLICA_LEASE_S)  # r3 meets the markers and learns its loss
-        assert await appends.post(r2, wire(f.boundary(waiting, "seed", {"turn": 1})))
+        await appends.ok(r2, wire(f.boundary(waiting, "seed", {"turn": 1})))
         await assert_whole_or_none(three.catalog, pending.checkpoint_id)
 
         # Nothing r3 wrote under its old generations is in the catalog.
@@ -360,7 +360,7 @@ async def test_sigstop_zombie_is_fenced(three: Replicas, deployment: Deployment)
             if owner == "r3":
                 assert generation > before[partition][1]
         for index in range(3):
-            assert await appends.post(r3, episode_events(f"z{index}"))
+            await appends.ok(r3, episode_events(f"z{index}"))
         last = await assert_folded(clients[r3.url], appends, deployment.log_url or "")
         parts = (await three.catalog.checkpoint(RUN, last.checkpoint_id))["parts"]
         assert parts == back, (parts, back)
@@ -447,7 +447,7 @@ async def test_one_replica_without_replica_flags(deployment: Deployment, tmp_pat
             me = f"{socket.gethostname()}:{service.port}"
             leases = await catalog.wait_owned(RUN, PARTITIONS, {me})
             for index in range(4):
-                assert await appends.post(service, episode_events(f"e{index}"))
+                await appends.ok(service, episode_events(f"e{index}"))
             checkpoint = await client.checkpoint(RUN)
             assert dict(checkpoint.counts) == {"continue": 4, "restart": 0, "finished": 0}
             restore = await client.restore(RUN)
@@ -459,7 +459,7 @@ async def test_one_replica_without_replica_flags(deployment: Deployment, tmp_pat
             again = await catalog.wait_owned(RUN, PARTITIONS, {me}, timeout_s=10)
             assert all(again[p][1] > leases[p][1] for p in leases), (leases, again)
             for index in range(4, 6):
-                assert await appends.post(service, episode_events(f"e{index}"))
+                await appends.ok(service, episode_events(f"e{index}"))
             await assert_folded(client, appends, deployment.log_url or "")
             # Well within the default lease (6 s): nothing waited for its own old lease to lapse.
             assert time.monotonic() - ready < 6.0
