@@ -391,10 +391,16 @@ def _asyncpg_target(catalog_url: str) -> tuple[str, str]:
 class Replica(Service):
     """One replica of a replicated service: ``serve --replica-id ID --lease-s S`` on the
     deployment's Kafka log and PostgreSQL catalog, with a data directory of its own; ``pause``
-    and ``resume`` SIGSTOP and SIGCONT its process group (a zombie while stopped)."""
+    and ``resume`` SIGSTOP and SIGCONT its process group (a zombie while stopped).
+    ``tokens=False``: no tokens (loopback only), as the simulated Gym's clients expect."""
 
     def __init__(
-        self, deployment: Deployment, workdir: Path, replica_id: str, lease_s: float | None
+        self,
+        deployment: Deployment,
+        workdir: Path,
+        replica_id: str,
+        lease_s: float | None,
+        tokens: bool = True,
     ) -> None:
         assert deployment.distributed, "replicas share a Kafka log and a PostgreSQL catalog"
         own = Deployment(
@@ -406,10 +412,14 @@ class Replica(Service):
         super().__init__(own, workdir)
         self.replica_id = replica_id
         self.lease_s = lease_s
+        self.with_tokens = tokens
         self.output = workdir / f"serve-{replica_id}.log"
 
     def command(self) -> list[str]:
         args = [*super().command(), "--replica-id", self.replica_id]
+        if not self.with_tokens:
+            at = args.index("--tokens")
+            del args[at : at + 2]
         if self.lease_s is not None:
             args += ["--lease-s", str(self.lease_s)]
         return args
@@ -441,9 +451,12 @@ class Replicas:
         workdir: Path,
         count: int,
         lease_s: float | None = REPLICA_LEASE_S,
+        tokens: bool = True,
     ) -> None:
         self.deployment = deployment
-        self.members = [Replica(deployment, workdir, f"r{i}", lease_s) for i in range(1, count + 1)]
+        self.members = [
+            Replica(deployment, workdir, f"r{i}", lease_s, tokens) for i in range(1, count + 1)
+        ]
         assert deployment.catalog_url is not None
         self.catalog = CatalogView(deployment.catalog_url)
 
@@ -474,6 +487,24 @@ class Replicas:
         return "\n".join(f"--- {r.replica_id}:\n{r.tail()}" for r in self.members)
 
 
+def _client_ports(pid: int) -> set[int]:
+    """The local TCP ports of process ``pid``'s sockets (``/proc/PID/fd`` and
+    ``/proc/net/tcp{,6}``)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 class CatalogView:
     """Reads of the replicas' shared catalog (the test's own connection, never the service's)."""
 
@@ -488,6 +519,17 @@ class CatalogView:
             return list(await conn.fetch(sql, *args))
         finally:
             await conn.close()
+
+    async def waiting_on_lock(self, pid: int) -> bool:
+        """Whether a catalog connection of process ``pid`` waits for a lock (its backend, found
+        by the client port of the process's sockets)."""
+        ports = _client_ports(pid)
+        rows = await self.fetch(
+            "SELECT count(*) AS n FROM pg_stat_activity "
+            "WHERE client_port = ANY($1::int[]) AND wait_event_type = 'Lock'",
+            sorted(ports),
+        )
+        return bool(rows[0]["n"])
 
     async def leases(self, run: str) -> dict[int, tuple[str | None, int]]:
         """Each partition's (owner or None when released, generation)."""
@@ -547,6 +589,19 @@ class CatalogView:
             "manifest_partitions": {m["cut_partition"] for m in manifest},
             "offset_partitions": {o["partition"] for o in offsets},
         }
+
+    async def pending_checkpoint(self, run: str, timeout_s: float = 30.0) -> int:
+        """Until the run has a pending checkpoint; its id."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rows = await self.fetch(
+                "SELECT checkpoint_id FROM checkpoints WHERE run = $1 AND status = 'pending'", run
+            )
+            if rows:
+                return int(rows[0]["checkpoint_id"])
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no pending checkpoint of {run!r}")
+            await asyncio.sleep(0.02)
 
     async def wait_checkpoint_ended(
         self, run: str, checkpoint_id: int, timeout_s: float = 60.0

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from rolloutlog.errors import RolloutlogError
-from rolloutlog.participants.sim import Gym, make_tasks
+from rolloutlog.participants.sim import Gym, expected_reward, make_tasks
 from rolloutlog.trainer import AsyncTrainerClient, CheckpointInfo
 from tests import factories as f
 from tests.api.conftest import TOKENS, wire
@@ -50,8 +50,10 @@ def deployment(kafka_bootstrap: str, postgres_schema: str, tmp_path: Path) -> De
     return Deployment("kafka", tmp_path / "data", kafka_log_url(kafka_bootstrap), postgres_schema)
 
 
-async def start_replicas(deployment: Deployment, workdir: Path, count: int) -> Replicas:
-    replicas = Replicas(deployment, workdir, count)
+async def start_replicas(
+    deployment: Deployment, workdir: Path, count: int, tokens: bool = True
+) -> Replicas:
+    replicas = Replicas(deployment, workdir, count, tokens=tokens)
     try:
         await replicas.start()
     except BaseException:
@@ -310,11 +312,13 @@ async def test_sigkill_mid_restore(three: Replicas, deployment: Deployment) -> N
 
 
 async def test_sigstop_zombie_is_fenced(three: Replicas, deployment: Deployment) -> None:
-    """r3 is SIGSTOPped: its partitions move to r1 and r2 (at new generations). A checkpoint is
-    held pending by a wait step, and r3 resumes (SIGCONT) while it is: whatever r3 still believes
-    it owns, no part of that checkpoint, nor of any later one, is written under r3's old
-    generations; r3 rejoins at new generations and the next checkpoint commits with its parts."""
+    """r3 is SIGSTOPped in the middle of writing its part of a checkpoint (the test holds the
+    run's catalog row, so r3's transaction is provably open), and its partitions move to r1 and
+    r2 at new generations. SIGCONT: r3's write goes on and is refused (``LeaseLost``, in its
+    log); no part is ever written under r3's old generations; the checkpoint commits whole or
+    not at all; r3 rejoins at new generations and the next checkpoint commits with its parts."""
     r1, r2, r3 = three.members
+    catalog = three.catalog
     appends = Appends(RUN)
     async with trainers(three.members) as clients:
         before = await setup_run(three, clients, three.members)
@@ -322,50 +326,68 @@ async def test_sigstop_zombie_is_fenced(three: Replicas, deployment: Deployment)
             await appends.ok(three.members[index % 3], episode_events(f"e{index}"))
         assert (await clients[r1.url].checkpoint(RUN)).status == "committed"
         fenced = {(p, g) for p, (owner, g) in before.items() if owner == "r3"}
+        # A wait step in one of r3's partitions: r3 writes its part only when it ends.
+        for index in range(40):
+            await appends.ok(r1, episode_events(f"w{index}", wait=True))
+            if appends.acked[-1].partition in {p for p, _ in fenced}:
+                break
+        waiting = appends.acked[-1].event["episode"]
+        assert appends.acked[-1].partition in {p for p, _ in fenced}
 
-        r3.pause()
+        request = asyncio.create_task(
+            retrying(lambda: clients[r1.url].checkpoint(RUN, wait=False, deadline_s=10))
+        )
+        pending = await catalog.pending_checkpoint(RUN)
+        import asyncpg
+
+        hold = await asyncpg.connect(catalog.dsn, server_settings={"search_path": catalog.schema})
         try:
-            moved = await three.catalog.wait_owned(
+            transaction = hold.transaction()
+            await transaction.start()
+            await hold.execute("SELECT 1 FROM runs WHERE run = $1 FOR UPDATE", RUN)
+            for index in range(int(waiting[1:]) + 1):  # every wait step ends: r3 writes its part
+                await appends.ok(r2, wire(f.boundary(f"w{index}", "seed", {"turn": 1})))
+            deadline = time.monotonic() + 30
+            while not await catalog.waiting_on_lock(r3.pid):
+                assert time.monotonic() < deadline, "r3 never began writing its part"
+                await asyncio.sleep(0.02)
+            r3.pause()
+            await transaction.rollback()  # r3's transaction takes the run's row, and sleeps
+        finally:
+            await hold.close()
+        try:
+            moved = await catalog.wait_owned(
                 RUN, PARTITIONS, {"r1", "r2"}, timeout_s=4 * REPLICA_LEASE_S + 10
             )
             for partition, generation in fenced:
                 assert moved[partition][1] > generation, (partition, moved[partition])
-            # A wait step in a partition r3 never owned holds the next checkpoint pending.
-            for index in range(20):
-                await appends.ok(r1, episode_events(f"w{index}", wait=True))
-                if appends.acked[-1].partition not in {p for p, _ in fenced}:
-                    break
-            waiting = appends.acked[-1].event["episode"]
-            pending = await retrying(
-                lambda: clients[r2.url].checkpoint(RUN, wait=False, deadline_s=8)
-            )
-            assert pending.status == "pending"
         finally:
             r3.resume()
-        await asyncio.sleep(2 * REPLICA_LEASE_S)  # r3 meets the markers and learns its loss
-        await appends.ok(r2, wire(f.boundary(waiting, "seed", {"turn": 1})))
-        await assert_whole_or_none(three.catalog, pending.checkpoint_id)
+        await request
+        await assert_whole_or_none(catalog, pending)
+        deadline = time.monotonic() + 10
+        while "no longer owns partition" not in r3.tail():
+            assert time.monotonic() < deadline, f"r3's part was not refused: {r3.tail()}"
+            await asyncio.sleep(0.1)
 
         # Nothing r3 wrote under its old generations is in the catalog.
-        rows = await three.catalog.fetch(
+        rows = await catalog.fetch(
             "SELECT checkpoint_id, partition, generation FROM checkpoint_parts "
             "WHERE run = $1 AND replica_id = 'r3' AND checkpoint_id >= $2",
             RUN,
-            pending.checkpoint_id,
+            pending,
         )
         assert not [r for r in rows if (r["partition"], r["generation"]) in fenced], rows
 
-        back = await three.catalog.wait_owned(RUN, PARTITIONS, {"r1", "r2", "r3"}, timeout_s=30)
+        back = await catalog.wait_owned(RUN, PARTITIONS, {"r1", "r2", "r3"}, timeout_s=30)
         for partition, (owner, generation) in back.items():
             if owner == "r3":
                 assert generation > before[partition][1]
         for index in range(3):
             await appends.ok(r3, episode_events(f"z{index}"))
         last = await assert_folded(clients[r3.url], appends, deployment.log_url or "")
-        parts = (await three.catalog.checkpoint(RUN, last.checkpoint_id))["parts"]
+        parts = (await catalog.checkpoint(RUN, last.checkpoint_id))["parts"]
         assert parts == back, (parts, back)
-        refusals = r3.tail()
-        print("r3's log after SIGCONT:", refusals[-1500:])
     await appends.close()
 
 
@@ -388,7 +410,7 @@ async def test_gym_on_two_replicas_one_killed_mid_run(
     """The simulated Gym (participants appending straight to Kafka) behind a load balancer in
     front of two replicas; one is SIGKILLed while rollouts run: every reward is right and every
     rollout's finish is in the fold (a checkpoint's manifest) afterwards."""
-    replicas = await start_replicas(deployment, tmp_path, 2)
+    replicas = await start_replicas(deployment, tmp_path, 2, tokens=False)
     gym = ReplicaGym(
         replicas,
         data_dir=deployment.data_dir / "gym",
@@ -418,11 +440,17 @@ async def test_gym_on_two_replicas_one_killed_mid_run(
             trainer = collector.trainer
             last = await retrying(lambda: trainer.checkpoint(gym.run, deadline_s=15))
             assert last.status == "committed", last
+            # Every finish is in the fold: the service holds each rollout's result and reward, and
+            # the last manifest names no rollout as anything but finished.
+            results = await trainer.results(gym.run, episodes=[str(t["id"]) for t in tasks])
+            assert {r.episode: r.reward for r in results} == {
+                str(t["id"]): expected_reward(t) for t in tasks
+            }
             manifest = {
                 e["episode"]: e["action"]
                 async for e in trainer.manifest(gym.run, last.checkpoint_id)
             }
-            assert manifest == {str(t["id"]): "finished" for t in tasks}
+            assert set(manifest.values()) <= {"finished"}, manifest
             parts = (await replicas.catalog.checkpoint(gym.run, last.checkpoint_id))["parts"]
             assert {owner for owner, _ in parts.values()} == {"r1"}
     finally:
