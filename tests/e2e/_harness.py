@@ -471,9 +471,9 @@ class Replicas:
         return [r.url for r in self.members]
 
     async def start(self) -> None:
-        """Start every replica (one after another: each migrates or checks the catalog)."""
-        for replica in self.members:
-            await replica.start()
+        """Start every replica: the first alone (it migrates the catalog), the others at once."""
+        await self.members[0].start()
+        await asyncio.gather(*(replica.start() for replica in self.members[1:]))
 
     def stop(self) -> None:
         for replica in self.members:

@@ -291,7 +291,18 @@ async def test_sigkill_mid_restore(three: Replicas, deployment: Deployment) -> N
             for rid, r in (await catalog.restore_requests(RUN)).items()
             if r["status"] == "planning"
         )
+        # Its deadline (60 s) brought forward, as if that time had passed: a survivor's sweep
+        # aborts it now (the restarted owners wait for its verdict until then).
+        await catalog.fetch(
+            "UPDATE restore_requests SET deadline_at = extract(epoch FROM clock_timestamp()) "
+            "WHERE run = $1 AND restore_id = $2",
+            RUN,
+            dead,
+        )
 
+        # Once r1's partitions are owned again (a requester that gains a partition while its
+        # own request plans does not plan it: that request would wait out its 60 s deadline).
+        await catalog.wait_owned(RUN, PARTITIONS, {"r2", "r3"}, timeout_s=4 * REPLICA_LEASE_S + 10)
         restore = await retrying(lambda: clients[r2.url].restore(RUN), timeout_s=90)
         assert restore.restore_id != dead
         assert dict(restore.counts) == {"continue": 9, "restart": 0, "excluded": 0}
