@@ -120,6 +120,7 @@ SURFACES: dict[str, list[str]] = {
         "ManifestEntry",
         "ParticipantKind",
         "PartitionOffset",
+        "PartitionOwner",
         "QUARANTINE_FIRST_BYTES",
         "QuarantinedRecord",
         "RegisteredParticipant",
