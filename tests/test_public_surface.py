@@ -207,6 +207,7 @@ SURFACES: dict[str, list[str]] = {
         "Forbidden",
         "InvalidEvent",
         "InvalidRequest",
+        "LeaseLost",
         "LogError",
         "ParticipantFenced",
         "PayloadTooLarge",
