@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._catalog import Catalog
+from rolloutlog.catalog._leases import PartitionOwner
 from rolloutlog.catalog._migrate import head_revision
 from rolloutlog.catalog._values import (
     DEFAULT_KEEP_COMMITTED,
@@ -53,6 +54,7 @@ __all__ = [
     "ManifestEntry",
     "ParticipantKind",
     "PartitionOffset",
+    "PartitionOwner",
     "QUARANTINE_FIRST_BYTES",
     "QuarantinedRecord",
     "RegisteredParticipant",

@@ -18,8 +18,9 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rolloutlog.catalog import _migrate, _reads, _results, _writes
+from rolloutlog.catalog import _leases, _migrate, _reads, _results, _writes
 from rolloutlog.catalog._backend import Backend
+from rolloutlog.catalog._leases import PartitionOwner
 from rolloutlog.catalog._schema import (
     checkpoints,
     runs,
@@ -784,6 +785,47 @@ class Catalog:
         check_run_name(run)
         async with self._write() as conn:
             await _writes.delete_run_rows(conn, run)
+
+    # -- partition leases (issue 17; ``_leases.py``) --------------------------------------------
+
+    async def lease_tick(
+        self,
+        replica_id: str,
+        *,
+        lease_s: float,
+        held: Mapping[str, Mapping[int, int]],
+        address: str | None = None,
+        fresh: bool = False,
+    ) -> dict[str, dict[int, int]]:
+        """Renew the replica's heartbeat and move its leases towards the balanced assignment;
+        return the partitions it owns (run -> partition -> generation). ``held``: what its
+        previous tick returned; ``fresh``: the process's first tick."""
+        check_name(replica_id, "replica_id")
+        check_positive_seconds(lease_s, "lease_s")
+        async with self._write() as conn:
+            return await _leases.tick(
+                conn,
+                self._clock,
+                replica_id,
+                address=address,
+                lease_s=lease_s,
+                held=held,
+                fresh=fresh,
+            )
+
+    async def release_leases(self, replica_id: str) -> None:
+        """The replica stops: its partitions are released and its heartbeat ends now."""
+        async with self._write() as conn:
+            await _leases.release_replica(conn, self._clock, replica_id)
+
+    async def partition_owners(self, run: str) -> list[PartitionOwner]:
+        """Each partition of the run with its owner and generation (``UnknownRun``)."""
+
+        async def query(conn: AsyncConnection) -> list[PartitionOwner]:
+            info = await _reads.get_run(conn, run)
+            return await _leases.partition_owners(conn, self._clock, run, info.partitions)
+
+        return await self._query(query)
 
     # -- one episode's history (issue 14; read-only) ----------------------------------------
 

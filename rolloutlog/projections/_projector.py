@@ -1,4 +1,5 @@
-"""The projector: follows every partition of a run and keeps what a manifest needs per episode.
+"""The projector: follows the partitions of a run that this service replica owns (all of them
+for a lone replica) and keeps what a manifest needs per episode.
 
 It reads records as metadata only (the payload stays in the record, counted by size), applies the
 fold's rules through ``EpisodeTracker``, and answers two questions of the coordinator:
@@ -225,7 +226,15 @@ class Projector:
     lost log (``RunLost``, ``UnknownRun``) stops it. Records it cannot fold are quarantined.
     """
 
-    def __init__(self, log: Log, run: str, partitions: int) -> None:
+    def __init__(
+        self,
+        log: Log,
+        run: str,
+        partitions: int,
+        *,
+        owned: Iterable[int] | None = None,
+        generations: Mapping[int, int] | None = None,
+    ) -> None:
         self.log = log
         self.run = run
         self.partitions = partitions
@@ -234,8 +243,10 @@ class Projector:
         self.applied: list[int] = [0] * partitions
         #: The partitions this projector folds, and the lease generation it holds each at
         #: (issue 17: a replica folds only the partitions it owns; a lone replica owns all).
-        self.owned: frozenset[int] = frozenset(range(partitions))
-        self.generations: dict[int, int] = {}
+        #: Fixed for the projector's life: an owner change starts a new projector.
+        self._owns_all = owned is None
+        self.owned: frozenset[int] = frozenset(range(partitions) if owned is None else owned)
+        self.generations: dict[int, int] = dict(generations or {})
         #: Episodes that need no tracking any more (reported finished, or excluded).
         self.retired: set[str] = set()
         self.committed_restores: set[int] = set()
@@ -351,6 +362,8 @@ class Projector:
             self.partitions = len(plan.start_offsets)
             self.by_partition = [{} for _ in range(self.partitions)]
             self._dirty = [set() for _ in range(self.partitions)]
+            everything = range(self.partitions)
+            self.owned = frozenset(everything if self._owns_all else self.owned & set(everything))
         self.committed_restores.update(plan.committed_restores)
         self.retired.update(plan.retired)
         self.applied = list(plan.start_offsets)
@@ -360,10 +373,10 @@ class Projector:
 
     async def _read_to_end(self) -> None:
         """Read (for real: this is also how a restarted projector knows it reads again) every
-        partition up to the log's current end."""
+        owned partition up to the log's current end."""
         ends = await self.log.end_offsets(self.run)
         applied = self.applied
-        for partition in range(self.partitions):
+        for partition in sorted(self.owned):
             if applied[partition] < ends[partition]:
                 async for page in self.log.read_pages(
                     self.run, partition, applied[partition], ends[partition]
@@ -415,12 +428,13 @@ class Projector:
         gc.freeze()
 
     async def _follow(self) -> None:
-        """One follower for every partition of the run, from the last applied offsets."""
+        """One follower for the owned partitions of the run, from the last applied offsets."""
         applied = self.applied
         take = self._take
         own_restores = self._applied_restores
         yield_at = time.perf_counter() + _YIELD_EVERY_S
-        async for partition, page in self.log.follow_run(self.run, list(applied)):
+        pages = self.log.follow_run(self.run, list(applied), partitions=self.owned)
+        async for partition, page in pages:
             for offset, record in page:
                 if offset < applied[partition]:
                     continue
@@ -442,14 +456,17 @@ class Projector:
                 self._progress.notify_all()
 
     async def wait_until(self, offsets: Mapping[int, int], timeout_s: float | None = None) -> None:
-        """Wait until every partition has applied everything below the given offsets.
+        """Wait until every owned partition has applied everything below the given offsets
+        (the other partitions' owners fold theirs).
 
         ``BackendUnavailable`` when that takes longer than ``timeout_s`` (a degraded projector
         may get there later), ``RunLost`` when the projector stopped.
         """
 
+        owned = self.owned
+
         def reached() -> bool:
-            return all(self.applied[p] >= o for p, o in offsets.items())
+            return all(self.applied[p] >= o for p, o in offsets.items() if p in owned)
 
         try:
             async with asyncio.timeout(timeout_s), self._progress:
@@ -588,12 +605,15 @@ class Projector:
         self._dirty[partition].add(meta["episode"])
 
     def begun_after(self, markers: Mapping[int, int], known: Container[str]) -> dict[str, int]:
-        """Episodes (with their current attempt) whose first event is at or past their
-        partition's marker and that ``known`` (a checkpoint's manifest) does not name."""
+        """Episodes of the owned partitions (with their current attempt) whose first event is at
+        or past their partition's marker and that ``known`` (a checkpoint's manifest) does not
+        name."""
+        owned = self.owned
         return {
             episode: tracker.attempt
             for episode, tracker in self.trackers.items()
-            if tracker.first_offset is not None
+            if tracker.partition in owned
+            and tracker.first_offset is not None
             and tracker.first_offset >= markers.get(tracker.partition, math.inf)
             and episode not in known
             and episode not in self.retired
