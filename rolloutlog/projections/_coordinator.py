@@ -58,7 +58,14 @@ class TrackedEpisode:
 class Coordinator:
     """One per service: owns a projector per run and runs checkpoints and restores."""
 
-    def __init__(self, log: Log, catalog: Catalog, *, projection_cache_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        log: Log,
+        catalog: Catalog,
+        *,
+        projection_cache_bytes: int = 256 << 20,
+        replica_id: str = "",
+    ):
         self.log = log
         self.catalog = catalog
         self.projectors: dict[str, Projector] = {}
@@ -68,7 +75,9 @@ class Coordinator:
         #: Per run, the tasks that feed the catalog from its projector (ended with the run).
         self._recorders: dict[str, list[asyncio.Task[Any]]] = {}
         self._restore_cache = ProjectionCache(projection_cache_bytes)
-        self._checkpointer = Checkpointer(log, catalog, self.projector, self._spawn)
+        self._checkpointer = Checkpointer(
+            log, catalog, self.projector, self._spawn, replica_id=replica_id
+        )
         self._restorer = Restorer(log, catalog, self.projectors, self._restore_cache)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -80,6 +89,7 @@ class Coordinator:
         its supervisor (reported ``degraded`` or ``stopped``) while the others serve. The start
         waits up to ``START_WAIT_S`` for the runs to catch up with their logs.
         """
+        self._spawn(self._checkpointer.sweep())
         after: str | None = None
         launched: list[Projector] = []
         while True:
@@ -138,6 +148,7 @@ class Coordinator:
         """Create the run's projector and start it under its supervisor (in the background)."""
         info = await self.catalog.get_run(run)
         projector = Projector(self.log, run, info.partitions)
+        self._checkpointer.attach(projector)
         self.projectors[run] = projector
         projector.launch(lambda: start_plan(self.log, self.catalog, run))
         self._recorders[run] = [
