@@ -91,7 +91,9 @@ class Coordinator:
         #: Per run, the tasks that feed the catalog from its projector (ended with the run).
         self._recorders: dict[str, list[asyncio.Task[Any]]] = {}
         self._restore_cache = ProjectionCache(projection_cache_bytes)
-        self._checkpointer = Checkpointer(log, catalog, self.projector, self._spawn)
+        self._checkpointer = Checkpointer(
+            log, catalog, self.projector, self._spawn, replica_id=self.replica_id
+        )
         self._restorer = Restorer(log, catalog, self.projectors, self._restore_cache)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -105,6 +107,7 @@ class Coordinator:
         waits up to ``START_WAIT_S`` for the runs to catch up with their logs.
         """
         await self._ownership.start()
+        self._spawn(self._checkpointer.sweep())
         after: str | None = None
         launched: list[Projector] = []
         while True:
@@ -171,6 +174,7 @@ class Coordinator:
         info = await self.catalog.get_run(run)
         owned = self._ownership.of(run)
         projector = Projector(self.log, run, info.partitions, owned=owned, generations=owned)
+        self._checkpointer.attach(projector)
         self.projectors[run] = projector
         projector.launch(lambda: start_plan(self.log, self.catalog, run))
         self._recorders[run] = [

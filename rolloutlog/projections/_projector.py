@@ -65,10 +65,11 @@ __all__ = [
 
 @dataclass
 class CheckpointCapture:
-    """The projector's half of one checkpoint: filled in as each partition reaches its marker."""
+    """The projector's half of one checkpoint: filled in as each partition it owns reaches its
+    marker (the other partitions' owners capture theirs)."""
 
     checkpoint_id: int
-    partitions: int
+    owned: frozenset[int]
     markers: dict[int, int] = field(default_factory=dict)
     entries: dict[str, ManifestEntry] = field(default_factory=dict)
     #: Per partition, the earliest offset a live (continue or restart) episode needs.
@@ -118,8 +119,12 @@ class CheckpointCapture:
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     resolved: asyncio.Event = field(default_factory=asyncio.Event)
 
+    #: Whether another replica requested the checkpoint (this one began the capture at a
+    #: marker; it writes its parts and learns the outcome from the catalog).
+    remote: bool = False
+
     def _check(self) -> None:
-        if len(self.markers) == self.partitions:
+        if len(self.markers) == len(self.owned):
             self.reached.set()
             if not self.waiting:
                 self.resolved.set()
@@ -263,6 +268,10 @@ class Projector:
         self._inflight_restores: dict[int, asyncio.Future[bool]] = {}
         self._restore_resets: dict[int, Mapping[str, RestoreReset]] = {}
         self._capture: CheckpointCapture | None = None
+        #: The newest checkpoint id this projector has seen a capture or a marker of.
+        self._newest_checkpoint = 0
+        #: Told of each capture begun at a marker of another replica's checkpoint.
+        self.on_remote_capture: Callable[[CheckpointCapture], object] | None = None
         self._progress = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self.events_applied = 0
@@ -563,8 +572,7 @@ class Projector:
         self.events_applied += 1
         kind = meta["type"]
         if kind == "checkpoint.marker":
-            if self.caught_up:  # else no checkpoint of this service can be waiting for it
-                self._on_marker(partition, offset, meta["data"]["checkpoint_id"])
+            self._on_marker(partition, offset, meta["data"]["checkpoint_id"])
             return None
         episode = meta["episode"]
         if episode in self.retired:
@@ -627,10 +635,15 @@ class Projector:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def begin_capture(self, checkpoint_id: int) -> CheckpointCapture:
-        """Register the checkpoint whose markers are about to be written."""
-        capture = CheckpointCapture(checkpoint_id, self.partitions, base=self._base)
+    def begin_capture(self, checkpoint_id: int, *, remote: bool = False) -> CheckpointCapture:
+        """Register the checkpoint whose markers are about to be written (or, ``remote``, whose
+        first marker in an owned partition is being applied). A capture still registered is of
+        an older checkpoint that is over (one is pending at a time): it ends uncommitted."""
+        if self._capture is not None:
+            self.end_capture(self._capture, committed=False)
+        capture = CheckpointCapture(checkpoint_id, self.owned, base=self._base, remote=remote)
         self._capture = capture
+        self._newest_checkpoint = max(self._newest_checkpoint, checkpoint_id)
         return capture
 
     def end_capture(
@@ -639,9 +652,11 @@ class Projector:
         """The checkpoint committed (finished episodes are reported: stop tracking them; its
         manifest is stored ``depth`` deltas after a whole one, ``amended`` entries in those) or
         not (the next manifest is written whole: a commit whose reply was lost may be in the
-        catalog all the same)."""
-        if self._capture is capture:
-            self._capture = None
+        catalog all the same). A capture no longer registered (a newer one replaced it) changes
+        nothing: the base is the newest capture's business."""
+        if self._capture is not capture:
+            return
+        self._capture = None
         self._base = None
         if committed:
             whole = capture.whole if capture.whole is not None else capture.compose()
@@ -665,9 +680,20 @@ class Projector:
                     self.retired.add(entry.episode)
 
     def _on_marker(self, partition: int, offset: int, checkpoint_id: int) -> None:
+        """A marker (only owned partitions are read). The first one met after catching up of a
+        checkpoint newer than any known, with no capture registered for it, begins a capture:
+        another replica's checkpoint. While catching up none is captured (the refold's buffers
+        make trackers inexact there): such a checkpoint gets no part from here and aborts."""
         capture = self._capture
+        newest = self._newest_checkpoint
+        self._newest_checkpoint = max(newest, checkpoint_id)
+        if not self.caught_up:
+            return
         if capture is None or capture.checkpoint_id != checkpoint_id:
-            return  # a marker of a checkpoint this service is not taking (aborted, or stale)
+            if checkpoint_id <= newest or self.on_remote_capture is None:
+                return  # a marker of a checkpoint that is over (aborted, or stale)
+            capture = self.begin_capture(checkpoint_id, remote=True)
+            self.on_remote_capture(capture)
         with collector_paused():
             self._capture_partition(capture, partition, offset)
         capture._check()
@@ -754,7 +780,7 @@ class Projector:
             if action != "finished":
                 capture.seen[tracker.episode] = tracker.version
             capture.entries[tracker.episode] = _entry(tracker, action, offset + 1)
-        if not capture.waiting and len(capture.markers) == capture.partitions:
+        if not capture.waiting and len(capture.markers) == len(capture.owned):
             capture.resolved.set()
 
     # -- restores --------------------------------------------------------------------------
