@@ -126,6 +126,8 @@ SURFACES: dict[str, list[str]] = {
         "Restore",
         "RestoreAction",
         "RestoreEntry",
+        "RestorePart",
+        "RestoreRequest",
         "Run",
         "RunStats",
         "RunSummary",
