@@ -12,15 +12,16 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rolloutlog.catalog import _leases, _migrate, _reads, _results, _writes
+from rolloutlog.catalog import _leases, _migrate, _reads, _restore_requests, _results, _writes
 from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._leases import PartitionOwner
+from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
 from rolloutlog.catalog._schema import (
     checkpoints,
     runs,
@@ -672,12 +673,18 @@ class Catalog:
         *,
         timings_ms: Mapping[str, float] | None = None,
         restore_id: int | None = None,
+        fences: Mapping[str, Mapping[int, int]] | None = None,
     ) -> Restore:
         """Commit a restore plan and make its new attempts current, in one transaction.
 
         ``restore_id``, when given, must come from ``reserve_restore_id`` and be above every
         committed restore's id (``RestoreConflict`` otherwise): a caller that wrote log records
         naming the id before committing needs it.
+
+        ``fences`` (with the ``restore_id`` of an ``open_restore`` request): per replica, the
+        lease generation of each partition whose part it planned. The request must still be
+        planning (``RestoreConflict``) and every replica must still hold its partitions at
+        those generations (``LeaseLost``); the request commits with the restore.
 
         The checkpoint must be committed (else ``UnknownCheckpoint``). The plan must account for
         every ``continue``/``restart`` episode of its manifest exactly once, continue only
@@ -687,7 +694,11 @@ class Catalog:
         """
         check_timings(timings_ms)
         check_plan(entries)
+        now = self._clock()
         async with self._write() as conn:
+            if fences is not None:
+                assert restore_id is not None, "a request's restore commits under its id"
+                await _restore_requests.lock_for_commit(conn, run, restore_id, fences)
             restore = await commit_restore_rows(
                 conn,
                 self._backend,
@@ -696,9 +707,13 @@ class Catalog:
                 checkpoint_id=checkpoint_id,
                 entries=entries,
                 timings_ms=dict(timings_ms or {}),
-                now=self._clock(),
+                now=now,
                 restore_id=restore_id,
             )
+            if fences is not None:
+                await _restore_requests.end_request(
+                    conn, run, restore.restore_id, "committed", now, None
+                )
             await _results.drop_abandoned(conn, run, restore.restore_id)
             unacknowledged = await _results.count_unacknowledged(conn, run)
         self._after_bulk_commit()
@@ -709,6 +724,80 @@ class Catalog:
         current). A reserved id is never handed out again, committed or not."""
         async with self._write() as conn:
             return await reserve_restore_id(conn, run, controller_epoch)
+
+    # -- restores planned per partition owner (issue 17) ------------------------------------
+
+    async def open_restore(
+        self,
+        run: str,
+        controller_epoch: int,
+        checkpoint_id: int,
+        *,
+        requested_by: str,
+        request: Mapping[str, Any],
+        deadline_s: float,
+    ) -> int:
+        """Reserve the run's next restore id (``reserve_restore_id``) and open its request
+        (``planning`` until ``commit_restore(fences=…)`` or an abort; any replica may abort it
+        ``deadline_s`` from now). Returns the id."""
+        check_positive_seconds(deadline_s, "deadline_s")
+        now = self._clock()
+        async with self._write() as conn:
+            return await _restore_requests.open_request(
+                conn,
+                run=run,
+                controller_epoch=controller_epoch,
+                checkpoint_id=checkpoint_id,
+                requested_by=requested_by,
+                request=request,
+                now=now,
+                deadline_at=now + deadline_s,
+            )
+
+    async def write_restore_parts(
+        self,
+        run: str,
+        restore_id: int,
+        replica_id: str,
+        generations: Mapping[int, int],
+        bodies: Mapping[int, Any],
+    ) -> None:
+        """Store a replica's plan part per partition (``bodies``: JSON-able) of a request still
+        planning (``RestoreConflict`` otherwise), fenced by its lease ``generations``
+        (``LeaseLost``; a partition without one is not fenced)."""
+        async with self._write() as conn:
+            await _restore_requests.write_parts(
+                conn,
+                run=run,
+                restore_id=restore_id,
+                replica_id=replica_id,
+                generations=generations,
+                bodies=bodies,
+                now=self._clock(),
+            )
+
+    async def restore_parts(self, run: str, restore_id: int) -> list[RestorePart]:
+        """A request's parts written so far, by partition."""
+        return await self._query(lambda conn: _restore_requests.read_parts(conn, run, restore_id))
+
+    async def planning_restores(self, run: str | None = None) -> list[RestoreRequest]:
+        """Requests still planning: of one run, or of every run (one query)."""
+        return await self._query(lambda conn: _restore_requests.planning_requests(conn, run))
+
+    async def get_restore_request(self, run: str, restore_id: int) -> RestoreRequest:
+        return await self._query(lambda conn: _restore_requests.get_request(conn, run, restore_id))
+
+    async def abort_restore(self, run: str, restore_id: int, reason: str) -> bool:
+        """Abort a request still planning; False when it had ended already."""
+        async with self._write() as conn:
+            return await _restore_requests.abort_request(
+                conn, run, restore_id, self._clock(), reason
+            )
+
+    async def abort_expired_restores(self) -> int:
+        """Abort every request still planning past its deadline (any replica sweeps)."""
+        async with self._write() as conn:
+            return await _restore_requests.abort_expired(conn, self._clock())
 
     async def get_restore(self, run: str, restore_id: int) -> Restore:
         return await self._query(lambda conn: _reads.get_restore(conn, run, restore_id))

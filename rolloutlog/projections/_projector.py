@@ -210,6 +210,9 @@ class StartPlan:
     reported_below: Sequence[int] | None = None
     #: Positions (partition, offset) the catalog has quarantined already.
     quarantined: Iterable[tuple[int, int]] = ()
+    #: Restores still being planned by the partitions' owners (issue 17): their verdict is
+    #: pending, so their ``attempt.started`` records wait for it (``end_restore``).
+    planning_restores: Iterable[int] = ()
 
 
 def _transient(error: BaseException) -> bool:
@@ -265,8 +268,12 @@ class Projector:
         #: captured there: all a capture that amends a base looks at.
         self._dirty: list[set[str]] = [set() for _ in range(partitions)]
         self._pinned: list[EpisodeTracker] = []
+        #: Whose plan pinned ``_pinned`` (one restore at a time), and per in-flight restore the
+        #: holder of the pins it planned with.
+        self._pin_holder: object | None = None
+        self._pins_of: dict[int, object] = {}
         self._inflight_restores: dict[int, asyncio.Future[bool]] = {}
-        self._restore_resets: dict[int, Mapping[str, RestoreReset]] = {}
+        self._restore_resets: dict[int, Mapping[str, RestoreReset] | None] = {}
         self._capture: CheckpointCapture | None = None
         #: The newest checkpoint id this projector has seen a capture or a marker of.
         self._newest_checkpoint = 0
@@ -379,6 +386,8 @@ class Projector:
         self._refolding = dict(plan.refold)
         self._reported_below = plan.reported_below
         self.quarantined.update(plan.quarantined)
+        for restore_id in plan.planning_restores:
+            self.begin_restore(restore_id, None)
 
     async def _read_to_end(self) -> None:
         """Read (for real: this is also how a restarted projector knows it reads again) every
@@ -785,24 +794,43 @@ class Projector:
 
     # -- restores --------------------------------------------------------------------------
 
-    def begin_restore(self, restore_id: int, resets: Mapping[str, RestoreReset]) -> None:
-        """Register a restore before its ``attempt.started`` records are written."""
-        self._inflight_restores[restore_id] = asyncio.get_running_loop().create_future()
+    def begin_restore(
+        self,
+        restore_id: int,
+        resets: Mapping[str, RestoreReset] | None,
+        pins: object | None = None,
+    ) -> None:
+        """Register a restore before its ``attempt.started`` records are written (``pins``:
+        the holder of the trackers its plan pinned, released when it ends). With ``resets``
+        None (a restore that was planning when the projector started), only its verdict is
+        awaited: if it commits, its records fence their episodes as they are met."""
+        if restore_id not in self._inflight_restores:
+            self._inflight_restores[restore_id] = asyncio.get_running_loop().create_future()
         self._restore_resets[restore_id] = resets
+        if pins is not None:
+            self._pins_of[restore_id] = pins
+
+    @property
+    def pending_restores(self) -> list[int]:
+        """Restores registered whose verdict is still out."""
+        return list(self._inflight_restores)
 
     def end_restore(self, restore_id: int, committed: bool) -> None:
         """The restore's catalog transaction committed (or failed): apply its resets at once (old
         attempts' later records are fenced by the new attempt, and the new attempt writes nothing
         before its ``attempt.started``), then release the partitions waiting for the verdict."""
         future = self._inflight_restores.pop(restore_id, None)
-        resets = self._restore_resets.pop(restore_id, {})
+        resets = self._restore_resets.pop(restore_id, None)
+        pins = self._pins_of.pop(restore_id, None)
         if committed:
             self.committed_restores.add(restore_id)
+        if committed and resets is not None:
             self._applied_restores.add(restore_id)
             with collector_paused():
                 for episode, reset in resets.items():
                     self._reset(episode, reset)
-        self.release_pins()
+        if pins is not None:
+            self.release_pins(pins)
         if future is not None and not future.done():
             future.set_result(committed)
 
@@ -821,14 +849,16 @@ class Projector:
             tracker.restart(reset.attempt)
 
     def pin_cut_states(
-        self, checkpoint_id: int, entries: Iterable[ManifestEntry]
+        self, checkpoint_id: int, entries: Iterable[ManifestEntry], holder: object
     ) -> dict[str, EpisodeTracker]:
         """The trackers of the ``continue`` entries that have not changed since this projector
-        captured the checkpoint (and are exactly the fold's state), pinned: their state at the
-        cut stays readable (``pinned_state``) until the restore ends. A restore takes their
-        verdicts from these instead of replaying their records."""
+        captured the checkpoint (and are exactly the fold's state), pinned for ``holder``: their
+        state at the cut stays readable (``pinned_state``) until ``release_pins(holder)`` (or
+        the end of the restore it began with them). A restore takes their verdicts from these
+        instead of replaying their records. None while another holder's pins are held (two
+        restores of a run planned at once: the later one replays)."""
         versions = self._captured.get(checkpoint_id)
-        if not versions:  # (its entries' versions: a ``continue`` entry's is the cut's)
+        if not versions or self._pinned:  # (its entries' versions: a continue's is the cut's)
             return {}
         trackers = self.trackers
         out: dict[str, EpisodeTracker] = {}
@@ -844,13 +874,18 @@ class Projector:
                 tracker.pin()
                 out[entry.episode] = tracker
         self._pinned.extend(out.values())
+        if out:
+            self._pin_holder = holder
         return out
 
-    def release_pins(self) -> None:
-        """The restore that pinned trackers ended (committed or not)."""
+    def release_pins(self, holder: object) -> None:
+        """The restore (or plan) that pinned trackers for ``holder`` ended (committed or not)."""
+        if holder is not self._pin_holder:
+            return
         for tracker in self._pinned:
             tracker.unpin()
         self._pinned.clear()
+        self._pin_holder = None
 
     def live_episodes(self) -> int:
         return sum(1 for tracker in self.trackers.values() if not tracker.finished)
