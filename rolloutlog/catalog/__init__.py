@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._catalog import Catalog
+from rolloutlog.catalog._leases import PartitionOwner
 from rolloutlog.catalog._migrate import head_revision
+from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
 from rolloutlog.catalog._values import (
     DEFAULT_KEEP_COMMITTED,
     DEFAULT_PARTITIONS,
@@ -53,12 +55,15 @@ __all__ = [
     "ManifestEntry",
     "ParticipantKind",
     "PartitionOffset",
+    "PartitionOwner",
     "QUARANTINE_FIRST_BYTES",
     "QuarantinedRecord",
     "RegisteredParticipant",
     "Restore",
     "RestoreAction",
     "RestoreEntry",
+    "RestorePart",
+    "RestoreRequest",
     "Run",
     "RunStats",
     "RunSummary",
