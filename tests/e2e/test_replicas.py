@@ -4,8 +4,9 @@ catalog form one service. Real processes, SIGKILL and SIGSTOP/SIGCONT by PID, a 
 
 Every test ends with the same two checks: each event a replica acknowledged is in the log at the
 position it answered (``Appends.check_log``), and in the fold: its episode is in the manifest of
-a checkpoint committed after every failover (``assert_folded``); an append that was not
-acknowledged was refused (counted in ``Appends.refused``), never half-taken.
+a checkpoint committed after every failover (``assert_folded``; in the Gym's test, the result and
+reward the service kept for every rollout); an append that was not acknowledged was refused
+(``Appends.refused``), never half-taken.
 """
 
 from __future__ import annotations
@@ -132,15 +133,16 @@ async def setup_run(
 
 async def assert_whole_or_none(catalog: CatalogView, checkpoint_id: int) -> dict[str, Any]:
     """A checkpoint that ended committed has a part and offsets for every partition; one that
-    did not commit is not what ``latest`` names (checked by the caller) and has no manifest a
-    restore could read."""
+    aborted kept none of the parts some owners wrote (and is not what ``latest`` names: checked
+    by the caller)."""
     checkpoint = await catalog.wait_checkpoint_ended(RUN, checkpoint_id)
     every = set(range(PARTITIONS))
     if checkpoint["status"] == "committed":
         assert set(checkpoint["parts"]) == every, checkpoint
         assert checkpoint["offset_partitions"] == every, checkpoint
     else:
-        assert checkpoint["status"] in ("aborted", "expired"), checkpoint
+        assert checkpoint["status"] == "aborted", checkpoint
+        assert not checkpoint["parts"] and not checkpoint["manifest_partitions"], checkpoint
     return checkpoint
 
 
