@@ -204,16 +204,23 @@ class Cluster:
                 await asyncio.sleep(0.1)
 
 
-async def retrying(call: Any, timeout_s: float = 120) -> Any:
-    t0 = time.perf_counter()
-    while True:
-        try:
-            return await call()
-        except (RolloutlogError, httpx.TransportError) as e:
-            retriable = not isinstance(e, RolloutlogError) or e.retriable
-            if not retriable or time.perf_counter() - t0 > timeout_s:
-                raise
-        await asyncio.sleep(0.05)
+class Retries:
+    """Calls asked again while refused with a retriable error (as a trainer does), counted."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def __call__(self, call: Any, timeout_s: float = 120) -> Any:
+        t0 = time.perf_counter()
+        while True:
+            try:
+                return await call()
+            except (RolloutlogError, httpx.TransportError) as e:
+                retriable = not isinstance(e, RolloutlogError) or e.retriable
+                if not retriable or time.perf_counter() - t0 > timeout_s:
+                    raise
+                self.count += 1
+            await asyncio.sleep(0.05)
 
 
 async def measure(cluster: Cluster, workload: Workload, runs: int) -> dict[str, Any]:
@@ -235,20 +242,22 @@ async def measure(cluster: Cluster, workload: Workload, runs: int) -> dict[str, 
         owned = await cluster.leases()
 
         checkpoint_s, restore_s, fetch_s = [], [], []
-        cold = await clients[0].checkpoint(RUN)
+        retrying = Retries()
+        cold = await retrying(lambda: clients[0].checkpoint(RUN))
         assert cold.status == "committed", cold
         for index in range(runs):
             client = clients[index % len(clients)]
             t0 = time.perf_counter()
-            info = await client.checkpoint(RUN)
+            info = await retrying(lambda: client.checkpoint(RUN))  # noqa: B023 - awaited here
             checkpoint_s.append(time.perf_counter() - t0)
             assert info.status == "committed" and info.counts["continue"] >= workload.live, info
         for index in range(runs):
             requester, fetcher = clients[index % len(clients)], clients[(index + 1) % len(clients)]
             if index:
-                assert (await requester.checkpoint(RUN)).status == "committed"
+                again = await retrying(lambda: requester.checkpoint(RUN))  # noqa: B023
+                assert again.status == "committed", again
             t0 = time.perf_counter()
-            restored = await requester.restore(RUN)
+            restored = await retrying(lambda: requester.restore(RUN))  # noqa: B023
             restore_s.append(time.perf_counter() - t0)
             fetched = 0
             async for _ in fetcher.projections(RUN, restored.restore_id):
@@ -272,7 +281,10 @@ async def measure(cluster: Cluster, workload: Workload, runs: int) -> dict[str, 
             "restore_and_fetch_s": summary(fetch_s),
         }
         if len(replicas) > 1:
-            out["failover"] = await failover(cluster, clients, workload)
+            out["failover"] = await failover(cluster, clients, workload, retrying)
+        # Timed calls include their retries: a retriable refusal (e.g. a projector catching up
+        # after a restore when a checkpoint's markers arrived) is asked again, as a trainer does.
+        out["retriable_refusals"] = retrying.count
         return out
     finally:
         for client in clients:
@@ -280,7 +292,7 @@ async def measure(cluster: Cluster, workload: Workload, runs: int) -> dict[str, 
 
 
 async def failover(
-    cluster: Cluster, clients: list[AsyncTrainerClient], workload: Workload
+    cluster: Cluster, clients: list[AsyncTrainerClient], workload: Workload, retrying: Retries
 ) -> dict[str, float]:
     """SIGKILL the last replica; time until its partitions are owned again, and until a
     checkpoint requested from a survivor commits."""
@@ -327,6 +339,7 @@ def main() -> None:
             finally:
                 cluster.remove()
             results["by_replicas"][str(count)] = figures
+            save("replicas", results)  # what is measured so far survives a later failure
     one = results["by_replicas"].get("1")
     if one:
         results["fold_cpu_share_of_one_replica"] = {
