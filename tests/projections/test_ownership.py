@@ -6,6 +6,7 @@ PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from rolloutlog.catalog import open_catalog
 from rolloutlog.log import Log, open_log, partition_for
 from rolloutlog.projections import Coordinator
+from rolloutlog.projections._ownership import Ownership
 from tests import factories as f
 
 RUN = "run"
@@ -88,6 +90,14 @@ async def folded(replica: Coordinator) -> set[str]:
     return {tracked.episode for tracked in replica.tracked_episodes(RUN)}
 
 
+async def logged(caplog: pytest.LogCaptureFixture, text: str) -> None:
+    async with asyncio.timeout(10):
+        while True:
+            if text in caplog.text:
+                return
+            await asyncio.sleep(0.02)
+
+
 def home(episodes: list[str], partitions: set[int]) -> set[str]:
     return {e for e in episodes if partition_for(e, P) in partitions}
 
@@ -155,3 +165,38 @@ async def test_an_owner_change_starts_the_projector_afresh_from_the_log(
     # a released them (2), b claimed (3) and released them (4), a claimed them again (5).
     assert a.owned_partitions(RUN) == {p: 1 if p in kept else 5 for p in range(P)}
     assert await folded(a) == set(EPISODES)
+
+
+async def test_a_replica_cut_off_from_the_catalog_keeps_folding_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="rolloutlog.projections._ownership")
+    async with open_catalog(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}") as catalog:
+        await catalog.create_run(RUN, partitions=P)
+        ownership = Ownership(catalog, "a", lease_s=0.2)
+        await ownership.start()
+        owned = ownership.owned
+        assert owned == {RUN: dict.fromkeys(range(P), 1)}
+        await catalog.stop()  # every tick fails from now on
+        await logged(caplog, "ran out")
+        assert "could not renew its partition leases" in caplog.text
+        assert ownership.owned is owned  # it keeps what it had (its writes are fenced)
+        await catalog.start()
+        await logged(caplog, "renewed its partition leases after")
+        assert ownership.owned == owned  # nobody else claimed them meanwhile
+        await ownership.stop()
+        await ownership.release()
+        assert {o.replica_id for o in await catalog.partition_owners(RUN)} == {None}
+
+
+async def test_two_processes_under_one_replica_id_are_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with open_catalog(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}") as catalog:
+        await catalog.create_run(RUN, partitions=P)
+        first, second = Ownership(catalog, "same"), Ownership(catalog, "same")
+        await first.tick()
+        await second.tick()  # takes "its" partitions from before a restart, one generation on
+        assert "another live process uses the same replica id" not in caplog.text
+        await first.tick()
+        assert "another live process uses the same replica id" in caplog.text
