@@ -181,7 +181,8 @@ class Coordinator:
 
     def _owners_changed(self, runs: set[str]) -> None:
         for run in runs:
-            self._spawn(self._relaunch(run))
+            if run in self.projectors or self._ownership.of(run):  # not a run deleted here
+                self._spawn(self._relaunch(run))
 
     async def _relaunch(self, run: str) -> None:
         """Start the run's projector afresh for the partitions this replica owns now (none yet
