@@ -129,6 +129,8 @@ SURFACES: dict[str, list[str]] = {
         "Restore",
         "RestoreAction",
         "RestoreEntry",
+        "RestorePart",
+        "RestoreRequest",
         "Run",
         "RunStats",
         "RunSummary",

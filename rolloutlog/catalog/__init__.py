@@ -14,6 +14,7 @@ from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._catalog import Catalog
 from rolloutlog.catalog._leases import PartitionOwner
 from rolloutlog.catalog._migrate import head_revision
+from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
 from rolloutlog.catalog._values import (
     DEFAULT_KEEP_COMMITTED,
     DEFAULT_PARTITIONS,
@@ -61,6 +62,8 @@ __all__ = [
     "Restore",
     "RestoreAction",
     "RestoreEntry",
+    "RestorePart",
+    "RestoreRequest",
     "Run",
     "RunStats",
     "RunSummary",

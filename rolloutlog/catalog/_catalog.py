@@ -12,15 +12,16 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import insert, select, text, update
+from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rolloutlog.catalog import _leases, _migrate, _reads, _results, _writes
+from rolloutlog.catalog import _leases, _migrate, _reads, _restore_requests, _results, _writes
 from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._leases import PartitionOwner
+from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
 from rolloutlog.catalog._schema import (
     checkpoints,
     runs,
@@ -58,11 +59,12 @@ from rolloutlog.catalog._values import (
 )
 from rolloutlog.catalog._writes import (
     check_plan,
-    commit_checkpoint_rows,
     commit_restore_rows,
+    drop_checkpoint_parts,
     lock_run,
     quarantine_rows,
     reserve_restore_id,
+    write_checkpoint_parts_rows,
 )
 from rolloutlog.errors import (
     CatalogError,
@@ -358,7 +360,7 @@ class Catalog:
             await conn.execute(
                 update(runs).where(runs.c.run == run).values(controller_epoch=new_epoch)
             )
-            await conn.execute(
+            aborted = await conn.execute(
                 update(checkpoints)
                 .where(checkpoints.c.run == run, checkpoints.c.status == "pending")
                 .values(
@@ -366,7 +368,10 @@ class Catalog:
                     ended_at=self._clock(),
                     reason=f"controller taken over by epoch {new_epoch}",
                 )
+                .returning(checkpoints.c.checkpoint_id)
             )
+            for checkpoint_id in list(aborted.scalars()):
+                await drop_checkpoint_parts(conn, run, checkpoint_id)
             return new_epoch
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -443,11 +448,65 @@ class Catalog:
         """
         check_timings(timings_ms)
         async with self._write() as conn:
-            committed = await commit_checkpoint_rows(
+            committed = await write_checkpoint_parts_rows(
                 conn,
                 self._backend,
                 run=run,
                 checkpoint_id=checkpoint_id,
+                replica_id="",
+                generations={},
+                controller_epoch=controller_epoch,
+                offsets=offsets,
+                entries=entries,
+                timings_ms=dict(timings_ms or {}),
+                marked_at=marked_at,
+                now=self._clock(),
+                keep_committed=self._keep_committed,
+                base_checkpoint_id=base_checkpoint_id,
+                removed=removed,
+                totals=totals,
+            )
+            if committed is None:
+                raise InvalidRequest(
+                    f"a checkpoint of run {run!r} needs one offset for each of its partitions",
+                    field="offsets",
+                    given=sorted(offset.partition for offset in offsets),
+                )
+        self._after_bulk_commit()
+        return committed
+
+    async def write_checkpoint_parts(
+        self,
+        run: str,
+        checkpoint_id: int,
+        offsets: Sequence[PartitionOffset],
+        entries: Sequence[ManifestEntry],
+        *,
+        replica_id: str,
+        generations: Mapping[int, int],
+        controller_epoch: int | None = None,
+        timings_ms: Mapping[str, float] | None = None,
+        marked_at: float | None = None,
+        base_checkpoint_id: int | None = None,
+        removed: Sequence[ManifestEntry] = (),
+        totals: Mapping[str, int] | None = None,
+    ) -> Checkpoint | None:
+        """Write one replica's parts of a pending checkpoint: the partitions of ``offsets``
+        (exactly those of ``generations``, which ``check_leases`` fences: ``LeaseLost`` writes
+        nothing; empty: not fenced), their manifest entries (whole, or a delta of
+        ``base_checkpoint_id`` as for ``commit_checkpoint``, ``totals`` counting these
+        partitions' whole manifest). When every partition of the run then has its part, the
+        same transaction commits the checkpoint (counts summed over the writers') and returns
+        it; else None: another writer's part commits it, or it aborts at its deadline."""
+        check_timings(timings_ms)
+        async with self._write() as conn:
+            committed = await write_checkpoint_parts_rows(
+                conn,
+                self._backend,
+                run=run,
+                checkpoint_id=checkpoint_id,
+                replica_id=replica_id,
+                generations=generations,
                 controller_epoch=controller_epoch,
                 offsets=offsets,
                 entries=entries,
@@ -484,6 +543,7 @@ class Catalog:
                 .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id)
                 .values(status="aborted", ended_at=self._clock(), reason=reason)
             )
+            await drop_checkpoint_parts(conn, run, checkpoint_id)
 
     async def abort_pending_checkpoints(self, reason: str) -> list[tuple[str, int]]:
         """Abort every pending checkpoint of every run; return their (run, checkpoint id).
@@ -498,7 +558,45 @@ class Catalog:
                 .values(status="aborted", ended_at=self._clock(), reason=reason)
                 .returning(checkpoints.c.run, checkpoints.c.checkpoint_id)
             )
-            return sorted((str(run), int(cid)) for run, cid in result)
+            aborted = sorted((str(run), int(cid)) for run, cid in result)
+            for run, checkpoint_id in aborted:
+                await drop_checkpoint_parts(conn, run, checkpoint_id)
+            return aborted
+
+    async def abort_overdue_checkpoints(
+        self, default_deadline_s: float, grace_s: float
+    ) -> list[tuple[str, int]]:
+        """Abort every checkpoint still pending ``grace_s`` past its deadline (``deadline_s``,
+        else ``default_deadline_s``, from its request): whoever requested it is gone, and it
+        would block its run's next checkpoint. Returns their (run, checkpoint id)."""
+        deadline = func.coalesce(checkpoints.c.deadline_s, default_deadline_s)
+        async with self._read() as conn:
+            overdue = (
+                await conn.execute(
+                    select(checkpoints.c.run, checkpoints.c.checkpoint_id).where(
+                        checkpoints.c.status == "pending",
+                        checkpoints.c.requested_at + deadline + grace_s < self._clock(),
+                    )
+                )
+            ).all()
+        aborted = []
+        for run, checkpoint_id in overdue:
+            async with self._write() as conn:
+                await lock_run(conn, run)
+                if await _checkpoint_status(conn, run, checkpoint_id) != "pending":
+                    continue  # committed or aborted meanwhile
+                await conn.execute(
+                    update(checkpoints)
+                    .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id)
+                    .values(
+                        status="aborted",
+                        ended_at=self._clock(),
+                        reason="aborted past its deadline: not every partition's part came",
+                    )
+                )
+                await drop_checkpoint_parts(conn, run, checkpoint_id)
+            aborted.append((str(run), int(checkpoint_id)))
+        return aborted
 
     async def get_checkpoint(self, run: str, checkpoint_id: int) -> Checkpoint:
         return await self._query(lambda conn: _reads.get_checkpoint(conn, run, checkpoint_id))
@@ -575,12 +673,18 @@ class Catalog:
         *,
         timings_ms: Mapping[str, float] | None = None,
         restore_id: int | None = None,
+        fences: Mapping[str, Mapping[int, int]] | None = None,
     ) -> Restore:
         """Commit a restore plan and make its new attempts current, in one transaction.
 
         ``restore_id``, when given, must come from ``reserve_restore_id`` and be above every
         committed restore's id (``RestoreConflict`` otherwise): a caller that wrote log records
         naming the id before committing needs it.
+
+        ``fences`` (with the ``restore_id`` of an ``open_restore`` request): per replica, the
+        lease generation of each partition whose part it planned. The request must still be
+        planning (``RestoreConflict``) and every replica must still hold its partitions at
+        those generations (``LeaseLost``); the request commits with the restore.
 
         The checkpoint must be committed (else ``UnknownCheckpoint``). The plan must account for
         every ``continue``/``restart`` episode of its manifest exactly once, continue only
@@ -590,7 +694,11 @@ class Catalog:
         """
         check_timings(timings_ms)
         check_plan(entries)
+        now = self._clock()
         async with self._write() as conn:
+            if fences is not None:
+                assert restore_id is not None, "a request's restore commits under its id"
+                await _restore_requests.lock_for_commit(conn, run, restore_id, fences)
             restore = await commit_restore_rows(
                 conn,
                 self._backend,
@@ -599,9 +707,13 @@ class Catalog:
                 checkpoint_id=checkpoint_id,
                 entries=entries,
                 timings_ms=dict(timings_ms or {}),
-                now=self._clock(),
+                now=now,
                 restore_id=restore_id,
             )
+            if fences is not None:
+                await _restore_requests.end_request(
+                    conn, run, restore.restore_id, "committed", now, None
+                )
             await _results.drop_abandoned(conn, run, restore.restore_id)
             unacknowledged = await _results.count_unacknowledged(conn, run)
         self._after_bulk_commit()
@@ -612,6 +724,80 @@ class Catalog:
         current). A reserved id is never handed out again, committed or not."""
         async with self._write() as conn:
             return await reserve_restore_id(conn, run, controller_epoch)
+
+    # -- restores planned per partition owner (issue 17) ------------------------------------
+
+    async def open_restore(
+        self,
+        run: str,
+        controller_epoch: int,
+        checkpoint_id: int,
+        *,
+        requested_by: str,
+        request: Mapping[str, Any],
+        deadline_s: float,
+    ) -> int:
+        """Reserve the run's next restore id (``reserve_restore_id``) and open its request
+        (``planning`` until ``commit_restore(fences=…)`` or an abort; any replica may abort it
+        ``deadline_s`` from now). Returns the id."""
+        check_positive_seconds(deadline_s, "deadline_s")
+        now = self._clock()
+        async with self._write() as conn:
+            return await _restore_requests.open_request(
+                conn,
+                run=run,
+                controller_epoch=controller_epoch,
+                checkpoint_id=checkpoint_id,
+                requested_by=requested_by,
+                request=request,
+                now=now,
+                deadline_at=now + deadline_s,
+            )
+
+    async def write_restore_parts(
+        self,
+        run: str,
+        restore_id: int,
+        replica_id: str,
+        generations: Mapping[int, int],
+        bodies: Mapping[int, Any],
+    ) -> None:
+        """Store a replica's plan part per partition (``bodies``: JSON-able) of a request still
+        planning (``RestoreConflict`` otherwise), fenced by its lease ``generations``
+        (``LeaseLost``; a partition without one is not fenced)."""
+        async with self._write() as conn:
+            await _restore_requests.write_parts(
+                conn,
+                run=run,
+                restore_id=restore_id,
+                replica_id=replica_id,
+                generations=generations,
+                bodies=bodies,
+                now=self._clock(),
+            )
+
+    async def restore_parts(self, run: str, restore_id: int) -> list[RestorePart]:
+        """A request's parts written so far, by partition."""
+        return await self._query(lambda conn: _restore_requests.read_parts(conn, run, restore_id))
+
+    async def planning_restores(self, run: str | None = None) -> list[RestoreRequest]:
+        """Requests still planning: of one run, or of every run (one query)."""
+        return await self._query(lambda conn: _restore_requests.planning_requests(conn, run))
+
+    async def get_restore_request(self, run: str, restore_id: int) -> RestoreRequest:
+        return await self._query(lambda conn: _restore_requests.get_request(conn, run, restore_id))
+
+    async def abort_restore(self, run: str, restore_id: int, reason: str) -> bool:
+        """Abort a request still planning; False when it had ended already."""
+        async with self._write() as conn:
+            return await _restore_requests.abort_request(
+                conn, run, restore_id, self._clock(), reason
+            )
+
+    async def abort_expired_restores(self) -> int:
+        """Abort every request still planning past its deadline (any replica sweeps)."""
+        async with self._write() as conn:
+            return await _restore_requests.abort_expired(conn, self._clock())
 
     async def get_restore(self, run: str, restore_id: int) -> Restore:
         return await self._query(lambda conn: _reads.get_restore(conn, run, restore_id))

@@ -31,7 +31,12 @@ from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, Ownership, default_replica_id
 from rolloutlog.projections._planner import RestorePolicy
 from rolloutlog.projections._projector import Projector, RunHealth
-from rolloutlog.projections._restorer import ProjectionCache, Restorer, RestoreResult
+from rolloutlog.projections._restorer import (
+    DEFAULT_RESTORE_DEADLINE_S,
+    ProjectionCache,
+    Restorer,
+    RestoreResult,
+)
 from rolloutlog.projections._start_plan import start_plan
 
 logger = logging.getLogger(__name__)
@@ -72,6 +77,7 @@ class Coordinator:
         replica_id: str | None = None,
         lease_s: float = DEFAULT_LEASE_S,
         address: str | None = None,
+        restore_deadline_s: float = DEFAULT_RESTORE_DEADLINE_S,
     ):
         self.log = log
         self.catalog = catalog
@@ -91,8 +97,17 @@ class Coordinator:
         #: Per run, the tasks that feed the catalog from its projector (ended with the run).
         self._recorders: dict[str, list[asyncio.Task[Any]]] = {}
         self._restore_cache = ProjectionCache(projection_cache_bytes)
-        self._checkpointer = Checkpointer(log, catalog, self.projector, self._spawn)
-        self._restorer = Restorer(log, catalog, self.projectors, self._restore_cache)
+        self._checkpointer = Checkpointer(
+            log, catalog, self.projector, self._spawn, replica_id=self.replica_id
+        )
+        self._restorer = Restorer(
+            log,
+            catalog,
+            self.projectors,
+            self._restore_cache,
+            replica_id=self.replica_id,
+            deadline_s=restore_deadline_s,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -105,6 +120,7 @@ class Coordinator:
         waits up to ``START_WAIT_S`` for the runs to catch up with their logs.
         """
         await self._ownership.start()
+        self._spawn(self._checkpointer.sweep())
         after: str | None = None
         launched: list[Projector] = []
         while True:
@@ -116,6 +132,8 @@ class Coordinator:
             if len(page) < 100:
                 break
             after = page[-1].run.run
+        # Other replicas' restores: this replica plans its partitions' parts (issue 17).
+        self._spawn(self._restorer.poll())
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(START_WAIT_S):
                 await asyncio.gather(*(projector.settled.wait() for projector in launched))
@@ -171,6 +189,7 @@ class Coordinator:
         info = await self.catalog.get_run(run)
         owned = self._ownership.of(run)
         projector = Projector(self.log, run, info.partitions, owned=owned, generations=owned)
+        self._checkpointer.attach(projector)
         self.projectors[run] = projector
         projector.launch(lambda: start_plan(self.log, self.catalog, run))
         self._recorders[run] = [
@@ -259,12 +278,9 @@ class Coordinator:
         policy = RestorePolicy(policy_version, max_policy_lag)
         async with self._run_locks[run]:
             with collector_paused():
-                try:
-                    return await self._restorer.restore(
-                        projector, controller_epoch, checkpoint_id, exclude, policy, exclude_results
-                    )
-                finally:
-                    projector.release_pins()  # also when the restore failed before committing
+                return await self._restorer.restore(
+                    projector, controller_epoch, checkpoint_id, exclude, policy, exclude_results
+                )
 
     async def sync_results(self, run: str) -> None:
         """Bring the catalog's results up to the log (``UnknownRun``): every record appended

@@ -65,10 +65,11 @@ __all__ = [
 
 @dataclass
 class CheckpointCapture:
-    """The projector's half of one checkpoint: filled in as each partition reaches its marker."""
+    """The projector's half of one checkpoint: filled in as each partition it owns reaches its
+    marker (the other partitions' owners capture theirs)."""
 
     checkpoint_id: int
-    partitions: int
+    owned: frozenset[int]
     markers: dict[int, int] = field(default_factory=dict)
     entries: dict[str, ManifestEntry] = field(default_factory=dict)
     #: Per partition, the earliest offset a live (continue or restart) episode needs.
@@ -118,8 +119,12 @@ class CheckpointCapture:
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     resolved: asyncio.Event = field(default_factory=asyncio.Event)
 
+    #: Whether another replica requested the checkpoint (this one began the capture at a
+    #: marker; it writes its parts and learns the outcome from the catalog).
+    remote: bool = False
+
     def _check(self) -> None:
-        if len(self.markers) == self.partitions:
+        if len(self.markers) == len(self.owned):
             self.reached.set()
             if not self.waiting:
                 self.resolved.set()
@@ -205,6 +210,9 @@ class StartPlan:
     reported_below: Sequence[int] | None = None
     #: Positions (partition, offset) the catalog has quarantined already.
     quarantined: Iterable[tuple[int, int]] = ()
+    #: Restores still being planned by the partitions' owners (issue 17): their verdict is
+    #: pending, so their ``attempt.started`` records wait for it (``end_restore``).
+    planning_restores: Iterable[int] = ()
 
 
 def _transient(error: BaseException) -> bool:
@@ -260,9 +268,17 @@ class Projector:
         #: captured there: all a capture that amends a base looks at.
         self._dirty: list[set[str]] = [set() for _ in range(partitions)]
         self._pinned: list[EpisodeTracker] = []
+        #: Whose plan pinned ``_pinned`` (one restore at a time), and per in-flight restore the
+        #: holder of the pins it planned with.
+        self._pin_holder: object | None = None
+        self._pins_of: dict[int, object] = {}
         self._inflight_restores: dict[int, asyncio.Future[bool]] = {}
-        self._restore_resets: dict[int, Mapping[str, RestoreReset]] = {}
+        self._restore_resets: dict[int, Mapping[str, RestoreReset] | None] = {}
         self._capture: CheckpointCapture | None = None
+        #: The newest checkpoint id this projector has seen a capture or a marker of.
+        self._newest_checkpoint = 0
+        #: Told of each capture begun at a marker of another replica's checkpoint.
+        self.on_remote_capture: Callable[[CheckpointCapture], object] | None = None
         self._progress = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self.events_applied = 0
@@ -370,6 +386,8 @@ class Projector:
         self._refolding = dict(plan.refold)
         self._reported_below = plan.reported_below
         self.quarantined.update(plan.quarantined)
+        for restore_id in plan.planning_restores:
+            self.begin_restore(restore_id, None)
 
     async def _read_to_end(self) -> None:
         """Read (for real: this is also how a restarted projector knows it reads again) every
@@ -563,8 +581,7 @@ class Projector:
         self.events_applied += 1
         kind = meta["type"]
         if kind == "checkpoint.marker":
-            if self.caught_up:  # else no checkpoint of this service can be waiting for it
-                self._on_marker(partition, offset, meta["data"]["checkpoint_id"])
+            self._on_marker(partition, offset, meta["data"]["checkpoint_id"])
             return None
         episode = meta["episode"]
         if episode in self.retired:
@@ -627,10 +644,15 @@ class Projector:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def begin_capture(self, checkpoint_id: int) -> CheckpointCapture:
-        """Register the checkpoint whose markers are about to be written."""
-        capture = CheckpointCapture(checkpoint_id, self.partitions, base=self._base)
+    def begin_capture(self, checkpoint_id: int, *, remote: bool = False) -> CheckpointCapture:
+        """Register the checkpoint whose markers are about to be written (or, ``remote``, whose
+        first marker in an owned partition is being applied). A capture still registered is of
+        an older checkpoint that is over (one is pending at a time): it ends uncommitted."""
+        if self._capture is not None:
+            self.end_capture(self._capture, committed=False)
+        capture = CheckpointCapture(checkpoint_id, self.owned, base=self._base, remote=remote)
         self._capture = capture
+        self._newest_checkpoint = max(self._newest_checkpoint, checkpoint_id)
         return capture
 
     def end_capture(
@@ -639,9 +661,11 @@ class Projector:
         """The checkpoint committed (finished episodes are reported: stop tracking them; its
         manifest is stored ``depth`` deltas after a whole one, ``amended`` entries in those) or
         not (the next manifest is written whole: a commit whose reply was lost may be in the
-        catalog all the same)."""
-        if self._capture is capture:
-            self._capture = None
+        catalog all the same). A capture no longer registered (a newer one replaced it) changes
+        nothing: the base is the newest capture's business."""
+        if self._capture is not capture:
+            return
+        self._capture = None
         self._base = None
         if committed:
             whole = capture.whole if capture.whole is not None else capture.compose()
@@ -665,9 +689,20 @@ class Projector:
                     self.retired.add(entry.episode)
 
     def _on_marker(self, partition: int, offset: int, checkpoint_id: int) -> None:
+        """A marker (only owned partitions are read). The first one met after catching up of a
+        checkpoint newer than any known, with no capture registered for it, begins a capture:
+        another replica's checkpoint. While catching up none is captured (the refold's buffers
+        make trackers inexact there): such a checkpoint gets no part from here and aborts."""
         capture = self._capture
+        newest = self._newest_checkpoint
+        self._newest_checkpoint = max(newest, checkpoint_id)
+        if not self.caught_up:
+            return
         if capture is None or capture.checkpoint_id != checkpoint_id:
-            return  # a marker of a checkpoint this service is not taking (aborted, or stale)
+            if checkpoint_id <= newest or self.on_remote_capture is None:
+                return  # a marker of a checkpoint that is over (aborted, or stale)
+            capture = self.begin_capture(checkpoint_id, remote=True)
+            self.on_remote_capture(capture)
         with collector_paused():
             self._capture_partition(capture, partition, offset)
         capture._check()
@@ -754,29 +789,48 @@ class Projector:
             if action != "finished":
                 capture.seen[tracker.episode] = tracker.version
             capture.entries[tracker.episode] = _entry(tracker, action, offset + 1)
-        if not capture.waiting and len(capture.markers) == capture.partitions:
+        if not capture.waiting and len(capture.markers) == len(capture.owned):
             capture.resolved.set()
 
     # -- restores --------------------------------------------------------------------------
 
-    def begin_restore(self, restore_id: int, resets: Mapping[str, RestoreReset]) -> None:
-        """Register a restore before its ``attempt.started`` records are written."""
-        self._inflight_restores[restore_id] = asyncio.get_running_loop().create_future()
+    def begin_restore(
+        self,
+        restore_id: int,
+        resets: Mapping[str, RestoreReset] | None,
+        pins: object | None = None,
+    ) -> None:
+        """Register a restore before its ``attempt.started`` records are written (``pins``:
+        the holder of the trackers its plan pinned, released when it ends). With ``resets``
+        None (a restore that was planning when the projector started), only its verdict is
+        awaited: if it commits, its records fence their episodes as they are met."""
+        if restore_id not in self._inflight_restores:
+            self._inflight_restores[restore_id] = asyncio.get_running_loop().create_future()
         self._restore_resets[restore_id] = resets
+        if pins is not None:
+            self._pins_of[restore_id] = pins
+
+    @property
+    def pending_restores(self) -> list[int]:
+        """Restores registered whose verdict is still out."""
+        return list(self._inflight_restores)
 
     def end_restore(self, restore_id: int, committed: bool) -> None:
         """The restore's catalog transaction committed (or failed): apply its resets at once (old
         attempts' later records are fenced by the new attempt, and the new attempt writes nothing
         before its ``attempt.started``), then release the partitions waiting for the verdict."""
         future = self._inflight_restores.pop(restore_id, None)
-        resets = self._restore_resets.pop(restore_id, {})
+        resets = self._restore_resets.pop(restore_id, None)
+        pins = self._pins_of.pop(restore_id, None)
         if committed:
             self.committed_restores.add(restore_id)
+        if committed and resets is not None:
             self._applied_restores.add(restore_id)
             with collector_paused():
                 for episode, reset in resets.items():
                     self._reset(episode, reset)
-        self.release_pins()
+        if pins is not None:
+            self.release_pins(pins)
         if future is not None and not future.done():
             future.set_result(committed)
 
@@ -795,14 +849,16 @@ class Projector:
             tracker.restart(reset.attempt)
 
     def pin_cut_states(
-        self, checkpoint_id: int, entries: Iterable[ManifestEntry]
+        self, checkpoint_id: int, entries: Iterable[ManifestEntry], holder: object
     ) -> dict[str, EpisodeTracker]:
         """The trackers of the ``continue`` entries that have not changed since this projector
-        captured the checkpoint (and are exactly the fold's state), pinned: their state at the
-        cut stays readable (``pinned_state``) until the restore ends. A restore takes their
-        verdicts from these instead of replaying their records."""
+        captured the checkpoint (and are exactly the fold's state), pinned for ``holder``: their
+        state at the cut stays readable (``pinned_state``) until ``release_pins(holder)`` (or
+        the end of the restore it began with them). A restore takes their verdicts from these
+        instead of replaying their records. None while another holder's pins are held (two
+        restores of a run planned at once: the later one replays)."""
         versions = self._captured.get(checkpoint_id)
-        if not versions:  # (its entries' versions: a ``continue`` entry's is the cut's)
+        if not versions or self._pinned:  # (its entries' versions: a continue's is the cut's)
             return {}
         trackers = self.trackers
         out: dict[str, EpisodeTracker] = {}
@@ -818,13 +874,18 @@ class Projector:
                 tracker.pin()
                 out[entry.episode] = tracker
         self._pinned.extend(out.values())
+        if out:
+            self._pin_holder = holder
         return out
 
-    def release_pins(self) -> None:
-        """The restore that pinned trackers ended (committed or not)."""
+    def release_pins(self, holder: object) -> None:
+        """The restore (or plan) that pinned trackers for ``holder`` ended (committed or not)."""
+        if holder is not self._pin_holder:
+            return
         for tracker in self._pinned:
             tracker.unpin()
         self._pinned.clear()
+        self._pin_holder = None
 
     def live_episodes(self) -> int:
         return sum(1 for tracker in self.trackers.values() if not tracker.finished)

@@ -7,14 +7,28 @@ discards the restore and the old attempts stay current."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, Restore, RestoreEntry
+from rolloutlog._gc import collector_paused
+from rolloutlog.catalog import (
+    Catalog,
+    Checkpoint,
+    ManifestEntry,
+    Restore,
+    RestoreEntry,
+    RestoreRequest,
+)
 from rolloutlog.errors import (
+    BackendUnavailable,
     InvalidRequest,
+    RolloutlogError,
     StaleController,
     UnknownCheckpoint,
     UnknownEpisode,
@@ -27,6 +41,7 @@ from rolloutlog.projections._feeders import flush_episodes
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._planner import (
     PlannedEpisode,
+    RestorePlan,
     RestorePolicy,
     check_exclusions,
     plan_restore,
@@ -38,7 +53,26 @@ from rolloutlog.projections._replay import replay_at_cuts, replay_stream
 from rolloutlog.projections._start_plan import all_restores
 from rolloutlog.projections._timing import StageTimer
 
-__all__ = ["ProjectionCache", "RestoreResult", "Restorer", "projection_bytes"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_RESTORE_DEADLINE_S",
+    "POLL_S",
+    "PlanPart",
+    "PlanRequest",
+    "ProjectionCache",
+    "RestoreResult",
+    "Restorer",
+    "projection_bytes",
+]
+
+#: How long the owners of a restore's partitions have to plan their parts: past it any replica
+#: aborts the request (its requester waits as long for their parts).
+DEFAULT_RESTORE_DEADLINE_S = 60.0
+#: How often a replica looks for other replicas' requests and for the verdicts it waits for.
+POLL_S = 0.05
+#: How often a requester looks for the other owners' parts.
+_PARTS_POLL_S = 0.025
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,13 +144,92 @@ class ProjectionCache:
             del self._entries[key]
 
 
+def _describe(error: BaseException) -> str:
+    if isinstance(error, RolloutlogError):
+        return error.message
+    return f"{type(error).__name__}: {error}"
+
+
 async def _each(projections: Iterable[EpisodeProjection]) -> AsyncIterator[EpisodeProjection]:
     for projection in projections:
         yield projection
 
 
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """What a restore's owners plan by (the request row's JSON)."""
+
+    exclude: frozenset[str]
+    exclude_results: bool
+    policy: RestorePolicy
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "exclude": sorted(self.exclude),
+            "exclude_results": self.exclude_results,
+            "policy_version": self.policy.policy_version,
+            "max_policy_lag": self.policy.max_policy_lag,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PlanRequest:
+        return cls(
+            frozenset(data.get("exclude", ())),
+            bool(data.get("exclude_results", False)),
+            RestorePolicy(data.get("policy_version"), data.get("max_policy_lag")),
+        )
+
+
+@dataclass(slots=True)
+class PlanPart:
+    """One owner's part of a restore plan: the planned episodes of its partitions, in the plan's
+    order, and what its projector does to them if the restore commits."""
+
+    plan: RestorePlan
+    #: The part's episodes begun after the checkpoint's markers.
+    after: frozenset[str]
+    resets: dict[str, RestoreReset]
+    #: Generation cuts dropped or restarted (``planned_cut_dispositions``).
+    cuts: dict[str, int]
+    #: The holder of the trackers the plan pinned (``Projector.pin_cut_states``), if any.
+    pins: object | None
+
+    def bodies(self, partitions: int, owned: Iterable[int]) -> dict[int, dict[str, Any]]:
+        """The part as ``restore_parts`` rows: per owned partition (every one, planned episodes
+        or not) its episodes ``[episode, previous_attempt, attempt, action, reason, cut,
+        begun_after]`` and its cut dispositions."""
+        episodes: dict[int, list[PlannedEpisode]] = {p: [] for p in owned}
+        for planned in self.plan.episodes:
+            episodes[partition_for(planned.entry.episode, partitions)].append(planned)
+        kept = self.plan.projections
+        out = {}
+        for partition, planned_here in episodes.items():
+            names = {planned.entry.episode for planned in planned_here}
+            here = RestorePlan(planned_here, {e: p for e, p in kept.items() if e in names})
+            out[partition] = {
+                "episodes": [
+                    [*p.entry, p.cut, p.entry.episode in self.after] for p in planned_here
+                ],
+                "cuts": planned_cut_dispositions(here, here.projections),
+            }
+        return out
+
+
+def _decode(body: Mapping[str, Any]) -> tuple[list[PlannedEpisode], set[str]]:
+    """A ``restore_parts`` row's planned episodes and those of them begun after the markers."""
+    planned, after = [], set()
+    for episode, previous, attempt, action, reason, cut, begun_after in body["episodes"]:
+        planned.append(
+            PlannedEpisode(RestoreEntry(episode, previous, attempt, action, reason), cut)
+        )
+        if begun_after:
+            after.add(episode)
+    return planned, after
+
+
 class Restorer:
-    """Runs a service's restores, and serves the projections of restores and checkpoints."""
+    """Runs a service's restores, plans its partitions' parts of other replicas' restores, and
+    serves the projections of restores and checkpoints."""
 
     def __init__(
         self,
@@ -124,11 +237,19 @@ class Restorer:
         catalog: Catalog,
         projectors: Mapping[str, Projector],
         cache: ProjectionCache,
+        *,
+        replica_id: str = "local",
+        deadline_s: float = DEFAULT_RESTORE_DEADLINE_S,
     ) -> None:
         self.log = log
         self.catalog = catalog
         self._projectors = projectors
         self.cache = cache
+        self.replica_id = replica_id
+        self.deadline_s = deadline_s
+        #: Other replicas' requests this one planned (or is planning), with the projector.
+        self._planned: dict[tuple[str, int], Projector] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def restore(
         self,
@@ -142,7 +263,12 @@ class Restorer:
         """Plan and commit a restore of the projector's run (the caller holds the run's lock).
 
         ``exclude_results``: also exclude every episode the plan would continue or restart whose
-        finished result the catalog holds (the trainer reads it from the results route)."""
+        finished result the catalog holds (the trainer reads it from the results route).
+
+        The projector plans its own partitions in-process; the owners of the others plan theirs
+        when they see the request (``poll``) and write them to the catalog. A projector that
+        owns every partition opens the request after its plan (a mistyped exclusion then fails
+        at once) and writes no parts: its request row is its only extra cost."""
         run = projector.run
         timer = StageTimer()
         info = await self.catalog.get_run(run)
@@ -158,64 +284,160 @@ class Restorer:
         # This restore supersedes the run's earlier ones: their projections go now rather than
         # sit beside this one's replay (rebuilt from the log if still asked for).
         self.cache.forget_run(run)
+        request = PlanRequest(frozenset(exclude), exclude_results, policy)
+        manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
+        whole = projector.owned >= frozenset(range(projector.partitions))
+        part: PlanPart | None = None
+        if whole:
+            part = await self.plan_part(projector, checkpoint, manifest, request, timer)
+        try:
+            restore_id = await self.catalog.open_restore(
+                run,
+                controller_epoch,
+                checkpoint.checkpoint_id,
+                requested_by=self.replica_id,
+                request=request.to_json(),
+                deadline_s=self.deadline_s,
+            )
+        except BaseException:
+            if part is not None:
+                projector.release_pins(part.pins)
+            raise
+        committed = begun = False
+        try:
+            if part is None:
+                part = await self.plan_part(projector, checkpoint, manifest, request, timer)
+            projector.begin_restore(restore_id, part.resets, part.pins)
+            begun = True
+            if whole:
+                planned, cuts = part.plan.episodes, part.cuts
+                fences = {self.replica_id: dict(projector.generations)}
+            else:
+                planned, cuts, fences = await self._gather(
+                    projector, checkpoint.checkpoint_id, manifest, request, restore_id, part
+                )
+                timer.stage("parts")
+            # Reserved before any record names it: a restore that dies before its commit
+            # leaves attempt records under an id no later restore can commit.
+            await self._write_attempts(
+                run, info.partitions, restore_id, checkpoint.checkpoint_id, planned,
+                controller_epoch,
+            )  # fmt: skip
+            timer.stage("attempts")
+            entries = tuple(p.entry for p in planned)
+            restore = await self.catalog.commit_restore(
+                run,
+                controller_epoch,
+                checkpoint.checkpoint_id,
+                entries,
+                timings_ms=timer.total(),
+                restore_id=restore_id,
+                fences={r: g for r, g in fences.items() if g},
+            )
+            committed = True
+            timer.stage("commit")
+        except BaseException as e:
+            if part is not None and not begun:
+                projector.release_pins(part.pins)
+            await self._abort(run, restore_id, e)
+            raise
+        finally:
+            if begun:
+                projector.end_restore(restore_id, committed)
+        if whole and part.pins is None:  # else the projections are built when first fetched
+            self.cache.put(run, restore_id, part.plan.projections)
+        # What stays (cached projections, the trackers' new states): keep the collector from
+        # walking it again and again.
+        gc.freeze()
+        return RestoreResult(restore, entries, timer.total(), cuts)
+
+    async def plan_part(
+        self,
+        projector: Projector,
+        checkpoint: Checkpoint,
+        manifest: Sequence[ManifestEntry],
+        request: PlanRequest,
+        timer: StageTimer | None = None,
+    ) -> PlanPart:
+        """Plan the restore of ``checkpoint`` (whose manifest is ``manifest``) for the
+        partitions the projector owns. A projector owning them all checks the exclusions (a
+        mistyped one fails before any replay); an owner of some leaves the names it does not
+        know to the requester's check over every part."""
+        run, partitions, owned = projector.run, projector.partitions, projector.owned
+        whole = owned >= frozenset(range(partitions))
+        timer = timer or StageTimer()
         # Everything appended before this request is folded: the episodes begun after the
         # markers (below) are then all known.
+        latest = await self.log.latest_offsets(run)
         await projector.wait_until(
-            dict(enumerate(await self.log.latest_offsets(run))), timeout_s=DEFAULT_WAIT_DEADLINE_S
+            {p: o for p, o in enumerate(latest) if p in owned}, timeout_s=DEFAULT_WAIT_DEADLINE_S
         )
         # ... and every finish folded is in the catalog, so the count of unacknowledged results
         # in the reply (and ``exclude_results``) misses none.
         await flush_episodes(self.catalog, projector, finishes_only=True)
-        manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
+
+        def mine(episode: str) -> bool:
+            return whole or partition_for(episode, partitions) in owned
+
+        if not whole:
+            manifest = [e for e in manifest if mine(e.episode)]
         current = await self.catalog.current_attempts(run)
-        excluded = set(exclude)
+        excluded = {e for e in request.exclude if mine(e)}
         known = {entry.episode for entry in manifest}
         # Episodes begun after the markers are not in the checkpoint; their events belong to the
         # timeline the restore abandons, so they restart (or are excluded) like the others.
         markers = {o.partition: o.marker for o in checkpoint.offsets}
-        begun_after = projector.begun_after(markers, known)
-        if exclude_results:
+        begun_after = {e: a for e, a in projector.begun_after(markers, known).items() if mine(e)}
+        if request.exclude_results:
             held = await self.catalog.result_episodes(run)
             live = {e.episode for e in manifest if e.action != "finished"}
             excluded |= {e for e in held if e in live or e in begun_after}
-        # Before any replay: a mistyped exclusion fails at once.
-        check_exclusions(checkpoint.checkpoint_id, excluded, known, begun_after)
+        if whole:  # before any replay: a mistyped exclusion fails at once
+            check_exclusions(checkpoint.checkpoint_id, excluded, known, begun_after)
+        else:  # the requester checks the names against every part
+            excluded = {e for e in excluded if e in known or e in begun_after}
         timer.stage("manifest")
         continuing = to_continue(manifest, excluded)
         # Episodes untouched since this service captured the checkpoint have their verdict in
         # the projector already; only the others are replayed. Their projections are built when
         # first fetched (``projections``). The policy rule changes projections, so a request
         # with a policy replays everything.
+        holder = object()
+        policy = request.policy
         pinned = (
-            projector.pin_cut_states(checkpoint.checkpoint_id, continuing)
+            projector.pin_cut_states(checkpoint.checkpoint_id, continuing, holder)
             if not policy.constrains
             else {}
         )
-        replayed = [e for e in continuing if e.episode not in pinned]
-        projections: dict[str, EpisodeProjection] = {}
-        if replayed:
-            restores = {r.restore_id for r in await all_restores(self.catalog, run)}
-            new_attempts = {e.episode: current.get(e.episode, e.attempt) + 1 for e in replayed}
-            projections = await replay_at_cuts(
-                self.log,
-                run,
-                replayed,
-                replay_start(checkpoint.offsets),
-                restores,
-                quarantined=projector.quarantined,
-                attempts=new_attempts,
+        try:
+            replayed = [e for e in continuing if e.episode not in pinned]
+            projections: dict[str, EpisodeProjection] = {}
+            if replayed:
+                restores = {r.restore_id for r in await all_restores(self.catalog, run)}
+                new_attempts = {e.episode: current.get(e.episode, e.attempt) + 1 for e in replayed}
+                projections = await replay_at_cuts(
+                    self.log,
+                    run,
+                    replayed,
+                    replay_start(checkpoint.offsets),
+                    restores,
+                    quarantined=projector.quarantined,
+                    attempts=new_attempts,
+                )
+            timer.stage("replay")
+            plan = plan_restore(
+                checkpoint.checkpoint_id,
+                manifest,
+                current=current,
+                begun_after=begun_after,
+                exclude=excluded,
+                pinned=pinned,
+                projections=projections,
+                policy=policy,
             )
-        timer.stage("replay")
-        plan = plan_restore(
-            checkpoint.checkpoint_id,
-            manifest,
-            current=current,
-            begun_after=begun_after,
-            exclude=excluded,
-            pinned=pinned,
-            projections=projections,
-            policy=policy,
-        )
+        except BaseException:
+            projector.release_pins(holder)
+            raise
         resets = {
             p.entry.episode: RestoreReset(
                 p.entry.action,
@@ -225,42 +447,154 @@ class Restorer:
             )
             for p in plan.episodes
         }
-        entries = plan.entries
         cuts = planned_cut_dispositions(plan, projections)
         timer.stage("verify")
-        # Reserved before any record names it: a restore that dies before its commit leaves
-        # attempt records under an id no later restore can commit.
-        restore_id = await self.catalog.reserve_restore_id(run, controller_epoch)
-        projector.begin_restore(restore_id, resets)
-        committed = False
+        return PlanPart(plan, frozenset(begun_after), resets, cuts, holder if pinned else None)
+
+    async def _gather(
+        self,
+        projector: Projector,
+        checkpoint_id: int,
+        manifest: Sequence[ManifestEntry],
+        request: PlanRequest,
+        restore_id: int,
+        local: PlanPart,
+    ) -> tuple[list[PlannedEpisode], dict[str, int], dict[str, dict[int, int]]]:
+        """The whole plan: the local part and the other owners' parts from the catalog (waited
+        for until the deadline), in the order one owner of every partition would plan it, with
+        the exclusions checked over every part; its cut dispositions; per replica the lease
+        generations it planned its partitions at (the commit's fences)."""
+        run, owned = projector.run, projector.owned
+        needed = set(range(projector.partitions)) - owned
+        deadline = time.monotonic() + self.deadline_s
+        while True:
+            parts = [
+                p
+                for p in await self.catalog.restore_parts(run, restore_id)
+                if p.partition in needed
+            ]
+            missing = needed - {p.partition for p in parts}
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise BackendUnavailable(
+                    f"restore {restore_id} of run {run!r}: no plan part for partition(s) "
+                    f"{sorted(missing)} within {self.deadline_s:g} s (their owners are gone or "
+                    "lagging); retry",
+                    run=run,
+                    restore_id=restore_id,
+                    partitions=sorted(missing),
+                )
+            await asyncio.sleep(_PARTS_POLL_S)
+        planned = list(local.plan.episodes)
+        after = set(local.after)
+        cuts: Counter[str] = Counter(local.cuts)
+        fences: dict[str, dict[int, int]] = {
+            self.replica_id: {p: g for p, g in projector.generations.items() if p in owned}
+        }
+        for part in parts:
+            episodes, begun_after = _decode(part.body)
+            planned.extend(episodes)
+            after |= begun_after
+            cuts.update(part.body["cuts"])
+            if part.generation:
+                fences.setdefault(part.replica_id, {})[part.partition] = part.generation
+        check_exclusions(checkpoint_id, request.exclude, {e.episode for e in manifest}, after)
+        order = {entry.episode: index for index, entry in enumerate(manifest)}
+        planned.sort(
+            key=lambda p: (
+                (1, p.entry.episode, 0)
+                if p.entry.episode in after
+                else (0, "", order[p.entry.episode])
+            )
+        )
+        return planned, dict(cuts), fences
+
+    async def _abort(self, run: str, restore_id: int, error: BaseException) -> None:
+        """Abort a request that failed before its commit (best effort: else at its deadline)."""
         try:
-            await self._write_attempts(
-                run,
-                info.partitions,
-                restore_id,
-                checkpoint.checkpoint_id,
-                plan.episodes,
-                controller_epoch,
-            )
-            timer.stage("attempts")
-            restore = await self.catalog.commit_restore(
-                run,
-                controller_epoch,
-                checkpoint.checkpoint_id,
-                entries,
-                timings_ms=timer.total(),
-                restore_id=restore_id,
-            )
-            committed = True
-            timer.stage("commit")
+            await self.catalog.abort_restore(run, restore_id, _describe(error))
+        except Exception as e:
+            logger.warning("run %s: could not abort restore %d: %s", run, restore_id, e)
+
+    # -- other replicas' requests ----------------------------------------------------------
+
+    async def poll(self) -> None:
+        """Forever, every ``POLL_S``: plan this replica's partitions of other replicas'
+        requests, apply the verdicts of those that ended, abort those past their deadline."""
+        try:
+            while True:
+                try:
+                    await self.poll_once()
+                except Exception as e:
+                    logger.warning("restore poll failed: %s", e)
+                await asyncio.sleep(POLL_S)
         finally:
-            projector.end_restore(restore_id, committed)
-        if not pinned:  # else the projections are built when first fetched
-            self.cache.put(run, restore_id, plan.projections)
-        # What stays (cached projections, the trackers' new states): keep the collector from
-        # walking it again and again.
-        gc.freeze()
-        return RestoreResult(restore, entries, timer.total(), cuts)
+            for task in list(self._tasks):
+                task.cancel()
+
+    async def poll_once(self) -> None:
+        """One round of ``poll`` (one query while nothing happens)."""
+        requests = await self.catalog.planning_restores()
+        if any(r.deadline_at < time.time() for r in requests):
+            await self.catalog.abort_expired_restores()
+            requests = await self.catalog.planning_restores()
+        planning = {(r.run, r.restore_id) for r in requests}
+        for request in requests:
+            key = (request.run, request.restore_id)
+            projector = self._projectors.get(request.run)
+            if (
+                request.requested_by == self.replica_id
+                or projector is None
+                or not projector.owned
+                or self._planned.get(key) is projector
+            ):
+                continue
+            self._planned[key] = projector
+            task = asyncio.create_task(self._plan_remote(projector, request))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        for run, projector in list(self._projectors.items()):
+            for restore_id in projector.pending_restores:
+                if (run, restore_id) in planning:
+                    continue
+                try:
+                    status = (await self.catalog.get_restore_request(run, restore_id)).status
+                except UnknownRestore:  # the run was deleted
+                    status = "aborted"
+                if status != "planning":
+                    projector.end_restore(restore_id, status == "committed")
+        for key in [key for key in self._planned if key not in planning]:
+            del self._planned[key]
+
+    async def _plan_remote(self, projector: Projector, request: RestoreRequest) -> None:
+        """Plan and write this replica's part of another replica's request; the verdict comes
+        from ``poll_once``. A part that cannot be written leaves the request to abort."""
+        run, restore_id = request.run, request.restore_id
+        try:
+            checkpoint = await self.catalog.get_checkpoint(run, request.checkpoint_id)
+            manifest = await self.catalog.load_manifest(run, request.checkpoint_id)
+            with collector_paused():
+                part = await self.plan_part(
+                    projector, checkpoint, manifest, PlanRequest.from_json(request.request)
+                )
+            projector.begin_restore(restore_id, part.resets, part.pins)
+            # Parts a previous projector of this replica wrote (at generations still valid, or
+            # the commit refuses them) stand; this one's plan of them is the same.
+            written = {p.partition for p in await self.catalog.restore_parts(run, restore_id)}
+            bodies = part.bodies(projector.partitions, projector.owned)
+            bodies = {p: b for p, b in bodies.items() if p not in written}
+            if bodies:
+                await self.catalog.write_restore_parts(
+                    run, restore_id, self.replica_id, projector.generations, bodies
+                )
+        except Exception as e:
+            logger.warning(
+                "run %s: could not plan this replica's part of restore %d: %s",
+                run,
+                restore_id,
+                _describe(e),
+            )
 
     async def committed_checkpoint(self, run: str, checkpoint_id: int | str) -> Checkpoint:
         """The checkpoint a restore or a projection read names (an id or ``"latest"``), which

@@ -48,6 +48,9 @@ async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:
         for partition, replay_from in replay_start(latest.offsets).items():
             start[partition] = replay_from
         await _check_log_holds(log, run, latest.checkpoint_id, markers)
+    # Restores still planned by the partitions' owners: their verdict is pending. Read before
+    # the committed ones, so that a request committing in between is in both (committed wins).
+    planning = await catalog.planning_restores(run)
     restores = await all_restores(catalog, run)
     restored: dict[str, int] = {}  # episode -> the attempt its latest restore made current
     retired: set[str] = set()
@@ -58,6 +61,7 @@ async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:
             else:  # their records need the restore's truncation
                 restored[entry.episode] = entry.attempt
     quarantined = await catalog.quarantined(run, limit=None)
+    committed = {r.restore_id for r in restores}
     return StartPlan(
         start,
         committed_restores=[r.restore_id for r in restores],
@@ -65,6 +69,7 @@ async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:
         refold={e: a for e, a in restored.items() if e not in retired},
         reported_below=markers,
         quarantined=[(q.partition, q.offset) for q in quarantined],
+        planning_restores=[r.restore_id for r in planning if r.restore_id not in committed],
     )
 
 
