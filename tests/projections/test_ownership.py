@@ -58,20 +58,21 @@ async def cluster(tmp_path: Path, deployment: dict[str, Any]) -> AsyncIterator[C
         yield Cluster(stack, tmp_path, deployment)
 
 
-async def settle(*replicas: Coordinator) -> None:
-    """Tick every replica until a round changes nothing, then wait until each run's projector
-    folds exactly what its replica owns and has caught up."""
+async def settle(*replicas: Coordinator, run: str = RUN) -> None:
+    """Tick every replica until a round changes nothing, then wait until the run's projector of
+    each folds exactly what its replica owns and has caught up (other tests of several replicas
+    in one process use it too: real leases, ticked by hand)."""
     for _ in range(6):
-        before = [r.owned_partitions(RUN) for r in replicas]
+        before = [r.owned_partitions(run) for r in replicas]
         for replica in replicas:
             await replica._ownership.tick()
-        if before == [r.owned_partitions(RUN) for r in replicas]:
+        if before == [r.owned_partitions(run) for r in replicas]:
             break
     async with asyncio.timeout(30):
         for replica in replicas:
             while True:
-                projector = replica.projectors.get(RUN)
-                owned = replica.owned_partitions(RUN)
+                projector = replica.projectors.get(run)
+                owned = replica.owned_partitions(run)
                 if (
                     projector is not None
                     and projector.owned == frozenset(owned)
