@@ -391,8 +391,9 @@ class Projector:
 
     async def _read_to_end(self) -> None:
         """Read (for real: this is also how a restarted projector knows it reads again) every
-        owned partition up to the log's current end."""
-        ends = await self.log.end_offsets(self.run)
+        owned partition up to the log's current end, other writers' records included (other
+        replicas write markers and appends into every partition)."""
+        ends = await self.log.latest_offsets(self.run)
         applied = self.applied
         for partition in sorted(self.owned):
             if applied[partition] < ends[partition]:
