@@ -660,10 +660,12 @@ class Projector:
                     self.retired.add(entry.episode)
 
     def _on_marker(self, partition: int, offset: int, checkpoint_id: int) -> None:
-        """A marker (only owned partitions are read). The first one met after catching up of a
+        """A marker (of an owned partition: others are not captured here). The first one met after catching up of a
         checkpoint newer than any known, with no capture registered for it, begins a capture:
         another replica's checkpoint. While catching up none is captured (the refold's buffers
         make trackers inexact there): such a checkpoint gets no part from here and aborts."""
+        if partition not in self.owned:
+            return
         capture = self._capture
         newest = self._newest_checkpoint
         self._newest_checkpoint = max(newest, checkpoint_id)
