@@ -1,6 +1,6 @@
-"""Checkpoints over two replicas (issue 17), in one process: two coordinators on one log and one
-catalog, each folding a disjoint set of the run's partitions (leases set directly). A checkpoint
-asked of either commits once both replicas' parts are in, and its manifest is the one a single
+"""Checkpoints over replicas (issue 17), in one process: three coordinators on one log and one
+catalog, two folding disjoint halves of the run's partitions (leases set directly), one owning
+none. A checkpoint asked of any commits once both owners' parts are in, and its manifest is the one a single
 owner of every partition captures; an owner that never writes its part gets the checkpoint
 aborted at its deadline, never committed partial; a requester gone after its markers leaves the
 owners to commit it, and one gone before leaves the sweep to abort it."""
@@ -27,7 +27,8 @@ from tests.projections.conftest import Service, open_service
 
 RUN = "run"
 PARTITIONS = 4
-OWNED = {"r1": frozenset({0, 1}), "r2": frozenset({2, 3})}
+#: r3 owns no partition (more replicas than partitions): it still answers every route.
+OWNED = {"r1": frozenset({0, 1}), "r2": frozenset({2, 3}), "r3": frozenset()}
 
 
 @dataclass
@@ -46,6 +47,8 @@ async def own(catalog: Catalog, coordinator: Coordinator, replica: str) -> None:
     projector = await coordinator.projector(RUN)
     projector.owned = OWNED[replica]
     projector.generations = dict.fromkeys(OWNED[replica], 1)
+    if not projector.owned:
+        return
     async with catalog._write() as conn:
         await conn.execute(
             insert(partition_leases),
@@ -167,8 +170,8 @@ async def test_a_checkpoint_asked_of_either_replica_commits_the_single_owner_man
             await solo.catalog.load_manifest(RUN, expected_id)
         )
     # Answered in full by the requester (no wait step open): counts and staging keys from the
-    # catalog, whichever replica's part came last.
-    for at in ("r2", "r1"):
+    # catalog, whichever replica's part came last, also by a replica that writes no part.
+    for at in ("r2", "r1", "r3"):
         result = await replicas.checkpoint(at)
         expected_result = await solo.checkpoint()
         assert isinstance(result, CheckpointResult)
