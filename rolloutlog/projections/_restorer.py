@@ -521,8 +521,12 @@ class Restorer:
 
     async def poll(self) -> None:
         """Forever, every ``POLL_S``: plan this replica's partitions of other replicas'
-        requests, apply the verdicts of those that ended, abort those past their deadline."""
+        requests, apply the verdicts of those that ended, abort those past their deadline.
+
+        First, the requests this replica opened before it (re)started are aborted: their
+        requester is gone, and its projectors need not wait for their deadline."""
         try:
+            await self._abort_own()
             while True:
                 try:
                     await self.poll_once()
@@ -532,6 +536,19 @@ class Restorer:
         finally:
             for task in list(self._tasks):
                 task.cancel()
+
+    async def _abort_own(self) -> None:
+        while True:
+            try:
+                for request in await self.catalog.planning_restores():
+                    if request.requested_by == self.replica_id:
+                        await self.catalog.abort_restore(
+                            request.run, request.restore_id, "its requester restarted"
+                        )
+                return
+            except Exception as e:
+                logger.warning("could not abort this replica's earlier restores: %s", e)
+                await asyncio.sleep(POLL_S)
 
     async def poll_once(self) -> None:
         """One round of ``poll`` (one query while nothing happens)."""

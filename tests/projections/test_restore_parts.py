@@ -239,3 +239,27 @@ async def test_a_dead_requesters_request_is_swept_and_a_new_projector_awaits_it(
         assert mine.trackers["a"].attempt == other.trackers["c"].attempt == 0
     finally:
         await close(service, replicas)
+
+
+async def test_a_restarted_requester_aborts_the_requests_it_left(
+    tmp_path: Path, replicas: list[Coordinator]
+) -> None:
+    service, checkpoint_id = await scenario(tmp_path)
+    try:
+        # "local" opened a request and died before committing it; it starts again.
+        restore_id = await service.catalog.open_restore(
+            "run",
+            service.epoch,
+            checkpoint_id,
+            requested_by="local",
+            request=PlanRequest(frozenset(), False, RestorePolicy()).to_json(),
+            deadline_s=60,
+        )
+        again = await replica(service, replicas, "local")
+        await until(lambda: not again.pending_restores, timeout_s=5)
+        ended = await service.catalog.get_restore_request("run", restore_id)
+        assert (ended.status, ended.reason) == ("aborted", "its requester restarted")
+        result = await replicas[0].restore("run", service.epoch)
+        assert result.restore.restore_id == restore_id + 1
+    finally:
+        await close(service, replicas)
