@@ -40,6 +40,7 @@ from rolloutlog.api._settings import (
 )
 from rolloutlog.api._tokens import Tokens
 from rolloutlog.errors import ConfigurationError
+from rolloutlog.projections import DEFAULT_LEASE_S, default_replica_id
 
 __all__ = ["ServeConfig"]
 
@@ -83,6 +84,8 @@ class ServeConfig(BaseSettings):
     header_timeout: PositiveFloat = Settings.header_timeout_s
     body_timeout: PositiveFloat = Settings.body_timeout_s
     max_inflight_appends: PositiveInt = Settings.max_inflight_appends
+    replica_id: str | None = Field(None, min_length=1, max_length=200)
+    lease_s: PositiveFloat = DEFAULT_LEASE_S
 
     @field_validator("log_level")
     @classmethod
@@ -122,6 +125,8 @@ class ServeConfig(BaseSettings):
             raise ConfigurationError("; ".join(problems)) from None
 
     def settings(self, tokens: Tokens) -> Settings:
+        log_url = self.log_url or ""
+        embedded = "://" not in log_url or log_url.startswith("embedded://")  # as ``open_log``
         return Settings(
             data_dir=self.data_dir,
             log_url=self.log_url,
@@ -134,6 +139,11 @@ class ServeConfig(BaseSettings):
             header_timeout_s=self.header_timeout,
             body_timeout_s=self.body_timeout,
             max_inflight_appends=self.max_inflight_appends,
+            # An embedded log has one process at a time (its lock), whatever its port: one
+            # replica name, so a restart on another port takes its partitions back at once.
+            replica_id=self.replica_id or default_replica_id(None if embedded else self.port),
+            address=f"{self.host}:{self.port}",
+            lease_s=self.lease_s,
         )
 
 

@@ -336,24 +336,36 @@ async def episode_event(
 
 @router.get(
     "/v1/runs/{run}/projector",
-    summary="How far this service's projector trails the log, per partition",
+    summary="How far this service's projector trails the log, per partition it folds, and "
+    "which replica folds each partition",
     response_model=ProjectorOut,
     dependencies=ANALYST,
     responses={404: {"model": ErrorOut, "description": "unknown_run"}},
 )
 async def projector_lag(request: Request, run: RunPath) -> Response:
-    service = _service(request)
-    lags = await service.coordinator.projector_lag(run)
+    coordinator = _service(request).coordinator
+    lags = await coordinator.projector_lag(run)
     partitions = [
         {"partition": p, "end_offset": end, "applied": applied, "lag": end - applied}
-        for p, (end, applied) in enumerate(lags)
+        for p, end, applied in lags
+    ]
+    owners = [
+        {
+            "partition": o.partition,
+            "replica_id": o.replica_id,
+            "generation": o.generation,
+            "live": o.live,
+        }
+        for o in await coordinator.partition_owners(run)
     ]
     return json_response(
         {
             "run": run,
             "at": time.time(),
-            "log_records": sum(end for end, _ in lags),
+            "log_records": sum(end for _, end, _ in lags),
             "lag": sum(p["lag"] for p in partitions),
             "partitions": partitions,
+            "replica_id": coordinator.replica_id,
+            "owners": owners,
         }
     )

@@ -69,7 +69,7 @@ class _Projectors(Collector):
     def __init__(self, coordinator: Coordinator, inflight: Callable[[], int]) -> None:
         self.coordinator = coordinator
         self.inflight = inflight
-        self.offsets: Mapping[str, list[tuple[int, int]]] = {}
+        self.offsets: Mapping[str, list[tuple[int, int, int]]] = {}
 
     def collect(self) -> Iterator[Metric]:
         coordinator = self.coordinator
@@ -117,7 +117,7 @@ class _Projectors(Collector):
             labels=["run", "partition"],
         )
         for run, partitions in sorted(self.offsets.items()):
-            for partition, (log_end, done) in enumerate(partitions):
+            for partition, log_end, done in partitions:
                 labels = [run, str(partition)]
                 end.add_metric(labels, log_end)
                 offset.add_metric(labels, done)
@@ -126,7 +126,14 @@ class _Projectors(Collector):
             "rolloutlog_inflight_appends", "Append requests being processed."
         )
         inflight.add_metric([], self.inflight())
-        yield from (live, applied, quarantined, healthy, end, offset, lag, inflight)
+        owned = GaugeMetricFamily(
+            "rolloutlog_owned_partitions",
+            "Partitions of the run this replica owns (leases) and folds.",
+            labels=["run"],
+        )
+        for run, count in sorted(coordinator.owned_partition_counts().items()):
+            owned.add_metric([run], count)
+        yield from (live, applied, quarantined, healthy, end, offset, lag, inflight, owned)
 
 
 class Metrics:
@@ -235,7 +242,7 @@ class Metrics:
         coordinator = self._coordinator
         runs = sorted(coordinator.events_applied())
 
-        async def one(run: str) -> tuple[str, list[tuple[int, int]]] | None:
+        async def one(run: str) -> tuple[str, list[tuple[int, int, int]]] | None:
             try:
                 return run, await coordinator.projector_lag(run)
             except Exception as e:  # a run deleted or a log down: its series are left out

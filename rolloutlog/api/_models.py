@@ -395,9 +395,20 @@ class PartitionLagOut(_Response):
     lag: int
 
 
+class PartitionOwnerOut(_Response):
+    partition: int
+    replica_id: str | None = Field(description="The replica that folds it; null: released")
+    generation: int = Field(description="Bumped at every change of owner (0: never owned)")
+    live: bool = Field(description="Whether the owner's heartbeat is current")
+
+
 class ProjectorOut(_Response):
     run: str
     at: float
     log_records: int
     lag: int
-    partitions: list[PartitionLagOut]
+    partitions: list[PartitionLagOut] = Field(
+        description="The partitions this replica folds (all of them for a lone replica)"
+    )
+    replica_id: str = Field(description="This replica's name in the partition leases")
+    owners: list[PartitionOwnerOut] = Field(description="Every partition's owner")

@@ -16,7 +16,7 @@ from rolloutlog.api._settings import Settings
 from rolloutlog.catalog import Catalog, open_catalog
 from rolloutlog.errors import BackendUnavailable
 from rolloutlog.log import Log, open_log
-from rolloutlog.projections import Coordinator
+from rolloutlog.projections import DEFAULT_LEASE_S, Coordinator
 
 __all__ = ["RunFencing", "Service"]
 
@@ -71,7 +71,13 @@ class Service:
         self.catalog: Catalog = open_catalog(
             settings.resolved_catalog_url, keep_committed=settings.keep_committed
         )
-        self.coordinator = Coordinator(self.log, self.catalog)
+        self.coordinator = Coordinator(
+            self.log,
+            self.catalog,
+            replica_id=settings.replica_id,
+            address=settings.address,
+            lease_s=settings.lease_s or DEFAULT_LEASE_S,
+        )
         self.metrics = Metrics(self.coordinator, lambda: self.inflight)
         self.preparer = Preparer(settings.validation_workers)
         self.fencing: dict[str, RunFencing] = {}

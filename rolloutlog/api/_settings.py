@@ -48,6 +48,12 @@ class Settings:
     #: An event whose ``seq`` lies more than this past the highest its participant epoch has
     #: appended through this service is refused (``invalid_event``): see docs/api.md, fencing.
     max_seq_gap: int = 1 << 20
+    #: This replica's name in the catalog's partition leases (issue 17); None: the host's name.
+    replica_id: str | None = None
+    #: Where this replica serves (``host:port``), shown to operators beside its leases.
+    address: str | None = None
+    #: Seconds a replica's leases outlive its last heartbeat; None: the coordinator's default.
+    lease_s: float | None = None
 
     @property
     def resolved_log_url(self) -> str:

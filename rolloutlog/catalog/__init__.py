@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._catalog import Catalog
+from rolloutlog.catalog._leases import PartitionOwner
 from rolloutlog.catalog._migrate import head_revision
 from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
 from rolloutlog.catalog._values import (
@@ -54,6 +55,7 @@ __all__ = [
     "ManifestEntry",
     "ParticipantKind",
     "PartitionOffset",
+    "PartitionOwner",
     "QUARANTINE_FIRST_BYTES",
     "QuarantinedRecord",
     "RegisteredParticipant",

@@ -15,11 +15,12 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import insert, select, text, update
+from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rolloutlog.catalog import _migrate, _reads, _restore_requests, _results, _writes
+from rolloutlog.catalog import _leases, _migrate, _reads, _restore_requests, _results, _writes
 from rolloutlog.catalog._backend import Backend
+from rolloutlog.catalog._leases import PartitionOwner
 from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
 from rolloutlog.catalog._schema import (
     checkpoints,
@@ -58,11 +59,12 @@ from rolloutlog.catalog._values import (
 )
 from rolloutlog.catalog._writes import (
     check_plan,
-    commit_checkpoint_rows,
     commit_restore_rows,
+    drop_checkpoint_parts,
     lock_run,
     quarantine_rows,
     reserve_restore_id,
+    write_checkpoint_parts_rows,
 )
 from rolloutlog.errors import (
     CatalogError,
@@ -358,7 +360,7 @@ class Catalog:
             await conn.execute(
                 update(runs).where(runs.c.run == run).values(controller_epoch=new_epoch)
             )
-            await conn.execute(
+            aborted = await conn.execute(
                 update(checkpoints)
                 .where(checkpoints.c.run == run, checkpoints.c.status == "pending")
                 .values(
@@ -366,7 +368,10 @@ class Catalog:
                     ended_at=self._clock(),
                     reason=f"controller taken over by epoch {new_epoch}",
                 )
+                .returning(checkpoints.c.checkpoint_id)
             )
+            for checkpoint_id in list(aborted.scalars()):
+                await drop_checkpoint_parts(conn, run, checkpoint_id)
             return new_epoch
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -443,11 +448,65 @@ class Catalog:
         """
         check_timings(timings_ms)
         async with self._write() as conn:
-            committed = await commit_checkpoint_rows(
+            committed = await write_checkpoint_parts_rows(
                 conn,
                 self._backend,
                 run=run,
                 checkpoint_id=checkpoint_id,
+                replica_id="",
+                generations={},
+                controller_epoch=controller_epoch,
+                offsets=offsets,
+                entries=entries,
+                timings_ms=dict(timings_ms or {}),
+                marked_at=marked_at,
+                now=self._clock(),
+                keep_committed=self._keep_committed,
+                base_checkpoint_id=base_checkpoint_id,
+                removed=removed,
+                totals=totals,
+            )
+            if committed is None:
+                raise InvalidRequest(
+                    f"a checkpoint of run {run!r} needs one offset for each of its partitions",
+                    field="offsets",
+                    given=sorted(offset.partition for offset in offsets),
+                )
+        self._after_bulk_commit()
+        return committed
+
+    async def write_checkpoint_parts(
+        self,
+        run: str,
+        checkpoint_id: int,
+        offsets: Sequence[PartitionOffset],
+        entries: Sequence[ManifestEntry],
+        *,
+        replica_id: str,
+        generations: Mapping[int, int],
+        controller_epoch: int | None = None,
+        timings_ms: Mapping[str, float] | None = None,
+        marked_at: float | None = None,
+        base_checkpoint_id: int | None = None,
+        removed: Sequence[ManifestEntry] = (),
+        totals: Mapping[str, int] | None = None,
+    ) -> Checkpoint | None:
+        """Write one replica's parts of a pending checkpoint: the partitions of ``offsets``
+        (exactly those of ``generations``, which ``check_leases`` fences: ``LeaseLost`` writes
+        nothing; empty: not fenced), their manifest entries (whole, or a delta of
+        ``base_checkpoint_id`` as for ``commit_checkpoint``, ``totals`` counting these
+        partitions' whole manifest). When every partition of the run then has its part, the
+        same transaction commits the checkpoint (counts summed over the writers') and returns
+        it; else None: another writer's part commits it, or it aborts at its deadline."""
+        check_timings(timings_ms)
+        async with self._write() as conn:
+            committed = await write_checkpoint_parts_rows(
+                conn,
+                self._backend,
+                run=run,
+                checkpoint_id=checkpoint_id,
+                replica_id=replica_id,
+                generations=generations,
                 controller_epoch=controller_epoch,
                 offsets=offsets,
                 entries=entries,
@@ -484,6 +543,7 @@ class Catalog:
                 .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id)
                 .values(status="aborted", ended_at=self._clock(), reason=reason)
             )
+            await drop_checkpoint_parts(conn, run, checkpoint_id)
 
     async def abort_pending_checkpoints(self, reason: str) -> list[tuple[str, int]]:
         """Abort every pending checkpoint of every run; return their (run, checkpoint id).
@@ -498,7 +558,45 @@ class Catalog:
                 .values(status="aborted", ended_at=self._clock(), reason=reason)
                 .returning(checkpoints.c.run, checkpoints.c.checkpoint_id)
             )
-            return sorted((str(run), int(cid)) for run, cid in result)
+            aborted = sorted((str(run), int(cid)) for run, cid in result)
+            for run, checkpoint_id in aborted:
+                await drop_checkpoint_parts(conn, run, checkpoint_id)
+            return aborted
+
+    async def abort_overdue_checkpoints(
+        self, default_deadline_s: float, grace_s: float
+    ) -> list[tuple[str, int]]:
+        """Abort every checkpoint still pending ``grace_s`` past its deadline (``deadline_s``,
+        else ``default_deadline_s``, from its request): whoever requested it is gone, and it
+        would block its run's next checkpoint. Returns their (run, checkpoint id)."""
+        deadline = func.coalesce(checkpoints.c.deadline_s, default_deadline_s)
+        async with self._read() as conn:
+            overdue = (
+                await conn.execute(
+                    select(checkpoints.c.run, checkpoints.c.checkpoint_id).where(
+                        checkpoints.c.status == "pending",
+                        checkpoints.c.requested_at + deadline + grace_s < self._clock(),
+                    )
+                )
+            ).all()
+        aborted = []
+        for run, checkpoint_id in overdue:
+            async with self._write() as conn:
+                await lock_run(conn, run)
+                if await _checkpoint_status(conn, run, checkpoint_id) != "pending":
+                    continue  # committed or aborted meanwhile
+                await conn.execute(
+                    update(checkpoints)
+                    .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id)
+                    .values(
+                        status="aborted",
+                        ended_at=self._clock(),
+                        reason="aborted past its deadline: not every partition's part came",
+                    )
+                )
+                await drop_checkpoint_parts(conn, run, checkpoint_id)
+            aborted.append((str(run), int(checkpoint_id)))
+        return aborted
 
     async def get_checkpoint(self, run: str, checkpoint_id: int) -> Checkpoint:
         return await self._query(lambda conn: _reads.get_checkpoint(conn, run, checkpoint_id))
@@ -873,6 +971,47 @@ class Catalog:
         check_run_name(run)
         async with self._write() as conn:
             await _writes.delete_run_rows(conn, run)
+
+    # -- partition leases (issue 17; ``_leases.py``) --------------------------------------------
+
+    async def lease_tick(
+        self,
+        replica_id: str,
+        *,
+        lease_s: float,
+        held: Mapping[str, Mapping[int, int]],
+        address: str | None = None,
+        fresh: bool = False,
+    ) -> dict[str, dict[int, int]]:
+        """Renew the replica's heartbeat and move its leases towards the balanced assignment;
+        return the partitions it owns (run -> partition -> generation). ``held``: what its
+        previous tick returned; ``fresh``: the process's first tick."""
+        check_name(replica_id, "replica_id")
+        check_positive_seconds(lease_s, "lease_s")
+        async with self._write() as conn:
+            return await _leases.tick(
+                conn,
+                self._clock,
+                replica_id,
+                address=address,
+                lease_s=lease_s,
+                held=held,
+                fresh=fresh,
+            )
+
+    async def release_leases(self, replica_id: str) -> None:
+        """The replica stops: its partitions are released and its heartbeat ends now."""
+        async with self._write() as conn:
+            await _leases.release_replica(conn, self._clock, replica_id)
+
+    async def partition_owners(self, run: str) -> list[PartitionOwner]:
+        """Each partition of the run with its owner and generation (``UnknownRun``)."""
+
+        async def query(conn: AsyncConnection) -> list[PartitionOwner]:
+            info = await _reads.get_run(conn, run)
+            return await _leases.partition_owners(conn, self._clock, run, info.partitions)
+
+        return await self._query(query)
 
     # -- one episode's history (issue 14; read-only) ----------------------------------------
 

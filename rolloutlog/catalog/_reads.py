@@ -181,7 +181,7 @@ async def list_participants(conn: AsyncConnection, run: str) -> list[RegisteredP
     ]
 
 
-async def _offsets(
+async def offsets_of(
     conn: AsyncConnection, run: str, checkpoint_ids: Sequence[int]
 ) -> dict[int, list[PartitionOffset]]:
     found: dict[int, list[PartitionOffset]] = {cid: [] for cid in checkpoint_ids}
@@ -218,7 +218,7 @@ async def get_checkpoint(conn: AsyncConnection, run: str, checkpoint_id: int) ->
         raise UnknownCheckpoint(
             f"run {run!r} has no checkpoint {checkpoint_id}", run=run, checkpoint_id=checkpoint_id
         )
-    offsets = await _offsets(conn, run, [checkpoint_id])
+    offsets = await offsets_of(conn, run, [checkpoint_id])
     return checkpoint_from_row(row, offsets[checkpoint_id])
 
 
@@ -248,7 +248,7 @@ async def list_checkpoints(
     if before is not None:
         query = query.where(checkpoints.c.checkpoint_id < before)
     rows = (await conn.execute(query)).all()
-    offsets = await _offsets(conn, run, [row.checkpoint_id for row in rows])
+    offsets = await offsets_of(conn, run, [row.checkpoint_id for row in rows])
     return [checkpoint_from_row(row, offsets[row.checkpoint_id]) for row in rows]
 
 
@@ -290,19 +290,24 @@ async def manifest_page(
         return manifest_entries_from_parts(bodies, after, limit, action, chained=chained)
 
 
+#: A chain row's part: its ancestor's part of the chain's partition.
+_CHAINED = (
+    (manifest_parts.c.run == manifest_chain.c.run)
+    & (manifest_parts.c.checkpoint_id == manifest_chain.c.ancestor_id)
+    & (manifest_parts.c.cut_partition == manifest_chain.c.partition)
+)
+
+
 async def manifest_bodies(
     conn: AsyncConnection, run: str, checkpoint_id: int
 ) -> tuple[list[str], bool]:
-    """The packed parts a committed checkpoint's manifest is made of, the oldest member of its
-    chain first (``manifest_chain``), and whether there is more than one member."""
+    """The packed parts a committed checkpoint's manifest is made of, the oldest members of its
+    partitions' chains first (``manifest_chain``; an episode lives in one partition, so this
+    orders each chain), and whether any chain has more than one member."""
     rows = (
         await conn.execute(
             select(manifest_chain.c.depth, manifest_parts.c.entries)
-            .join(
-                manifest_parts,
-                (manifest_parts.c.run == manifest_chain.c.run)
-                & (manifest_parts.c.checkpoint_id == manifest_chain.c.ancestor_id),
-            )
+            .join(manifest_parts, _CHAINED)
             .where(manifest_chain.c.run == run, manifest_chain.c.checkpoint_id == checkpoint_id)
             .order_by(manifest_chain.c.depth.desc())
         )
@@ -586,11 +591,7 @@ async def episode_manifest_entries(
     await get_run(conn, run)
     rows = await conn.execute(
         select(manifest_chain.c.checkpoint_id, manifest_parts.c.entries)
-        .join(
-            manifest_parts,
-            (manifest_parts.c.run == manifest_chain.c.run)
-            & (manifest_parts.c.checkpoint_id == manifest_chain.c.ancestor_id),
-        )
+        .join(manifest_parts, _CHAINED)
         .join(
             checkpoints,
             (checkpoints.c.run == manifest_chain.c.run)

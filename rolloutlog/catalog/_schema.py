@@ -141,16 +141,20 @@ manifest_chain = Table(
     metadata,
     Column("run", Name, primary_key=True),
     Column("checkpoint_id", BigInteger, primary_key=True),
-    # 0: the checkpoint's own parts; 1: those of the checkpoint it amends; and so on to a
-    # checkpoint whose parts are a whole manifest. A delta's parts hold only the entries that
-    # changed since its base, and ``removed`` tombstones for episodes it no longer names: the
-    # manifest is, per episode, the entry of the smallest depth, unless that is a tombstone.
+    # A chain per partition (migration 0009): each partition's part is whole or a delta of its
+    # own base, so partitions written by different replicas may have chains of their own.
+    Column("partition", Integer, primary_key=True),
+    # 0: the checkpoint's own part; 1: the part of the checkpoint it amends; and so on to a
+    # checkpoint whose part is whole. A delta part holds only the entries that changed since its
+    # base, and ``removed`` tombstones for episodes it no longer names: the manifest is, per
+    # episode, the entry of the smallest depth, unless that is a tombstone.
     Column("depth", Integer, primary_key=True),
     Column("ancestor_id", BigInteger, nullable=False),
     sqlite_with_rowid=False,
 )
-"""Which checkpoints' parts make up each retained committed checkpoint's manifest (migration
-0007): rows of an expired checkpoint go with its expiry; parts stay while a chain names them."""
+"""Which checkpoints' parts make up each partition of each retained committed checkpoint's
+manifest (migrations 0007, 0009): written when the checkpoint commits; rows of an expired
+checkpoint go with its expiry; parts stay while a chain names them."""
 
 views = MetaData()
 """Views over the tables, created by the migrations (``MANIFEST_ENTRIES_VIEW``); not tables."""
@@ -203,9 +207,9 @@ _VIEW_COLUMNS = (
     "run, checkpoint_id, episode, attempt, action, cut_partition, cut_offset, last_stage, "
     "staging_keys, size_bytes, reason"
 )
-# Per checkpoint and episode, the entry of its chain's smallest depth; tombstones hide the
-# episode. Both databases push a query's ``run``/``checkpoint_id`` condition into the window's
-# subquery (they are its PARTITION BY columns), so one manifest reads only its own chain.
+# Per checkpoint and episode, the entry of its partition's chain's smallest depth; tombstones
+# hide the episode. Both databases push a query's ``run``/``checkpoint_id`` condition into the
+# window's subquery (they are its PARTITION BY columns), so one manifest reads only its chains.
 MANIFEST_ENTRIES_VIEW = {
     dialect: (
         f"CREATE VIEW manifest_entries AS SELECT {_VIEW_COLUMNS} FROM (SELECT c.run AS run, "
@@ -213,7 +217,8 @@ MANIFEST_ENTRIES_VIEW = {
         "c.checkpoint_id, p.cut_partition, "
         + ("json_extract(e.value, '$[0]')" if dialect == "sqlite" else "e.value ->> 0")
         + " ORDER BY c.depth) AS newest FROM manifest_chain AS c JOIN manifest_parts AS p ON "
-        f"p.run = c.run AND p.checkpoint_id = c.ancestor_id CROSS JOIN {_EXPAND[dialect]}) "
+        "p.run = c.run AND p.checkpoint_id = c.ancestor_id AND p.cut_partition = c.partition "
+        f"CROSS JOIN {_EXPAND[dialect]}) "
         "AS m WHERE newest = 1 AND action <> 'removed'"
     )
     for dialect, fields in _ENTRY_FIELDS.items()
@@ -354,8 +359,12 @@ checkpoint_parts = Table(
     # The lease generation the part was written under.
     Column("generation", BigInteger, nullable=False),
     Column("written_at", Double, nullable=False),
-    # The part's counts (JSON), summed into the checkpoint's when the last part commits it.
+    # The writer's counts (JSON) over every partition it wrote in one transaction, on the row of
+    # its lowest partition (NULL on the others): summed into the checkpoint's when it commits.
     Column("totals", Text, nullable=True),
+    # The checkpoint this partition's part is a delta of (NULL: the part is whole; migration
+    # 0009): its chain in ``manifest_chain`` is written from this when the checkpoint commits.
+    Column("base_checkpoint_id", BigInteger, nullable=True),
 )
 """Who wrote each partition's part of a checkpoint's manifest (migration 0008): a checkpoint
 commits when every partition has one."""

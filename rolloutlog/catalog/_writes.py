@@ -6,15 +6,17 @@ import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from itertools import chain
-from operator import gt, itemgetter
+from operator import attrgetter, gt, itemgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import delete, func, insert, select, text, update
+from sqlalchemy import delete, func, insert, select, text, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog._gc import collector_paused
+from rolloutlog.catalog import _reads
 from rolloutlog.catalog._backend import Backend
+from rolloutlog.catalog._leases import check_leases
 from rolloutlog.catalog._reads import compose_parts, manifest_bodies
 from rolloutlog.catalog._schema import (
     NAME_LENGTH,
@@ -163,10 +165,10 @@ def manifest_columns(
     checkpoint_id: int,
     entries: Sequence[ManifestEntry],
     removed: Sequence[ManifestEntry] = (),
-) -> tuple[list[Sequence[Any]], dict[str, int], int, int]:
+) -> tuple[list[Sequence[Any]], dict[str, int], int]:
     """Check entries and encode them as ``manifest_parts`` columns (``MANIFEST_PART_COLUMNS``
     order: one row per cut partition, its entries in episode order as one JSON array); return
-    (columns, counts per action, total bytes, highest cut partition).
+    (columns, counts per action, total bytes).
 
     This runs inside a checkpoint's time budget for 16,000 entries, so it checks whole columns
     with C-level builtins (``zip``, ``map``, ``set``, ``min``) instead of looping in Python; when
@@ -187,8 +189,8 @@ def manifest_columns(
         tombstones = []
     if not count:
         if not tombstones:
-            return [[] for _ in MANIFEST_PART_COLUMNS], counts, 0, 0
-        return _part_columns(run, checkpoint_id, tombstones), counts, 0, 0
+            return [[] for _ in MANIFEST_PART_COLUMNS], counts, 0
+        return _part_columns(run, checkpoint_id, tombstones), counts, 0
     if set(map(type, entries)) != {ManifestEntry}:
         raise InvalidRequest("manifest entries must be ManifestEntry values", field="entries")
     ordered = sorted(entries, key=itemgetter(0))
@@ -220,7 +222,7 @@ def manifest_columns(
     counts.update(action_counts)
     if tombstones:
         ordered = sorted([*ordered, *tombstones], key=itemgetter(0))
-    return _part_columns(run, checkpoint_id, ordered), counts, sum(sizes), max(partitions)
+    return _part_columns(run, checkpoint_id, ordered), counts, sum(sizes)
 
 
 def _part_columns(
@@ -267,11 +269,22 @@ def _first_bad_entry(entries: Sequence[ManifestEntry]) -> InvalidRequest:
     return InvalidRequest("invalid manifest entries", field="entries")
 
 
-def _check_offsets(run: str, partitions: int, offsets: Sequence[PartitionOffset]) -> None:
+def _check_offsets(
+    run: str, partitions: int, offsets: Sequence[PartitionOffset], generations: Mapping[int, int]
+) -> list[int]:
+    """The writer's partitions (sorted): those of ``offsets``, each once, of the run, and
+    exactly those of ``generations`` when it fences them."""
     found = sorted(offset.partition for offset in offsets)
-    if found != list(range(partitions)):
+    if (
+        not found
+        or len(set(found)) != len(found)
+        or found[0] < 0
+        or found[-1] >= partitions
+        or (generations and sorted(generations) != found)
+    ):
         raise InvalidRequest(
-            f"a checkpoint of run {run!r} needs one offset for each of its {partitions} partitions",
+            f"a checkpoint's parts of run {run!r} need one offset for each partition written "
+            f"(of {partitions}), and those are the fenced ones",
             field="offsets",
             partitions=partitions,
             given=found,
@@ -286,15 +299,18 @@ def _check_offsets(run: str, partitions: int, offsets: Sequence[PartitionOffset]
                     field="offsets",
                     partition=offset.partition,
                 )
+    return found
 
 
-async def commit_checkpoint_rows(
+async def write_checkpoint_parts_rows(
     conn: AsyncConnection,
     backend: Backend,
     *,
     run: str,
     checkpoint_id: int,
-    controller_epoch: int,
+    replica_id: str,
+    generations: Mapping[int, int],
+    controller_epoch: int | None,
     offsets: Sequence[PartitionOffset],
     entries: Sequence[ManifestEntry],
     timings_ms: dict[str, float],
@@ -304,48 +320,77 @@ async def commit_checkpoint_rows(
     base_checkpoint_id: int | None = None,
     removed: Sequence[ManifestEntry] = (),
     totals: Mapping[str, int] | None = None,
-) -> Checkpoint:
+) -> Checkpoint | None:
+    """Write one writer's parts of a pending checkpoint (its partitions: those of ``offsets``)
+    and, when every partition of the run then has a part, commit the checkpoint: the last
+    writer commits, manifest-last. Returns the committed checkpoint, or None (still pending).
+
+    Fenced by ``check_leases(replica_id, generations)`` (``generations`` name exactly the
+    written partitions; empty: not fenced) and by the controller epoch: ``controller_epoch``
+    when given, else the one the checkpoint was begun under must still be current.
+    """
     if base_checkpoint_id is None and (removed or totals is not None):
         raise InvalidRequest("removed and totals belong to a delta manifest", field="removed")
     with collector_paused():
-        columns, counts, total_bytes, max_partition = manifest_columns(
-            run, checkpoint_id, entries, removed
-        )
-    entry_count = len(entries)
+        columns, counts, total_bytes = manifest_columns(run, checkpoint_id, entries, removed)
     if base_checkpoint_id is not None:
         counts, total_bytes = _delta_totals(totals)
-        entry_count = sum(counts.values())
     run_row = await lock_run(conn, run, controller_epoch)
     pending = await pending_checkpoint(conn, run, checkpoint_id)
-    chain = [(0, checkpoint_id)]
+    if controller_epoch is None and pending.controller_epoch != run_row.controller_epoch:
+        raise StaleController(
+            f"checkpoint {checkpoint_id} of run {run!r} was begun by controller epoch "
+            f"{pending.controller_epoch} (current: {run_row.controller_epoch})",
+            run=run,
+            controller_epoch=pending.controller_epoch,
+            current_epoch=run_row.controller_epoch,
+        )
+    await check_leases(conn, run, replica_id, generations)
+    partitions = int(run_row.partitions)
+    mine = _check_offsets(run, partitions, offsets, generations)
+    if not set(columns[2]) <= set(mine):
+        raise InvalidRequest(
+            f"a manifest entry cuts a partition of run {run!r} this writer has no offset for",
+            field="entries",
+        )
     if base_checkpoint_id is not None:
-        base_chain = (
+        based = (
             await conn.execute(
-                select(manifest_chain.c.depth, manifest_chain.c.ancestor_id)
-                .where(
+                select(manifest_chain.c.partition).where(
                     manifest_chain.c.run == run,
                     manifest_chain.c.checkpoint_id == base_checkpoint_id,
+                    manifest_chain.c.depth == 0,
+                    manifest_chain.c.partition.in_(mine),
                 )
-                .order_by(manifest_chain.c.depth)
             )
-        ).all()
-        if not base_chain:
+        ).scalars()
+        if len(set(based)) != len(mine):
             raise InvalidRequest(
                 f"checkpoint {base_checkpoint_id} of run {run!r} is not a retained committed "
-                "checkpoint: a delta manifest cannot amend it",
+                "checkpoint of these partitions: a delta manifest cannot amend it",
                 field="base_checkpoint_id",
                 base_checkpoint_id=base_checkpoint_id,
             )
-        chain += [(depth + 1, ancestor) for depth, ancestor in base_chain]
-    partitions = int(run_row.partitions)
-    _check_offsets(run, partitions, offsets)
-    if entry_count and max_partition >= partitions:
-        raise InvalidRequest(
-            f"a manifest entry cuts partition {max_partition}; run {run!r} has {partitions}",
-            field="entries",
+    written: list[int] = []
+    if len(mine) < partitions:  # others write the other partitions: which did already?
+        written = list(
+            (
+                await conn.execute(
+                    select(checkpoint_parts.c.partition).where(
+                        checkpoint_parts.c.run == run,
+                        checkpoint_parts.c.checkpoint_id == checkpoint_id,
+                    )
+                )
+            ).scalars()
         )
-    this = (checkpoint_offsets.c.run == run) & (checkpoint_offsets.c.checkpoint_id == checkpoint_id)
-    await conn.execute(delete(checkpoint_offsets).where(this))
+        twice = sorted(set(written) & set(mine))
+        if twice:
+            raise InvalidRequest(
+                f"checkpoint {checkpoint_id} of run {run!r} has parts of partitions {twice} "
+                "already",
+                field="offsets",
+                partitions=twice,
+            )
     await conn.execute(
         insert(checkpoint_offsets),
         [
@@ -356,18 +401,48 @@ async def commit_checkpoint_rows(
                 "marker_offset": offset.marker,
                 "replay_from": offset.replay_from,
             }
-            for offset in sorted(offsets, key=lambda offset: offset.partition)
+            for offset in offsets
         ],
     )
     await backend.bulk_insert(conn, manifest_parts, MANIFEST_PART_COLUMNS, columns)
+    own_totals = {**counts, "size_bytes": total_bytes}
     await conn.execute(
-        insert(manifest_chain),
+        insert(checkpoint_parts),
         [
-            {"run": run, "checkpoint_id": checkpoint_id, "depth": depth, "ancestor_id": ancestor}
-            for depth, ancestor in chain
+            {
+                "run": run,
+                "checkpoint_id": checkpoint_id,
+                "partition": partition,
+                "replica_id": replica_id,
+                "generation": generations.get(partition, 0),
+                "written_at": now,
+                "totals": orjson.dumps(own_totals).decode() if partition == mine[0] else None,
+                "base_checkpoint_id": base_checkpoint_id,
+            }
+            for partition in mine
         ],
     )
+    if len(written) + len(mine) < partitions:
+        return None
+    # The last part is in: commit, manifest-last.
+    if written:
+        found = (
+            await conn.execute(
+                select(checkpoint_parts.c.totals).where(
+                    checkpoint_parts.c.run == run,
+                    checkpoint_parts.c.checkpoint_id == checkpoint_id,
+                    checkpoint_parts.c.totals.is_not(None),
+                )
+            )
+        ).scalars()
+        summed: Counter[str] = Counter()
+        for raw in found:
+            summed.update(orjson.loads(raw))
+        own_totals = {name: summed[name] for name in _TOTALS}
+        offsets = (await _reads.offsets_of(conn, run, [checkpoint_id]))[checkpoint_id]
+    await conn.execute(_CHAIN, {"run": run, "checkpoint_id": checkpoint_id})
     marked = pending.marked_at if pending.marked_at is not None else marked_at
+    entry_count = sum(own_totals[name] for name in _TOTALS[:3])
     await conn.execute(
         update(checkpoints)
         .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id)
@@ -375,11 +450,11 @@ async def commit_checkpoint_rows(
             status="committed",
             committed_at=now,
             marked_at=marked,
-            continue_count=counts["continue"],
-            restart_count=counts["restart"],
-            finished_count=counts["finished"],
+            continue_count=own_totals["continue"],
+            restart_count=own_totals["restart"],
+            finished_count=own_totals["finished"],
             entry_count=entry_count,
-            size_bytes=total_bytes,
+            size_bytes=own_totals["size_bytes"],
             timings_ms=orjson.dumps(timings_ms).decode() if timings_ms else None,
         )
     )
@@ -398,15 +473,39 @@ async def commit_checkpoint_rows(
         marked_at=marked,
         committed_at=now,
         ended_at=None,
-        continue_count=counts["continue"],
-        restart_count=counts["restart"],
-        finished_count=counts["finished"],
+        continue_count=own_totals["continue"],
+        restart_count=own_totals["restart"],
+        finished_count=own_totals["finished"],
         entry_count=entry_count,
-        size_bytes=total_bytes,
+        size_bytes=own_totals["size_bytes"],
         reason=None,
         timings_ms=timings_ms,
-        offsets=tuple(sorted(offsets, key=lambda offset: offset.partition)),
+        offsets=tuple(sorted(offsets, key=attrgetter("partition"))),
     )
+
+
+_TOTALS = ("continue", "restart", "finished", "size_bytes")
+# Each partition's chain, from its part's row: the part itself (depth 0), then the chain of its
+# base's part of the same partition one deeper. One statement for every partition.
+_CHAIN = text(
+    "INSERT INTO manifest_chain (run, checkpoint_id, partition, depth, ancestor_id) "
+    "SELECT run, checkpoint_id, partition, 0, checkpoint_id FROM checkpoint_parts "
+    "WHERE run = :run AND checkpoint_id = :checkpoint_id "
+    "UNION ALL SELECT p.run, p.checkpoint_id, p.partition, c.depth + 1, c.ancestor_id "
+    "FROM checkpoint_parts AS p JOIN manifest_chain AS c ON c.run = p.run "
+    "AND c.checkpoint_id = p.base_checkpoint_id AND c.partition = p.partition "
+    "WHERE p.run = :run AND p.checkpoint_id = :checkpoint_id"
+)
+
+
+async def drop_checkpoint_parts(conn: AsyncConnection, run: str, checkpoint_id: int) -> None:
+    """Delete what writers stored for a checkpoint that will never commit (it is aborted)."""
+    for table, column in (
+        (manifest_parts, manifest_parts.c.checkpoint_id),
+        (checkpoint_offsets, checkpoint_offsets.c.checkpoint_id),
+        (checkpoint_parts, checkpoint_parts.c.checkpoint_id),
+    ):
+        await conn.execute(delete(table).where(table.c.run == run, column == checkpoint_id))
 
 
 def _delta_totals(totals: Mapping[str, int] | None) -> tuple[dict[str, int], int]:
@@ -421,8 +520,8 @@ def _delta_totals(totals: Mapping[str, int] | None) -> tuple[dict[str, int], int
 
 async def _apply_retention(conn: AsyncConnection, run: str, keep: int, now: float) -> None:
     """Expire committed checkpoints beyond the newest ``keep``; delete the packed parts no
-    retained checkpoint's chain names any more (an expired checkpoint a retained delta amends
-    keeps its parts until a whole manifest is written after it)."""
+    retained checkpoint's chains name any more (an expired checkpoint's part a retained delta
+    part amends stays until a whole part of its partition is written after it)."""
     expired = (
         (
             await conn.execute(
@@ -451,10 +550,13 @@ async def _apply_retention(conn: AsyncConnection, run: str, keep: int, now: floa
 
 
 async def _drop_unchained_parts(conn: AsyncConnection, run: str) -> None:
-    named = select(manifest_chain.c.ancestor_id).where(manifest_chain.c.run == run)
+    named = select(manifest_chain.c.ancestor_id, manifest_chain.c.partition).where(
+        manifest_chain.c.run == run
+    )
     await conn.execute(
         delete(manifest_parts).where(
-            manifest_parts.c.run == run, manifest_parts.c.checkpoint_id.not_in(named)
+            manifest_parts.c.run == run,
+            tuple_(manifest_parts.c.checkpoint_id, manifest_parts.c.cut_partition).not_in(named),
         )
     )
 

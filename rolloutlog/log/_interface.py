@@ -6,7 +6,7 @@ import abc
 import asyncio
 import importlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -141,9 +141,15 @@ class Log(abc.ABC):
                 await asyncio.sleep(poll_s)
 
     async def follow_run(
-        self, run: str, starts: Sequence[int], *, poll_s: float = 0.05
+        self,
+        run: str,
+        starts: Sequence[int],
+        *,
+        partitions: Collection[int] | None = None,
+        poll_s: float = 0.05,
     ) -> AsyncIterator[tuple[int, list[tuple[int, bytes]]]]:
-        """``(partition, page)`` for every partition ``p`` from ``starts[p]`` on, each partition's
+        """``(partition, page)`` for every partition ``p`` from ``starts[p]`` on (only those of
+        ``partitions`` when given: a replica follows the partitions it owns), each partition's
         pages in order; it never ends by itself (cancel the consuming task to stop).
 
         One follower per run, so that what a follower holds (connections, threads) does not grow
@@ -164,7 +170,9 @@ class Log(abc.ABC):
                 await queue.put(e)
 
         tasks = [
-            asyncio.create_task(pump(partition, start)) for partition, start in enumerate(starts)
+            asyncio.create_task(pump(partition, start))
+            for partition, start in enumerate(starts)
+            if partitions is None or partition in partitions
         ]
         try:
             while True:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,11 +157,17 @@ class KafkaReads:
             yield page
 
     async def follow_run(
-        self, run: str, starts: Sequence[int], *, poll_s: float = 0.05
+        self,
+        run: str,
+        starts: Sequence[int],
+        *,
+        partitions: Collection[int] | None = None,
+        poll_s: float = 0.05,
     ) -> AsyncIterator[tuple[int, list[tuple[int, bytes]]]]:
-        """Every partition ``p`` from ``starts[p]`` on, from one reader connection: each round is
-        one Fetch per leader for all partitions at their own offsets. This instance's acks wake
-        it at once; other writers' records are found by polling every ``poll_s``."""
+        """Every partition ``p`` (of ``partitions`` when given) from ``starts[p]`` on, from one
+        reader connection: each round is one Fetch per leader for all of them at their own
+        offsets. This instance's acks wake it at once; other writers' records are found by
+        polling every ``poll_s``."""
         topic = await self._read_topic(run)
         if len(starts) > topic.partitions:
             raise InvalidRequest(
@@ -169,7 +175,9 @@ class KafkaReads:
                 topic=topic.name,
             )
         cursors = [
-            _Cursor(partition, max(start, 0), _FOREVER, 0) for partition, start in enumerate(starts)
+            _Cursor(partition, max(start, 0), _FOREVER, 0)
+            for partition, start in enumerate(starts)
+            if partitions is None or partition in partitions
         ]
         async for item in self._follow(topic, cursors, poll_s, -1):
             yield item

@@ -33,7 +33,7 @@ import shutil
 import sqlite3
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -613,10 +613,15 @@ class EmbeddedLog(Log):
             yield page
 
     async def follow_run(
-        self, run: str, starts: Sequence[int], *, poll_s: float = 0.05
+        self,
+        run: str,
+        starts: Sequence[int],
+        *,
+        partitions: Collection[int] | None = None,
+        poll_s: float = 0.05,
     ) -> AsyncIterator[tuple[int, list[tuple[int, bytes]]]]:
-        """Every partition's pages from ``starts`` on: one follower, which borrows a reader of
-        the run file for each step (none while it waits for a commit)."""
+        """Every partition's (or ``partitions``') pages from ``starts`` on: one follower, which
+        borrows a reader of the run file for each step (none while it waits for a commit)."""
         run_file = await self._run(run)
         if len(starts) != run_file.partitions:
             raise InvalidRequest(
@@ -624,7 +629,10 @@ class EmbeddedLog(Log):
                 "partitions",
                 run=run,
             )
-        async for item in self._follow(run_file, starts, set(range(run_file.partitions))):
+        followed = set(range(run_file.partitions))
+        async for item in self._follow(
+            run_file, starts, followed if partitions is None else followed & set(partitions)
+        ):
             yield item
 
     async def _follow(

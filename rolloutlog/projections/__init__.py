@@ -20,12 +20,14 @@ from rolloutlog.projections._model import (
     ProjectionStatus,
     SessionView,
 )
+from rolloutlog.projections._ownership import DEFAULT_LEASE_S, default_replica_id
 from rolloutlog.projections._restorer import RestoreResult
 
 __all__ = [
     "BoundaryView",
     "CUT_DISPOSITIONS",
     "CheckpointResult",
+    "DEFAULT_LEASE_S",
     "Coordinator",
     "RestoreResult",
     "TrackedEpisode",
@@ -36,6 +38,7 @@ __all__ = [
     "LedgerEntry",
     "RecordView",
     "SessionView",
+    "default_replica_id",
     "ledger_digest",
     "project_episode",
     "project_events",

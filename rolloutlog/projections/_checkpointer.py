@@ -1,12 +1,17 @@
 """Checkpoints (docs/design.md §6, §10 "A checkpoint"): controller epoch check and a ``pending``
-row → markers into every partition → the projector reaches each marker (the manifest of each
-partition is taken right there) → episodes with an open wait step extend their cut to that step's
-boundary, or restart at the deadline → one manifest-last catalog transaction. Participants never
-pause. A failure anywhere aborts the ``pending`` row (retried until the catalog takes it)."""
+row → markers into every partition → each partition's owner (every replica's projector, for the
+partitions it owns) reaches its marker (the manifest of each partition is taken right there) →
+episodes with an open wait step extend their cut to that step's boundary, or restart at the
+deadline → each owner writes its partitions' parts in one catalog transaction, and the last one
+in commits the checkpoint, manifest-last (a lone replica: one transaction). Participants never
+pause. The requester aborts the ``pending`` row on any failure (retried until the catalog takes
+it) and when not every part came by the deadline (plus a grace); any replica's sweep aborts one
+still pending later (its requester is gone)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -27,7 +32,7 @@ from rolloutlog.projections._waits import ExportRequests, name_expired_waits
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_WAIT_DEADLINE_S", "CheckpointResult", "Checkpointer"]
+__all__ = ["DEFAULT_WAIT_DEADLINE_S", "GRACE_S", "CheckpointResult", "Checkpointer"]
 
 _STAGING_KEYS = attrgetter("staging_keys")
 _ACTION = itemgetter(2)
@@ -36,6 +41,13 @@ _SIZE = itemgetter(7)
 #: How long a checkpoint waits for open wait steps when the request names no deadline; also how
 #: long a checkpoint or restore waits for the projector to reach the log's offsets.
 DEFAULT_WAIT_DEADLINE_S = 30.0
+#: Past a checkpoint's deadline, how long its requester still waits for the other replicas'
+#: parts before it aborts it; the sweep aborts one still pending twice as long past it.
+GRACE_S = 5.0
+#: How often a replica polls the catalog for the outcome of a checkpoint another one commits.
+POLL_S = 0.025
+#: How often the sweep looks for checkpoints pending past their deadline.
+SWEEP_EVERY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +58,8 @@ class CheckpointResult:
 
 
 class Checkpointer:
-    """Runs a service's checkpoints over the log, the runs' projectors and the catalog."""
+    """Runs a service's checkpoints over the log, the runs' projectors and the catalog: those it
+    is asked for, and its projectors' parts of those other replicas are asked for (``attach``)."""
 
     def __init__(
         self,
@@ -54,12 +67,21 @@ class Checkpointer:
         catalog: Catalog,
         projector: Callable[[str], Awaitable[Projector]],
         spawn: Callable[[Coroutine[Any, Any, Any]], object],
+        *,
+        replica_id: str = "",
+        grace_s: float = GRACE_S,
     ) -> None:
         self.log = log
         self.catalog = catalog
         self._projector = projector
         self._spawn = spawn
         self._exports = ExportRequests()
+        self.replica_id = replica_id
+        self.grace_s = grace_s
+
+    def attach(self, projector: Projector) -> None:
+        """Write the projector's parts of checkpoints other replicas requested."""
+        projector.on_remote_capture = lambda capture: self._spawn(self._remote(projector, capture))
 
     async def checkpoint(
         self,
@@ -79,6 +101,7 @@ class Checkpointer:
             run, controller_epoch, trigger=trigger, deadline_s=deadline_s
         )
         timer.stage("begin")
+        deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
         capture = projector.begin_capture(checkpoint_id)
         try:
             markers = await self.log.write_markers(run, checkpoint_id, controller_epoch)
@@ -87,8 +110,7 @@ class Checkpointer:
             # A degraded projector may not get there: the checkpoint then fails (``unavailable``)
             # at its deadline instead of hanging, and the next one succeeds once it recovers.
             await projector.wait_until(
-                {p: o + 1 for p, o in enumerate(markers)},
-                timeout_s=deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S,
+                {p: o + 1 for p, o in enumerate(markers)}, timeout_s=deadline
             )
             if not capture.reached.is_set():  # applied while the projector was catching up
                 raise BackendUnavailable(
@@ -103,16 +125,13 @@ class Checkpointer:
             await self._abort(projector, controller_epoch, capture, "marking failed")
             raise
         if capture.waiting:
-            deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
             self._exports.open(projector, capture, marked_at + deadline)
         if capture.waiting and not wait:
             self._spawn(
-                self._finish(projector, controller_epoch, capture, timer, deadline_s, marked_at)
+                self._finish(projector, controller_epoch, capture, timer, deadline, marked_at)
             )
             return checkpoint_id
-        return await self._finish(
-            projector, controller_epoch, capture, timer, deadline_s, marked_at
-        )
+        return await self._finish(projector, controller_epoch, capture, timer, deadline, marked_at)
 
     async def _finish(
         self,
@@ -120,67 +139,164 @@ class Checkpointer:
         controller_epoch: int,
         capture: CheckpointCapture,
         timer: StageTimer,
-        deadline_s: float | None,
+        deadline: float,
         marked_at: float,
     ) -> CheckpointResult:
         run = projector.run
         checkpoint_id = capture.checkpoint_id
         try:
-            if capture.waiting:
-                deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
-                try:
-                    async with asyncio.timeout(deadline):
-                        await capture.resolved.wait()
-                except TimeoutError:
-                    name_expired_waits(projector, capture, deadline)
-                    capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
-            projector.check_running()  # a run whose log was lost meanwhile commits nothing
+            await _resolve(projector, capture, deadline, deadline)
             timer.stage("waits")
-            offsets, entries = _manifest(capture)
-            delta = _delta(capture, entries)
-            whole = capture.whole or {}
+            committed, delta = await self._write_parts(
+                projector, capture, timer, controller_epoch, marked_at
+            )
+            whole = len(capture.owned) == projector.partitions
+            if committed is None:  # other replicas' parts are due: the last one commits
+                committed = await self._outcome(run, checkpoint_id, marked_at + deadline)
+                if committed is None or committed.status == "aborted":
+                    raise BackendUnavailable(
+                        f"checkpoint {checkpoint_id} of run {run!r} "
+                        + (
+                            f"was aborted: {committed.reason}"
+                            if committed is not None
+                            else "did not get every partition's part by its deadline"
+                        )
+                        + "; retry",
+                        run=run,
+                        checkpoint_id=checkpoint_id,
+                    )
+                whole = False
             # Each key once: the keys the whole manifest references, counted as entries change.
-            staging = tuple(capture.staging)
-            # Every finish below the markers is in the catalog before they commit: a restarted
-            # projector reads from the new cut on, and would never record it (issue 18).
-            await flush_episodes(self.catalog, projector, finishes_only=True)
-            timer.stage("manifest")
-            timings = timer.total()
-            if delta is None:
-                committed = await self.catalog.commit_checkpoint(
-                    run,
-                    checkpoint_id,
-                    controller_epoch,
-                    offsets,
-                    list(whole.values()),
-                    timings_ms=timings,
-                    marked_at=marked_at,
-                )
-            else:
-                committed = await self.catalog.commit_checkpoint(
-                    run,
-                    checkpoint_id,
-                    controller_epoch,
-                    offsets,
-                    delta.changed,
-                    timings_ms=timings,
-                    marked_at=marked_at,
-                    base_checkpoint_id=delta.base,
-                    removed=delta.removed,
-                    totals=delta.totals,
-                )
+            if whole:
+                staging = tuple(capture.staging)
+            else:  # other replicas wrote parts: the catalog has the whole manifest
+                manifest = await self.catalog.load_manifest(run, checkpoint_id)
+                staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, manifest))))
             timer.stage("commit")
         except BaseException:
             self._exports.close(run, capture)
             await self._abort(projector, controller_epoch, capture, "commit failed")
             raise
         self._exports.close(run, capture)
-        if delta is None:
-            projector.end_capture(capture, committed=True)
-        else:
-            projector.end_capture(capture, committed=True, depth=delta.depth, amended=delta.amended)
+        _end(projector, capture, delta)
         self._spawn(self._trim(run))
         return CheckpointResult(committed, staging, timer.total())
+
+    async def _write_parts(
+        self,
+        projector: Projector,
+        capture: CheckpointCapture,
+        timer: StageTimer,
+        controller_epoch: int | None,
+        marked_at: float | None,
+    ) -> tuple[Checkpoint | None, _Delta | None]:
+        """Write the capture's parts (one transaction); the checkpoint if that committed it."""
+        if not capture.owned:  # a replica that owns none of the run's partitions
+            return None, None
+        projector.check_running()  # a run whose log was lost meanwhile commits nothing
+        offsets, entries = _manifest(capture)
+        delta = _delta(capture, entries)
+        # Every finish below the markers is in the catalog before they commit: a restarted
+        # projector reads from the new cut on, and would never record it (issue 18).
+        await flush_episodes(self.catalog, projector, finishes_only=True)
+        timer.stage("manifest")
+        generations = {p: g for p, g in projector.generations.items() if p in capture.owned}
+        write = self.catalog.write_checkpoint_parts
+        common: dict[str, Any] = {
+            "replica_id": self.replica_id,
+            "generations": generations,
+            "controller_epoch": controller_epoch,
+            "timings_ms": timer.total(),
+            "marked_at": marked_at,
+        }
+        run, checkpoint_id = projector.run, capture.checkpoint_id
+        if delta is None:
+            whole = list((capture.whole or {}).values())
+            return await write(run, checkpoint_id, offsets, whole, **common), None
+        committed = await write(
+            run,
+            checkpoint_id,
+            offsets,
+            delta.changed,
+            base_checkpoint_id=delta.base,
+            removed=delta.removed,
+            totals=delta.totals,
+            **common,
+        )
+        return committed, delta
+
+    async def _outcome(self, run: str, checkpoint_id: int, deadline_at: float) -> Checkpoint | None:
+        """The checkpoint once it is no longer pending (polled), or None if it still is
+        ``grace_s`` past ``deadline_at``."""
+        failures = 0
+        while True:
+            try:
+                checkpoint = await self.catalog.get_checkpoint(run, checkpoint_id)
+            except RolloutlogError as e:
+                if not e.retriable:
+                    raise
+                failures += 1
+                await asyncio.sleep(backoff_s(failures, POLL_S))
+                continue
+            if checkpoint.status != "pending":
+                return checkpoint
+            if time.time() >= deadline_at + self.grace_s:
+                return None
+            await asyncio.sleep(POLL_S)
+
+    async def _remote(self, projector: Projector, capture: CheckpointCapture) -> None:
+        """This replica's part of a checkpoint another replica requested: wait for the owned
+        partitions' markers and waits (to the checkpoint's deadline), write the parts, learn
+        the outcome (committed by this write, or polled) for ``end_capture``."""
+        run, checkpoint_id = projector.run, capture.checkpoint_id
+        delta: _Delta | None = None
+        committed = False
+        try:
+            pending = await self.catalog.get_checkpoint(run, checkpoint_id)
+            if pending.status != "pending":
+                return
+            deadline = pending.deadline_s or DEFAULT_WAIT_DEADLINE_S
+            deadline_at = pending.requested_at + deadline
+            async with asyncio.timeout(max(0.0, deadline_at - time.time())):
+                await capture.reached.wait()
+            if capture.waiting:
+                self._exports.open(projector, capture, deadline_at)
+            await _resolve(projector, capture, deadline, deadline_at - time.time())
+            done, delta = await self._write_parts(
+                projector, capture, StageTimer(), None, pending.marked_at
+            )
+            if done is None:
+                done = await self._outcome(run, checkpoint_id, deadline_at + self.grace_s)
+            committed = done is not None and done.status in ("committed", "expired")
+        except TimeoutError:
+            logger.warning(
+                "run %s: checkpoint %d's markers did not all reach this replica's projector by "
+                "the deadline: no part from here",
+                run,
+                checkpoint_id,
+            )
+        except RolloutlogError as e:
+            logger.warning("run %s: part of checkpoint %d: %s", run, checkpoint_id, e.message)
+        finally:
+            self._exports.close(run, capture)
+            if committed:
+                _end(projector, capture, delta)
+            else:
+                projector.end_capture(capture, committed=False)
+
+    async def sweep(self) -> None:
+        """Forever: abort the checkpoints pending ``2 * grace_s`` past their deadline."""
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            with contextlib.suppress(RolloutlogError):
+                for run, checkpoint_id in await self.catalog.abort_overdue_checkpoints(
+                    DEFAULT_WAIT_DEADLINE_S, 2 * self.grace_s
+                ):
+                    logger.warning(
+                        "aborted checkpoint %d of run %s: pending past its deadline",
+                        checkpoint_id,
+                        run,
+                    )
 
     async def pending_exports(
         self, run: str, participant: str, wait_s: float
@@ -251,6 +367,28 @@ class Checkpointer:
         for partition, before in floor.items():
             if before > 0 and not await self.log.trim(run, partition, before):
                 return
+
+
+async def _resolve(
+    projector: Projector, capture: CheckpointCapture, deadline: float, wait_s: float
+) -> None:
+    """Wait up to ``wait_s`` for the capture's wait steps; then the rest restart (``deadline``
+    names the checkpoint's deadline in their reasons)."""
+    if capture.waiting:
+        try:
+            async with asyncio.timeout(max(0.0, wait_s)):
+                await capture.resolved.wait()
+        except TimeoutError:
+            name_expired_waits(projector, capture, deadline)
+            capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
+
+
+def _end(projector: Projector, capture: CheckpointCapture, delta: _Delta | None) -> None:
+    """The checkpoint committed: the projector's next manifest amends this one."""
+    if delta is None:
+        projector.end_capture(capture, committed=True)
+    else:
+        projector.end_capture(capture, committed=True, depth=delta.depth, amended=delta.amended)
 
 
 #: A chain of delta manifests is at most this many deltas long: the next manifest is whole.

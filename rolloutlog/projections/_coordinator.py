@@ -1,7 +1,11 @@
 """The coordinator: one per service. It owns a projector per run (started on first use, fed to
 the catalog by ``_feeders.py``) and hands checkpoints to ``_checkpointer.py`` and restores to
 ``_restorer.py`` (which runs the pure planner of ``_planner.py``). Its read doors answer the API's
-questions about what the projectors track, so no other room reaches into projector state."""
+questions about what the projectors track, so no other room reaches into projector state.
+
+Each projector folds the partitions this replica owns (``_ownership.py``: catalog leases; a lone
+replica owns them all). When a run's owned partitions or their generations change, its projector
+is stopped and a new one started for the new set, rebuilt from the log as at start-up."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rolloutlog._gc import collector_paused
-from rolloutlog.catalog import Catalog
+from rolloutlog.catalog import Catalog, PartitionOwner
 from rolloutlog.errors import UnknownRun
 from rolloutlog.log import Log, partition_for, record_episode
 from rolloutlog.projections._checkpointer import (
@@ -24,6 +28,7 @@ from rolloutlog.projections._checkpointer import (
 )
 from rolloutlog.projections._feeders import flush_episodes, record_episodes, record_quarantine
 from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.projections._ownership import DEFAULT_LEASE_S, Ownership, default_replica_id
 from rolloutlog.projections._planner import RestorePolicy
 from rolloutlog.projections._projector import Projector, RunHealth
 from rolloutlog.projections._restorer import (
@@ -69,11 +74,22 @@ class Coordinator:
         catalog: Catalog,
         *,
         projection_cache_bytes: int = 256 << 20,
-        replica_id: str = "local",
+        replica_id: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+        address: str | None = None,
         restore_deadline_s: float = DEFAULT_RESTORE_DEADLINE_S,
     ):
         self.log = log
         self.catalog = catalog
+        #: This replica's name in the catalog's leases (``default_replica_id()`` when not given).
+        self.replica_id = replica_id or default_replica_id()
+        self._ownership = Ownership(
+            catalog,
+            self.replica_id,
+            lease_s=lease_s,
+            address=address,
+            on_change=self._owners_changed,
+        )
         self.projectors: dict[str, Projector] = {}
         self._run_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._start_lock = asyncio.Lock()
@@ -81,31 +97,38 @@ class Coordinator:
         #: Per run, the tasks that feed the catalog from its projector (ended with the run).
         self._recorders: dict[str, list[asyncio.Task[Any]]] = {}
         self._restore_cache = ProjectionCache(projection_cache_bytes)
-        self._checkpointer = Checkpointer(log, catalog, self.projector, self._spawn)
+        self._checkpointer = Checkpointer(
+            log, catalog, self.projector, self._spawn, replica_id=self.replica_id
+        )
         self._restorer = Restorer(
             log,
             catalog,
             self.projectors,
             self._restore_cache,
-            replica_id=replica_id,
+            replica_id=self.replica_id,
             deadline_s=restore_deadline_s,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start a projector for every run in the catalog (each rebuilds itself from the log).
+        """Take this replica's partition leases (a first tick, then the heartbeat), then start a
+        projector for every run in the catalog (each rebuilds its owned partitions from the log).
 
         One run's trouble never fails the start: its projector goes on in the background under
         its supervisor (reported ``degraded`` or ``stopped``) while the others serve. The start
         waits up to ``START_WAIT_S`` for the runs to catch up with their logs.
         """
+        await self._ownership.start()
+        self._spawn(self._checkpointer.sweep())
         after: str | None = None
         launched: list[Projector] = []
         while True:
             page = await self.catalog.list_runs(after=after, limit=100)
             for summary in page:
-                launched.append(await self._launch(summary.run.run))
+                async with self._start_lock:  # a relaunch after the first tick may be first
+                    run = summary.run.run
+                    launched.append(self.projectors.get(run) or await self._launch(run))
             if len(page) < 100:
                 break
             after = page[-1].run.run
@@ -116,6 +139,8 @@ class Coordinator:
                 await asyncio.gather(*(projector.settled.wait() for projector in launched))
 
     async def stop(self) -> None:
+        """Stop the projectors, then release the leases (the other replicas take over at once)."""
+        await self._ownership.stop()
         for task in list(self._background):
             task.cancel()
         for task in list(self._background):
@@ -124,6 +149,7 @@ class Coordinator:
         for projector in self.projectors.values():
             await projector.stop()
         self.projectors.clear()
+        await self._ownership.release()
 
     async def create_run(self, run: str, partitions: int | None = None) -> int:
         """Create (or find, with the same settings) a run in the catalog and its log topic."""
@@ -133,6 +159,7 @@ class Coordinator:
             projector.check_running()  # never re-create a lost run's topic
             return projector.partitions
         actual = await self.log.ensure_run(run, created.partitions)
+        await self._ownership.tick()  # owned at once, not at the next heartbeat
         await self.projector(run)
         return actual
 
@@ -149,7 +176,7 @@ class Coordinator:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(SETTLE_WAIT_S):
                     await projector.settled.wait()
-        return projector
+        return self.projectors.get(run, projector)  # relaunched meanwhile: the new one
 
     async def follow(self, run: str) -> None:
         """Follow the run (``UnknownRun`` for no such run): its projector is started, and has
@@ -157,9 +184,12 @@ class Coordinator:
         await self.projector(run)
 
     async def _launch(self, run: str) -> Projector:
-        """Create the run's projector and start it under its supervisor (in the background)."""
+        """Create the run's projector for the partitions this replica owns and start it under
+        its supervisor (in the background)."""
         info = await self.catalog.get_run(run)
-        projector = Projector(self.log, run, info.partitions)
+        owned = self._ownership.of(run)
+        projector = Projector(self.log, run, info.partitions, owned=owned, generations=owned)
+        self._checkpointer.attach(projector)
         self.projectors[run] = projector
         projector.launch(lambda: start_plan(self.log, self.catalog, run))
         self._recorders[run] = [
@@ -167,6 +197,33 @@ class Coordinator:
             self._spawn(record_quarantine(self.catalog, projector)),
         ]
         return projector
+
+    def _owners_changed(self, runs: set[str]) -> None:
+        for run in runs:
+            self._spawn(self._relaunch(run))
+
+    async def _relaunch(self, run: str) -> None:
+        """Start the run's projector afresh for the partitions this replica owns now (none yet
+        for a run it did not follow: launch one), unless it already folds exactly those. Not in
+        the middle of a restore of this replica (which holds the run's lock)."""
+        async with self._run_locks[run], self._start_lock:
+            owned = self._ownership.of(run)
+            old = self.projectors.get(run)
+            if old is None and not owned:
+                return
+            if old is not None and old.owned == frozenset(owned) and old.generations == owned:
+                return
+            if old is not None:
+                await old.stop()
+                old.settled.set()  # whoever waits for its catch-up goes on (to the new one)
+                recorders = self._recorders.pop(run, [])
+                for task in recorders:  # each flushes what its projector queued, then ends
+                    task.cancel()
+                await asyncio.gather(*recorders, return_exceptions=True)
+            try:
+                await self._launch(run)
+            except UnknownRun:  # deleted meanwhile
+                self.projectors.pop(run, None)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.create_task(coroutine)
@@ -285,6 +342,18 @@ class Coordinator:
         """Every started run's projector health."""
         return {run: projector.health for run, projector in list(self.projectors.items())}
 
+    def owned_partitions(self, run: str) -> dict[int, int]:
+        """The run's partitions this replica owns, with their lease generations."""
+        return dict(self._ownership.of(run))
+
+    def owned_partition_counts(self) -> dict[str, int]:
+        """Per run this replica owns partitions of, how many."""
+        return {run: len(owned) for run, owned in self._ownership.owned.items()}
+
+    async def partition_owners(self, run: str) -> list[PartitionOwner]:
+        """Every partition of the run with the replica that owns it (from the catalog)."""
+        return await self.catalog.partition_owners(run)
+
     def run_health(self, run: str) -> RunHealth | None:
         """The run's projector health, or None for a run this service does not follow yet."""
         projector = self.projectors.get(run)
@@ -391,10 +460,13 @@ class Coordinator:
                         return partition, found, offset + 1
         return partition, found, None
 
-    async def projector_lag(self, run: str) -> list[tuple[int, int]]:
-        """``(end_offset, applied)`` per partition: how far the projector trails the log."""
+    async def projector_lag(self, run: str) -> list[tuple[int, int, int]]:
+        """``(partition, end_offset, applied)`` per partition this replica folds: how far the
+        projector trails the log (the other partitions' owners report theirs)."""
         projector = await self.projector(run)
         ends = await self.log.end_offsets(run)
         return [
-            (end, min(applied, end)) for end, applied in zip(ends, projector.applied, strict=True)
+            (partition, end, min(applied, end))
+            for partition, (end, applied) in enumerate(zip(ends, projector.applied, strict=True))
+            if partition in projector.owned
         ]

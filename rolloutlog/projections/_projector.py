@@ -1,4 +1,5 @@
-"""The projector: follows every partition of a run and keeps what a manifest needs per episode.
+"""The projector: follows the partitions of a run that this service replica owns (all of them
+for a lone replica) and keeps what a manifest needs per episode.
 
 It reads records as metadata only (the payload stays in the record, counted by size), applies the
 fold's rules through ``EpisodeTracker``, and answers two questions of the coordinator:
@@ -64,10 +65,11 @@ __all__ = [
 
 @dataclass
 class CheckpointCapture:
-    """The projector's half of one checkpoint: filled in as each partition reaches its marker."""
+    """The projector's half of one checkpoint: filled in as each partition it owns reaches its
+    marker (the other partitions' owners capture theirs)."""
 
     checkpoint_id: int
-    partitions: int
+    owned: frozenset[int]
     markers: dict[int, int] = field(default_factory=dict)
     entries: dict[str, ManifestEntry] = field(default_factory=dict)
     #: Per partition, the earliest offset a live (continue or restart) episode needs.
@@ -117,8 +119,12 @@ class CheckpointCapture:
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     resolved: asyncio.Event = field(default_factory=asyncio.Event)
 
+    #: Whether another replica requested the checkpoint (this one began the capture at a
+    #: marker; it writes its parts and learns the outcome from the catalog).
+    remote: bool = False
+
     def _check(self) -> None:
-        if len(self.markers) == self.partitions:
+        if len(self.markers) == len(self.owned):
             self.reached.set()
             if not self.waiting:
                 self.resolved.set()
@@ -228,7 +234,15 @@ class Projector:
     lost log (``RunLost``, ``UnknownRun``) stops it. Records it cannot fold are quarantined.
     """
 
-    def __init__(self, log: Log, run: str, partitions: int) -> None:
+    def __init__(
+        self,
+        log: Log,
+        run: str,
+        partitions: int,
+        *,
+        owned: Iterable[int] | None = None,
+        generations: Mapping[int, int] | None = None,
+    ) -> None:
         self.log = log
         self.run = run
         self.partitions = partitions
@@ -237,8 +251,10 @@ class Projector:
         self.applied: list[int] = [0] * partitions
         #: The partitions this projector folds, and the lease generation it holds each at
         #: (issue 17: a replica folds only the partitions it owns; a lone replica owns all).
-        self.owned: frozenset[int] = frozenset(range(partitions))
-        self.generations: dict[int, int] = {}
+        #: Fixed for the projector's life: an owner change starts a new projector.
+        self._owns_all = owned is None
+        self.owned: frozenset[int] = frozenset(range(partitions) if owned is None else owned)
+        self.generations: dict[int, int] = dict(generations or {})
         #: Episodes that need no tracking any more (reported finished, or excluded).
         self.retired: set[str] = set()
         self.committed_restores: set[int] = set()
@@ -259,6 +275,10 @@ class Projector:
         self._inflight_restores: dict[int, asyncio.Future[bool]] = {}
         self._restore_resets: dict[int, Mapping[str, RestoreReset] | None] = {}
         self._capture: CheckpointCapture | None = None
+        #: The newest checkpoint id this projector has seen a capture or a marker of.
+        self._newest_checkpoint = 0
+        #: Told of each capture begun at a marker of another replica's checkpoint.
+        self.on_remote_capture: Callable[[CheckpointCapture], object] | None = None
         self._progress = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self.events_applied = 0
@@ -358,6 +378,8 @@ class Projector:
             self.partitions = len(plan.start_offsets)
             self.by_partition = [{} for _ in range(self.partitions)]
             self._dirty = [set() for _ in range(self.partitions)]
+            everything = range(self.partitions)
+            self.owned = frozenset(everything if self._owns_all else self.owned & set(everything))
         self.committed_restores.update(plan.committed_restores)
         self.retired.update(plan.retired)
         self.applied = list(plan.start_offsets)
@@ -369,10 +391,10 @@ class Projector:
 
     async def _read_to_end(self) -> None:
         """Read (for real: this is also how a restarted projector knows it reads again) every
-        partition up to the log's current end."""
+        owned partition up to the log's current end."""
         ends = await self.log.end_offsets(self.run)
         applied = self.applied
-        for partition in range(self.partitions):
+        for partition in sorted(self.owned):
             if applied[partition] < ends[partition]:
                 async for page in self.log.read_pages(
                     self.run, partition, applied[partition], ends[partition]
@@ -424,12 +446,13 @@ class Projector:
         gc.freeze()
 
     async def _follow(self) -> None:
-        """One follower for every partition of the run, from the last applied offsets."""
+        """One follower for the owned partitions of the run, from the last applied offsets."""
         applied = self.applied
         take = self._take
         own_restores = self._applied_restores
         yield_at = time.perf_counter() + _YIELD_EVERY_S
-        async for partition, page in self.log.follow_run(self.run, list(applied)):
+        pages = self.log.follow_run(self.run, list(applied), partitions=self.owned)
+        async for partition, page in pages:
             for offset, record in page:
                 if offset < applied[partition]:
                     continue
@@ -451,14 +474,17 @@ class Projector:
                 self._progress.notify_all()
 
     async def wait_until(self, offsets: Mapping[int, int], timeout_s: float | None = None) -> None:
-        """Wait until every partition has applied everything below the given offsets.
+        """Wait until every owned partition has applied everything below the given offsets
+        (the other partitions' owners fold theirs).
 
         ``BackendUnavailable`` when that takes longer than ``timeout_s`` (a degraded projector
         may get there later), ``RunLost`` when the projector stopped.
         """
 
+        owned = self.owned
+
         def reached() -> bool:
-            return all(self.applied[p] >= o for p, o in offsets.items())
+            return all(self.applied[p] >= o for p, o in offsets.items() if p in owned)
 
         try:
             async with asyncio.timeout(timeout_s), self._progress:
@@ -555,8 +581,7 @@ class Projector:
         self.events_applied += 1
         kind = meta["type"]
         if kind == "checkpoint.marker":
-            if self.caught_up:  # else no checkpoint of this service can be waiting for it
-                self._on_marker(partition, offset, meta["data"]["checkpoint_id"])
+            self._on_marker(partition, offset, meta["data"]["checkpoint_id"])
             return None
         episode = meta["episode"]
         if episode in self.retired:
@@ -597,12 +622,15 @@ class Projector:
         self._dirty[partition].add(meta["episode"])
 
     def begun_after(self, markers: Mapping[int, int], known: Container[str]) -> dict[str, int]:
-        """Episodes (with their current attempt) whose first event is at or past their
-        partition's marker and that ``known`` (a checkpoint's manifest) does not name."""
+        """Episodes of the owned partitions (with their current attempt) whose first event is at
+        or past their partition's marker and that ``known`` (a checkpoint's manifest) does not
+        name."""
+        owned = self.owned
         return {
             episode: tracker.attempt
             for episode, tracker in self.trackers.items()
-            if tracker.first_offset is not None
+            if tracker.partition in owned
+            and tracker.first_offset is not None
             and tracker.first_offset >= markers.get(tracker.partition, math.inf)
             and episode not in known
             and episode not in self.retired
@@ -616,10 +644,15 @@ class Projector:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def begin_capture(self, checkpoint_id: int) -> CheckpointCapture:
-        """Register the checkpoint whose markers are about to be written."""
-        capture = CheckpointCapture(checkpoint_id, self.partitions, base=self._base)
+    def begin_capture(self, checkpoint_id: int, *, remote: bool = False) -> CheckpointCapture:
+        """Register the checkpoint whose markers are about to be written (or, ``remote``, whose
+        first marker in an owned partition is being applied). A capture still registered is of
+        an older checkpoint that is over (one is pending at a time): it ends uncommitted."""
+        if self._capture is not None:
+            self.end_capture(self._capture, committed=False)
+        capture = CheckpointCapture(checkpoint_id, self.owned, base=self._base, remote=remote)
         self._capture = capture
+        self._newest_checkpoint = max(self._newest_checkpoint, checkpoint_id)
         return capture
 
     def end_capture(
@@ -628,9 +661,11 @@ class Projector:
         """The checkpoint committed (finished episodes are reported: stop tracking them; its
         manifest is stored ``depth`` deltas after a whole one, ``amended`` entries in those) or
         not (the next manifest is written whole: a commit whose reply was lost may be in the
-        catalog all the same)."""
-        if self._capture is capture:
-            self._capture = None
+        catalog all the same). A capture no longer registered (a newer one replaced it) changes
+        nothing: the base is the newest capture's business."""
+        if self._capture is not capture:
+            return
+        self._capture = None
         self._base = None
         if committed:
             whole = capture.whole if capture.whole is not None else capture.compose()
@@ -654,9 +689,20 @@ class Projector:
                     self.retired.add(entry.episode)
 
     def _on_marker(self, partition: int, offset: int, checkpoint_id: int) -> None:
+        """A marker (only owned partitions are read). The first one met after catching up of a
+        checkpoint newer than any known, with no capture registered for it, begins a capture:
+        another replica's checkpoint. While catching up none is captured (the refold's buffers
+        make trackers inexact there): such a checkpoint gets no part from here and aborts."""
         capture = self._capture
+        newest = self._newest_checkpoint
+        self._newest_checkpoint = max(newest, checkpoint_id)
+        if not self.caught_up:
+            return
         if capture is None or capture.checkpoint_id != checkpoint_id:
-            return  # a marker of a checkpoint this service is not taking (aborted, or stale)
+            if checkpoint_id <= newest or self.on_remote_capture is None:
+                return  # a marker of a checkpoint that is over (aborted, or stale)
+            capture = self.begin_capture(checkpoint_id, remote=True)
+            self.on_remote_capture(capture)
         with collector_paused():
             self._capture_partition(capture, partition, offset)
         capture._check()
@@ -743,7 +789,7 @@ class Projector:
             if action != "finished":
                 capture.seen[tracker.episode] = tracker.version
             capture.entries[tracker.episode] = _entry(tracker, action, offset + 1)
-        if not capture.waiting and len(capture.markers) == capture.partitions:
+        if not capture.waiting and len(capture.markers) == len(capture.owned):
             capture.resolved.set()
 
     # -- restores --------------------------------------------------------------------------

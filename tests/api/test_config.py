@@ -72,6 +72,8 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
         "HEADER_TIMEOUT": "4",
         "BODY_TIMEOUT": "6",
         "MAX_INFLIGHT_APPENDS": "8",
+        "REPLICA_ID": "replica-a",
+        "LEASE_S": "2.5",
     }
     assert {name.lower() for name in values} == set(ServeConfig.model_fields)
     for name, value in values.items():
@@ -90,6 +92,21 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
     assert (settings.validation_workers, settings.drain_timeout_s) == (2, 12.5)
     assert (settings.header_timeout_s, settings.body_timeout_s) == (4, 6)
     assert settings.max_inflight_appends == 8
+    assert (settings.replica_id, settings.lease_s) == ("replica-a", 2.5)
+    assert settings.address == "0.0.0.0:9000"
+
+
+def test_a_replica_is_named_after_its_host_and_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    host = socket.gethostname()
+    assert ServeConfig.load({"port": 9100}, {}).settings(Tokens()).replica_id == host
+    kafka = ServeConfig.load({"port": 9100, "log_url": "kafka://k:9092"}, {})
+    assert kafka.settings(Tokens()).replica_id == f"{host}:9100"
+    assert kafka.settings(Tokens()).lease_s == 6.0
+    monkeypatch.setenv("ROLLOUTLOG_REPLICA_ID", "r7")
+    assert ServeConfig.load({}, {}).settings(Tokens()).replica_id == "r7"
+    monkeypatch.setenv("ROLLOUTLOG_LEASE_S", "0")
+    with pytest.raises(ConfigurationError, match=r"^ROLLOUTLOG_LEASE_S: .*greater than 0"):
+        ServeConfig.load({}, {})
 
 
 def test_a_bad_value_names_where_it_came_from(

@@ -124,8 +124,10 @@ async def test_catalog_killed_and_restarted_under_a_running_service(
         service.stop()
 
 
-async def outage_scenario(api: Client, cluster: PostgresCluster, service: Service) -> None:
-    for run in (RUN, COLD):
+async def _seed(api: Client, *runs: str) -> tuple[int, dict[str, Any]]:
+    """Create the runs with an environment registered in each, take ``RUN``'s controller and
+    start ``EPISODES`` there, each at a first boundary; the epoch and each episode's state."""
+    for run in runs:
         assert (await api.call("POST", "/v1/runs", json={"run": run, "partitions": 2})).is_success
         registered = await api.call(
             "POST", f"/v1/runs/{run}/participants", json={"id": "env-0", "kind": "environment"}
@@ -138,6 +140,11 @@ async def outage_scenario(api: Client, cluster: PostgresCluster, service: Servic
         last_state[episode] = {"episode": episode, "n": 0}
         events += [f.started(episode), f.boundary(episode, "seed", last_state[episode], step=0)]
     assert (await api.append(RUN, *events)).status_code == 200
+    return epoch, last_state
+
+
+async def outage_scenario(api: Client, cluster: PostgresCluster, service: Service) -> None:
+    epoch, last_state = await _seed(api, RUN, COLD)
     first = await api.checkpoint(epoch)
     assert first.status_code == 201, first.text
     # The catalog knows every episode as running before it goes away.
@@ -320,18 +327,7 @@ async def _timed(request: Any) -> tuple[httpx.Response, float]:
 
 
 async def stall_scenario(api: Client, cluster: PostgresCluster) -> None:
-    assert (await api.call("POST", "/v1/runs", json={"run": RUN, "partitions": 2})).is_success
-    registered = await api.call(
-        "POST", f"/v1/runs/{RUN}/participants", json={"id": "env-0", "kind": "environment"}
-    )
-    assert registered.status_code == 201, registered.text
-    epoch = (await api.call("POST", f"/v1/runs/{RUN}/controller")).json()["controller_epoch"]
-    last_state: dict[str, Any] = {}
-    events = []
-    for episode in EPISODES:
-        last_state[episode] = {"episode": episode, "n": 0}
-        events += [f.started(episode), f.boundary(episode, "seed", last_state[episode], step=0)]
-    assert (await api.append(RUN, *events)).status_code == 200
+    epoch, last_state = await _seed(api, RUN)
     assert (await api.checkpoint(epoch)).status_code == 201
 
     cluster.freeze()

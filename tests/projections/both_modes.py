@@ -78,7 +78,7 @@ def capture(state: EpisodeFold, marker: int) -> tuple[Any, ...] | None:
     projector = Projector(None, "run", 1)  # type: ignore[arg-type]
     projector.trackers[state.episode] = state  # type: ignore[assignment]
     projector.by_partition[0][state.episode] = state  # type: ignore[assignment]
-    checkpoint = CheckpointCapture(1, 1)
+    checkpoint = CheckpointCapture(1, frozenset({0}))
     projector._capture_partition(checkpoint, 0, marker)
     entry = checkpoint.entries.get(state.episode)
     if entry is None:

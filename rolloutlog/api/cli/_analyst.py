@@ -3,8 +3,7 @@ partition) and one episode's ``projection`` (docs/api.md, routes of the same nam
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -13,18 +12,15 @@ from rolloutlog.api.cli._main import (
     CheckpointRef,
     client_command,
     json_option,
+    limit_option,
     run_argument,
 )
-from rolloutlog.api.cli._output import Column, fields, json_line, json_lines, table, when
+from rolloutlog.api.cli._output import Column, fields, json_line, listing, stdout, table, when
 
 if TYPE_CHECKING:
     from rolloutlog.trainer import TrainerClient
 
 __all__ = ["ANALYST_COMMANDS"]
-
-
-def _out() -> Any:
-    return sys.stdout  # looked up at each call: tests and pipes may replace it
 
 
 @click.command()
@@ -33,10 +29,6 @@ def _out() -> Any:
 @json_option
 def participants(client: TrainerClient, run: str, as_json: bool) -> int:
     """List RUN's registered participants: kind, fencing epoch, when registered and last seen."""
-    found = client.participants(run)
-    if as_json:
-        json_lines(found, _out())
-        return EXIT_OK
     columns: list[Column] = [
         ("ID", lambda p: p["id"]),
         ("KIND", lambda p: p["kind"]),
@@ -44,8 +36,7 @@ def participants(client: TrainerClient, run: str, as_json: bool) -> int:
         ("REGISTERED", lambda p: when(p.get("registered_at"))),
         ("LAST_SEEN", lambda p: when(p.get("last_seen_at"))),
     ]
-    if not table(found, columns, _out()):
-        print("(no participants)", file=_out())
+    listing(client.participants(run), columns, as_json, "(no participants)")
     return EXIT_OK
 
 
@@ -56,13 +47,7 @@ def participants(client: TrainerClient, run: str, as_json: bool) -> int:
     metavar="PARTITION:OFFSET",
     help="List the records after this position (the next page).",
 )
-@click.option(
-    "--limit",
-    type=click.IntRange(1, 10_000),
-    default=1000,
-    show_default=True,
-    help="List at most this many records, by partition and offset.",
-)
+@limit_option(1000, "List at most this many records, by partition and offset.", most=10_000)
 @client_command
 @json_option
 def quarantine(
@@ -71,10 +56,6 @@ def quarantine(
     """List RUN's quarantined log records: the ones the projector skipped (not a valid
     envelope, or the fold could not apply them), with the reason and their first bytes."""
     page = client.quarantine(run, after=after, limit=limit)
-    records = page["records"]
-    if as_json:
-        json_lines(records, _out())
-        return EXIT_OK
     columns: list[Column] = [
         ("PARTITION", lambda r: r["partition"]),
         ("OFFSET", lambda r: r["offset"]),
@@ -83,10 +64,9 @@ def quarantine(
         ("REASON", lambda r: r["reason"]),
         ("FIRST_BYTES", lambda r: repr(r["first_bytes"])),
     ]
-    if not table(records, columns, _out()):
-        print("(no quarantined records)", file=_out())
-    if page.get("next_after") is not None:
-        print(f"(more records: --after {page['next_after']})", file=_out())
+    listing(page["records"], columns, as_json, "(no quarantined records)")
+    if not as_json and page.get("next_after") is not None:
+        print(f"(more records: --after {page['next_after']})", file=stdout())
     return EXIT_OK
 
 
@@ -98,11 +78,11 @@ def projector(client: TrainerClient, run: str, as_json: bool) -> int:
     """Show how far this service's projector trails RUN's log: records behind, per partition."""
     lag = client.projector(run)
     if as_json:
-        json_line(lag, _out())
+        json_line(lag, stdout())
         return EXIT_OK
     print(
         f"projector of run {lag['run']}: {lag['lag']} records behind of {lag['log_records']}",
-        file=_out(),
+        file=stdout(),
     )
     columns: list[Column] = [
         ("PARTITION", lambda p: p["partition"]),
@@ -110,7 +90,7 @@ def projector(client: TrainerClient, run: str, as_json: bool) -> int:
         ("APPLIED", lambda p: p["applied"]),
         ("LAG", lambda p: p["lag"]),
     ]
-    table(lag["partitions"], columns, _out())
+    table(lag["partitions"], columns, stdout())
     return EXIT_OK
 
 
@@ -158,12 +138,12 @@ def projection(
         checkpoint=checkpoint_id,
     )
     if as_json:
-        json_line(found, _out())
+        json_line(found, stdout())
         return EXIT_OK
     print(
         f"episode {found['episode']}: {found.get('status') or '-'}, attempt {found['attempt']}, "
         f"capture key {found['capture_key']}",
-        file=_out(),
+        file=stdout(),
     )
     cut = found.get("generation_cut")
     fields(
@@ -172,11 +152,11 @@ def projection(
             ("ledger", f"{len(found.get('ledger') or ())} rows"),
             ("generation_cut", None if cut is None else cut.get("call_id")),
         ],
-        _out(),
+        stdout(),
     )
     boundaries = found.get("boundaries") or {}
     if boundaries:
-        print("boundaries", file=_out())
+        print("boundaries", file=stdout())
         table(
             ({"owner": owner, **b} for owner, b in boundaries.items()),
             [
@@ -185,11 +165,11 @@ def projection(
                 ("NEXT", lambda b: b.get("next")),
                 ("STEP", lambda b: b.get("step")),
             ],
-            _out(),
+            stdout(),
         )
     sessions = found.get("sessions") or {}
     if sessions:
-        print("sessions", file=_out())
+        print("sessions", file=stdout())
         table(
             ({"id": key, **s} for key, s in sessions.items()),
             [
@@ -199,7 +179,7 @@ def projection(
                 ("MODE", lambda s: s.get("mode")),
                 ("VERIFY", lambda s: s.get("verify")),
             ],
-            _out(),
+            stdout(),
         )
     return EXIT_OK
 

@@ -5,7 +5,6 @@ REST routes they call (docs/api.md): ``runs``, ``checkpoint``/``checkpoints``,
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,18 +19,25 @@ from rolloutlog.api.cli._main import (
     DefaultGroup,
     client_command,
     json_option,
+    limit_option,
     run_argument,
 )
-from rolloutlog.api.cli._output import Column, Progress, fields, json_line, json_lines, table, when
+from rolloutlog.api.cli._output import (
+    Column,
+    Progress,
+    fields,
+    json_line,
+    json_lines,
+    listing,
+    stdout,
+    table,
+    when,
+)
 
 if TYPE_CHECKING:
     from rolloutlog.trainer import CheckpointInfo, RestoreInfo, TrainerClient
 
 __all__ = ["COMMANDS"]
-
-
-def _out() -> Any:
-    return sys.stdout  # looked up at each call: tests and pipes may replace it
 
 
 def _counts(info: Mapping[str, Any]) -> str:
@@ -65,11 +71,7 @@ RUN_COLUMNS: list[Column] = [
 @json_option
 def runs_list(client: TrainerClient, as_json: bool) -> int:
     """List the runs with their counts and health."""
-    found = client.list_runs()
-    if as_json:
-        json_lines(found, _out())
-    elif not table(found, RUN_COLUMNS, _out()):
-        print("(no runs)", file=_out())
+    listing(client.list_runs(), RUN_COLUMNS, as_json, "(no runs)")
     return EXIT_OK
 
 
@@ -98,11 +100,11 @@ def runs_show(client: TrainerClient, run: str, stats: bool, as_json: bool) -> in
     found = client.get_run(run)
     extra = client.stats(run) if stats else None
     if as_json:
-        json_line({**found, **({"stats": extra} if extra is not None else {})}, _out())
+        json_line({**found, **({"stats": extra} if extra is not None else {})}, stdout())
         return EXIT_OK
     counts = found["counts"]
     health = found.get("health") or {}
-    print(f"run {found['run']}", file=_out())
+    print(f"run {found['run']}", file=stdout())
     fields(
         [
             ("partitions", found["partitions"]),
@@ -115,11 +117,11 @@ def runs_show(client: TrainerClient, run: str, stats: bool, as_json: bool) -> in
             ("health", " ".join(str(v) for v in (health.get("status"), health.get("error")) if v)),
             ("created", when(found["created_at"])),
         ],
-        _out(),
+        stdout(),
     )
     if extra is not None:
-        print("stats", file=_out())
-        fields((row for row in _flat(extra) if row[0] != "run"), _out())
+        print("stats", file=stdout())
+        fields((row for row in _flat(extra) if row[0] != "run"), stdout())
     return EXIT_OK
 
 
@@ -136,9 +138,9 @@ def runs_create(client: TrainerClient, run: str, partitions: int | None, as_json
     """Create RUN (nothing changes if it exists with the same settings)."""
     created = client.create_run(run, partitions)
     if as_json:
-        json_line(created, _out())
+        json_line(created, stdout())
     else:
-        print(f"run {created['run']}: {created['partitions']} partitions", file=_out())
+        print(f"run {created['run']}: {created['partitions']} partitions", file=stdout())
     return EXIT_OK
 
 
@@ -150,9 +152,9 @@ def runs_delete(client: TrainerClient, run: str, as_json: bool) -> int:
     """Delete RUN for good: its log, catalog rows and the service's resources for it."""
     deleted = client.delete_run(run)
     if as_json:
-        json_line(deleted, _out())
+        json_line(deleted, stdout())
     else:
-        print(f"deleted run {run}", file=_out())
+        print(f"deleted run {run}", file=stdout())
     return EXIT_OK
 
 
@@ -194,7 +196,7 @@ def _epoch(client: TrainerClient, run: str, take_over: bool, epoch: int | None) 
 
 def _show_checkpoint(info: CheckpointInfo) -> None:
     raw = info.raw
-    print(f"checkpoint {info.checkpoint_id}: {info.status}", file=_out())
+    print(f"checkpoint {info.checkpoint_id}: {info.status}", file=stdout())
     total = info.timings_ms.get("total")
     stages = {k: v for k, v in info.timings_ms.items() if k != "total"}
     fields(
@@ -211,7 +213,7 @@ def _show_checkpoint(info: CheckpointInfo) -> None:
                 else []
             ),
         ],
-        _out(),
+        stdout(),
     )
 
 
@@ -250,7 +252,7 @@ def checkpoint(
         if info.status == "pending" and not no_wait:
             info = client.wait_for_checkpoint(run, info.checkpoint_id)
     if as_json:
-        json_line(dict(info.raw), _out())
+        json_line(dict(info.raw), stdout())
     else:
         _show_checkpoint(info)
     return EXIT_OK if info.status in ("committed", "pending") else EXIT_REFUSED
@@ -264,13 +266,7 @@ def checkpoint(
     type=click.Choice(["pending", "committed", "aborted", "expired"]),
     help="List only checkpoints in this status.",
 )
-@click.option(
-    "--limit",
-    type=click.IntRange(min=1),
-    default=100,
-    show_default=True,
-    help="List at most this many, newest first.",
-)
+@limit_option(100, "List at most this many, newest first.")
 @click.option(
     "--manifest",
     is_flag=True,
@@ -298,14 +294,11 @@ def checkpoints(
         if manifest:
             return _manifest(client, run, info.checkpoint_id, as_json)
         if as_json:
-            json_line(dict(info.raw), _out())
+            json_line(dict(info.raw), stdout())
         else:
             _show_checkpoint(info)
         return EXIT_OK
     found = client.list_checkpoints(run, status=status, limit=limit)
-    if as_json:
-        json_lines((dict(c.raw) for c in found), _out())
-        return EXIT_OK
     columns: list[Column] = [
         ("ID", lambda c: c["checkpoint_id"]),
         ("STATUS", lambda c: c["status"]),
@@ -317,15 +310,14 @@ def checkpoints(
         ("TOTAL_MS", lambda c: c.get("timings_ms", {}).get("total")),
         ("REASON", lambda c: c.get("reason")),
     ]
-    if not table((dict(c.raw) for c in found), columns, _out()):
-        print("(no checkpoints)", file=_out())
+    listing([dict(c.raw) for c in found], columns, as_json, "(no checkpoints)")
     return EXIT_OK
 
 
 def _manifest(client: TrainerClient, run: str, checkpoint_id: int, as_json: bool) -> int:
     entries = client.manifest(run, checkpoint_id)
     if as_json:
-        json_lines(entries, _out())
+        json_lines(entries, stdout())
         return EXIT_OK
     columns: list[Column] = [
         ("EPISODE", lambda e: e["episode"]),
@@ -335,8 +327,8 @@ def _manifest(client: TrainerClient, run: str, checkpoint_id: int, as_json: bool
         ("CUT", lambda e: f"{e['cut']['partition']}:{e['cut']['offset']}"),
         ("LAST_STAGE", lambda e: e.get("last_stage")),
     ]
-    if not table(entries, columns, _out()):
-        print(f"(checkpoint {checkpoint_id} holds no episode)", file=_out())
+    if not table(entries, columns, stdout()):
+        print(f"(checkpoint {checkpoint_id} holds no episode)", file=stdout())
     return EXIT_OK
 
 
@@ -352,7 +344,7 @@ RESTORE_EPISODE_COLUMNS: list[Column] = [
 
 
 def _show_restore(info: RestoreInfo, episodes: Sequence[Mapping[str, Any]] | None) -> None:
-    print(f"restore {info.restore_id} from checkpoint {info.checkpoint_id}", file=_out())
+    print(f"restore {info.restore_id} from checkpoint {info.checkpoint_id}", file=stdout())
     total = info.timings_ms.get("total")
     fields(
         [
@@ -361,10 +353,10 @@ def _show_restore(info: RestoreInfo, episodes: Sequence[Mapping[str, Any]] | Non
             ("controller", info.raw.get("controller_epoch")),
             ("committed", when(info.raw.get("committed_at"))),
         ],
-        _out(),
+        stdout(),
     )
     if episodes:
-        table(episodes, RESTORE_EPISODE_COLUMNS, _out())
+        table(episodes, RESTORE_EPISODE_COLUMNS, stdout())
 
 
 def _excluded(exclude: Sequence[str], exclude_file: Path | None) -> list[str]:
@@ -454,7 +446,7 @@ def restore(
             else None
         )
     if as_json:
-        json_line({**info.raw, **({"episodes": entries} if entries is not None else {})}, _out())
+        json_line({**info.raw, **({"episodes": entries} if entries is not None else {})}, stdout())
     else:
         _show_restore(info, entries)
     return EXIT_OK
@@ -463,13 +455,7 @@ def restore(
 @click.command()
 @run_argument
 @click.argument("restore_id", metavar="[ID]", required=False, type=click.IntRange(min=1))
-@click.option(
-    "--limit",
-    type=click.IntRange(min=1),
-    default=100,
-    show_default=True,
-    help="List at most this many, newest first.",
-)
+@limit_option(100, "List at most this many, newest first.")
 @client_command
 @json_option
 def restores(
@@ -480,14 +466,11 @@ def restores(
         info = client.get_restore(run, restore_id)
         entries = [dataclasses.asdict(e) for e in info.episodes or ()]
         if as_json:
-            json_line({**info.raw, "episodes": entries}, _out())
+            json_line({**info.raw, "episodes": entries}, stdout())
         else:
             _show_restore(info, entries)
         return EXIT_OK
     found = client.list_restores(run, limit=limit)
-    if as_json:
-        json_lines((dict(r.raw) for r in found), _out())
-        return EXIT_OK
     columns: list[Column] = [
         ("ID", lambda r: r["restore_id"]),
         ("CHECKPOINT", lambda r: r["checkpoint_id"]),
@@ -498,8 +481,7 @@ def restores(
         ("COMMITTED", lambda r: when(r.get("committed_at"))),
         ("TOTAL_MS", lambda r: r.get("timings_ms", {}).get("total")),
     ]
-    if not table((dict(r.raw) for r in found), columns, _out()):
-        print("(no restores)", file=_out())
+    listing([dict(r.raw) for r in found], columns, as_json, "(no restores)")
     return EXIT_OK
 
 
@@ -517,10 +499,6 @@ def restores(
 @json_option
 def episodes(client: TrainerClient, run: str, status: str | None, as_json: bool) -> int:
     """List RUN's episodes with their current attempt, capture key and status."""
-    found = client.episodes(run, status=status)
-    if as_json:
-        json_lines(found, _out())
-        return EXIT_OK
     columns: list[Column] = [
         ("EPISODE", lambda e: e["episode"]),
         ("ATTEMPT", lambda e: e["current_attempt"]),
@@ -529,10 +507,12 @@ def episodes(client: TrainerClient, run: str, status: str | None, as_json: bool)
         ("LIVE", lambda e: e["live"]),
         ("UPDATED", lambda e: when(e.get("updated_at"))),
     ]
-    if not table(found, columns, _out()):
-        print(
-            "(no episodes recorded yet: the catalog learns of episodes at checkpoints)", file=_out()
-        )
+    listing(
+        client.episodes(run, status=status),
+        columns,
+        as_json,
+        "(no episodes recorded yet: the catalog learns of episodes at checkpoints)",
+    )
     return EXIT_OK
 
 
@@ -544,13 +524,7 @@ def episodes(client: TrainerClient, run: str, status: str | None, as_json: bool)
     type=click.IntRange(min=0),
     help="Show the timeline's events after this log offset (the next page).",
 )
-@click.option(
-    "--limit",
-    type=click.IntRange(min=1),
-    default=500,
-    show_default=True,
-    help="Show at most this many events of the timeline.",
-)
+@limit_option(500, "Show at most this many events of the timeline.")
 @client_command
 @json_option
 def episode(
@@ -565,14 +539,14 @@ def episode(
     decided for it, and its event timeline (payloads left out)."""
     history = client.episode_history(run, episode, after=after, limit=limit)
     if as_json:
-        json_line(history, _out())
+        json_line(history, stdout())
         return EXIT_OK
     print(
         f"episode {history['episode']} of run {history['run']}: {history['status'] or '-'}, "
         f"attempt {history['current_attempt']}, partition {history['partition']}",
-        file=_out(),
+        file=stdout(),
     )
-    print("attempts", file=_out())
+    print("attempts", file=stdout())
     table(
         history["attempts"],
         [
@@ -581,10 +555,10 @@ def episode(
             ("EVENTS", lambda a: a["events"]),
             ("WHY", lambda a: a["why"]),
         ],
-        _out(),
+        stdout(),
     )
     if history["checkpoints"]:
-        print("checkpoints", file=_out())
+        print("checkpoints", file=stdout())
         table(
             history["checkpoints"],
             [
@@ -593,10 +567,10 @@ def episode(
                 ("ATTEMPT", lambda c: c.get("attempt")),
                 ("LAST_STAGE", lambda c: c.get("last_stage")),
             ],
-            _out(),
+            stdout(),
         )
     if history["restores"]:
-        print("restores", file=_out())
+        print("restores", file=stdout())
         table(
             history["restores"],
             [
@@ -606,9 +580,9 @@ def episode(
                 ("ATTEMPT", lambda r: f"{r['previous_attempt']}->{r['attempt']}"),
                 ("WHY", lambda r: r.get("explanation") or r.get("reason")),
             ],
-            _out(),
+            stdout(),
         )
-    print(f"events ({history['event_count']})", file=_out())
+    print(f"events ({history['event_count']})", file=stdout())
     table(
         history["events"],
         [
@@ -620,10 +594,10 @@ def episode(
             ("STAGE", lambda e: e.get("stage")),
             ("BYTES", lambda e: e.get("size_bytes")),
         ],
-        _out(),
+        stdout(),
     )
     if history.get("next_after") is not None:
-        print(f"(more events: --after {history['next_after']})", file=_out())
+        print(f"(more events: --after {history['next_after']})", file=stdout())
     return EXIT_OK
 
 

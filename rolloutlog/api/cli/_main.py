@@ -151,6 +151,17 @@ json_option = click.option(
 )
 
 
+def limit_option(default: int, help: str, most: int | None = None) -> Callable[[F], F]:
+    """A listing's ``--limit``: at most ``most`` when the route caps it."""
+    return click.option(
+        "--limit",
+        type=click.IntRange(1, most),
+        default=default,
+        show_default=True,
+        help=help,
+    )
+
+
 def client_command(f: Callable[..., int]) -> Callable[..., int]:
     """Give a command ``--url`` and ``--token``, and call it with a ``TrainerClient`` as its
     first argument; the service's refusals and connection failures end it with their code."""

@@ -17,7 +17,17 @@ from typing import Any, TextIO
 
 import orjson
 
-__all__ = ["Column", "Progress", "fields", "json_line", "json_lines", "table", "when"]
+__all__ = [
+    "Column",
+    "Progress",
+    "fields",
+    "json_line",
+    "json_lines",
+    "listing",
+    "stdout",
+    "table",
+    "when",
+]
 
 Column = tuple[str, Callable[[Mapping[str, Any]], Any]]
 
@@ -61,6 +71,23 @@ def json_line(value: Any, out: TextIO) -> None:
 def json_lines(values: Iterable[Any], out: TextIO) -> None:
     for value in values:
         json_line(value, out)
+
+
+def stdout() -> TextIO:
+    """``sys.stdout``, looked up at each call: tests and pipes may replace it."""
+    return sys.stdout
+
+
+def listing(
+    rows: Iterable[Mapping[str, Any]], columns: Sequence[Column], as_json: bool, empty: str
+) -> None:
+    """A listing's output: one JSON line per row, or a table of them, or ``empty`` (a person's
+    line saying there is none; JSON Lines print nothing then)."""
+    out = stdout()
+    if as_json:
+        json_lines(rows, out)
+    elif not table(rows, columns, out):
+        print(empty, file=out)
 
 
 def when(ts: float | None) -> str:

@@ -17,7 +17,7 @@ from rolloutlog.api.cli._main import (
     json_option,
     run_argument,
 )
-from rolloutlog.api.cli._output import Column, json_line, json_lines, table, when
+from rolloutlog.api.cli._output import Column, json_line, listing, when
 
 if TYPE_CHECKING:
     from rolloutlog.trainer import TrainerClient
@@ -76,10 +76,6 @@ def results_list(
         episodes=episodes or None,
         unacknowledged=unacknowledged,
     )
-    out = sys.stdout
-    if as_json:
-        json_lines((dataclasses.asdict(r) for r in found), out)
-        return EXIT_OK
     columns: list[Column] = [
         ("EPISODE", lambda r: r["episode"]),
         ("ATTEMPT", lambda r: r["attempt"]),
@@ -89,8 +85,7 @@ def results_list(
         ("FINISHED", lambda r: when(r["ts"])),
         ("RESULT", lambda r: _short(r["result"])),
     ]
-    if not table((dataclasses.asdict(r) for r in found), columns, out):
-        print("(no results)", file=out)
+    listing([dataclasses.asdict(r) for r in found], columns, as_json, "(no results)")
     return EXIT_OK
 
 

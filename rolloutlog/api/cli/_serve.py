@@ -165,6 +165,22 @@ def _option(*decls: str, field: str, **kw: Any) -> Callable[[Any], Any]:
     default=Settings.max_inflight_appends,
     help="Appends processed at once; one more is refused with 503.",
 )
+@_option(
+    "--replica-id",
+    field="replica_id",
+    metavar="NAME",
+    help="This replica's name in the catalog's partition leases; replicas of one service "
+    "(one log and catalog) need distinct names, and a restart under the same name takes its "
+    "partitions back at once [default: HOST:PORT; with the embedded log, HOST]",
+)
+@_option(
+    "--lease-s",
+    field="lease_s",
+    type=float,
+    metavar="SECONDS",
+    help="How long a replica's partitions outlive its last heartbeat (sent every quarter of "
+    "it): a dead replica's partitions move to the others within this [default: 6]",
+)
 @click.pass_context
 def serve(ctx: click.Context, /, **flags: Any) -> int:
     """Run the service (REST API, projector, checkpoints and restores).
