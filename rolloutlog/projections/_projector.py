@@ -878,9 +878,9 @@ class Projector:
             self._pin_holder = holder
         return out
 
-    def release_pins(self, holder: object) -> None:
+    def release_pins(self, holder: object | None) -> None:
         """The restore (or plan) that pinned trackers for ``holder`` ended (committed or not)."""
-        if holder is not self._pin_holder:
+        if holder is None or holder is not self._pin_holder:
             return
         for tracker in self._pinned:
             tracker.unpin()

@@ -28,7 +28,6 @@ from rolloutlog.catalog import (
 from rolloutlog.errors import (
     BackendUnavailable,
     InvalidRequest,
-    RolloutlogError,
     StaleController,
     UnknownCheckpoint,
     UnknownEpisode,
@@ -48,7 +47,7 @@ from rolloutlog.projections._planner import (
     replay_start,
     to_continue,
 )
-from rolloutlog.projections._projector import Projector, RestoreReset
+from rolloutlog.projections._projector import Projector, RestoreReset, _describe
 from rolloutlog.projections._replay import replay_at_cuts, replay_stream
 from rolloutlog.projections._start_plan import all_restores
 from rolloutlog.projections._timing import StageTimer
@@ -142,12 +141,6 @@ class ProjectionCache:
     def forget_run(self, run: str) -> None:
         for key in [key for key in self._entries if key[0] == run]:
             del self._entries[key]
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, RolloutlogError):
-        return error.message
-    return f"{type(error).__name__}: {error}"
 
 
 async def _each(projections: Iterable[EpisodeProjection]) -> AsyncIterator[EpisodeProjection]:
@@ -317,12 +310,16 @@ class Restorer:
                     projector, checkpoint.checkpoint_id, manifest, request, restore_id, part
                 )
                 timer.stage("parts")
-            # Reserved before any record names it: a restore that dies before its commit
-            # leaves attempt records under an id no later restore can commit.
+            # The id was reserved (``open_restore``) before any record names it: a restore that
+            # dies before its commit leaves attempt records under an id no later one can commit.
             await self._write_attempts(
-                run, info.partitions, restore_id, checkpoint.checkpoint_id, planned,
+                run,
+                info.partitions,
+                restore_id,
+                checkpoint.checkpoint_id,
+                planned,
                 controller_epoch,
-            )  # fmt: skip
+            )
             timer.stage("attempts")
             entries = tuple(p.entry for p in planned)
             restore = await self.catalog.commit_restore(
@@ -521,8 +518,12 @@ class Restorer:
 
     async def poll(self) -> None:
         """Forever, every ``POLL_S``: plan this replica's partitions of other replicas'
-        requests, apply the verdicts of those that ended, abort those past their deadline."""
+        requests, apply the verdicts of those that ended, abort those past their deadline.
+
+        First, the requests this replica opened before it (re)started are aborted: their
+        requester is gone, and its projectors need not wait for their deadline."""
         try:
+            await self._abort_own()
             while True:
                 try:
                     await self.poll_once()
@@ -532,6 +533,19 @@ class Restorer:
         finally:
             for task in list(self._tasks):
                 task.cancel()
+
+    async def _abort_own(self) -> None:
+        while True:
+            try:
+                for request in await self.catalog.planning_restores():
+                    if request.requested_by == self.replica_id:
+                        await self.catalog.abort_restore(
+                            request.run, request.restore_id, "its requester restarted"
+                        )
+                return
+            except Exception as e:
+                logger.warning("could not abort this replica's earlier restores: %s", e)
+                await asyncio.sleep(POLL_S)
 
     async def poll_once(self) -> None:
         """One round of ``poll`` (one query while nothing happens)."""
