@@ -50,10 +50,8 @@ _EPISODES: set[str] = set()
 _KNOWN_MAX = 1 << 16
 
 
-def _known(value: str, known: set[str], problem: Callable[[str], str | None]) -> bool:
-    """Whether ``value`` passes ``problem``'s check, remembered in ``known``."""
-    if value in known:
-        return True
+def _learn(value: str, known: set[str], problem: Callable[[str], str | None]) -> bool:
+    """Whether ``value`` (not in ``known``) passes ``problem``'s check; remembered if so."""
     if problem(value) is not None:
         return False
     if len(known) >= _KNOWN_MAX:
@@ -63,7 +61,9 @@ def _known(value: str, known: set[str], problem: Callable[[str], str | None]) ->
 
 
 def _name(value: Any) -> Any:
-    return value if type(value) is str and _known(value, _NAMES, name_problem) else _BAD
+    if type(value) is str and (value in _NAMES or _learn(value, _NAMES, name_problem)):
+        return value
+    return _BAD
 
 
 def _name_or_none(value: Any) -> Any:
@@ -175,10 +175,16 @@ _WRITER_KINDS = frozenset({"environment", "policy", "agent", "resources"})
 _ENVELOPE_KEYS = 9  # v, episode, attempt, step, participant, seq, ts, type, data
 
 
-def _payload(kind: str, data: dict[str, Any], fields: dict[str, Any]) -> bytes | Any | None:
+#: The fields each client type's data may have.
+_KEYS: dict[str, frozenset[str]] = {
+    kind: frozenset([name for name, _, _ in spec] + [PAYLOAD_FIELD.get(kind, "")]) - {""}
+    for kind, spec in _DATA.items()
+}
+
+
+def _payload(kind: str, value: Any, fields: dict[str, Any]) -> bytes | Any | None:
     """The JSON of the data's payload field: None when the record has none, ``_BAD`` when only
     pydantic may decide."""
-    value = data[PAYLOAD_FIELD[kind]]
     if kind in _TOKENS:
         if type(value) is not list or not all(type(token) is int for token in value):
             return _BAD
@@ -194,35 +200,26 @@ def _payload(kind: str, data: dict[str, Any], fields: dict[str, Any]) -> bytes |
 
 def _data(kind: str, data: Any) -> tuple[dict[str, Any], bytes | None] | None:
     """The data's metadata fields (model order, defaults in) and its payload's JSON, or None."""
-    spec = _DATA.get(kind)
-    if spec is None or type(data) is not dict:
+    if type(data) is not dict or not data.keys() <= _KEYS[kind]:
         return None
     fields: dict[str, Any] = {}
-    found = 0
-    for name, convert, default in spec:
-        value = data.get(name, _MISSING)
-        if value is _MISSING:
-            if default is _REQUIRED:
+    for name, convert, default in _DATA[kind]:
+        value = data.get(name, default)
+        if value is not default:  # given (a default given as that very object is valid)
+            value = convert(value)
+            if value is _BAD:
                 return None
-            fields[name] = default
-            continue
-        found += 1
-        value = convert(value)
-        if value is _BAD:
+        elif value is _REQUIRED:
             return None
         fields[name] = value
-    payload = None
-    if kind in PAYLOAD_FIELD:
-        if PAYLOAD_FIELD[kind] in data:
-            found += 1
-            payload = _payload(kind, data, fields)
-            if payload is _BAD:
-                return None
-        elif kind != _OPTIONAL_PAYLOAD:
-            return None
-    if found != len(data):
-        return None  # a field the model does not have
-    return fields, payload
+    field = PAYLOAD_FIELD.get(kind)
+    if field is None:
+        return fields, None
+    value = data.get(field, _MISSING)
+    if value is _MISSING:
+        return (fields, None) if kind == _OPTIONAL_PAYLOAD else None
+    payload = _payload(kind, value, fields)
+    return None if payload is _BAD else (fields, payload)
 
 
 def fast_record(value: Any) -> FastRecord | None:
@@ -255,7 +252,7 @@ def fast_record(value: Any) -> FastRecord | None:
         or len(who) != 3
         or len(value)
         != _ENVELOPE_KEYS - ("v" not in value) - ("attempt" not in value) - ("step" not in value)
-        or not _known(episode, _EPISODES, episode_id_problem)
+        or not (episode in _EPISODES or _learn(episode, _EPISODES, episode_id_problem))
     ):
         return None
     pid = _name(who.get("id"))
