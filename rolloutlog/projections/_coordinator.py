@@ -107,6 +107,7 @@ class Coordinator:
             self._restore_cache,
             replica_id=self.replica_id,
             deadline_s=restore_deadline_s,
+            owned_now=self._ownership.of,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
