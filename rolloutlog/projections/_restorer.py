@@ -12,7 +12,7 @@ import gc
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,6 @@ from rolloutlog.catalog import (
 from rolloutlog.errors import (
     BackendUnavailable,
     InvalidRequest,
-    RolloutlogError,
     StaleController,
     UnknownCheckpoint,
     UnknownEpisode,
@@ -48,7 +47,7 @@ from rolloutlog.projections._planner import (
     replay_start,
     to_continue,
 )
-from rolloutlog.projections._projector import Projector, RestoreReset
+from rolloutlog.projections._projector import Projector, RestoreReset, _describe
 from rolloutlog.projections._replay import replay_at_cuts, replay_stream
 from rolloutlog.projections._start_plan import all_restores
 from rolloutlog.projections._timing import StageTimer
@@ -144,12 +143,6 @@ class ProjectionCache:
             del self._entries[key]
 
 
-def _describe(error: BaseException) -> str:
-    if isinstance(error, RolloutlogError):
-        return error.message
-    return f"{type(error).__name__}: {error}"
-
-
 async def _each(projections: Iterable[EpisodeProjection]) -> AsyncIterator[EpisodeProjection]:
     for projection in projections:
         yield projection
@@ -240,6 +233,7 @@ class Restorer:
         *,
         replica_id: str = "local",
         deadline_s: float = DEFAULT_RESTORE_DEADLINE_S,
+        owned_now: Callable[[str], Collection[int]] | None = None,
     ) -> None:
         self.log = log
         self.catalog = catalog
@@ -247,6 +241,9 @@ class Restorer:
         self.cache = cache
         self.replica_id = replica_id
         self.deadline_s = deadline_s
+        #: The partitions of a run this replica's leases hold now (its projector, relaunched
+        #: only once the restore releases the run, may still fold the ones it held before).
+        self._owned_now = owned_now
         #: Other replicas' requests this one planned (or is planning), with the projector.
         self._planned: dict[tuple[str, int], Projector] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -317,12 +314,16 @@ class Restorer:
                     projector, checkpoint.checkpoint_id, manifest, request, restore_id, part
                 )
                 timer.stage("parts")
-            # Reserved before any record names it: a restore that dies before its commit
-            # leaves attempt records under an id no later restore can commit.
+            # The id was reserved (``open_restore``) before any record names it: a restore that
+            # dies before its commit leaves attempt records under an id no later one can commit.
             await self._write_attempts(
-                run, info.partitions, restore_id, checkpoint.checkpoint_id, planned,
+                run,
+                info.partitions,
+                restore_id,
+                checkpoint.checkpoint_id,
+                planned,
                 controller_epoch,
-            )  # fmt: skip
+            )
             timer.stage("attempts")
             entries = tuple(p.entry for p in planned)
             restore = await self.catalog.commit_restore(
@@ -476,6 +477,15 @@ class Restorer:
             missing = needed - {p.partition for p in parts}
             if not missing:
                 break
+            if self._owned_now is not None and frozenset(self._owned_now(run)) != owned:
+                # Partitions moved to or from this replica: its part (or the parts it waits
+                # for, which nobody else plans now) would be fenced at the commit. Retry.
+                raise BackendUnavailable(
+                    f"restore {restore_id} of run {run!r}: the run's partitions moved between "
+                    "replicas while it was planned; retry",
+                    run=run,
+                    restore_id=restore_id,
+                )
             if time.monotonic() > deadline:
                 raise BackendUnavailable(
                     f"restore {restore_id} of run {run!r}: no plan part for partition(s) "
@@ -521,8 +531,12 @@ class Restorer:
 
     async def poll(self) -> None:
         """Forever, every ``POLL_S``: plan this replica's partitions of other replicas'
-        requests, apply the verdicts of those that ended, abort those past their deadline."""
+        requests, apply the verdicts of those that ended, abort those past their deadline.
+
+        First, the requests this replica opened before it (re)started are aborted: their
+        requester is gone, and its projectors need not wait for their deadline."""
         try:
+            await self._abort_own()
             while True:
                 try:
                     await self.poll_once()
@@ -532,6 +546,19 @@ class Restorer:
         finally:
             for task in list(self._tasks):
                 task.cancel()
+
+    async def _abort_own(self) -> None:
+        while True:
+            try:
+                for request in await self.catalog.planning_restores():
+                    if request.requested_by == self.replica_id:
+                        await self.catalog.abort_restore(
+                            request.run, request.restore_id, "its requester restarted"
+                        )
+                return
+            except Exception as e:
+                logger.warning("could not abort this replica's earlier restores: %s", e)
+                await asyncio.sleep(POLL_S)
 
     async def poll_once(self) -> None:
         """One round of ``poll`` (one query while nothing happens)."""

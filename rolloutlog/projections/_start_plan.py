@@ -74,7 +74,9 @@ async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:
 
 
 async def _check_log_holds(log: Log, run: str, checkpoint_id: int, markers: list[int]) -> None:
-    ends = await log.end_offsets(run)
+    # What the broker holds, every writer's records included (``end_offsets`` counts only this
+    # instance's own writes to a partition it wrote: another replica may have written since).
+    ends = await log.latest_offsets(run)
     short = [
         (partition, end, marker)
         for partition, (end, marker) in enumerate(zip(ends, markers, strict=False))

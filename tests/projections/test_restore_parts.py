@@ -1,5 +1,5 @@
 """Restores planned per partition owner (issue 17): two coordinators in one process, with disjoint
-owned partitions of one run over one log and catalog (their leases written directly), plan a
+owned partitions of one run over one log and catalog (the lease loop's, ticked by hand), plan a
 restore together: requested at either, it commits the plan one owner of every partition would
 commit, and both projectors apply its resets. A part that never comes aborts the request at its
 deadline (the old attempts stay current); a request whose requester died is swept, and a projector
@@ -8,6 +8,7 @@ started meanwhile waits for its verdict."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,18 +23,12 @@ from rolloutlog.projections._planner import RestorePolicy
 from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._restorer import PlanRequest
 from tests import factories as f
-from tests.contract.test_restore_parts import set_leases
 from tests.projections.conftest import Service, open_service
 
-#: Replica "local" (the service's coordinator) owns partitions 0 and 1, "r2" owns 2 and 3.
-OWNERS = {0: "local", 1: "local", 2: "r2", 3: "r2"}
-#: One of each kind per owner: a (p0), d (p1), c (p2), f (p3) continue; b (p0), e (p2) restart;
-#: k (p0), g (p3) finished; h (p1), i (p2), j (p2) begin after the markers.
+#: Episodes of every kind in every partition: a (p0), d (p1), c (p2), f (p3) continue; b (p0), e
+#: (p2) restart; k (p0), g (p3) finished; h (p1), i (p2), j (p2) begin after the markers.
 EXCLUDE = ["a", "j", "e"]
-
-
-def owned_by(replica: str) -> frozenset[int]:
-    return frozenset(p for p, owner in OWNERS.items() if owner == replica)
+LONG = 60.0  # leases that do not lapse during a test: replicas tick by hand (``settle``)
 
 
 async def scenario(data_dir: Path) -> tuple[Service, int]:
@@ -63,21 +58,6 @@ async def scenario(data_dir: Path) -> tuple[Service, int]:
     return service, result.checkpoint.checkpoint_id
 
 
-def catalog_url(data_dir: Path) -> str:
-    return f"sqlite+aiosqlite:///{data_dir}/catalog.sqlite3"
-
-
-async def split(service: Service, *others: Coordinator) -> None:
-    """Lease the run's partitions to their owners and make each projector fold its own."""
-    await set_leases(
-        catalog_url(service.data_dir), {p: (o, 1) for p, o in OWNERS.items()}, run="run"
-    )
-    for coordinator in (service.coordinator, *others):
-        projector = coordinator.projectors["run"]
-        projector.owned = owned_by(coordinator._restorer.replica_id)
-        projector.generations = dict.fromkeys(projector.owned, 1)
-
-
 @pytest.fixture
 def replicas() -> list[Coordinator]:
     """Coordinators started over a service's log and catalog (``close`` stops them)."""
@@ -90,11 +70,42 @@ async def close(service: Service, replicas: list[Coordinator]) -> None:
     await service.close()
 
 
-async def replica(service: Service, started: list[Coordinator], replica_id: str) -> Projector:
-    coordinator = Coordinator(service.log, service.catalog, replica_id=replica_id)
+async def replica(service: Service, started: list[Coordinator], replica_id: str) -> Coordinator:
+    """Another replica over the service's log and catalog, its partitions settled."""
+    coordinator = Coordinator(service.log, service.catalog, replica_id=replica_id, lease_s=LONG)
     started.append(coordinator)
     await coordinator.start()
-    return await coordinator.projector("run")
+    await settle(service.coordinator, *started)
+    return coordinator
+
+
+async def settle(*replicas: Coordinator) -> None:
+    """Tick every replica until a round changes nothing, then wait until each projector folds
+    what its replica owns and has caught up."""
+    for _ in range(6):
+        before = [r.owned_partitions("run") for r in replicas]
+        for coordinator in replicas:
+            await coordinator._ownership.tick()
+        if before == [r.owned_partitions("run") for r in replicas]:
+            break
+
+    def settled() -> bool:
+        for coordinator in replicas:
+            projector = coordinator.projectors.get("run")
+            owned = coordinator.owned_partitions("run")
+            if not (
+                projector is not None
+                and projector.owned == frozenset(owned)
+                and projector.caught_up
+            ):
+                return False
+        return True
+
+    await until(settled)
+
+
+def projector(coordinator: Coordinator) -> Projector:
+    return coordinator.projectors["run"]
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -115,9 +126,9 @@ def check_resets(projector: Projector, entries: tuple[RestoreEntry, ...]) -> Non
             assert projector.trackers[entry.episode].attempt == entry.attempt, entry
 
 
-@pytest.mark.parametrize("requester", ["local", "r2"])
+@pytest.mark.parametrize("at", ["first", "second"])
 async def test_a_restore_at_either_owner_commits_the_single_owner_plan(
-    tmp_path: Path, replicas: list[Coordinator], requester: str
+    tmp_path: Path, replicas: list[Coordinator], at: str
 ) -> None:
     single, _ = await scenario(tmp_path / "single")
     try:
@@ -126,11 +137,12 @@ async def test_a_restore_at_either_owner_commits_the_single_owner_plan(
         await single.close()
     service, _ = await scenario(tmp_path / "split")
     try:
-        other = await replica(service, replicas, "r2")
-        await split(service, replicas[0])
-        mine = service.coordinator.projectors["run"]
-        at = service.coordinator if requester == "local" else replicas[0]
-        result = await at.restore("run", service.epoch, exclude=EXCLUDE)
+        first, second = service.coordinator, await replica(service, replicas, "r2")
+        owned = {c.replica_id: set(c.owned_partitions("run")) for c in (first, second)}
+        assert owned[first.replica_id] and owned["r2"]
+        assert owned[first.replica_id] | owned["r2"] == {0, 1, 2, 3}
+        requester, writer = (first, second) if at == "first" else (second, first)
+        result = await requester.restore("run", service.epoch, exclude=EXCLUDE)
         assert result.entries == expected.entries
         assert result.restore.counts == expected.restore.counts
         assert result.restore.counts == {"continue": 3, "restart": 3, "excluded": 3}
@@ -138,27 +150,33 @@ async def test_a_restore_at_either_owner_commits_the_single_owner_plan(
         assert (await service.catalog.get_restore_request("run", restore_id)).status == "committed"
         # The requester planned its partitions in-process; the other owner wrote its parts.
         parts = await service.catalog.restore_parts("run", restore_id)
-        writer = "r2" if requester == "local" else "local"
         assert [(p.partition, p.replica_id) for p in parts] == [
-            (p, writer) for p in sorted(owned_by(writer))
+            (p, writer.replica_id) for p in sorted(owned[writer.replica_id])
         ]
-        await until(lambda: not mine.pending_restores and not other.pending_restores)
-        check_resets(mine, result.entries)
-        check_resets(other, result.entries)
+        assert [p.generation for p in parts] == [
+            writer.owned_partitions("run")[p.partition] for p in parts
+        ]
+        await until(
+            lambda: not projector(first).pending_restores and not projector(second).pending_restores
+        )
+        check_resets(projector(first), result.entries)
+        check_resets(projector(second), result.entries)
         # Either replica serves the continued episodes' projections, the same.
-        here = await service.coordinator.restore_projections("run", restore_id)
-        there = await replicas[0].restore_projections("run", restore_id)
+        here = await first.restore_projections("run", restore_id)
+        there = await second.restore_projections("run", restore_id)
         assert sorted(here) == sorted(there) == ["c", "d", "f"]
         assert here["c"].boundaries == there["c"].boundaries
         assert here["c"].boundaries["environment"].state.value() == {"turn": 1}
-        # The old attempts are fenced on both owners, the new ones count.
+        # The old attempts are fenced by their owners, the new ones count.
         await service.append(
             f.boundary("c", "zombie", {"turn": "old"}, attempt=0),
             f.boundary("d", "zombie", {"turn": "old"}, attempt=0),
             f.boundary("c", "invoke_agent", {"turn": 3}, attempt=1),
         )
         await asyncio.sleep(0.2)
-        assert other.trackers["c"].attempt == mine.trackers["d"].attempt == 1
+        for episode in ("c", "d"):
+            owner = first if partition_for(episode, 4) in owned[first.replica_id] else second
+            assert projector(owner).trackers[episode].attempt == 1
         current = await service.catalog.current_attempts("run")
         assert current == {"g": 0, "k": 0} | {e.episode: e.attempt for e in expected.entries}
     finally:
@@ -166,37 +184,51 @@ async def test_a_restore_at_either_owner_commits_the_single_owner_plan(
 
 
 async def test_a_missing_part_aborts_at_the_deadline_and_old_attempts_stay(
-    tmp_path: Path,
+    tmp_path: Path, replicas: list[Coordinator], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     service, _ = await scenario(tmp_path)
     try:
-        await split(service)  # nobody plans partitions 2 and 3
+        silent = Coordinator(service.log, service.catalog, replica_id="r2", lease_s=LONG)
+
+        async def never() -> None:  # a replica that holds its leases but plans nothing
+            await asyncio.Event().wait()
+
+        monkeypatch.setattr(silent._restorer, "poll", never)
+        replicas.append(silent)
+        await silent.start()
+        await settle(service.coordinator, silent)
+        theirs = sorted(silent.owned_partitions("run"))
+        assert theirs
         service.coordinator._restorer.deadline_s = 0.5
-        mine = service.coordinator.projectors["run"]
-        with pytest.raises(BackendUnavailable, match=r"no plan part for partition\(s\) \[2, 3\]"):
+        with pytest.raises(BackendUnavailable, match=re.escape(f"partition(s) {theirs} within")):
             await service.restore(exclude=EXCLUDE)
         request = await service.catalog.get_restore_request("run", 1)
         assert request.status == "aborted"
         # By the requester giving up, or by a poller's sweep past the deadline: whichever first.
         assert request.reason is not None
-        assert "[2, 3]" in request.reason or "deadline" in request.reason
+        assert str(theirs) in request.reason or "deadline" in request.reason
         assert await service.catalog.list_restores("run") == []
         assert set((await service.catalog.current_attempts("run")).values()) == {0}
+        mine = projector(service.coordinator)
         assert not mine.pending_restores
-        assert mine.trackers["a"].attempt == 0 and "a" not in mine.retired
-        # The old attempt is still current; once one replica owns everything, a restore commits.
+        # The old attempts are still current; once the silent replica is gone, a restore commits.
         await service.append(f.boundary("a", "invoke_agent", {"turn": 2}, attempt=0))
-        mine.owned, mine.generations = frozenset(range(4)), {}
+        replicas.remove(silent)
+        await silent.stop()
+        await settle(service.coordinator)
+        assert set(service.coordinator.owned_partitions("run")) == {0, 1, 2, 3}
         second = await service.checkpoint()
         result = await service.restore()
         assert result.restore.restore_id == 2
+        assert second.checkpoint.checkpoint_id == result.restore.checkpoint_id
         entry = next(e for e in result.entries if e.episode == "a")
         assert (entry.action, entry.previous_attempt, entry.attempt) == ("continue", 0, 1)
         projection = (await service.coordinator.restore_projections("run", 2))["a"]
         assert projection.boundaries["environment"].stage == "invoke_agent"
-        assert second.checkpoint.checkpoint_id == result.restore.checkpoint_id
+        # A lone owner writes no parts.
+        assert await service.catalog.restore_parts("run", 2) == []
     finally:
-        await service.close()
+        await close(service, replicas)
 
 
 async def test_a_dead_requesters_request_is_swept_and_a_new_projector_awaits_it(
@@ -204,9 +236,7 @@ async def test_a_dead_requesters_request_is_swept_and_a_new_projector_awaits_it(
 ) -> None:
     service, checkpoint_id = await scenario(tmp_path)
     try:
-        other = await replica(service, replicas, "r2")
-        await split(service, replicas[0])
-        mine = service.coordinator.projectors["run"]
+        await replica(service, replicas, "r2")
         request = PlanRequest(frozenset(EXCLUDE), False, RestorePolicy())
         # Opened by a replica that dies at once: both owners plan their parts all the same.
         restore_id = await service.catalog.open_restore(
@@ -225,17 +255,45 @@ async def test_a_dead_requesters_request_is_swept_and_a_new_projector_awaits_it(
                 await asyncio.sleep(0.02)
 
         await asyncio.wait_for(all_parts(), 5)
-        assert restore_id in mine.pending_restores and restore_id in other.pending_restores
+        everyone = [service.coordinator, replicas[0]]
+        assert all(restore_id in projector(c).pending_restores for c in everyone)
         # A projector started while the request plans treats its verdict as pending.
-        late = await replica(service, replicas, "r3")
-        assert restore_id in late.pending_restores
-        await until(
-            lambda: not (mine.pending_restores or other.pending_restores or late.pending_restores)
-        )
+        late = Coordinator(service.log, service.catalog, replica_id="r3", lease_s=LONG)
+        replicas.append(late)
+        await late.start()
+        await late.projector("run")
+        assert restore_id in projector(late).pending_restores
+        everyone.append(late)
+        await until(lambda: not any(projector(c).pending_restores for c in everyone))
         swept = await service.catalog.get_restore_request("run", restore_id)
         assert swept.status == "aborted"
         assert swept.reason is not None and "deadline" in swept.reason
         assert set((await service.catalog.current_attempts("run")).values()) == {0}
-        assert mine.trackers["a"].attempt == other.trackers["c"].attempt == 0
+        for coordinator in everyone:
+            assert all(t.attempt == 0 for t in projector(coordinator).trackers.values())
+    finally:
+        await close(service, replicas)
+
+
+async def test_a_restarted_requester_aborts_the_requests_it_left(
+    tmp_path: Path, replicas: list[Coordinator]
+) -> None:
+    service, checkpoint_id = await scenario(tmp_path)
+    try:
+        # Replica r5 opened a request and died before committing it; it starts again.
+        restore_id = await service.catalog.open_restore(
+            "run",
+            service.epoch,
+            checkpoint_id,
+            requested_by="r5",
+            request=PlanRequest(frozenset(), False, RestorePolicy()).to_json(),
+            deadline_s=60,
+        )
+        again = await replica(service, replicas, "r5")
+        await until(lambda: not projector(again).pending_restores, timeout_s=5)
+        ended = await service.catalog.get_restore_request("run", restore_id)
+        assert (ended.status, ended.reason) == ("aborted", "its requester restarted")
+        result = await again.restore("run", service.epoch)
+        assert result.restore.restore_id == restore_id + 1
     finally:
         await close(service, replicas)
