@@ -243,6 +243,8 @@ async def measure(cluster: Cluster, workload: Workload, runs: int) -> dict[str, 
 
         checkpoint_s, restore_s, fetch_s = [], [], []
         retrying = Retries()
+        restore_counts: list[dict[str, int]] = []
+        restarts: list[dict[str, Any]] = []
         cold = await retrying(lambda: clients[0].checkpoint(RUN))
         assert cold.status == "committed", cold
         for index in range(runs):
@@ -256,6 +258,8 @@ async def measure(cluster: Cluster, workload: Workload, runs: int) -> dict[str, 
             if index:
                 again = await retrying(lambda: requester.checkpoint(RUN))  # noqa: B023
                 assert again.status == "committed", again
+                if again.counts["restart"]:  # every rollout is live: a restart needs a reason
+                    restarts.append(await restart_reasons(requester, again.checkpoint_id))
             t0 = time.perf_counter()
             restored = await retrying(lambda: requester.restore(RUN))  # noqa: B023
             restore_s.append(time.perf_counter() - t0)
@@ -263,7 +267,8 @@ async def measure(cluster: Cluster, workload: Workload, runs: int) -> dict[str, 
             async for _ in fetcher.projections(RUN, restored.restore_id):
                 fetched += 1
             fetch_s.append(time.perf_counter() - t0)
-            assert fetched == restored.counts["continue"] >= workload.live, restored.counts
+            restore_counts.append(dict(restored.counts))
+            assert fetched == restored.counts["continue"], (fetched, restored.counts)
 
         out: dict[str, Any] = {
             "replicas": len(replicas),
@@ -279,6 +284,8 @@ async def measure(cluster: Cluster, workload: Workload, runs: int) -> dict[str, 
             "checkpoint_s": summary(checkpoint_s),
             "restore_s": summary(restore_s),
             "restore_and_fetch_s": summary(fetch_s),
+            "restore_counts": restore_counts,
+            "unexpected_restarts": restarts,
         }
         if len(replicas) > 1:
             out["failover"] = await failover(cluster, clients, workload, retrying)
@@ -289,6 +296,16 @@ async def measure(cluster: Cluster, workload: Workload, runs: int) -> dict[str, 
     finally:
         for client in clients:
             await client.stop()
+
+
+async def restart_reasons(client: AsyncTrainerClient, checkpoint_id: int) -> dict[str, Any]:
+    """How many entries of a checkpoint's manifest restart, and why (the first reasons)."""
+    reasons: dict[str, int] = {}
+    async for entry in client.manifest(RUN, checkpoint_id):
+        if entry["action"] == "restart":
+            reason = str(entry.get("reason"))
+            reasons[reason] = reasons.get(reason, 0) + 1
+    return {"checkpoint_id": checkpoint_id, "reasons": dict(list(reasons.items())[:5])}
 
 
 async def failover(
