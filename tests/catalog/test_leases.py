@@ -110,11 +110,15 @@ async def test_a_partition_changes_hands_released_then_claimed(catalog: Catalog)
 
 
 async def test_an_expired_replica_hands_its_partitions_to_the_others(catalog: Catalog) -> None:
-    replicas = Replicas(catalog, lease_s=0.5)
+    replicas = Replicas(catalog, lease_s=2.0)  # long enough for a loaded machine's ticks
     await replicas.settle(["r1", "r2", "r3"])
-    dead = dict(replicas.held.pop("r3"))
+    dead = dict(replicas.held.pop("r3"))  # r3 stops ticking
     assert await replicas.tick("r1") == replicas.held["r1"]  # r3 still counts as live
-    await asyncio.sleep(0.6)
+    async with asyncio.timeout(30):
+        while any(o.live for o in await catalog.partition_owners("alpha") if o.replica_id == "r3"):
+            await replicas.tick("r1")  # the others go on renewing meanwhile
+            await replicas.tick("r2")
+            await asyncio.sleep(0.2)
     await replicas.settle(["r1", "r2"])
     for run, partitions in RUNS.items():
         found = owners(replicas.held, run)
