@@ -100,6 +100,7 @@ class Checkpointer:
         checkpoint_id = await self.catalog.begin_checkpoint(
             run, controller_epoch, trigger=trigger, deadline_s=deadline_s
         )
+        await projector.capture_outcome()  # of a checkpoint another replica committed just now
         timer.stage("begin")
         deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
         capture = projector.begin_capture(checkpoint_id)

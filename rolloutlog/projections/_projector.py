@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 #: How many committed checkpoints' entry versions a projector keeps (retention keeps two).
 _CAPTURES_KEPT = 2
+#: The longest a new capture waits for the outcome of the one before, whose parts are written.
+_OUTCOME_WAIT_S = 5.0
 #: The longest the projector applies records without letting the event loop run: a page holds up
 #: to 8 MiB of records, and a page of tiny events took seconds, /healthz included.
 _YIELD_EVERY_S = 0.02
@@ -118,6 +120,8 @@ class CheckpointCapture:
 
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     resolved: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set by ``Projector.end_capture``: the outcome is known.
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     def _check(self) -> None:
         if len(self.markers) == len(self.owned):
@@ -578,8 +582,7 @@ class Projector:
         self.events_applied += 1
         kind = meta["type"]
         if kind == "checkpoint.marker":
-            self._on_marker(partition, offset, meta["data"]["checkpoint_id"])
-            return None
+            return self._on_marker(partition, offset, meta["data"]["checkpoint_id"])
         episode = meta["episode"]
         if episode in self.retired:
             return None
@@ -661,6 +664,7 @@ class Projector:
         not (the next manifest is written whole: a commit whose reply was lost may be in the
         catalog all the same). A capture no longer registered (a newer one replaced it) changes
         nothing: the base is the newest capture's business."""
+        capture.ended.set()
         if self._capture is not capture:
             return
         self._capture = None
@@ -686,26 +690,55 @@ class Projector:
                     self._forget(entry.episode)
                     self.retired.add(entry.episode)
 
-    def _on_marker(self, partition: int, offset: int, checkpoint_id: int) -> None:
-        """A marker (of an owned partition: others are not captured here). The first one met after catching up of a
-        checkpoint newer than any known, with no capture registered for it, begins a capture:
-        another replica's checkpoint. While catching up none is captured (the refold's buffers
-        make trackers inexact there): such a checkpoint gets no part from here and aborts."""
+    def _on_marker(self, partition: int, offset: int, checkpoint_id: int) -> Awaitable[None] | None:
+        """A marker (of an owned partition: others are not captured here). The first one met
+        after catching up of a checkpoint newer than any known, with no capture registered for
+        it, begins a capture: another replica's checkpoint. While catching up none is captured
+        (the refold's buffers make trackers inexact there): such a checkpoint gets no part from
+        here and aborts. A capture still registered whose parts are written waits for its
+        outcome first (returned to await): it decides the new capture's base."""
         if partition not in self.owned:
-            return
+            return None
         capture = self._capture
         newest = self._newest_checkpoint
         self._newest_checkpoint = max(newest, checkpoint_id)
         if not self.caught_up:
-            return
+            return None
         if capture is None or capture.checkpoint_id != checkpoint_id:
             if checkpoint_id <= newest or self.on_remote_capture is None:
-                return  # a marker of a checkpoint that is over (aborted, or stale)
-            capture = self.begin_capture(checkpoint_id)
-            self.on_remote_capture(capture)
+                return None  # a marker of a checkpoint that is over (aborted, or stale)
+            if capture is not None and capture.resolved.is_set() and not capture.ended.is_set():
+                return self._remote_after_outcome(partition, offset, checkpoint_id)
+            self._begin_remote(partition, offset, checkpoint_id)
+            return None
+        self._capture_at(capture, partition, offset)
+        return None
+
+    async def _remote_after_outcome(self, partition: int, offset: int, checkpoint_id: int) -> None:
+        await self.capture_outcome()
+        self._begin_remote(partition, offset, checkpoint_id)
+
+    def _begin_remote(self, partition: int, offset: int, checkpoint_id: int) -> None:
+        capture = self.begin_capture(checkpoint_id)
+        assert self.on_remote_capture is not None
+        self.on_remote_capture(capture)
+        self._capture_at(capture, partition, offset)
+
+    def _capture_at(self, capture: CheckpointCapture, partition: int, offset: int) -> None:
         with collector_paused():
             self._capture_partition(capture, partition, offset)
         capture._check()
+
+    async def capture_outcome(self) -> None:
+        """Wait (up to ``_OUTCOME_WAIT_S``) for the registered capture, if its parts are written
+        (or being written), to learn its outcome: a checkpoint after it amends it only if it
+        committed. (One with parts still to write is over: a newer checkpoint began, so it
+        aborted; the next capture replaces it.)"""
+        capture = self._capture
+        if capture is not None and capture.resolved.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_OUTCOME_WAIT_S):
+                    await capture.ended.wait()
 
     def _capture_partition(self, capture: CheckpointCapture, partition: int, offset: int) -> None:
         capture.markers[partition] = offset

@@ -1,6 +1,6 @@
 """Checkpoints over replicas (issue 17), in one process: three coordinators on one log and one
-catalog, two folding disjoint halves of the run's partitions (leases set directly), one owning
-none. A checkpoint asked of any commits once both owners' parts are in, and its manifest is the one a single
+catalog, two folding one of the run's two partitions each (the lease loop's leases, ticked by
+hand), one owning none. A checkpoint asked of any commits once both owners' parts are in, and its manifest is the one a single
 owner of every partition captures; an owner that never writes its part gets the checkpoint
 aborted at its deadline, never committed partial; a requester gone after its markers leaves the
 owners to commit it, and one gone before leaves the sweep to abort it."""
@@ -15,20 +15,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, select
 
 from rolloutlog.catalog import Catalog, ManifestEntry, open_catalog
-from rolloutlog.catalog._schema import checkpoint_parts, manifest_parts, partition_leases
+from rolloutlog.catalog._schema import checkpoint_parts, manifest_parts
 from rolloutlog.errors import BackendUnavailable, UnknownCheckpoint
 from rolloutlog.log import Event, Log, open_log, partition_for
 from rolloutlog.projections import CheckpointResult, Coordinator
 from tests import factories as f
 from tests.projections.conftest import Service, open_service
+from tests.projections.test_ownership import settle
 
 RUN = "run"
-PARTITIONS = 4
-#: r3 owns no partition (more replicas than partitions): it still answers every route.
-OWNED = {"r1": frozenset({0, 1}), "r2": frozenset({2, 3}), "r3": frozenset()}
+#: Two partitions over three replicas: two own one each, one owns none (it still answers).
+PARTITIONS = 2
+LONG = 60.0  # leases that do not lapse during a test: replicas tick by hand (``settle``)
 
 
 @dataclass
@@ -41,32 +42,18 @@ class Replicas:
     async def checkpoint(self, at: str, **kw: Any) -> Any:
         return await self.coordinators[at].checkpoint(RUN, self.epoch, **kw)
 
+    def owning(self) -> list[str]:
+        """The replicas that own partitions of the run, by name."""
+        return sorted(r for r, c in self.coordinators.items() if c.owned_partitions(RUN))
 
-async def own(catalog: Catalog, coordinator: Coordinator, replica: str) -> None:
-    """Give the replica its partitions: lease rows in the catalog, and its projector's set."""
-    projector = await coordinator.projector(RUN)
-    projector.owned = OWNED[replica]
-    projector.generations = dict.fromkeys(OWNED[replica], 1)
-    if not projector.owned:
-        return
-    async with catalog._write() as conn:
-        await conn.execute(
-            insert(partition_leases),
-            [
-                {
-                    "run": RUN,
-                    "partition": p,
-                    "replica_id": replica,
-                    "generation": 1,
-                    "acquired_at": time.time(),
-                }
-                for p in sorted(OWNED[replica])
-            ],
-        )
+    def idle(self) -> str:
+        [name] = [r for r in self.coordinators if r not in self.owning()]
+        return name
 
 
 @pytest.fixture
 async def replicas(tmp_path: Path, deployment: dict[str, Any]) -> AsyncIterator[Replicas]:
+    """Three coordinators over one log and catalog, their leases settled by the lease loop."""
     (tmp_path / "replicas").mkdir()
     log = open_log(deployment.get("log_url") or f"embedded://{tmp_path}/replicas")
     await log.start()
@@ -74,16 +61,21 @@ async def replicas(tmp_path: Path, deployment: dict[str, Any]) -> AsyncIterator[
         deployment.get("catalog_url") or f"sqlite+aiosqlite:///{tmp_path}/replicas/catalog.db"
     )
     await catalog.start()
-    coordinators = {r: Coordinator(log, catalog, replica_id=r) for r in OWNED}
+    coordinators = {
+        r: Coordinator(log, catalog, replica_id=r, lease_s=LONG) for r in ("r1", "r2", "r3")
+    }
     try:
         for coordinator in coordinators.values():
             await coordinator.start()
             coordinator._checkpointer.grace_s = 0.3
         await coordinators["r1"].create_run(RUN, PARTITIONS)
-        for replica, coordinator in coordinators.items():
-            await own(catalog, coordinator, replica)
+        for coordinator in coordinators.values():
+            await coordinator.follow(RUN)
+        await settle(*coordinators.values())
         epoch = await catalog.take_over_controller(RUN)
-        yield Replicas(log, catalog, coordinators, epoch)
+        found = Replicas(log, catalog, coordinators, epoch)
+        assert len(found.owning()) == 2
+        yield found
     finally:
         for coordinator in coordinators.values():
             await coordinator.stop()
@@ -147,10 +139,13 @@ async def test_a_checkpoint_asked_of_either_replica_commits_the_single_owner_man
     for i, name in enumerate(names):
         await append_both(replicas, solo, history(name, i))
     waiting = [name for i, name in enumerate(names) if i % 4 == 3]
-    for at, round_ in (("r1", 0), ("r2", 1), ("r1", 2)):
+    first, second = replicas.owning()
+    for at, round_ in ((first, 0), (second, 1), (first, 2)):
         if round_:  # the continuing episodes move on, one new per partition
             events = [f.boundary(name, "seed", {"round": round_}) for name in names[::4]]
-            events += [e for n in episodes_in(range(4), 1, f"n{round_}-") for e in history(n, 0)]
+            events += [
+                e for n in episodes_in(range(PARTITIONS), 1, f"n{round_}-") for e in history(n, 0)
+            ]
             await append_both(replicas, solo, events)
         # Both answer 202 while a wait step is open, and commit once it closes.
         pending = await replicas.checkpoint(at, wait=False)
@@ -171,7 +166,7 @@ async def test_a_checkpoint_asked_of_either_replica_commits_the_single_owner_man
         )
     # Answered in full by the requester (no wait step open): counts and staging keys from the
     # catalog, whichever replica's part came last, also by a replica that writes no part.
-    for at in ("r2", "r1", "r3"):
+    for at in (second, first, replicas.idle()):
         result = await replicas.checkpoint(at)
         expected_result = await solo.checkpoint()
         assert isinstance(result, CheckpointResult)
@@ -198,11 +193,12 @@ async def test_an_owner_that_never_writes_gets_the_checkpoint_aborted_at_its_dea
 ) -> None:
     names = episodes_in(range(PARTITIONS), 2, "e")
     await replicas.log.append(RUN, [e for i, n in enumerate(names) for e in history(n, i % 3)])
-    silent = await replicas.coordinators["r2"].projector(RUN)
+    requester, quiet = replicas.owning()
+    silent = await replicas.coordinators[quiet].projector(RUN)
     hook, silent.on_remote_capture = silent.on_remote_capture, None
     started = time.monotonic()
     with pytest.raises(BackendUnavailable, match="every partition's part"):
-        await replicas.checkpoint("r1", deadline_s=0.5)
+        await replicas.checkpoint(requester, deadline_s=0.5)
     assert 0.5 <= time.monotonic() - started < 5
     [aborted] = await replicas.catalog.list_checkpoints(RUN)
     assert aborted.status == "aborted"
@@ -211,10 +207,10 @@ async def test_an_owner_that_never_writes_gets_the_checkpoint_aborted_at_its_dea
     async with replicas.catalog._read() as conn:
         for table in (manifest_parts, checkpoint_parts):
             rows = await conn.execute(select(func.count()).select_from(table))
-            assert rows.scalar_one() == 0  # r1's parts went with the abort
+            assert rows.scalar_one() == 0  # the requester's parts went with the abort
     # The owner is back: the next checkpoint commits, whole again on both sides.
     silent.on_remote_capture = hook
-    result = await replicas.checkpoint("r1")
+    result = await replicas.checkpoint(requester)
     assert isinstance(result, CheckpointResult)
     assert result.checkpoint.entry_count == len(names)
 
@@ -237,4 +233,4 @@ async def test_a_requester_gone_after_its_markers_leaves_the_owners_to_commit(
             break
         await asyncio.sleep(0.02)
     assert (await replicas.catalog.get_checkpoint(RUN, stuck)).status == "aborted"
-    assert isinstance(await replicas.checkpoint("r2"), CheckpointResult)
+    assert isinstance(await replicas.checkpoint(replicas.idle()), CheckpointResult)
