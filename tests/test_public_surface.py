@@ -70,6 +70,7 @@ SURFACES: dict[str, list[str]] = {
         "encode_event",
         "encode_record",
         "episode_id_problem",
+        "fast_record",
         "is_delta",
         "name_problem",
         "open_log",

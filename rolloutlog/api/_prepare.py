@@ -42,11 +42,11 @@ from rolloutlog.log import (
     Record,
     check_record_size,
     encode_record,
+    fast_record,
     partition_for,
     validate_event,
     validate_events,
 )
-from rolloutlog.log._fastpath import fast_record
 from rolloutlog.wire import NDJSON
 
 __all__ = [

@@ -39,6 +39,7 @@ from rolloutlog.log._events import (
     StepStarted,
     StepStartedData,
 )
+from rolloutlog.log._fastpath import fast_record
 from rolloutlog.log._ids import (
     NAME_PATTERN,
     capture_key,
@@ -77,6 +78,7 @@ from rolloutlog.log._record import (
 )
 
 __all__ = [
+    "fast_record",
     "DEFAULT_MAX_RECORD_BYTES",
     "DELTA_KEY",
     "DEFAULT_PARTITIONS",
