@@ -242,6 +242,8 @@ class Restorer:
         self.deadline_s = deadline_s
         #: Other replicas' requests this one planned (or is planning), with the projector.
         self._planned: dict[tuple[str, int], Projector] = {}
+        #: This replica's requests being run, with the projector that plans them in-process.
+        self._requesting: dict[tuple[str, int], Projector] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def restore(
@@ -297,6 +299,7 @@ class Restorer:
                 projector.release_pins(part.pins)
             raise
         committed = begun = False
+        self._requesting[(run, restore_id)] = projector
         try:
             if part is None:
                 part = await self.plan_part(projector, checkpoint, manifest, request, timer)
@@ -339,6 +342,7 @@ class Restorer:
             await self._abort(run, restore_id, e)
             raise
         finally:
+            del self._requesting[(run, restore_id)]
             if begun:
                 projector.end_restore(restore_id, committed)
         if whole and part.pins is None:  # else the projections are built when first fetched
@@ -557,11 +561,14 @@ class Restorer:
         for request in requests:
             key = (request.run, request.restore_id)
             projector = self._projectors.get(request.run)
+            # This replica's own requests are planned in-process, unless the run's projector was
+            # started afresh since (an owner change): then its partitions are planned here.
+            own = request.requested_by == self.replica_id
             if (
-                request.requested_by == self.replica_id
-                or projector is None
+                projector is None
                 or not projector.owned
                 or self._planned.get(key) is projector
+                or (own and self._requesting.get(key, projector) is projector)
             ):
                 continue
             self._planned[key] = projector
