@@ -254,16 +254,41 @@ class Restorer:
         exclude: Iterable[str],
         policy: RestorePolicy,
         exclude_results: bool = False,
+        lock: asyncio.Lock | None = None,
     ) -> RestoreResult:
-        """Plan and commit a restore of the projector's run (the caller holds the run's lock).
+        """Plan and commit a restore of the projector's run under the run's ``lock`` (the run's
+        projector is not started afresh meanwhile, nor the run deleted).
 
         ``exclude_results``: also exclude every episode the plan would continue or restart whose
         finished result the catalog holds (the trainer reads it from the results route).
 
         The projector plans its own partitions in-process; the owners of the others plan theirs
-        when they see the request (``poll``) and write them to the catalog. A projector that
-        owns every partition opens the request after its plan (a mistyped exclusion then fails
-        at once) and writes no parts: its request row is its only extra cost."""
+        when they see the request (``poll``) and write them to the catalog. While it waits for
+        their parts the lock is let go: an owner change may start the run's projector afresh
+        (the poller then plans the new one's partitions). A projector that owns every partition
+        opens the request after its plan (a mistyped exclusion then fails at once) and writes
+        no parts: its request row is its only extra cost."""
+        lock = lock or asyncio.Lock()
+        await lock.acquire()
+        try:
+            return await self._restore(
+                lock,
+                self._projectors.get(projector.run, projector),  # the current one, once locked
+                controller_epoch,
+                checkpoint_id,
+                PlanRequest(frozenset(exclude), exclude_results, policy),
+            )
+        finally:
+            lock.release()
+
+    async def _restore(
+        self,
+        lock: asyncio.Lock,
+        projector: Projector,
+        controller_epoch: int,
+        checkpoint_id: int | str,
+        request: PlanRequest,
+    ) -> RestoreResult:
         run = projector.run
         timer = StageTimer()
         info = await self.catalog.get_run(run)
@@ -279,7 +304,6 @@ class Restorer:
         # This restore supersedes the run's earlier ones: their projections go now rather than
         # sit beside this one's replay (rebuilt from the log if still asked for).
         self.cache.forget_run(run)
-        request = PlanRequest(frozenset(exclude), exclude_results, policy)
         manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
         whole = projector.owned >= frozenset(range(projector.partitions))
         part: PlanPart | None = None
@@ -309,9 +333,13 @@ class Restorer:
                 planned, cuts = part.plan.episodes, part.cuts
                 fences = {self.replica_id: dict(projector.generations)}
             else:
-                planned, cuts, fences = await self._gather(
-                    projector, checkpoint.checkpoint_id, manifest, request, restore_id, part
-                )
+                lock.release()
+                try:
+                    planned, cuts, fences = await self._gather(
+                        projector, checkpoint.checkpoint_id, manifest, request, restore_id, part
+                    )
+                finally:
+                    await lock.acquire()
                 timer.stage("parts")
             # The id was reserved (``open_restore``) before any record names it: a restore that
             # dies before its commit leaves attempt records under an id no later one can commit.
