@@ -74,7 +74,9 @@ async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:
 
 
 async def _check_log_holds(log: Log, run: str, checkpoint_id: int, markers: list[int]) -> None:
-    ends = await log.end_offsets(run)
+    # Every writer's records (``latest_offsets``): with several replicas, another one may have
+    # written the markers into partitions this log instance wrote before.
+    ends = await log.latest_offsets(run)
     short = [
         (partition, end, marker)
         for partition, (end, marker) in enumerate(zip(ends, markers, strict=False))
