@@ -14,26 +14,38 @@ that on this 2-core machine they take as little CPU from the server as possible.
 the median (min, max) of ``--runs`` runs; results go to ``benchmarks/results/api_append.json``.
 
     python benchmarks/api_append.py [--runs 5] [--seconds 6] [--workers 0,1] [--quick]
+    python benchmarks/api_append.py --compare db22c52 [--runs 3] [--workers 0]
 
 Each configuration (``serve --validation-workers N``) is measured separately; the first is the
 headline (the default of ``serve`` on this machine), the others are kept for comparison.
+
+With ``--compare REF`` the service of git ``REF`` (its ``rolloutlog`` package, extracted into
+a temporary directory, run with this venv) and this tree's are measured alternately, run by
+run, on the same machine in the same session (``api_append_before_after.json``). Every run also
+records the service process's CPU time per event during the throughput phase (user + system,
+from /proc: its HTTP server, validation, log writer threads and projector together).
+``--kafka`` logs to Kafka instead (a Tansu broker, each server its own topic prefix; the catalog
+stays SQLite in the server's data directory).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import os
 import shutil
 import signal
 import subprocess
+import tarfile
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import orjson
-from _common import ROOT, percentile, save, serve_command, summary
+from _common import ROOT, kafka_broker, percentile, save, serve_command, summary
 
 from tests._services import free_port
 
@@ -113,18 +125,24 @@ class Connection:
 
 #: Extra ``serve`` arguments of the configuration being measured.
 SERVE_ARGS: list[str] = []
+#: A Kafka bootstrap address: each server then logs to it (its own topic prefix) with its
+#: catalog in its data directory; None: the embedded log.
+KAFKA: list[str] = []
 
 
 class Server:
-    def __init__(self) -> None:
+    def __init__(self, tree: Path = ROOT) -> None:
         self.data_dir = Path(tempfile.mkdtemp(prefix="rolloutlog-api-bench-"))
         self.port = free_port()
+        self.tree = tree
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        log = [f"--log=kafka://{KAFKA[0]}?topic_prefix=b{uuid.uuid4().hex[:8]}."] if KAFKA else []
+        # ``python -m`` imports ``rolloutlog`` from the working directory first.
         self.proc = subprocess.Popen(
-            serve_command(self.data_dir, self.port, *SERVE_ARGS),
-            cwd=ROOT,
+            serve_command(self.data_dir, self.port, *SERVE_ARGS, *log),
+            cwd=self.tree,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -157,6 +175,12 @@ class Server:
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) / 1024
         return total
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds of the server process so far (all its threads)."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -208,11 +232,41 @@ async def throughput(port: int, seconds: float, seq: int) -> tuple[float, int]:
     return done / elapsed, seq + int(seconds * 120) * BATCH
 
 
-async def latency(port: int, events_per_s: float, seconds: float, seq: int) -> dict[str, float]:
+#: Events of the fixed-work phase (whose service CPU is the least load-sensitive figure).
+STEADY_EVENTS = 40_000
+
+
+async def steady_cpu(server: Server, seq: int) -> float:
+    """Service CPU microseconds per event for a fixed ``STEADY_EVENTS`` (8 clients, closed loop)
+    once every episode exists, counted until the projector has folded them too (1 s after)."""
+    per_client = STEADY_EVENTS // BATCH // CLIENTS
+    payloads = [bodies(per_client, seq, f"env-{c}") for c in range(CLIENTS)]
+    connections = [Connection(server.port) for _ in range(CLIENTS)]
+    for conn in connections:
+        await conn.open()
+
+    async def client(conn: Connection, bodies_: list[bytes]) -> None:
+        for body in bodies_:
+            status, reply = await conn.request("POST", f"/v1/runs/{RUN}/events", body)
+            if status != 200:
+                raise RuntimeError(f"append failed: {status} {reply[:200]!r}")
+
+    before = server.cpu_s()
+    await asyncio.gather(*(client(c, p) for c, p in zip(connections, payloads, strict=True)))
+    await asyncio.sleep(1.0)
+    for conn in connections:
+        conn.close()
+    return (server.cpu_s() - before) / (per_client * CLIENTS * BATCH) * 1e6
+
+
+async def latency(
+    port: int, events_per_s: float, seconds: float, seq: int
+) -> tuple[dict[str, float], int]:
     """Open loop at ``events_per_s``: requests leave on schedule whether or not others finished."""
     requests_per_s = events_per_s / BATCH
     total = max(int(requests_per_s * seconds), CLIENTS)
-    payloads = [bodies(-(-total // CLIENTS), seq, f"env-{c}") for c in range(CLIENTS)]
+    per_client = -(-total // CLIENTS)
+    payloads = [bodies(per_client, seq, f"env-{c}") for c in range(CLIENTS)]
     connections = [Connection(port) for _ in range(CLIENTS)]
     for conn in connections:
         await conn.open()
@@ -236,7 +290,7 @@ async def latency(port: int, events_per_s: float, seconds: float, seq: int) -> d
     await asyncio.gather(*(client(i, c) for i, c in enumerate(connections)))
     for conn in connections:
         conn.close()
-    return {
+    figures = {
         "requests_per_s": requests_per_s,
         "events_per_s": events_per_s,
         "p50_ms": percentile(latencies, 50) * 1e3,
@@ -244,6 +298,7 @@ async def latency(port: int, events_per_s: float, seconds: float, seq: int) -> d
         "max_ms": max(latencies) * 1e3,
         "requests": len(latencies),
     }
+    return figures, seq + per_client * BATCH
 
 
 async def live_memory(server: Server) -> dict[str, float]:
@@ -278,8 +333,8 @@ async def live_memory(server: Server) -> dict[str, float]:
     return {"rss_mb": server.rss_mb(), "live_episodes": live}
 
 
-async def started_server() -> Server:
-    server = Server()
+async def started_server(tree: Path) -> Server:
+    server = Server(tree)
     server.start()
     await server.wait_ready()
     conn = Connection(server.port)
@@ -297,23 +352,29 @@ async def started_server() -> Server:
     return server
 
 
-async def one_run(seconds: float) -> dict[str, Any]:
+async def one_run(seconds: float, tree: Path = ROOT) -> dict[str, Any]:
     # Throughput and latency on one server; memory on a fresh one, so that exactly 16,000
     # episodes are live (and its catalog bookkeeping does not disturb the latency phase).
-    server = await started_server()
+    server = await started_server(tree)
     try:
         rss_idle = server.rss_mb()
+        cpu_before, started_at = server.cpu_s(), time.perf_counter()
         rate, seq = await throughput(server.port, seconds, 1)
-        half = await latency(server.port, rate / 2, seconds, seq)
+        events = rate * (time.perf_counter() - started_at)
+        cpu_us_per_event = (server.cpu_s() - cpu_before) / events * 1e6
+        half, seq = await latency(server.port, rate / 2, seconds, seq)
+        steady = await steady_cpu(server, seq)
     finally:
         server.stop()
-    server = await started_server()
+    server = await started_server(tree)
     try:
         memory = await live_memory(server)
     finally:
         server.stop()
     return {
         "events_per_s": rate,
+        "cpu_us_per_event": cpu_us_per_event,
+        "steady_cpu_us_per_event": steady,
         "half_load": half,
         "rss_mb_idle": rss_idle,
         "rss_mb_16k_live": memory["rss_mb"],
@@ -321,30 +382,63 @@ async def one_run(seconds: float) -> dict[str, Any]:
     }
 
 
-def measure(runs: int, seconds: float, serve_args: list[str]) -> dict[str, Any]:
-    SERVE_ARGS[:] = serve_args
-    results = []
-    for index in range(runs):
-        figures = asyncio.run(one_run(seconds))
-        results.append(figures)
-        print(
-            f"[{' '.join(serve_args) or 'defaults'}] run {index + 1}: "
-            f"{figures['events_per_s']:.0f} events/s; at half load "
-            f"p50 {figures['half_load']['p50_ms']:.1f} ms, p99 {figures['half_load']['p99_ms']:.1f}"
-            f" ms; RSS {figures['rss_mb_16k_live']:.0f} MB with "
-            f"{figures['live_episodes']:.0f} live episodes; load average {os.getloadavg()[0]:.2f}",
-            flush=True,
-        )
+def _summaries(results: list[dict[str, Any]], serve_args: list[str]) -> dict[str, Any]:
     return {
         "serve_args": serve_args,
         "events_per_s": summary([r["events_per_s"] for r in results]),
+        "cpu_us_per_event": summary([r["cpu_us_per_event"] for r in results]),
+        "steady_cpu_us_per_event": summary([r["steady_cpu_us_per_event"] for r in results]),
         "half_load_p50_ms": summary([r["half_load"]["p50_ms"] for r in results]),
         "half_load_p99_ms": summary([r["half_load"]["p99_ms"] for r in results]),
         "half_load_events_per_s": summary([r["half_load"]["events_per_s"] for r in results]),
         "rss_mb_idle": summary([r["rss_mb_idle"] for r in results]),
         "rss_mb_16k_live": summary([r["rss_mb_16k_live"] for r in results]),
         "live_episodes": summary([r["live_episodes"] for r in results]),
+        "each_run": [
+            {
+                "events_per_s": r["events_per_s"],
+                "cpu_us_per_event": r["cpu_us_per_event"],
+                "steady_cpu_us_per_event": r["steady_cpu_us_per_event"],
+                "half_load_p99_ms": r["half_load"]["p99_ms"],
+                "load_average": r["load_average"],
+            }
+            for r in results
+        ],
     }
+
+
+def measure(runs: int, seconds: float, serve_args: list[str], trees: dict[str, Path]) -> Any:
+    """Per tree, the summaries of ``runs`` runs; the trees take turns, run by run."""
+    SERVE_ARGS[:] = serve_args
+    results: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
+    for index in range(runs):
+        for label, tree in trees.items():
+            figures = asyncio.run(one_run(seconds, tree))
+            figures["load_average"] = os.getloadavg()[0]
+            results[label].append(figures)
+            print(
+                f"[{label} {' '.join(serve_args) or 'defaults'}] run {index + 1}: "
+                f"{figures['events_per_s']:.0f} events/s "
+                f"({figures['cpu_us_per_event']:.1f} us service CPU per event, "
+                f"{figures['steady_cpu_us_per_event']:.1f} at fixed work); at half load "
+                f"p50 {figures['half_load']['p50_ms']:.1f} ms, "
+                f"p99 {figures['half_load']['p99_ms']:.1f} ms; RSS "
+                f"{figures['rss_mb_16k_live']:.0f} MB with {figures['live_episodes']:.0f} live "
+                f"episodes; load average {figures['load_average']:.2f}",
+                flush=True,
+            )
+    return {label: _summaries(found, serve_args) for label, found in results.items()}
+
+
+def extract(ref: str) -> Path:
+    """The ``rolloutlog`` package of git ``ref``, extracted into a temporary directory."""
+    tree = Path(tempfile.mkdtemp(prefix="rolloutlog-api-bench-ref-"))
+    archive = subprocess.run(
+        ["git", "archive", ref, "rolloutlog"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tree, filter="data")
+    return tree
 
 
 def main() -> None:
@@ -357,31 +451,66 @@ def main() -> None:
         default="0,1",
         help="validation worker counts to measure, the first is the headline (default: 0,1)",
     )
+    parser.add_argument(
+        "--compare", default="", help="git ref whose service is measured alternately with this one"
+    )
+    parser.add_argument(
+        "--kafka",
+        action="store_true",
+        help="log to Kafka (ROLLOUTLOG_BENCH_KAFKA, else a Tansu broker started here)",
+    )
     parser.add_argument("--note", default="", help="context to keep with the results")
     args = parser.parse_args()
     runs, seconds = (1, 2.0) if args.quick else (args.runs, args.seconds)
-    configs = {
-        f"validation_workers={count}": measure(
-            runs, seconds, ["--validation-workers", count.strip()]
-        )
-        for count in args.workers.split(",")
-    }
-    headline = next(iter(configs.values()))
-    document = {
+    trees = {"this tree": ROOT}
+    if args.compare:
+        trees = {f"before ({args.compare})": extract(args.compare), "after (this tree)": ROOT}
+    try:
+        with kafka_broker(args.kafka) as bootstrap:
+            KAFKA[:] = [bootstrap] if bootstrap else []
+            configs = {
+                f"validation_workers={count}": measure(
+                    runs, seconds, ["--validation-workers", count.strip()], trees
+                )
+                for count in args.workers.split(",")
+            }
+    finally:
+        for tree in trees.values():
+            if tree != ROOT:
+                shutil.rmtree(tree, ignore_errors=True)
+    common = {
+        "log": "kafka (Tansu)" if args.kafka else "embedded",
         "runs": runs,
         "seconds_per_phase": seconds,
         "batch": BATCH,
         "clients": CLIENTS,
         "cores": os.cpu_count(),
         "targets": TARGETS,
-        **{key: value for key, value in headline.items() if key != "serve_args"},
-        "headline": next(iter(configs)),
-        "configs": configs,
-        "load_average_after": os.getloadavg()[0],
-        "note": args.note,
     }
+    if args.compare:
+        document = {
+            **common,
+            "compare": args.compare,
+            "order": "alternate: each run measures every tree in turn",
+            "configs": configs,
+            "load_average_after": os.getloadavg()[0],
+            "note": args.note,
+        }
+        name = "api_append_before_after" + ("_kafka" if args.kafka else "")
+    else:
+        configs = {config: by_tree["this tree"] for config, by_tree in configs.items()}
+        headline = next(iter(configs.values()))
+        document = {
+            **common,
+            **{key: value for key, value in headline.items() if key != "serve_args"},
+            "headline": next(iter(configs)),
+            "configs": configs,
+            "load_average_after": os.getloadavg()[0],
+            "note": args.note,
+        }
+        name = "api_append" + ("_kafka" if args.kafka else "")
     if not args.quick:
-        path = save("api_append", document)
+        path = save(name, document)
         print(f"saved {path}")
 
 

@@ -255,7 +255,7 @@ async def run_stats(request: Request, run: RunPath) -> Response:
     stats = await service.catalog.run_stats(run)
     coordinator = service.coordinator
     await coordinator.follow(run)  # unknown_run, and the live view
-    ends = await service.log.end_offsets(run)
+    ends = await service.log.latest_offsets(run)  # every replica's records
     live = coordinator.live_episode_count(run) or 0
     restores = await service.catalog.list_restores(run, limit=1)
     return json_response(

@@ -249,6 +249,7 @@ class Checkpointer:
         partitions' markers and waits (to the checkpoint's deadline), write the parts, learn
         the outcome (committed by this write, or polled) for ``end_capture``."""
         run, checkpoint_id = projector.run, capture.checkpoint_id
+        met_at = time.time()  # its first marker here: when the checkpoint was marked, near enough
         delta: _Delta | None = None
         committed = False
         try:
@@ -262,9 +263,7 @@ class Checkpointer:
             if capture.waiting:
                 self._exports.open(projector, capture, deadline_at)
             await _resolve(projector, capture, deadline, deadline_at - time.time())
-            done, delta = await self._write_parts(
-                projector, capture, StageTimer(), None, pending.marked_at
-            )
+            done, delta = await self._write_parts(projector, capture, StageTimer(), None, met_at)
             if done is None:
                 done = await self._outcome(run, checkpoint_id, deadline_at + self.grace_s)
             committed = done is not None and done.status in ("committed", "expired")

@@ -107,6 +107,7 @@ class Coordinator:
             self._restore_cache,
             replica_id=self.replica_id,
             deadline_s=restore_deadline_s,
+            owned_now=self._ownership.of,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -200,7 +201,8 @@ class Coordinator:
 
     def _owners_changed(self, runs: set[str]) -> None:
         for run in runs:
-            self._spawn(self._relaunch(run))
+            if run in self.projectors or self._ownership.of(run):  # not a run deleted here
+                self._spawn(self._relaunch(run))
 
     async def _relaunch(self, run: str) -> None:
         """Start the run's projector afresh for the partitions this replica owns now (none yet
@@ -454,7 +456,7 @@ class Coordinator:
         ``next_start`` is where to go on, or None."""
         projector = await self.projector(run)
         partition = partition_for(episode, projector.partitions)
-        log_end = (await self.log.end_offsets(run))[partition]
+        log_end = (await self.log.latest_offsets(run))[partition]  # other replicas' too
         end = log_end if end is None else min(end, log_end)
         found: list[tuple[int, bytes]] = []
         async for page in self.log.read_pages(run, partition, start, end):
@@ -467,9 +469,10 @@ class Coordinator:
 
     async def projector_lag(self, run: str) -> list[tuple[int, int, int]]:
         """``(partition, end_offset, applied)`` per partition this replica folds: how far the
-        projector trails the log (the other partitions' owners report theirs)."""
+        projector trails the log (the other partitions' owners report theirs), other writers'
+        records included."""
         projector = await self.projector(run)
-        ends = await self.log.end_offsets(run)
+        ends = await self.log.latest_offsets(run)
         return [
             (partition, end, min(applied, end))
             for partition, (end, applied) in enumerate(zip(ends, projector.applied, strict=True))

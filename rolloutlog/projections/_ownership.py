@@ -113,6 +113,20 @@ class Ownership:
             self._fresh = False
             self._renewed_at = started
             before, self.owned = self.owned, owned
+            bumped = [
+                (run, partition)
+                for run, partitions in owned.items()
+                for partition, generation in partitions.items()
+                if before.get(run, {}).get(partition, generation) != generation
+            ]
+            if bumped:  # this replica held them and took them again: someone else wrote
+                logger.error(
+                    "replica %s found its own partitions (%s) claimed at another generation: "
+                    "another live process uses the same replica id (give each its own "
+                    "--replica-id), or a tick's reply was lost",
+                    self.replica_id,
+                    ", ".join(f"{run}/{p}" for run, p in bumped[:8]),
+                )
             changed = {
                 run for run in before.keys() | owned.keys() if before.get(run) != owned.get(run)
             }

@@ -119,10 +119,6 @@ class CheckpointCapture:
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     resolved: asyncio.Event = field(default_factory=asyncio.Event)
 
-    #: Whether another replica requested the checkpoint (this one began the capture at a
-    #: marker; it writes its parts and learns the outcome from the catalog).
-    remote: bool = False
-
     def _check(self) -> None:
         if len(self.markers) == len(self.owned):
             self.reached.set()
@@ -391,8 +387,9 @@ class Projector:
 
     async def _read_to_end(self) -> None:
         """Read (for real: this is also how a restarted projector knows it reads again) every
-        owned partition up to the log's current end."""
-        ends = await self.log.end_offsets(self.run)
+        owned partition up to the log's current end, other writers' records included (other
+        replicas write markers and appends into every partition)."""
+        ends = await self.log.latest_offsets(self.run)
         applied = self.applied
         for partition in sorted(self.owned):
             if applied[partition] < ends[partition]:
@@ -644,13 +641,14 @@ class Projector:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def begin_capture(self, checkpoint_id: int, *, remote: bool = False) -> CheckpointCapture:
-        """Register the checkpoint whose markers are about to be written (or, ``remote``, whose
-        first marker in an owned partition is being applied). A capture still registered is of
+    def begin_capture(self, checkpoint_id: int) -> CheckpointCapture:
+        """Register the checkpoint whose markers are about to be written (or, another replica's,
+        whose first marker in an owned partition is being applied). A capture still registered is of
         an older checkpoint that is over (one is pending at a time): it ends uncommitted."""
         if self._capture is not None:
             self.end_capture(self._capture, committed=False)
-        capture = CheckpointCapture(checkpoint_id, self.owned, base=self._base, remote=remote)
+        capture = CheckpointCapture(checkpoint_id, self.owned, base=self._base)
+        capture._check()  # owning no partition, it has reached every marker it will
         self._capture = capture
         self._newest_checkpoint = max(self._newest_checkpoint, checkpoint_id)
         return capture
@@ -689,10 +687,12 @@ class Projector:
                     self.retired.add(entry.episode)
 
     def _on_marker(self, partition: int, offset: int, checkpoint_id: int) -> None:
-        """A marker (only owned partitions are read). The first one met after catching up of a
+        """A marker (of an owned partition: others are not captured here). The first one met after catching up of a
         checkpoint newer than any known, with no capture registered for it, begins a capture:
         another replica's checkpoint. While catching up none is captured (the refold's buffers
         make trackers inexact there): such a checkpoint gets no part from here and aborts."""
+        if partition not in self.owned:
+            return
         capture = self._capture
         newest = self._newest_checkpoint
         self._newest_checkpoint = max(newest, checkpoint_id)
@@ -701,7 +701,7 @@ class Projector:
         if capture is None or capture.checkpoint_id != checkpoint_id:
             if checkpoint_id <= newest or self.on_remote_capture is None:
                 return  # a marker of a checkpoint that is over (aborted, or stale)
-            capture = self.begin_capture(checkpoint_id, remote=True)
+            capture = self.begin_capture(checkpoint_id)
             self.on_remote_capture(capture)
         with collector_paused():
             self._capture_partition(capture, partition, offset)

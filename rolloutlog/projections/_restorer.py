@@ -12,7 +12,7 @@ import gc
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,6 +233,7 @@ class Restorer:
         *,
         replica_id: str = "local",
         deadline_s: float = DEFAULT_RESTORE_DEADLINE_S,
+        owned_now: Callable[[str], Collection[int]] | None = None,
     ) -> None:
         self.log = log
         self.catalog = catalog
@@ -240,6 +241,9 @@ class Restorer:
         self.cache = cache
         self.replica_id = replica_id
         self.deadline_s = deadline_s
+        #: The partitions of a run this replica's leases hold now (its projector, relaunched
+        #: only once the restore releases the run, may still fold the ones it held before).
+        self._owned_now = owned_now
         #: Other replicas' requests this one planned (or is planning), with the projector.
         self._planned: dict[tuple[str, int], Projector] = {}
         #: This replica's requests being run, with the projector that plans them in-process.
@@ -505,6 +509,16 @@ class Restorer:
             missing = needed - {p.partition for p in parts}
             if not missing:
                 break
+            if self._owned_now is not None and owned - frozenset(self._owned_now(run)):
+                # A partition moved away from this replica: its part would be fenced at the
+                # commit. Retry. (Partitions it gained are planned by its projector started
+                # afresh, through the poller.)
+                raise BackendUnavailable(
+                    f"restore {restore_id} of run {run!r}: the run's partitions moved between "
+                    "replicas while it was planned; retry",
+                    run=run,
+                    restore_id=restore_id,
+                )
             if time.monotonic() > deadline:
                 raise BackendUnavailable(
                     f"restore {restore_id} of run {run!r}: no plan part for partition(s) "

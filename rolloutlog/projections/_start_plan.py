@@ -74,8 +74,8 @@ async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:
 
 
 async def _check_log_holds(log: Log, run: str, checkpoint_id: int, markers: list[int]) -> None:
-    # Every writer's records (``latest_offsets``): with several replicas, another one may have
-    # written the markers into partitions this log instance wrote before.
+    # What the broker holds, every writer's records included (``end_offsets`` counts only this
+    # instance's own writes to a partition it wrote: another replica may have written since).
     ends = await log.latest_offsets(run)
     short = [
         (partition, end, marker)

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -371,3 +371,339 @@ class CatalogHold:
         finally:
             await conn.close()
         return bool(waiting)
+
+
+# -- replicas (issue 17) -------------------------------------------------------------------------
+
+#: The replicas' lease (``--lease-s``): short, so that failover takes seconds in the tests.
+REPLICA_LEASE_S = 2.0
+
+
+def _asyncpg_target(catalog_url: str) -> tuple[str, str]:
+    """(asyncpg DSN, schema) of a test catalog URL (``…?search_path=SCHEMA``)."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(catalog_url)
+    schema = str(url.query["search_path"])
+    return url.set(drivername="postgresql", query={}).render_as_string(hide_password=False), schema
+
+
+class Replica(Service):
+    """One replica of a replicated service: ``serve --replica-id ID --lease-s S`` on the
+    deployment's Kafka log and PostgreSQL catalog, with a data directory of its own; ``pause``
+    and ``resume`` SIGSTOP and SIGCONT its process group (a zombie while stopped).
+    ``tokens=False``: no tokens (loopback only), as the simulated Gym's clients expect."""
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        workdir: Path,
+        replica_id: str,
+        lease_s: float | None,
+        tokens: bool = True,
+    ) -> None:
+        assert deployment.distributed, "replicas share a Kafka log and a PostgreSQL catalog"
+        own = Deployment(
+            deployment.name,
+            deployment.data_dir / replica_id,
+            deployment.log_url,
+            deployment.catalog_url,
+        )
+        super().__init__(own, workdir)
+        self.replica_id = replica_id
+        self.lease_s = lease_s
+        self.with_tokens = tokens
+        self.output = workdir / f"serve-{replica_id}.log"
+
+    def command(self) -> list[str]:
+        args = [*super().command(), "--replica-id", self.replica_id]
+        if not self.with_tokens:
+            at = args.index("--tokens")
+            del args[at : at + 2]
+        if self.lease_s is not None:
+            args += ["--lease-s", str(self.lease_s)]
+        return args
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def pause(self) -> None:
+        os.killpg(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.pid, signal.SIGCONT)
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the replica's process has used (``/proc/PID/stat``)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Replicas:
+    """``count`` replicas ``r1``…``rN`` of one service (one Kafka topic prefix, one PostgreSQL
+    schema); ``catalog`` reads what they wrote there."""
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        workdir: Path,
+        count: int,
+        lease_s: float | None = REPLICA_LEASE_S,
+        tokens: bool = True,
+    ) -> None:
+        self.deployment = deployment
+        self.members = [
+            Replica(deployment, workdir, f"r{i}", lease_s, tokens) for i in range(1, count + 1)
+        ]
+        assert deployment.catalog_url is not None
+        self.catalog = CatalogView(deployment.catalog_url)
+
+    def __getitem__(self, replica_id: str) -> Replica:
+        return next(r for r in self.members if r.replica_id == replica_id)
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(self.members)
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.members]
+
+    async def start(self) -> None:
+        """Start every replica: the first alone (it migrates the catalog), the others at once."""
+        await self.members[0].start()
+        await asyncio.gather(*(replica.start() for replica in self.members[1:]))
+
+    def stop(self) -> None:
+        for replica in self.members:
+            if replica.proc is not None and replica.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    replica.resume()  # a stopped process cannot act on SIGTERM
+            replica.stop()
+
+    def tails(self) -> str:
+        """Every replica's log tail (for a failed assertion's message)."""
+        return "\n".join(f"--- {r.replica_id}:\n{r.tail()}" for r in self.members)
+
+
+def _client_ports(pid: int) -> set[int]:
+    """The local TCP ports of process ``pid``'s sockets (``/proc/PID/fd`` and
+    ``/proc/net/tcp{,6}``)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+class CatalogView:
+    """Reads of the replicas' shared catalog (the test's own connection, never the service's)."""
+
+    def __init__(self, catalog_url: str) -> None:
+        self.dsn, self.schema = _asyncpg_target(catalog_url)
+
+    async def fetch(self, sql: str, *args: Any) -> list[Any]:
+        import asyncpg
+
+        conn = await asyncpg.connect(self.dsn, server_settings={"search_path": self.schema})
+        try:
+            return list(await conn.fetch(sql, *args))
+        finally:
+            await conn.close()
+
+    async def waiting_on_lock(self, pid: int) -> bool:
+        """Whether a catalog connection of process ``pid`` waits for a lock (its backend, found
+        by the client port of the process's sockets)."""
+        ports = _client_ports(pid)
+        rows = await self.fetch(
+            "SELECT count(*) AS n FROM pg_stat_activity "
+            "WHERE client_port = ANY($1::int[]) AND wait_event_type = 'Lock'",
+            sorted(ports),
+        )
+        return bool(rows[0]["n"])
+
+    async def leases(self, run: str) -> dict[int, tuple[str | None, int]]:
+        """Each partition's (owner or None when released, generation)."""
+        rows = await self.fetch(
+            "SELECT partition, replica_id, generation FROM partition_leases WHERE run = $1", run
+        )
+        return {row["partition"]: (row["replica_id"], row["generation"]) for row in rows}
+
+    async def wait_owned(
+        self, run: str, partitions: int, by: set[str], timeout_s: float = 30.0
+    ) -> dict[int, tuple[str | None, int]]:
+        """Until every partition is owned by a replica in ``by`` (and each of them owns some
+        when there are partitions enough); returns the leases."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            leases = await self.leases(run)
+            owners = {owner for owner, _ in leases.values()}
+            if (
+                len(leases) == partitions
+                and owners <= by
+                and (partitions < len(by) or owners == by)
+            ):
+                return leases
+            if time.monotonic() > deadline:
+                raise AssertionError(f"partitions of {run!r} not owned by {sorted(by)}: {leases}")
+            await asyncio.sleep(0.05)
+
+    async def checkpoint(self, run: str, checkpoint_id: int) -> dict[str, Any]:
+        """A checkpoint's row, with its parts (partition -> (replica, generation)) and the
+        partitions its own manifest parts cover."""
+        rows = await self.fetch(
+            "SELECT status, reason FROM checkpoints WHERE run = $1 AND checkpoint_id = $2",
+            run,
+            checkpoint_id,
+        )
+        assert rows, f"no checkpoint {checkpoint_id} of {run!r}"
+        parts = await self.fetch(
+            "SELECT partition, replica_id, generation FROM checkpoint_parts "
+            "WHERE run = $1 AND checkpoint_id = $2",
+            run,
+            checkpoint_id,
+        )
+        manifest = await self.fetch(
+            "SELECT cut_partition FROM manifest_parts WHERE run = $1 AND checkpoint_id = $2",
+            run,
+            checkpoint_id,
+        )
+        offsets = await self.fetch(
+            "SELECT partition FROM checkpoint_offsets WHERE run = $1 AND checkpoint_id = $2",
+            run,
+            checkpoint_id,
+        )
+        return {
+            "status": rows[0]["status"],
+            "reason": rows[0]["reason"],
+            "parts": {p["partition"]: (p["replica_id"], p["generation"]) for p in parts},
+            "manifest_partitions": {m["cut_partition"] for m in manifest},
+            "offset_partitions": {o["partition"] for o in offsets},
+        }
+
+    async def pending_checkpoint(self, run: str, timeout_s: float = 30.0) -> int:
+        """Until the run has a pending checkpoint; its id."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rows = await self.fetch(
+                "SELECT checkpoint_id FROM checkpoints WHERE run = $1 AND status = 'pending'", run
+            )
+            if rows:
+                return int(rows[0]["checkpoint_id"])
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no pending checkpoint of {run!r}")
+            await asyncio.sleep(0.02)
+
+    async def wait_checkpoint_ended(
+        self, run: str, checkpoint_id: int, timeout_s: float = 60.0
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            checkpoint = await self.checkpoint(run, checkpoint_id)
+            if checkpoint["status"] != "pending":
+                return checkpoint
+            if time.monotonic() > deadline:
+                raise AssertionError(f"checkpoint {checkpoint_id} still pending: {checkpoint}")
+            await asyncio.sleep(0.05)
+
+    async def restore_requests(self, run: str) -> dict[int, dict[str, Any]]:
+        rows = await self.fetch(
+            "SELECT restore_id, status, requested_by, reason FROM restore_requests WHERE run = $1",
+            run,
+        )
+        return {row["restore_id"]: dict(row) for row in rows}
+
+    async def restore_parts(self, run: str, restore_id: int) -> dict[int, tuple[str, int]]:
+        rows = await self.fetch(
+            "SELECT partition, replica_id, generation FROM restore_parts "
+            "WHERE run = $1 AND restore_id = $2",
+            run,
+            restore_id,
+        )
+        return {row["partition"]: (row["replica_id"], row["generation"]) for row in rows}
+
+
+@dataclass
+class Acked:
+    """An event whose append a replica acknowledged, and where it landed."""
+
+    event: dict[str, Any]
+    partition: int
+    offset: int
+    via: str
+
+
+class Appends:
+    """Events appended over HTTP to whichever replica a test names; every acknowledged event is
+    kept (``acked``) and every refusal counted (``refused``), for ``check_log``."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self.acked: list[Acked] = []
+        self.refused: list[tuple[str, int, str]] = []
+        self.client = httpx.AsyncClient(timeout=30)
+
+    async def post(self, replica: Service, events: list[dict[str, Any]]) -> bool:
+        """Append ``events`` (all or none) through ``replica``; True when acknowledged."""
+        body = b"".join(orjson.dumps(event) + b"\n" for event in events)
+        try:
+            response = await self.client.post(
+                f"{replica.url}/v1/runs/{self.run}/events",
+                content=body,
+                headers={
+                    "Authorization": f"Bearer {TOKENS['participant']}",
+                    "Content-Type": "application/x-ndjson",
+                },
+            )
+        except httpx.TransportError as e:
+            self.refused.append((replica.url, 0, repr(e)))  # no answer: not acknowledged
+            return False
+        if response.status_code != 200:
+            self.refused.append((replica.url, response.status_code, response.text[:300]))
+            return False
+        offsets = response.json()["offsets"]
+        assert len(offsets) == len(events), response.text
+        for event, position in zip(events, offsets, strict=True):
+            self.acked.append(Acked(event, position["partition"], position["offset"], replica.url))
+        return True
+
+    async def ok(self, replica: Service, events: list[dict[str, Any]]) -> None:
+        """``post``, which must be acknowledged."""
+        assert await self.post(replica, events), f"append refused: {self.refused[-1]}"
+
+    def episodes(self) -> set[str]:
+        """Episodes whose ``episode.started`` was acknowledged."""
+        return {a.event["episode"] for a in self.acked if a.event["type"] == "episode.started"}
+
+    async def check_log(self, log_url: str) -> None:
+        """Every acknowledged event is in the log, at the position its append answered."""
+        from rolloutlog.log import open_log, split_record
+
+        wanted: dict[int, dict[int, dict[str, Any]]] = {}
+        for acked in self.acked:
+            wanted.setdefault(acked.partition, {})[acked.offset] = acked.event
+        async with open_log(log_url) as log:
+            for partition, events in wanted.items():
+                found: dict[int, tuple[Any, Any, Any]] = {}
+                async for offset, record in log.read_records(
+                    self.run, partition, min(events), max(events) + 1
+                ):
+                    meta = split_record(record)[0]
+                    found[offset] = (meta.get("type"), meta.get("episode"), meta.get("seq"))
+                for offset, sent in events.items():
+                    assert found.get(offset) == (sent["type"], sent["episode"], sent["seq"]), (
+                        f"acknowledged {sent['type']} of {sent['episode']} not at "
+                        f"{partition}:{offset} (found {found.get(offset)})"
+                    )
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -6,6 +6,7 @@ PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from rolloutlog.catalog import open_catalog
 from rolloutlog.log import Log, open_log, partition_for
 from rolloutlog.projections import Coordinator
+from rolloutlog.projections._ownership import Ownership
 from tests import factories as f
 
 RUN = "run"
@@ -56,20 +58,21 @@ async def cluster(tmp_path: Path, deployment: dict[str, Any]) -> AsyncIterator[C
         yield Cluster(stack, tmp_path, deployment)
 
 
-async def settle(*replicas: Coordinator) -> None:
-    """Tick every replica until a round changes nothing, then wait until each run's projector
-    folds exactly what its replica owns and has caught up."""
+async def settle(*replicas: Coordinator, run: str = RUN) -> None:
+    """Tick every replica until a round changes nothing, then wait until the run's projector of
+    each folds exactly what its replica owns and has caught up (other tests of several replicas
+    in one process use it too: real leases, ticked by hand)."""
     for _ in range(6):
-        before = [r.owned_partitions(RUN) for r in replicas]
+        before = [r.owned_partitions(run) for r in replicas]
         for replica in replicas:
             await replica._ownership.tick()
-        if before == [r.owned_partitions(RUN) for r in replicas]:
+        if before == [r.owned_partitions(run) for r in replicas]:
             break
     async with asyncio.timeout(30):
         for replica in replicas:
             while True:
-                projector = replica.projectors.get(RUN)
-                owned = replica.owned_partitions(RUN)
+                projector = replica.projectors.get(run)
+                owned = replica.owned_partitions(run)
                 if (
                     projector is not None
                     and projector.owned == frozenset(owned)
@@ -86,6 +89,14 @@ async def folded(replica: Coordinator) -> set[str]:
     ends = await replica.log.latest_offsets(RUN)
     await projector.wait_until(dict(enumerate(ends)), timeout_s=30)
     return {tracked.episode for tracked in replica.tracked_episodes(RUN)}
+
+
+async def logged(caplog: pytest.LogCaptureFixture, text: str) -> None:
+    async with asyncio.timeout(10):
+        while True:
+            if text in caplog.text:
+                return
+            await asyncio.sleep(0.02)
 
 
 def home(episodes: list[str], partitions: set[int]) -> set[str]:
@@ -155,3 +166,38 @@ async def test_an_owner_change_starts_the_projector_afresh_from_the_log(
     # a released them (2), b claimed (3) and released them (4), a claimed them again (5).
     assert a.owned_partitions(RUN) == {p: 1 if p in kept else 5 for p in range(P)}
     assert await folded(a) == set(EPISODES)
+
+
+async def test_a_replica_cut_off_from_the_catalog_keeps_folding_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="rolloutlog.projections._ownership")
+    async with open_catalog(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}") as catalog:
+        await catalog.create_run(RUN, partitions=P)
+        ownership = Ownership(catalog, "a", lease_s=0.2)
+        await ownership.start()
+        owned = ownership.owned
+        assert owned == {RUN: dict.fromkeys(range(P), 1)}
+        await catalog.stop()  # every tick fails from now on
+        await logged(caplog, "ran out")
+        assert "could not renew its partition leases" in caplog.text
+        assert ownership.owned is owned  # it keeps what it had (its writes are fenced)
+        await catalog.start()
+        await logged(caplog, "renewed its partition leases after")
+        assert ownership.owned == owned  # nobody else claimed them meanwhile
+        await ownership.stop()
+        await ownership.release()
+        assert {o.replica_id for o in await catalog.partition_owners(RUN)} == {None}
+
+
+async def test_two_processes_under_one_replica_id_are_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with open_catalog(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}") as catalog:
+        await catalog.create_run(RUN, partitions=P)
+        first, second = Ownership(catalog, "same"), Ownership(catalog, "same")
+        await first.tick()
+        await second.tick()  # takes "its" partitions from before a restart, one generation on
+        assert "another live process uses the same replica id" not in caplog.text
+        await first.tick()
+        assert "another live process uses the same replica id" in caplog.text

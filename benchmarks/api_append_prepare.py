@@ -1,0 +1,102 @@
+"""An append's preparation in one process: the fast path against the pydantic path (issue 16).
+
+``_prepare.prepare`` (parse a body of 100 envelopes, validate each, encode each record, note what
+fencing reads) timed on the same bodies two ways, alternately, round by round: as it runs
+(``fast path``: ``log/_fastpath.py`` takes every envelope here) and with the fast path turned off
+(``pydantic``: every envelope through ``validate_event`` + ``encode_record``, what ``prepare``
+did before issue 16). ``parse only`` is the ``orjson.loads`` of the same body, the floor.
+Bodies: ``api_append``'s (``step.boundary``, ~250 bytes) and a mix of every client event type.
+Each figure is microseconds per event, median (min, max) over ``--rounds`` rounds; results go to
+``benchmarks/results/api_append_prepare.json``.
+
+    python benchmarks/api_append_prepare.py [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+from _common import save, summary
+from api_append import BATCH, bodies
+
+from rolloutlog.api import _prepare
+from rolloutlog.log import encode_event
+from tests import factories as f
+
+
+def _mixed() -> list[bytes]:
+    """Bodies of 100 envelopes cycling through every client event type."""
+    makers: list[Callable[[str], Any]] = [
+        f.started,
+        f.step_started,
+        lambda e: f.boundary(e, state={"turn": 1, "note": "x" * 40}),
+        lambda e: f.ledger_row(e, token_ids=list(range(64))),
+        f.chunk,
+        f.session_started,
+        f.session_state,
+        lambda e: f.finished(e, result={"score": 1}),
+    ]
+    events = [orjson.loads(encode_event(makers[i % len(makers)](f"m{i}"))) for i in range(BATCH)]
+    return [orjson.dumps(events)] * 50
+
+
+def _time(run: Callable[[], object], events: int) -> float:
+    started = time.process_time()
+    run()
+    return (time.process_time() - started) / events * 1e6
+
+
+def _prepare_all(payloads: list[bytes]) -> Callable[[], object]:
+    return lambda: [_prepare.prepare(body, False, 16, 1 << 20) for body in payloads]
+
+
+def _parse_all(payloads: list[bytes]) -> Callable[[], object]:
+    return lambda: [orjson.loads(body) for body in payloads]
+
+
+@contextlib.contextmanager
+def _without_fast_path() -> Iterator[None]:
+    """``prepare`` as before issue 16: no envelope taken by the fast path."""
+    fast = getattr(_prepare, "fast_record")  # noqa: B009 (not part of the module's interface)
+    setattr(_prepare, "fast_record", lambda value: None)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(_prepare, "fast_record", fast)  # noqa: B010
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    workloads = {"step.boundary (api_append)": bodies(200, 1), "every client type": _mixed()}
+    document: dict[str, Any] = {"rounds": args.rounds, "batch": BATCH, "workloads": {}}
+    for name, payloads in workloads.items():
+        events = len(payloads) * BATCH
+        times: dict[str, list[float]] = {"fast path": [], "pydantic": [], "parse only": []}
+        _prepare_all(payloads)()  # warm: names and episode ids remembered, validators built
+        for _ in range(args.rounds):
+            times["fast path"].append(_time(_prepare_all(payloads), events))
+            with _without_fast_path():
+                times["pydantic"].append(_time(_prepare_all(payloads), events))
+            times["parse only"].append(_time(_parse_all(payloads), events))
+        figures = {side: summary(values) for side, values in times.items()}
+        document["workloads"][name] = {"us_per_event": figures}
+        print(
+            f"{name}: "
+            + ", ".join(f"{side} {s['median']:.2f} us/event" for side, s in figures.items())
+            + f" (load average {os.getloadavg()[0]:.2f})",
+            flush=True,
+        )
+    document["load_average_after"] = os.getloadavg()[0]
+    print(f"saved {save('api_append_prepare', document)}")
+
+
+if __name__ == "__main__":
+    main()

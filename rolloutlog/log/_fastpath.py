@@ -1,0 +1,287 @@
+"""The append's fast path: an envelope checked and turned into its record without pydantic.
+
+The pydantic models of ``_events`` stay the one definition of what is accepted and the one
+source of every refusal. ``fast_record`` accepts a subset of what they accept: a client's
+envelope, as ``orjson.loads`` builds it, whose every field has the plain JSON type the model
+asks for (no coercion: an int where a float is asked is the one exception, and pydantic turns
+it into that same float) and passes the same constraint. For such an envelope it returns what
+``encode_record(validate_event(value))`` returns, byte for byte; for anything else (a service
+event, an unknown field, a missing one, a bool where an int is asked, a string with a control
+character...) it returns None and the caller validates with pydantic, which accepts it or
+refuses it with its own error. ``tests/log/test_fastpath.py`` checks the two agree, envelope by
+envelope, on generated valid and invalid envelopes of every type.
+
+The record's bytes are the model's JSON: its fields in model order, defaults filled in, the
+payload field (``_record.PAYLOAD_FIELD``) after a newline; orjson writes strings, ints and
+floats as pydantic-core does (floats in the shortest round-trip form, tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from rolloutlog.log._events import MAX_SEQ
+from rolloutlog.log._ids import episode_id_problem, name_problem
+from rolloutlog.log._record import PAYLOAD_FIELD
+
+__all__ = ["FastRecord", "fast_record"]
+
+
+#: An envelope's record and what fencing reads of it: (record, episode, attempt, participant
+#: id, epoch, seq). A plain tuple: building a NamedTuple costs more than the rest of a field.
+FastRecord = tuple[bytes, str, int, str, int, int]
+
+
+_MISSING: Any = object()
+_REQUIRED: Any = object()
+#: What a converter returns for a value the model may refuse.
+_BAD: Any = object()
+#: Ints a float field takes as the same float (pydantic converts them; tested up to here).
+_MAX_FLOAT_INT = 2**53
+_Convert = Callable[[Any], Any]
+
+
+#: Names and episode ids already checked (they repeat from event to event); emptied when full.
+_NAMES: set[str] = set()
+_EPISODES: set[str] = set()
+_KNOWN_MAX = 1 << 16
+
+
+def _learn(value: str, known: set[str], problem: Callable[[str], str | None]) -> bool:
+    """Whether ``value`` (not in ``known``) passes ``problem``'s check; remembered if so."""
+    if problem(value) is not None:
+        return False
+    if len(known) >= _KNOWN_MAX:
+        known.clear()
+    known.add(value)
+    return True
+
+
+def _name(value: Any) -> Any:
+    if type(value) is str and (value in _NAMES or _learn(value, _NAMES, name_problem)):
+        return value
+    return _BAD
+
+
+def _name_or_none(value: Any) -> Any:
+    return value if value is None else _name(value)
+
+
+def _non_negative(value: Any) -> Any:
+    # Bools are ints to Python, not to strict pydantic.
+    return value if type(value) is int and value >= 0 else _BAD
+
+
+def _non_negative_or_none(value: Any) -> Any:
+    return value if value is None else _non_negative(value)
+
+
+def _plain(value: Any) -> bool:
+    # Printable ASCII only: the bytes orjson and pydantic-core certainly write alike.
+    return type(value) is str and value.isascii() and value.isprintable()
+
+
+def _digest(value: Any) -> Any:
+    return value if _plain(value) and 0 < len(value) <= 128 else _BAD
+
+
+def _str_or_none(value: Any) -> Any:
+    return value if value is None or _plain(value) else _BAD
+
+
+def _bool(value: Any) -> Any:
+    return value if type(value) is bool else _BAD
+
+
+def _float(value: Any) -> Any:
+    """A float field's value as strict pydantic makes it: a float, or an int as that float."""
+    if type(value) is float:
+        return value
+    if type(value) is int and -_MAX_FLOAT_INT <= value <= _MAX_FLOAT_INT:
+        return float(value)
+    return _BAD
+
+
+def _float_or_none(value: Any) -> Any:
+    return value if value is None else _float(value)
+
+
+def _one_of(*choices: str) -> _Convert:
+    allowed = frozenset(choices)
+    return lambda value: value if type(value) is str and value in allowed else _BAD
+
+
+#: The metadata fields of each client event type's data, in model order (the payload field,
+#: which the metadata leaves out, is handled apart): (name, converter, default).
+_Fields = tuple[tuple[str, _Convert, Any], ...]
+_STEP_MODE = _one_of("replay", "wait")
+_DATA: dict[str, _Fields] = {
+    "episode.started": (
+        ("task_digest", _digest, _REQUIRED),
+        ("deadline_s", _float_or_none, None),
+    ),
+    "step.started": (
+        ("owner", _name, _REQUIRED),
+        ("stage", _name, _REQUIRED),
+        ("mode", _STEP_MODE, "wait"),
+    ),
+    "step.boundary": (
+        ("owner", _name, _REQUIRED),
+        ("stage", _name, _REQUIRED),
+        ("next", _name_or_none, None),
+    ),
+    "ledger.row": (
+        ("call_id", _name, _REQUIRED),
+        ("parent_call_id", _name_or_none, _REQUIRED),
+        ("fingerprint", _digest, _REQUIRED),
+        ("context_digest", _digest, _REQUIRED),
+        ("policy_version", _non_negative, _REQUIRED),
+        ("prev_len", _non_negative, _REQUIRED),
+        ("cum_len", _non_negative, _REQUIRED),
+        ("digest", _digest, _REQUIRED),
+        ("staging_key", _str_or_none, None),
+        ("constrained", _bool, False),
+    ),
+    "generation.chunk": (
+        ("call_id", _name, _REQUIRED),
+        ("parent_call_id", _name_or_none, _REQUIRED),
+        ("request_digest", _digest, _REQUIRED),
+        ("start", _non_negative, _REQUIRED),
+        ("policy_version", _non_negative, _REQUIRED),
+        ("staging_key", _str_or_none, None),
+        ("done", _bool, False),
+    ),
+    "session.started": (
+        ("session_id", _name, _REQUIRED),
+        ("mode", _one_of("restart_only", "stateless", "exported", "checkpoint"), "restart_only"),
+        ("verify", _STEP_MODE, "wait"),
+    ),
+    "session.state": (
+        ("session_id", _name, _REQUIRED),
+        ("checkpoint_id", _non_negative_or_none, None),
+    ),
+    "session.ended": (("session_id", _name, _REQUIRED),),
+    "episode.finished": (("reward", _float_or_none, None),),
+}
+#: The one type whose payload field may be left out or null (``result: Opaque | None = None``):
+#: then its record has no payload.
+_OPTIONAL_PAYLOAD = "episode.finished"
+_TOKENS = frozenset({"ledger.row", "generation.chunk"})
+#: Every writer kind but the service's (its events are refused by the caller, after pydantic).
+_WRITER_KINDS = frozenset({"environment", "policy", "agent", "resources"})
+_ENVELOPE_KEYS = 9  # v, episode, attempt, step, participant, seq, ts, type, data
+
+
+#: The fields each client type's data may have.
+_KEYS: dict[str, frozenset[str]] = {
+    kind: frozenset([name for name, _, _ in spec] + [PAYLOAD_FIELD.get(kind, "")]) - {""}
+    for kind, spec in _DATA.items()
+}
+
+
+def _payload(kind: str, value: Any, fields: dict[str, Any]) -> bytes | Any | None:
+    """The JSON of the data's payload field: None when the record has none, ``_BAD`` when only
+    pydantic may decide."""
+    if kind in _TOKENS:
+        if type(value) is not list or not all(type(token) is int for token in value):
+            return _BAD
+        if kind == "ledger.row" and fields["cum_len"] != fields["prev_len"] + len(value):
+            return _BAD
+    elif value is None and kind == _OPTIONAL_PAYLOAD:
+        return None
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return _BAD  # nested deeper than orjson writes: pydantic says why
+
+
+def _data(kind: str, data: Any) -> tuple[dict[str, Any], bytes | None] | None:
+    """The data's metadata fields (model order, defaults in) and its payload's JSON, or None."""
+    if type(data) is not dict or not data.keys() <= _KEYS[kind]:
+        return None
+    fields: dict[str, Any] = {}
+    for name, convert, default in _DATA[kind]:
+        value = data.get(name, default)
+        if value is not default:  # given (a default given as that very object is valid)
+            value = convert(value)
+            if value is _BAD:
+                return None
+        elif value is _REQUIRED:
+            return None
+        fields[name] = value
+    field = PAYLOAD_FIELD.get(kind)
+    if field is None:
+        return fields, None
+    value = data.get(field, _MISSING)
+    if value is _MISSING:
+        return (fields, None) if kind == _OPTIONAL_PAYLOAD else None
+    payload = _payload(kind, value, fields)
+    return None if payload is _BAD else (fields, payload)
+
+
+def fast_record(value: Any) -> FastRecord | None:
+    """The record of a client envelope (a dict as parsed from JSON), or None when only pydantic
+    may decide (see the module docstring)."""
+    if type(value) is not dict:
+        return None
+    get = value.get
+    kind = get("type")
+    v = get("v", 1)
+    episode = get("episode")
+    attempt = get("attempt", 0)
+    step = get("step")
+    who = get("participant")
+    seq = get("seq")
+    ts = _float(get("ts", _BAD))
+    if (
+        type(kind) is not str
+        or kind not in _DATA  # unknown, or written by the service only
+        or v != 1
+        or type(v) is not int
+        or type(episode) is not str
+        or type(attempt) is not int
+        or attempt < 0
+        or not (step is None or (type(step) is int and step >= 0))
+        or type(seq) is not int
+        or not 0 <= seq < MAX_SEQ
+        or ts is _BAD
+        or type(who) is not dict
+        or len(who) != 3
+        or len(value)
+        != _ENVELOPE_KEYS - ("v" not in value) - ("attempt" not in value) - ("step" not in value)
+        or not (episode in _EPISODES or _learn(episode, _EPISODES, episode_id_problem))
+    ):
+        return None
+    pid = _name(who.get("id"))
+    writer = who.get("kind")
+    epoch = who.get("epoch")
+    if (
+        pid is _BAD
+        or type(writer) is not str
+        or writer not in _WRITER_KINDS
+        or type(epoch) is not int
+        or epoch < 0
+    ):
+        return None
+    data = _data(kind, get("data"))
+    if data is None:
+        return None
+    fields, payload = data
+    head = orjson.dumps(
+        {
+            "v": 1,
+            "episode": episode,
+            "attempt": attempt,
+            "step": step,
+            "participant": {"id": pid, "kind": writer, "epoch": epoch},
+            "seq": seq,
+            "ts": ts,
+            "type": kind,
+            "data": fields,
+        }
+    )
+    record = head if payload is None else b"%b\n%b" % (head, payload)
+    return record, episode, attempt, pid, epoch, seq
