@@ -1,9 +1,12 @@
 """Restores (docs/design.md §6, §10 "A restore"): the runner around the pure planner
 (``_planner.py``). It fences the controller, reads the checkpoint and its manifest, waits for the
 projector, gathers each ``continue`` episode's state at its cut (pinned trackers, else a replay of
-the log), asks the planner, reserves the restore's id, writes the ``attempt.started`` records and
-commits the plan in one catalog transaction. A failure anywhere commits nothing: the projector
-discards the restore and the old attempts stay current."""
+the log), asks the planner, opens the restore's request (its id reserved), writes the
+``attempt.started`` records and commits the plan in one catalog transaction. A failure anywhere
+commits nothing (the request is aborted): the projector discards the restore and the old attempts
+stay current. With several replicas (issue 17) each plans the partitions it owns: the requester
+its own in-process, the others theirs through ``poll``, as ``restore_parts`` rows that the
+requester merges before its commit."""
 
 from __future__ import annotations
 
