@@ -277,11 +277,16 @@ class Coordinator:
         projector = await self.projector(run)
         projector.check_running()
         policy = RestorePolicy(policy_version, max_policy_lag)
-        async with self._run_locks[run]:
-            with collector_paused():
-                return await self._restorer.restore(
-                    projector, controller_epoch, checkpoint_id, exclude, policy, exclude_results
-                )
+        with collector_paused():
+            return await self._restorer.restore(
+                projector,
+                controller_epoch,
+                checkpoint_id,
+                exclude,
+                policy,
+                exclude_results,
+                lock=self._run_locks[run],
+            )
 
     async def sync_results(self, run: str) -> None:
         """Bring the catalog's results up to the log (``UnknownRun``): every record appended

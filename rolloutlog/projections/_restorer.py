@@ -1,9 +1,12 @@
 """Restores (docs/design.md §6, §10 "A restore"): the runner around the pure planner
 (``_planner.py``). It fences the controller, reads the checkpoint and its manifest, waits for the
 projector, gathers each ``continue`` episode's state at its cut (pinned trackers, else a replay of
-the log), asks the planner, reserves the restore's id, writes the ``attempt.started`` records and
-commits the plan in one catalog transaction. A failure anywhere commits nothing: the projector
-discards the restore and the old attempts stay current."""
+the log), asks the planner, opens the restore's request (its id reserved), writes the
+``attempt.started`` records and commits the plan in one catalog transaction. A failure anywhere
+commits nothing (the request is aborted): the projector discards the restore and the old attempts
+stay current. With several replicas (issue 17) each plans the partitions it owns: the requester
+its own in-process, the others theirs through ``poll``, as ``restore_parts`` rows that the
+requester merges before its commit."""
 
 from __future__ import annotations
 
@@ -246,6 +249,8 @@ class Restorer:
         self._owned_now = owned_now
         #: Other replicas' requests this one planned (or is planning), with the projector.
         self._planned: dict[tuple[str, int], Projector] = {}
+        #: This replica's requests being run, with the projector that plans them in-process.
+        self._requesting: dict[tuple[str, int], Projector] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def restore(
@@ -256,16 +261,41 @@ class Restorer:
         exclude: Iterable[str],
         policy: RestorePolicy,
         exclude_results: bool = False,
+        lock: asyncio.Lock | None = None,
     ) -> RestoreResult:
-        """Plan and commit a restore of the projector's run (the caller holds the run's lock).
+        """Plan and commit a restore of the projector's run under the run's ``lock`` (the run's
+        projector is not started afresh meanwhile, nor the run deleted).
 
         ``exclude_results``: also exclude every episode the plan would continue or restart whose
         finished result the catalog holds (the trainer reads it from the results route).
 
         The projector plans its own partitions in-process; the owners of the others plan theirs
-        when they see the request (``poll``) and write them to the catalog. A projector that
-        owns every partition opens the request after its plan (a mistyped exclusion then fails
-        at once) and writes no parts: its request row is its only extra cost."""
+        when they see the request (``poll``) and write them to the catalog. While it waits for
+        their parts the lock is let go: an owner change may start the run's projector afresh
+        (the poller then plans the new one's partitions). A projector that owns every partition
+        opens the request after its plan (a mistyped exclusion then fails at once) and writes
+        no parts: its request row is its only extra cost."""
+        lock = lock or asyncio.Lock()
+        await lock.acquire()
+        try:
+            return await self._restore(
+                lock,
+                self._projectors.get(projector.run, projector),  # the current one, once locked
+                controller_epoch,
+                checkpoint_id,
+                PlanRequest(frozenset(exclude), exclude_results, policy),
+            )
+        finally:
+            lock.release()
+
+    async def _restore(
+        self,
+        lock: asyncio.Lock,
+        projector: Projector,
+        controller_epoch: int,
+        checkpoint_id: int | str,
+        request: PlanRequest,
+    ) -> RestoreResult:
         run = projector.run
         timer = StageTimer()
         info = await self.catalog.get_run(run)
@@ -281,7 +311,6 @@ class Restorer:
         # This restore supersedes the run's earlier ones: their projections go now rather than
         # sit beside this one's replay (rebuilt from the log if still asked for).
         self.cache.forget_run(run)
-        request = PlanRequest(frozenset(exclude), exclude_results, policy)
         manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
         whole = projector.owned >= frozenset(range(projector.partitions))
         part: PlanPart | None = None
@@ -301,6 +330,7 @@ class Restorer:
                 projector.release_pins(part.pins)
             raise
         committed = begun = False
+        self._requesting[(run, restore_id)] = projector
         try:
             if part is None:
                 part = await self.plan_part(projector, checkpoint, manifest, request, timer)
@@ -310,9 +340,13 @@ class Restorer:
                 planned, cuts = part.plan.episodes, part.cuts
                 fences = {self.replica_id: dict(projector.generations)}
             else:
-                planned, cuts, fences = await self._gather(
-                    projector, checkpoint.checkpoint_id, manifest, request, restore_id, part
-                )
+                lock.release()
+                try:
+                    planned, cuts, fences = await self._gather(
+                        projector, checkpoint.checkpoint_id, manifest, request, restore_id, part
+                    )
+                finally:
+                    await lock.acquire()
                 timer.stage("parts")
             # The id was reserved (``open_restore``) before any record names it: a restore that
             # dies before its commit leaves attempt records under an id no later one can commit.
@@ -343,6 +377,7 @@ class Restorer:
             await self._abort(run, restore_id, e)
             raise
         finally:
+            del self._requesting[(run, restore_id)]
             if begun:
                 projector.end_restore(restore_id, committed)
         if whole and part.pins is None:  # else the projections are built when first fetched
@@ -477,9 +512,10 @@ class Restorer:
             missing = needed - {p.partition for p in parts}
             if not missing:
                 break
-            if self._owned_now is not None and frozenset(self._owned_now(run)) != owned:
-                # Partitions moved to or from this replica: its part (or the parts it waits
-                # for, which nobody else plans now) would be fenced at the commit. Retry.
+            if self._owned_now is not None and owned - frozenset(self._owned_now(run)):
+                # A partition moved away from this replica: its part would be fenced at the
+                # commit. Retry. (Partitions it gained are planned by its projector started
+                # afresh, through the poller.)
                 raise BackendUnavailable(
                     f"restore {restore_id} of run {run!r}: the run's partitions moved between "
                     "replicas while it was planned; retry",
@@ -570,11 +606,14 @@ class Restorer:
         for request in requests:
             key = (request.run, request.restore_id)
             projector = self._projectors.get(request.run)
+            # This replica's own requests are planned in-process, unless the run's projector was
+            # started afresh since (an owner change): then its partitions are planned here.
+            own = request.requested_by == self.replica_id
             if (
-                request.requested_by == self.replica_id
-                or projector is None
+                projector is None
                 or not projector.owned
                 or self._planned.get(key) is projector
+                or (own and self._requesting.get(key, projector) is projector)
             ):
                 continue
             self._planned[key] = projector

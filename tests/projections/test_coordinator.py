@@ -301,7 +301,8 @@ async def test_a_restore_that_fails_commits_nothing(
     with pytest.raises(RuntimeError):
         await service.restore()
     monkeypatch.undo()
-    assert await service.catalog.current_attempts("run") == {}
+    # (The feeder may have recorded the episode meanwhile, at attempt 0.)
+    assert set((await service.catalog.current_attempts("run")).values()) <= {0}
     # The old attempt is still current: its events count, and the next restore makes attempt 1.
     await service.append(f.boundary("a", "invoke_agent", attempt=0))
     await committed(service)

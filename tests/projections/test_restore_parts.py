@@ -297,3 +297,39 @@ async def test_a_restarted_requester_aborts_the_requests_it_left(
         assert result.restore.restore_id == restore_id + 1
     finally:
         await close(service, replicas)
+
+
+async def test_a_requester_that_gains_partitions_mid_request_plans_them(
+    tmp_path: Path, replicas: list[Coordinator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, _ = await scenario(tmp_path)
+    try:
+        silent = Coordinator(service.log, service.catalog, replica_id="r2", lease_s=LONG)
+
+        async def never() -> None:  # an owner that plans nothing, then leaves
+            await asyncio.Event().wait()
+
+        monkeypatch.setattr(silent._restorer, "poll", never)
+        replicas.append(silent)
+        await silent.start()
+        await settle(service.coordinator, silent)
+        theirs = sorted(silent.owned_partitions("run"))
+        request = asyncio.create_task(service.restore(exclude=EXCLUDE))
+        await until(lambda: bool(service.coordinator._restorer._requesting))
+        # The silent owner goes; the requester takes its partitions over (its run's projector
+        # starts afresh while the request waits for their parts) and plans them after all.
+        replicas.remove(silent)
+        await silent.stop()
+        await settle(service.coordinator)
+        result = await asyncio.wait_for(request, 20)
+        assert result.restore.counts == {"continue": 3, "restart": 3, "excluded": 3}
+        parts = await service.catalog.restore_parts("run", result.restore.restore_id)
+        # (Its new projector wrote a part of every partition it owns: the requester took those
+        # it had planned itself from memory.)
+        assert {p.partition for p in parts} >= set(theirs)
+        assert {p.replica_id for p in parts} == {service.coordinator.replica_id}
+        mine = projector(service.coordinator)
+        await until(lambda: not mine.pending_restores)
+        check_resets(mine, result.entries)
+    finally:
+        await close(service, replicas)
