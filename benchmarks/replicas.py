@@ -21,7 +21,7 @@ Per replica count (a fresh topic prefix and catalog schema each; ``--lease-s`` a
 S1 is reduced (``--episodes``, default 4,000 live rollouts instead of 16,000: three replicas
 and the load generator share this machine's two cores); the figure says so.
 
-    python benchmarks/replicas.py [--episodes 4000] [--runs 3] [--counts 1,2,3] [--lease-s 2]
+    python benchmarks/replicas.py [--episodes 4000] [--runs 3] [--counts 1,2,3] [--lease-s 6]
 
 Saved to ``benchmarks/results/replicas.json``.
 """
@@ -346,7 +346,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=4000, help="S1's live rollouts")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--counts", default="1,2,3", help="replica counts to measure")
-    parser.add_argument("--lease-s", type=float, default=2.0)
+    parser.add_argument("--lease-s", type=float, default=6.0, help="the service default")
     args = parser.parse_args()
     for name in ("aiokafka", "rolloutlog.log.kafka"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
