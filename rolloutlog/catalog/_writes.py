@@ -423,6 +423,12 @@ async def write_checkpoint_parts_rows(
         ],
     )
     if len(written) + len(mine) < partitions:
+        if marked_at is not None and pending.marked_at is None:  # the requester's: kept for
+            await conn.execute(  # the committed row, whoever writes the last part
+                update(checkpoints)
+                .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id)
+                .values(marked_at=marked_at)
+            )
         return None
     # The last part is in: commit, manifest-last.
     if written:

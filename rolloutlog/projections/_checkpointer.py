@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, cast
 
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
 from rolloutlog.errors import BackendUnavailable, RolloutlogError
@@ -48,6 +48,9 @@ GRACE_S = 5.0
 POLL_S = 0.025
 #: How often the sweep looks for checkpoints pending past their deadline.
 SWEEP_EVERY_S = 1.0
+#: How long a ``wait=false`` checkpoint waits for other replicas' parts before it answers that it
+#: is pending (their partitions may hold wait steps this replica cannot see).
+REMOTE_PARTS_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +134,18 @@ class Checkpointer:
             self._spawn(
                 self._finish(projector, controller_epoch, capture, timer, deadline, marked_at)
             )
+            return checkpoint_id
+        if not wait and len(capture.owned) < projector.partitions:
+            # Other replicas own partitions whose wait steps this one cannot see: pending (202)
+            # unless their parts commit it at once.
+            finishing = cast(
+                "asyncio.Task[CheckpointResult]",
+                self._spawn(
+                    self._finish(projector, controller_epoch, capture, timer, deadline, marked_at)
+                ),
+            )
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(asyncio.shield(finishing), REMOTE_PARTS_WAIT_S)
             return checkpoint_id
         return await self._finish(projector, controller_epoch, capture, timer, deadline, marked_at)
 

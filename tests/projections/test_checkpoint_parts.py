@@ -158,12 +158,21 @@ async def test_a_checkpoint_asked_of_either_replica_commits_the_single_owner_man
         got = await committed_checkpoint(replicas.catalog, pending)
         expected = await committed_checkpoint(solo.catalog, expected_id)
         assert got.counts == expected.counts
+        assert got.marked_at is not None  # the requester's, whoever wrote the last part
         assert got.entry_count == expected.entry_count
         assert got.size_bytes == expected.size_bytes
         assert got.offsets == expected.offsets
         assert shape(await replicas.catalog.load_manifest(RUN, pending)) == shape(
             await solo.catalog.load_manifest(RUN, expected_id)
         )
+    # A requester that owns no partition sees none of the wait steps: pending (202) all the
+    # same, committed once they close.
+    await append_both(replicas, solo, [f.step_started(name, "verify", "wait") for name in waiting])
+    pending = await replicas.checkpoint(replicas.idle(), wait=False)
+    assert isinstance(pending, int)
+    assert isinstance(await solo.checkpoint(wait=False), int)  # the logs stay alike
+    await append_both(replicas, solo, [f.boundary(name, "verify") for name in waiting])
+    assert (await committed_checkpoint(replicas.catalog, pending)).marked_at is not None
     # Answered in full by the requester (no wait step open): counts and staging keys from the
     # catalog, whichever replica's part came last, also by a replica that writes no part.
     for at in (second, first, replicas.idle()):
