@@ -71,8 +71,11 @@ __all__ = [
 #: How long the owners of a restore's partitions have to plan their parts: past it any replica
 #: aborts the request (its requester waits as long for their parts).
 DEFAULT_RESTORE_DEADLINE_S = 60.0
-#: How often a replica looks for other replicas' requests and for the verdicts it waits for.
+#: How often a replica looks for other replicas' requests and for the verdicts it waits for,
+#: while it shares a run's partitions with other replicas or waits for a verdict; alone, every
+#: ``POLL_ALONE_S`` (a lone embedded service spent a tenth of a core polling at ``POLL_S``).
 POLL_S = 0.05
+POLL_ALONE_S = 1.0
 #: How often a requester looks for the other owners' parts.
 _PARTS_POLL_S = 0.025
 
@@ -578,10 +581,18 @@ class Restorer:
                     await self.poll_once()
                 except Exception as e:
                     logger.warning("restore poll failed: %s", e)
-                await asyncio.sleep(POLL_S)
+                await asyncio.sleep(POLL_S if self._shared() else POLL_ALONE_S)
         finally:
             for task in list(self._tasks):
                 task.cancel()
+
+    def _shared(self) -> bool:
+        """Whether another replica may ask this one for parts or verdicts soon: it owns only
+        some of a run's partitions (or none), or plans or awaits a restore."""
+        return bool(self._planned) or any(
+            len(projector.owned) < projector.partitions or projector.pending_restores
+            for projector in self._projectors.values()
+        )
 
     async def _abort_own(self) -> None:
         while True:
