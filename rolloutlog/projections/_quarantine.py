@@ -48,20 +48,17 @@ def _field_check(shape: FieldShape) -> str:
     """The source of one field's check on the data ``d``, per its model: the JSON type, None
     where the model allows it, left out where the model has a default."""
     name = repr(shape.name)
-    value = (
-        f"d[{name}]" if shape.default is not REQUIRED and not shape.nullable else f"d.get({name})"
-    )
-    check = _IS[shape.json].format(value)
-    if shape.default is REQUIRED:
-        if shape.nullable:
-            return f"(d.get({name}, _MISSING) is None or {check})"
-        return check
-    if shape.nullable:
-        return f"({value} is None or {check})"
-    return f"({name} not in d or {check})"
+    if not shape.nullable and shape.default is not REQUIRED:
+        return f"({name} not in d or {_IS[shape.json].format(f'd[{name}]')})"
+    check = _IS[shape.json].format(f"d.get({name})")
+    if not shape.nullable:
+        return check  # required: left out reads as None, which is of no JSON type here
+    missing = ", _MISSING" if shape.default is REQUIRED else ""
+    return f"(d.get({name}{missing}) is None or {check})"
 
 
 def _compile(source: str) -> Callable[[dict[str, Any]], bool]:
+    """A check from its generated source (as ``dataclasses`` builds its methods)."""
     namespace = {"_NUMBER_TYPES": _NUMBER_TYPES, "_MISSING": _MISSING}
     check: Callable[[dict[str, Any]], bool] = eval(f"lambda d: {source}", namespace)
     return check
