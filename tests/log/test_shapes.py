@@ -1,6 +1,6 @@
 """The data shapes derived from the models (``log/_shapes.py``) and the two fast paths built on
 them: every event type covered, in model order, and a field added to a model checked by the
-append's fast path and the projector's record check without editing either."""
+append's fast path, the projector's record check and the SDK's check without editing them."""
 
 from __future__ import annotations
 
@@ -101,12 +101,19 @@ _NEW_FIELD = textwrap.dedent(
     for field, bad in (("note", 3), ("count", "2"), ("count", None)):
         wrong = {**meta, "data": {**meta["data"], field: bad}}
         assert metadata_problem(wrong) == f"step.started: data.{field} has the wrong type"
+
+    from rolloutlog.participants._encoding import _DATA as sdk_checks
+
+    built = {"owner": "env", "stage": "s", "mode": "wait", "note": None, "count": 2}
+    assert sdk_checks["step.started"](built)
+    assert not sdk_checks["step.started"]({**built, "count": -1})
+    assert not sdk_checks["step.started"]({k: v for k, v in built.items() if k != "note"})
     print("ok")
     """
 )
 
 
-def test_a_field_added_to_a_model_is_checked_by_both_fast_paths() -> None:
+def test_a_field_added_to_a_model_is_checked_by_every_fast_path() -> None:
     # In a fresh interpreter: the tables are derived when the fast paths are first imported.
     done = subprocess.run(
         [sys.executable, "-c", _NEW_FIELD], capture_output=True, text=True, timeout=60
