@@ -14,6 +14,9 @@ envelope, on generated valid and invalid envelopes of every type.
 The record's bytes are the model's JSON: its fields in model order, defaults filled in, the
 payload field (``_record.PAYLOAD_FIELD``) after a newline; orjson writes strings, ints and
 floats as pydantic-core does (floats in the shortest round-trip form, tested).
+
+The data fields' converters are built from the models (``_shapes.DATA_SHAPES``: JSON type,
+None allowed, default, constraint), so a field added to a model is taken without editing this.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from typing import Any
 
 import orjson
 
-from rolloutlog.log._events import MAX_SEQ
+from rolloutlog.log._events import MAX_SEQ, SERVICE_EVENT_TYPES
 from rolloutlog.log._ids import episode_id_problem, name_problem
 from rolloutlog.log._record import PAYLOAD_FIELD
+from rolloutlog.log._shapes import DATA_SHAPES, REQUIRED, FieldShape
 
 __all__ = ["FastRecord", "fast_record"]
 
@@ -36,7 +40,6 @@ FastRecord = tuple[bytes, str, int, str, int, int]
 
 
 _MISSING: Any = object()
-_REQUIRED: Any = object()
 #: What a converter returns for a value the model may refuse.
 _BAD: Any = object()
 #: Ints a float field takes as the same float (pydantic converts them; tested up to here).
@@ -66,17 +69,9 @@ def _name(value: Any) -> Any:
     return _BAD
 
 
-def _name_or_none(value: Any) -> Any:
-    return value if value is None else _name(value)
-
-
 def _non_negative(value: Any) -> Any:
     # Bools are ints to Python, not to strict pydantic.
     return value if type(value) is int and value >= 0 else _BAD
-
-
-def _non_negative_or_none(value: Any) -> Any:
-    return value if value is None else _non_negative(value)
 
 
 def _plain(value: Any) -> bool:
@@ -84,12 +79,12 @@ def _plain(value: Any) -> bool:
     return type(value) is str and value.isascii() and value.isprintable()
 
 
-def _digest(value: Any) -> Any:
-    return value if _plain(value) and 0 < len(value) <= 128 else _BAD
+def _str(value: Any) -> Any:
+    return value if _plain(value) else _BAD
 
 
-def _str_or_none(value: Any) -> Any:
-    return value if value is None or _plain(value) else _BAD
+def _int(value: Any) -> Any:
+    return value if type(value) is int else _BAD
 
 
 def _bool(value: Any) -> Any:
@@ -105,71 +100,55 @@ def _float(value: Any) -> Any:
     return _BAD
 
 
-def _float_or_none(value: Any) -> Any:
-    return value if value is None else _float(value)
+def _digest(low: int, high: int) -> _Convert:
+    return lambda value: value if _plain(value) and low <= len(value) <= high else _BAD
 
 
-def _one_of(*choices: str) -> _Convert:
-    allowed = frozenset(choices)
-    return lambda value: value if type(value) is str and value in allowed else _BAD
+def _one_of(choices: frozenset[str]) -> _Convert:
+    return lambda value: value if type(value) is str and value in choices else _BAD
+
+
+def _or_none(convert: _Convert) -> _Convert:
+    return lambda value: value if value is None else convert(value)
+
+
+def _converter(shape: FieldShape) -> _Convert:
+    """The converter of a metadata field: its JSON type and its model's constraint."""
+    if shape.constraint == "name":
+        convert: _Convert = _name
+    elif shape.constraint == "digest":
+        convert = _digest(*shape.lengths)
+    elif shape.constraint == "non_negative":
+        convert = _non_negative
+    elif shape.constraint == "choices":
+        convert = _one_of(shape.choices)
+    else:
+        convert = {"str": _str, "int": _int, "number": _float, "bool": _bool}[shape.json]
+    return _or_none(convert) if shape.nullable else convert
 
 
 #: The metadata fields of each client event type's data, in model order (the payload field,
-#: which the metadata leaves out, is handled apart): (name, converter, default).
+#: which the metadata leaves out, is handled apart): (name, converter, default), derived from
+#: the models (``_shapes``).
 _Fields = tuple[tuple[str, _Convert, Any], ...]
-_STEP_MODE = _one_of("replay", "wait")
 _DATA: dict[str, _Fields] = {
-    "episode.started": (
-        ("task_digest", _digest, _REQUIRED),
-        ("deadline_s", _float_or_none, None),
-    ),
-    "step.started": (
-        ("owner", _name, _REQUIRED),
-        ("stage", _name, _REQUIRED),
-        ("mode", _STEP_MODE, "wait"),
-    ),
-    "step.boundary": (
-        ("owner", _name, _REQUIRED),
-        ("stage", _name, _REQUIRED),
-        ("next", _name_or_none, None),
-    ),
-    "ledger.row": (
-        ("call_id", _name, _REQUIRED),
-        ("parent_call_id", _name_or_none, _REQUIRED),
-        ("fingerprint", _digest, _REQUIRED),
-        ("context_digest", _digest, _REQUIRED),
-        ("policy_version", _non_negative, _REQUIRED),
-        ("prev_len", _non_negative, _REQUIRED),
-        ("cum_len", _non_negative, _REQUIRED),
-        ("digest", _digest, _REQUIRED),
-        ("staging_key", _str_or_none, None),
-        ("constrained", _bool, False),
-    ),
-    "generation.chunk": (
-        ("call_id", _name, _REQUIRED),
-        ("parent_call_id", _name_or_none, _REQUIRED),
-        ("request_digest", _digest, _REQUIRED),
-        ("start", _non_negative, _REQUIRED),
-        ("policy_version", _non_negative, _REQUIRED),
-        ("staging_key", _str_or_none, None),
-        ("done", _bool, False),
-    ),
-    "session.started": (
-        ("session_id", _name, _REQUIRED),
-        ("mode", _one_of("restart_only", "stateless", "exported", "checkpoint"), "restart_only"),
-        ("verify", _STEP_MODE, "wait"),
-    ),
-    "session.state": (
-        ("session_id", _name, _REQUIRED),
-        ("checkpoint_id", _non_negative_or_none, None),
-    ),
-    "session.ended": (("session_id", _name, _REQUIRED),),
-    "episode.finished": (("reward", _float_or_none, None),),
+    kind: tuple(
+        (shape.name, _converter(shape), shape.default) for shape in shapes if not shape.payload
+    )
+    for kind, shapes in DATA_SHAPES.items()
+    if kind not in SERVICE_EVENT_TYPES
 }
-#: The one type whose payload field may be left out or null (``result: Opaque | None = None``):
+#: The types whose payload field may be left out or null (``result: Opaque | None = None``):
 #: then its record has no payload.
-_OPTIONAL_PAYLOAD = "episode.finished"
-_TOKENS = frozenset({"ledger.row", "generation.chunk"})
+_OPTIONAL_PAYLOAD = frozenset(
+    kind
+    for kind, shapes in DATA_SHAPES.items()
+    for shape in shapes
+    if shape.payload and shape.nullable and shape.default is None
+)
+_TOKENS = frozenset(
+    kind for kind, shapes in DATA_SHAPES.items() for shape in shapes if shape.json == "tokens"
+)
 #: Every writer kind but the service's (its events are refused by the caller, after pydantic).
 _WRITER_KINDS = frozenset({"environment", "policy", "agent", "resources"})
 _ENVELOPE_KEYS = 9  # v, episode, attempt, step, participant, seq, ts, type, data
@@ -177,8 +156,7 @@ _ENVELOPE_KEYS = 9  # v, episode, attempt, step, participant, seq, ts, type, dat
 
 #: The fields each client type's data may have.
 _KEYS: dict[str, frozenset[str]] = {
-    kind: frozenset([name for name, _, _ in spec] + [PAYLOAD_FIELD.get(kind, "")]) - {""}
-    for kind, spec in _DATA.items()
+    kind: frozenset(shape.name for shape in DATA_SHAPES[kind]) for kind in _DATA
 }
 
 
@@ -190,7 +168,7 @@ def _payload(kind: str, value: Any, fields: dict[str, Any]) -> bytes | Any | Non
             return _BAD
         if kind == "ledger.row" and fields["cum_len"] != fields["prev_len"] + len(value):
             return _BAD
-    elif value is None and kind == _OPTIONAL_PAYLOAD:
+    elif value is None and kind in _OPTIONAL_PAYLOAD:
         return None
     try:
         return orjson.dumps(value)
@@ -209,7 +187,7 @@ def _data(kind: str, data: Any) -> tuple[dict[str, Any], bytes | None] | None:
             value = convert(value)
             if value is _BAD:
                 return None
-        elif value is _REQUIRED:
+        elif value is REQUIRED:
             return None
         fields[name] = value
     field = PAYLOAD_FIELD.get(kind)
@@ -217,7 +195,7 @@ def _data(kind: str, data: Any) -> tuple[dict[str, Any], bytes | None] | None:
         return fields, None
     value = data.get(field, _MISSING)
     if value is _MISSING:
-        return (fields, None) if kind == _OPTIONAL_PAYLOAD else None
+        return (fields, None) if kind in _OPTIONAL_PAYLOAD else None
     payload = _payload(kind, value, fields)
     return None if payload is _BAD else (fields, payload)
 

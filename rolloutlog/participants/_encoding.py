@@ -23,12 +23,14 @@ from typing import Any
 import orjson
 
 from rolloutlog.log import (
+    SERVICE_EVENT_TYPES,
     Opaque,
     encode_record,
     encode_record_dict,
     episode_id_problem,
     validate_event,
 )
+from rolloutlog.log._shapes import DATA_SHAPES, FieldShape
 
 __all__ = ["check_built", "encode_record_fast", "encode_wire"]
 
@@ -50,13 +52,12 @@ encode_record_fast = encode_record_dict
 
 # -- the cheap checks ------------------------------------------------------------------------
 #
-# One function per event type, testing each field inline (a call per field cost as much as the
-# test itself). A value of the wrong type may raise TypeError (the regex on a non-string, a set
-# lookup of an unhashable value): ``_fits`` takes that as "not in the SDK's shape".
+# One generated expression per event type, from the models' data shapes (``log/_shapes.py``),
+# testing each field inline (a call per field cost as much as the test itself). A value of the
+# wrong type may raise TypeError (the regex on a non-string, a set lookup of an unhashable
+# value): ``_fits`` takes that as "not in the SDK's shape".
 
 _name = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}").fullmatch
-_STEP_MODES = frozenset(("replay", "wait"))
-_SESSION_MODES = frozenset(("restart_only", "stateless", "exported", "checkpoint"))
 _INTS = {int}
 #: Episode ids seen valid (an episode records many events); bounded, cleared when full.
 _episodes: set[str] = set()
@@ -67,129 +68,55 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def _digest(value: Any) -> bool:
-    return type(value) is str and 0 < len(value) <= 128
-
-
 def _tokens(value: Any) -> bool:
     # strict list[int]: a bool is not a token (one C-level pass over the types)
     return type(value) is list and (not value or set(map(type, value)) == _INTS)
 
 
-def _number_or_none(value: Any) -> bool:
-    return value is None or type(value) is float or type(value) is int
+def _field_check(index: int, shape: FieldShape) -> str:
+    """The source of one field's test on ``d[name]`` (``c<index>``: its choices)."""
+    value = f"d[{shape.name!r}]"
+    if shape.constraint == "name":
+        check = f"_name({value}) is not None"
+    elif shape.constraint == "digest":
+        low, high = shape.lengths
+        check = f"type({value}) is str and {low} <= len({value}) <= {high}"
+    elif shape.constraint == "non_negative":
+        check = f"_count({value})"
+    elif shape.constraint == "choices":
+        check = f"type({value}) is str and {value} in c{index}"
+    else:
+        check = {
+            "str": "type({0}) is str",
+            "int": "type({0}) is int",
+            "number": "type({0}) is float or type({0}) is int",
+            "bool": "type({0}) is bool",
+            "opaque": "type({0}) is Opaque",
+            "tokens": "_tokens({0})",
+        }[shape.json].format(value)
+    return f"({value} is None or {check})" if shape.nullable else f"({check})"
 
 
-def _episode_started(data: dict[str, Any]) -> bool:
-    return (
-        len(data) == 3
-        and type(data["task"]) is Opaque
-        and _digest(data["task_digest"])
-        and _number_or_none(data["deadline_s"])
-    )
+#: What the data models check beyond their fields (their ``model_validator``s).
+_MODEL_CHECKS = {"ledger.row": "d['cum_len'] == d['prev_len'] + len(d['token_ids'])"}
 
 
-def _step_started(data: dict[str, Any]) -> bool:
-    return (
-        len(data) == 3
-        and _name(data["owner"]) is not None
-        and _name(data["stage"]) is not None
-        and type(data["mode"]) is str
-        and data["mode"] in _STEP_MODES
-    )
-
-
-def _step_boundary(data: dict[str, Any]) -> bool:
-    after = data["next"]
-    return (
-        len(data) == 4
-        and _name(data["owner"]) is not None
-        and _name(data["stage"]) is not None
-        and (after is None or _name(after) is not None)
-        and type(data["state"]) is Opaque
-    )
-
-
-def _calls(data: dict[str, Any]) -> bool:
-    """The fields ledger rows and generation chunks share."""
-    parent, staging = data["parent_call_id"], data["staging_key"]
-    return (
-        _name(data["call_id"]) is not None
-        and (parent is None or _name(parent) is not None)
-        and _count(data["policy_version"])
-        and _tokens(data["token_ids"])
-        and (staging is None or type(staging) is str)
-    )
-
-
-def _ledger_row(data: dict[str, Any]) -> bool:
-    return (
-        len(data) == 11
-        and _calls(data)
-        and _digest(data["fingerprint"])
-        and _digest(data["context_digest"])
-        and _digest(data["digest"])
-        and _count(data["prev_len"])
-        and _count(data["cum_len"])
-        and data["cum_len"] == data["prev_len"] + len(data["token_ids"])
-        and type(data["constrained"]) is bool
-    )
-
-
-def _generation_chunk(data: dict[str, Any]) -> bool:
-    return (
-        len(data) == 8
-        and _calls(data)
-        and _digest(data["request_digest"])
-        and _count(data["start"])
-        and type(data["done"]) is bool
-    )
-
-
-def _session_started(data: dict[str, Any]) -> bool:
-    return (
-        len(data) == 3
-        and _name(data["session_id"]) is not None
-        and type(data["mode"]) is str
-        and data["mode"] in _SESSION_MODES
-        and type(data["verify"]) is str
-        and data["verify"] in _STEP_MODES
-    )
-
-
-def _session_state(data: dict[str, Any]) -> bool:
-    checkpoint_id = data["checkpoint_id"]
-    return (
-        len(data) == 3
-        and _name(data["session_id"]) is not None
-        and type(data["state"]) is Opaque
-        and (checkpoint_id is None or _count(checkpoint_id))
-    )
-
-
-def _session_ended(data: dict[str, Any]) -> bool:
-    return len(data) == 1 and _name(data["session_id"]) is not None
-
-
-def _episode_finished(data: dict[str, Any]) -> bool:
-    result = data["result"]
-    return (
-        len(data) == 2
-        and _number_or_none(data["reward"])
-        and (result is None or type(result) is Opaque)
-    )
+def _data_check(kind: str, shapes: tuple[FieldShape, ...]) -> Callable[[dict[str, Any]], bool]:
+    """Whether a data dict has exactly the model's fields, each valid (see ``_field_check``)."""
+    tests = [f"len(d) == {len(shapes)}"]
+    tests += [_field_check(index, shape) for index, shape in enumerate(shapes)]
+    tests += [_MODEL_CHECKS[kind]] if kind in _MODEL_CHECKS else []
+    namespace: dict[str, Any] = {"_name": _name, "_count": _count, "_tokens": _tokens}
+    namespace |= {"Opaque": Opaque}
+    namespace |= {f"c{index}": shape.choices for index, shape in enumerate(shapes)}
+    check: Callable[[dict[str, Any]], bool] = eval(f"lambda d: {' and '.join(tests)}", namespace)
+    return check
 
 
 _DATA: dict[str, Callable[[dict[str, Any]], bool]] = {
-    "episode.started": _episode_started,
-    "step.started": _step_started,
-    "step.boundary": _step_boundary,
-    "ledger.row": _ledger_row,
-    "generation.chunk": _generation_chunk,
-    "session.started": _session_started,
-    "session.state": _session_state,
-    "session.ended": _session_ended,
-    "episode.finished": _episode_finished,
+    kind: _data_check(kind, shapes)
+    for kind, shapes in DATA_SHAPES.items()
+    if kind not in SERVICE_EVENT_TYPES
 }
 
 

@@ -2,10 +2,23 @@
 shape where the fold reads it.
 
 Anyone on the direct Kafka path can produce into a run's topic, so the projector checks what it
-reads instead of trusting it. The check covers exactly the metadata fields the tracker and the fold
-read (a full pydantic validation of every record would cost the projector most of its speed), so a
-record that passes cannot poison the per-episode state that later good records are folded into
-(a ``seq`` that is a string, say, would make every later comparison of that participant raise).
+reads instead of trusting it. The check covers the envelope fields the tracker reads and every
+metadata field of the type's ``data`` (a full pydantic validation of every record would cost the
+projector most of its speed), so a record that passes cannot poison the per-episode state that
+later good records are folded into (a ``seq`` that is a string, say, would make every later
+comparison of that participant raise).
+
+The ``data`` checks are generated at import from the models (``log/_shapes.py``), one
+expression per type as the hand-written ones were, and check what the model says of each field's
+JSON type: a required field must be there (None only where the model allows it); a field with a
+default may be left out (the fold reads the default) but, if there, has the model's type (None
+only where the model allows it). The model is the contract, so a record that breaks it is a bad
+record: this quarantines a ``step.started`` without a string ``stage`` (the fold reads
+``data["stage"]``), a null ``mode``/``verify``/``constrained``/``done``, a ``parent_call_id`` left
+out, and a ``session.state`` whose ``checkpoint_id`` is neither an int nor null (the fold keeps
+it as the export's checkpoint), all of which the earlier hand-written table let through. The
+values' constraints (name patterns, digest lengths, bounds, choices) stay the append's: a wrong
+value there does not make the fold raise.
 """
 
 from __future__ import annotations
@@ -15,142 +28,66 @@ from functools import lru_cache
 from typing import Any
 
 from rolloutlog.log import episode_id_problem
+from rolloutlog.log._shapes import DATA_SHAPES, REQUIRED, FieldShape
 
 __all__ = ["metadata_problem"]
 
 _NUMBER = (int, float)
+_NUMBER_TYPES: frozenset[type] = frozenset({int, float})
+_MISSING: Any = object()
+#: The test of each JSON type, on the expression ``{}``.
+_IS = {
+    "str": "type({}) is str",
+    "int": "type({}) is int",  # bool is an int subclass, and never a seq or an offset
+    "bool": "type({}) is bool",
+    "number": "type({}) in _NUMBER_TYPES",
+}
 
-# Per event type: the ``data`` fields the tracker and the fold read, with the types they need
-# (``None`` allowed where the field is optional).
-_STR, _INT, _OPT_STR, _OPT_INT, _OPT_NUMBER, _OPT_BOOL = (
-    "str",
-    "int",
-    "str?",
-    "int?",
-    "num?",
-    "bool?",
-)
-_DATA_FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
-    "episode.started": (("task_digest", _STR), ("deadline_s", _OPT_NUMBER)),
-    "step.started": (("owner", _STR), ("stage", _OPT_STR), ("mode", _OPT_STR)),
-    "step.boundary": (("owner", _STR), ("stage", _STR), ("next", _OPT_STR)),
-    "ledger.row": (
-        ("call_id", _STR),
-        ("parent_call_id", _OPT_STR),
-        ("fingerprint", _STR),
-        ("context_digest", _STR),
-        ("policy_version", _INT),
-        ("prev_len", _INT),
-        ("cum_len", _INT),
-        ("digest", _STR),
-        ("staging_key", _OPT_STR),
-        ("constrained", _OPT_BOOL),
-    ),
-    "generation.chunk": (
-        ("call_id", _STR),
-        ("parent_call_id", _OPT_STR),
-        ("request_digest", _STR),
-        ("start", _INT),
-        ("policy_version", _INT),
-        ("staging_key", _OPT_STR),
-        ("done", _OPT_BOOL),
-    ),
-    "session.started": (("session_id", _STR), ("mode", _OPT_STR), ("verify", _OPT_STR)),
-    "session.state": (("session_id", _STR),),
-    "session.ended": (("session_id", _STR),),
-    "episode.finished": (("reward", _OPT_NUMBER),),
-    "checkpoint.marker": (("checkpoint_id", _INT), ("controller_epoch", _INT)),
-    "attempt.started": (
-        ("restore_id", _INT),
-        ("checkpoint_id", _INT),
-        ("previous_attempt", _INT),
-        ("cut", _INT),
-    ),
+
+def _field_check(shape: FieldShape) -> str:
+    """The source of one field's check on the data ``d``, per its model: the JSON type, None
+    where the model allows it, left out where the model has a default."""
+    name = repr(shape.name)
+    if not shape.nullable and shape.default is not REQUIRED:
+        return f"({name} not in d or {_IS[shape.json].format(f'd[{name}]')})"
+    check = _IS[shape.json].format(f"d.get({name})")
+    if not shape.nullable:
+        return check  # required: left out reads as None, which is of no JSON type here
+    missing = ", _MISSING" if shape.default is REQUIRED else ""
+    return f"(d.get({name}{missing}) is None or {check})"
+
+
+def _compile(source: str) -> Callable[[dict[str, Any]], bool]:
+    """A check from its generated source (as ``dataclasses`` builds its methods)."""
+    namespace = {"_NUMBER_TYPES": _NUMBER_TYPES, "_MISSING": _MISSING}
+    check: Callable[[dict[str, Any]], bool] = eval(f"lambda d: {source}", namespace)
+    return check
+
+
+def _checks(shapes: tuple[FieldShape, ...]) -> tuple[str, ...]:
+    return tuple(_field_check(shape) for shape in shapes if not shape.payload)
+
+
+#: Per event type, its ``data`` check as one generated expression (the fast path: a loop over
+#: the fields costs the projector as much as decoding the record).
+_DATA_CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    kind: _compile(" and ".join(_checks(shapes)) or "True") for kind, shapes in DATA_SHAPES.items()
+}
+#: Per event type, each metadata field's name and check: ``_problem`` names the one that fails.
+_FIELD_CHECKS: dict[str, tuple[tuple[str, Callable[[dict[str, Any]], bool]], ...]] = {
+    kind: tuple(
+        (shape.name, _compile(_field_check(shape))) for shape in shapes if not shape.payload
+    )
+    for kind, shapes in DATA_SHAPES.items()
 }
 
 
 def _is_int(value: Any) -> bool:
-    return type(value) is int  # bool is an int subclass, and never a seq or an offset
-
-
-def _wrong(value: Any, kind: str) -> bool:
-    if kind == _STR:
-        return type(value) is not str
-    if kind == _INT:
-        return not _is_int(value)
-    if value is None:
-        return False
-    if kind == _OPT_STR:
-        return type(value) is not str
-    if kind == _OPT_INT:
-        return not _is_int(value)
-    if kind == _OPT_NUMBER:
-        return not isinstance(value, _NUMBER) or isinstance(value, bool)
-    return type(value) is not bool
+    return type(value) is int
 
 
 #: Episode ids repeat in every record of their episode: check each once.
 _episode_problem = lru_cache(maxsize=1 << 16)(episode_id_problem)
-
-
-_NUMBER_TYPES: frozenset[type] = frozenset({int, float})
-
-
-def _opt_str(value: Any) -> bool:
-    return value is None or type(value) is str
-
-
-#: Per event type, its ``data`` check as one expression (the fast path: a loop over
-#: ``_DATA_FIELDS`` costs the projector as much as decoding the record); ``_problem`` names the
-#: field when it fails.
-_DATA_CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
-    "episode.started": lambda d: (
-        type(d.get("task_digest")) is str
-        and (d.get("deadline_s") is None or type(d.get("deadline_s")) in _NUMBER_TYPES)
-    ),
-    "step.started": lambda d: (
-        type(d.get("owner")) is str and _opt_str(d.get("stage")) and _opt_str(d.get("mode"))
-    ),
-    "step.boundary": lambda d: (
-        type(d.get("owner")) is str and type(d.get("stage")) is str and _opt_str(d.get("next"))
-    ),
-    "ledger.row": lambda d: (
-        type(d.get("call_id")) is str
-        and type(d.get("fingerprint")) is str
-        and type(d.get("context_digest")) is str
-        and type(d.get("digest")) is str
-        and type(d.get("policy_version")) is int
-        and type(d.get("prev_len")) is int
-        and type(d.get("cum_len")) is int
-        and _opt_str(d.get("parent_call_id"))
-        and _opt_str(d.get("staging_key"))
-        and (d.get("constrained") is None or type(d.get("constrained")) is bool)
-    ),
-    "generation.chunk": lambda d: (
-        type(d.get("call_id")) is str
-        and type(d.get("request_digest")) is str
-        and type(d.get("start")) is int
-        and type(d.get("policy_version")) is int
-        and _opt_str(d.get("parent_call_id"))
-        and _opt_str(d.get("staging_key"))
-        and (d.get("done") is None or type(d.get("done")) is bool)
-    ),
-    "session.started": lambda d: (
-        type(d.get("session_id")) is str and _opt_str(d.get("mode")) and _opt_str(d.get("verify"))
-    ),
-    "session.state": lambda d: type(d.get("session_id")) is str,
-    "session.ended": lambda d: type(d.get("session_id")) is str,
-    "episode.finished": lambda d: d.get("reward") is None or type(d.get("reward")) in _NUMBER_TYPES,
-    "checkpoint.marker": lambda d: (
-        type(d.get("checkpoint_id")) is int and type(d.get("controller_epoch")) is int
-    ),
-    "attempt.started": lambda d: (
-        type(d.get("restore_id")) is int
-        and type(d.get("checkpoint_id")) is int
-        and type(d.get("previous_attempt")) is int
-        and type(d.get("cut")) is int
-    ),
-}
 
 
 def metadata_problem(meta: Any) -> str | None:
@@ -187,7 +124,7 @@ def _problem(meta: Any) -> str | None:
     kind = meta.get("type")
     if type(kind) is not str:
         return "the record has no event type" if kind is None else "its type is not a string"
-    fields = _DATA_FIELDS.get(kind)
+    fields = _FIELD_CHECKS.get(kind)
     if fields is None:
         return f"unknown event type {kind[:64]!r}"
     data = meta.get("data")
@@ -213,7 +150,7 @@ def _problem(meta: Any) -> str | None:
         problem = _episode_problem(episode)
         if problem is not None:
             return f"{kind}: episode id {episode[:64]!r} {problem}"
-    for name, field_kind in fields:
-        if _wrong(data.get(name), field_kind):
+    for name, check in fields:
+        if not check(data):
             return f"{kind}: data.{name} has the wrong type"
     return None

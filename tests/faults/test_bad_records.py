@@ -241,6 +241,33 @@ def test_the_metadata_check_names_what_is_wrong() -> None:
     assert broken(data__constrained=1) == "ledger.row: data.constrained has the wrong type"
 
 
+def test_the_metadata_check_follows_the_models() -> None:
+    """Derived from the models (``log/_shapes.py``): a required field must be there, a default
+    may be left out, None only where the model allows it."""
+
+    def meta(event: Any, **data: Any) -> dict[str, Any]:
+        value: dict[str, Any] = orjson.loads(encode_record(event).split(b"\n")[0])
+        value["data"].update(data)
+        return value
+
+    step = meta(f.step_started("a"))
+    assert metadata_problem(step) is None
+    del step["data"]["mode"]  # the default
+    assert metadata_problem(step) is None
+    wrong = "step.started: data.{} has the wrong type"
+    assert metadata_problem(meta(f.step_started("a"), mode=None)) == wrong.format("mode")
+    stageless = meta(f.step_started("a"))
+    del stageless["data"]["stage"]  # required: the fold reads data["stage"]
+    assert metadata_problem(stageless) == wrong.format("stage")
+    row = meta(f.ledger_row("a", token_ids=[1]))
+    del row["data"]["parent_call_id"]  # required, though it may be null
+    assert metadata_problem(row) == "ledger.row: data.parent_call_id has the wrong type"
+    assert metadata_problem(meta(f.ledger_row("a", token_ids=[1]), parent_call_id=None)) is None
+    state = meta(f.session_state("a"), checkpoint_id="3")
+    assert metadata_problem(state) == "session.state: data.checkpoint_id has the wrong type"
+    assert metadata_problem(meta(f.session_state("a"), checkpoint_id=3)) is None
+
+
 async def test_quarantine_records_wait_for_a_catalog_that_is_down(tmp_path: Path) -> None:
     async with open_api(settings_for(tmp_path / "data")) as api:
         await api.seed(["a"])

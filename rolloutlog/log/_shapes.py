@@ -1,0 +1,122 @@
+"""The shape of each event type's ``data``, derived at import from the pydantic models of ``_events``.
+
+The models are the one definition of what an event's data holds. The append's fast path
+(``_fastpath``) and the projector's record check (``projections/_quarantine``) build their
+tables from ``DATA_SHAPES`` instead of writing the fields again, so a field added to a model is
+checked by both without editing them. A field of a kind this module does not know (another
+constraint, another type) raises at import: someone must say how the fast paths check it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic.fields import FieldInfo
+
+from rolloutlog.log._events import EVENT_CLASSES
+from rolloutlog.log._ids import NAME_PATTERN
+from rolloutlog.log._opaque import Opaque
+
+__all__ = ["DATA_SHAPES", "REQUIRED", "FieldShape"]
+
+
+#: The default of a required field.
+REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "REQUIRED"})()
+
+JsonType = Literal["str", "int", "number", "bool", "opaque", "tokens"]
+Constraint = Literal["name", "digest", "non_negative", "choices", "plain"]
+
+
+@dataclass(frozen=True, slots=True)
+class FieldShape:
+    """One field of an event type's data, as its model declares it."""
+
+    name: str
+    #: The JSON value it holds: ``number`` takes an int or a float; ``opaque`` and ``tokens``
+    #: (a list of ints) are the record's payload, kept out of its metadata.
+    json: JsonType
+    nullable: bool
+    #: ``REQUIRED`` when the model has no default.
+    default: Any
+    constraint: Constraint
+    #: The allowed strings (``choices``), else empty.
+    choices: frozenset[str] = frozenset()
+    #: A digest's (min, max) length, else (0, 0).
+    lengths: tuple[int, int] = (0, 0)
+
+    @property
+    def payload(self) -> bool:
+        return self.json in ("opaque", "tokens")
+
+
+_BASES: dict[Any, JsonType] = {str: "str", int: "int", float: "number", bool: "bool"}
+
+
+def _unwrap(info: FieldInfo) -> tuple[Any, list[Any], bool]:
+    """The field's base annotation, its constraints and whether None is allowed."""
+    annotation, metadata = info.annotation, list(info.metadata)
+    args = typing.get_args(annotation)
+    nullable = (
+        typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args
+    )
+    if nullable:
+        (annotation,) = [arg for arg in args if arg is not type(None)]
+        if typing.get_origin(annotation) is typing.Annotated:
+            annotation, *extra = typing.get_args(annotation)
+            for item in extra:
+                metadata.extend(item.metadata if isinstance(item, FieldInfo) else [item])
+    return annotation, metadata, nullable
+
+
+def _bounds(item: Any) -> dict[str, Any]:
+    """A constraint as keyword and value: ``Ge(ge=0)`` -> {"ge": 0}."""
+    if dataclasses.is_dataclass(item):  # annotated_types' Ge, MinLen, MaxLen...
+        return {field.name: getattr(item, field.name) for field in dataclasses.fields(item)}
+    return {key: value for key, value in vars(item).items() if value is not None}
+
+
+def _shape(kind: str, name: str, info: FieldInfo) -> FieldShape:
+    base, metadata, nullable = _unwrap(info)
+    default = REQUIRED if info.is_required() else info.default
+    where = f"{kind} data.{name}"
+    if base is Opaque or base == list[int]:
+        if metadata:
+            raise TypeError(f"{where}: a constrained payload field")
+        json: JsonType = "opaque" if base is Opaque else "tokens"
+        return FieldShape(name, json, nullable, default, "plain")
+    if typing.get_origin(base) is Literal:
+        choices = typing.get_args(base)
+        if metadata or not all(type(choice) is str for choice in choices):
+            raise TypeError(f"{where}: only plain string Literals are derived")
+        return FieldShape(name, "str", nullable, default, "choices", frozenset(choices))
+    json = _BASES.get(base)  # type: ignore[assignment]
+    if json is None:
+        raise TypeError(f"{where}: no shape for {base!r}")
+    bounds = {key: value for item in metadata for key, value in _bounds(item).items()}
+    if not bounds:
+        return FieldShape(name, json, nullable, default, "plain")
+    if json == "str" and bounds == {"pattern": NAME_PATTERN}:
+        return FieldShape(name, json, nullable, default, "name")
+    if json == "str" and bounds.keys() == {"min_length", "max_length"}:
+        lengths = (bounds["min_length"], bounds["max_length"])
+        return FieldShape(name, json, nullable, default, "digest", lengths=lengths)
+    if json == "int" and bounds == {"ge": 0}:
+        return FieldShape(name, json, nullable, default, "non_negative")
+    raise TypeError(f"{where}: no shape for the constraints {bounds}")
+
+
+def _data_shapes() -> dict[str, tuple[FieldShape, ...]]:
+    shapes = {}
+    for kind, cls in EVENT_CLASSES.items():
+        model = cls.model_fields["data"].annotation
+        assert isinstance(model, type)
+        shapes[kind] = tuple(_shape(kind, name, info) for name, info in model.model_fields.items())
+    return shapes
+
+
+#: Per event type (client and service), its data's fields in model order.
+DATA_SHAPES: dict[str, tuple[FieldShape, ...]] = _data_shapes()

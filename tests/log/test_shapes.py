@@ -1,0 +1,122 @@
+"""The data shapes derived from the models (``log/_shapes.py``) and the two fast paths built on
+them: every event type covered, in model order, and a field added to a model checked by the
+append's fast path, the projector's record check and the SDK's check without editing them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from rolloutlog.log import SERVICE_EVENT_TYPES
+from rolloutlog.log._events import EVENT_CLASSES
+from rolloutlog.log._fastpath import _DATA, _KEYS
+from rolloutlog.log._record import PAYLOAD_FIELD
+from rolloutlog.log._shapes import DATA_SHAPES, REQUIRED
+from rolloutlog.projections._quarantine import _DATA_CHECKS, _FIELD_CHECKS
+
+
+def test_every_event_type_in_model_order() -> None:
+    assert DATA_SHAPES.keys() == EVENT_CLASSES.keys()
+    for kind, cls in EVENT_CLASSES.items():
+        model = cls.model_fields["data"].annotation
+        assert isinstance(model, type)
+        fields = model.model_fields
+        shapes = DATA_SHAPES[kind]
+        assert [shape.name for shape in shapes] == list(fields), kind
+        for shape in shapes:
+            info = fields[shape.name]
+            assert (shape.default is REQUIRED) == info.is_required(), (kind, shape.name)
+            if shape.default is not REQUIRED:
+                assert shape.default == info.default
+        payload = [shape.name for shape in shapes if shape.payload]
+        assert payload == ([PAYLOAD_FIELD[kind]] if kind in PAYLOAD_FIELD else []), kind
+
+
+def test_shapes_read_the_constraints() -> None:
+    shapes = {shape.name: shape for shape in DATA_SHAPES["ledger.row"]}
+    assert (shapes["call_id"].constraint, shapes["call_id"].nullable) == ("name", False)
+    assert (shapes["parent_call_id"].constraint, shapes["parent_call_id"].nullable) == (
+        "name",
+        True,
+    )
+    assert shapes["parent_call_id"].default is REQUIRED
+    assert (shapes["digest"].constraint, shapes["digest"].lengths) == ("digest", (1, 128))
+    assert (shapes["prev_len"].json, shapes["prev_len"].constraint) == ("int", "non_negative")
+    assert (shapes["staging_key"].json, shapes["staging_key"].default) == ("str", None)
+    assert (shapes["constrained"].json, shapes["constrained"].default) == ("bool", False)
+    assert shapes["token_ids"].json == "tokens"
+    mode = DATA_SHAPES["session.started"][1]
+    assert (mode.constraint, mode.default) == ("choices", "restart_only")
+    assert mode.choices == {"restart_only", "stateless", "exported", "checkpoint"}
+    assert DATA_SHAPES["episode.finished"][0].json == "number"
+
+
+def test_both_fast_paths_are_built_from_the_shapes() -> None:
+    assert _DATA.keys() == EVENT_CLASSES.keys() - SERVICE_EVENT_TYPES
+    for kind, fields in _DATA.items():
+        metadata = [shape for shape in DATA_SHAPES[kind] if not shape.payload]
+        assert [(name, default) for name, _, default in fields] == [
+            (shape.name, shape.default) for shape in metadata
+        ]
+        assert _KEYS[kind] == {shape.name for shape in DATA_SHAPES[kind]}
+    assert _DATA_CHECKS.keys() == _FIELD_CHECKS.keys() == EVENT_CLASSES.keys()
+    for kind, checks in _FIELD_CHECKS.items():
+        assert [name for name, _ in checks] == [
+            shape.name for shape in DATA_SHAPES[kind] if not shape.payload
+        ]
+
+
+_NEW_FIELD = textwrap.dedent(
+    """
+    import orjson
+    from rolloutlog.log import _events, encode_record
+    from rolloutlog.log._events import Name, NonNegative, StepStarted, StepStartedData
+
+    class Data(StepStartedData):
+        note: Name | None = None
+        count: NonNegative = 0
+
+    class Envelope(StepStarted):
+        data: Data
+
+    _events.EVENT_CLASSES["step.started"] = Envelope
+
+    from rolloutlog.log._fastpath import fast_record
+    from rolloutlog.projections._quarantine import metadata_problem
+
+    good = {
+        "episode": "e1", "participant": {"id": "env", "kind": "environment", "epoch": 0},
+        "seq": 0, "ts": 1.5, "type": "step.started",
+        "data": {"owner": "env", "stage": "s", "note": "n.1", "count": 2},
+    }
+    record = encode_record(Envelope.model_validate(good))
+    assert fast_record(good)[0] == record, (fast_record(good), record)
+    meta = orjson.loads(record)
+    assert list(meta["data"]) == ["owner", "stage", "mode", "note", "count"], meta
+    assert metadata_problem(meta) is None
+    for field, bad in (("note", "bad name"), ("note", 3), ("count", -1), ("count", "2")):
+        value = {**good, "data": {**good["data"], field: bad}}
+        assert fast_record(value) is None, value
+    for field, bad in (("note", 3), ("count", "2"), ("count", None)):
+        wrong = {**meta, "data": {**meta["data"], field: bad}}
+        assert metadata_problem(wrong) == f"step.started: data.{field} has the wrong type"
+
+    from rolloutlog.participants._encoding import _DATA as sdk_checks
+
+    built = {"owner": "env", "stage": "s", "mode": "wait", "note": None, "count": 2}
+    assert sdk_checks["step.started"](built)
+    assert not sdk_checks["step.started"]({**built, "count": -1})
+    assert not sdk_checks["step.started"]({k: v for k, v in built.items() if k != "note"})
+    print("ok")
+    """
+)
+
+
+def test_a_field_added_to_a_model_is_checked_by_every_fast_path() -> None:
+    # In a fresh interpreter: the tables are derived when the fast paths are first imported.
+    done = subprocess.run(
+        [sys.executable, "-c", _NEW_FIELD], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
