@@ -76,8 +76,12 @@ from rolloutlog.log._record import (
     record_restore_id,
     split_record,
 )
+from rolloutlog.log._shapes import DATA_SHAPES, REQUIRED, FieldShape
 
 __all__ = [
+    "DATA_SHAPES",
+    "REQUIRED",
+    "FieldShape",
     "fast_record",
     "DEFAULT_MAX_RECORD_BYTES",
     "DELTA_KEY",

@@ -23,14 +23,15 @@ from typing import Any
 import orjson
 
 from rolloutlog.log import (
+    DATA_SHAPES,
     SERVICE_EVENT_TYPES,
+    FieldShape,
     Opaque,
     encode_record,
     encode_record_dict,
     episode_id_problem,
     validate_event,
 )
-from rolloutlog.log._shapes import DATA_SHAPES, FieldShape
 
 __all__ = ["check_built", "encode_record_fast", "encode_wire"]
 

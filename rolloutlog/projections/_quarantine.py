@@ -27,8 +27,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from rolloutlog.log import episode_id_problem
-from rolloutlog.log._shapes import DATA_SHAPES, REQUIRED, FieldShape
+from rolloutlog.log import DATA_SHAPES, REQUIRED, FieldShape, episode_id_problem
 
 __all__ = ["metadata_problem"]
 

@@ -82,6 +82,15 @@ _NEW_FIELD = textwrap.dedent(
 
     _events.EVENT_CLASSES["step.started"] = Envelope
 
+    # The package's import built the append's table already: derive it again.
+    import importlib
+    from rolloutlog.log import _fastpath, _shapes
+
+    import rolloutlog.log
+
+    importlib.reload(_shapes)
+    rolloutlog.log.DATA_SHAPES = _shapes.DATA_SHAPES
+    importlib.reload(_fastpath)
     from rolloutlog.log._fastpath import fast_record
     from rolloutlog.projections._quarantine import metadata_problem
 
