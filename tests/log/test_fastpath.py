@@ -237,3 +237,14 @@ def _outcome_of(prepare: Any, body: bytes) -> Any:
         return prepare(body, False, 4, 1 << 20)
     except InvalidEvent as e:
         return (type(e).__name__, e.message, e.details)
+
+
+def test_the_remembered_names_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rolloutlog.log import _fastpath
+
+    monkeypatch.setattr(_fastpath, "_KNOWN_MAX", 8)
+    base = _valid()[2]
+    for i in range(50):
+        assert _agree(_set(base, ("episode",), f"bounded-{i}"))
+        assert not _agree(_set(base, ("episode",), f"bounded-{i}-a1"))
+    assert len(_fastpath._EPISODES) <= 8
