@@ -460,6 +460,7 @@ def main() -> None:
         help="log to Kafka (ROLLOUTLOG_BENCH_KAFKA, else a Tansu broker started here)",
     )
     parser.add_argument("--note", default="", help="context to keep with the results")
+    parser.add_argument("--save-as", default="", help="result file name (default: by mode)")
     args = parser.parse_args()
     runs, seconds = (1, 2.0) if args.quick else (args.runs, args.seconds)
     trees = {"this tree": ROOT}
@@ -510,7 +511,7 @@ def main() -> None:
         }
         name = "api_append" + ("_kafka" if args.kafka else "")
     if not args.quick:
-        path = save(name, document)
+        path = save(args.save_as or name, document)
         print(f"saved {path}")
 
 
