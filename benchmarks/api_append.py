@@ -24,7 +24,8 @@ a temporary directory, run with this venv) and this tree's are measured alternat
 run, on the same machine in the same session (``api_append_before_after.json``). Every run also
 records the service process's CPU time per event during the throughput phase (user + system,
 from /proc: its HTTP server, validation, log writer threads and projector together).
-``--kafka`` logs to Kafka instead (a Tansu broker, each server its own topic prefix; the catalog
+``--synchronous NORMAL`` runs the embedded log without an fsync per commit group (taking the
+disk's latency out of the comparison); ``--kafka`` logs to Kafka instead (a Tansu broker, each server its own topic prefix; the catalog
 stays SQLite in the server's data directory).
 """
 
@@ -128,6 +129,8 @@ SERVE_ARGS: list[str] = []
 #: A Kafka bootstrap address: each server then logs to it (its own topic prefix) with its
 #: catalog in its data directory; None: the embedded log.
 KAFKA: list[str] = []
+#: The embedded log's ``synchronous`` setting, when not the default (FULL).
+SYNCHRONOUS: list[str] = []
 
 
 class Server:
@@ -139,6 +142,8 @@ class Server:
 
     def start(self) -> None:
         log = [f"--log=kafka://{KAFKA[0]}?topic_prefix=b{uuid.uuid4().hex[:8]}."] if KAFKA else []
+        if SYNCHRONOUS:
+            log = [f"--log=embedded://{self.data_dir.resolve()}?synchronous={SYNCHRONOUS[0]}"]
         # ``python -m`` imports ``rolloutlog`` from the working directory first.
         self.proc = subprocess.Popen(
             serve_command(self.data_dir, self.port, *SERVE_ARGS, *log),
@@ -459,9 +464,16 @@ def main() -> None:
         action="store_true",
         help="log to Kafka (ROLLOUTLOG_BENCH_KAFKA, else a Tansu broker started here)",
     )
+    parser.add_argument(
+        "--synchronous",
+        default="",
+        help="the embedded log's synchronous setting (NORMAL: no fsync per commit group)",
+    )
     parser.add_argument("--note", default="", help="context to keep with the results")
+    parser.add_argument("--save-as", default="", help="result file name (default: by mode)")
     args = parser.parse_args()
     runs, seconds = (1, 2.0) if args.quick else (args.runs, args.seconds)
+    SYNCHRONOUS[:] = [args.synchronous] if args.synchronous else []
     trees = {"this tree": ROOT}
     if args.compare:
         trees = {f"before ({args.compare})": extract(args.compare), "after (this tree)": ROOT}
@@ -479,7 +491,7 @@ def main() -> None:
             if tree != ROOT:
                 shutil.rmtree(tree, ignore_errors=True)
     common = {
-        "log": "kafka (Tansu)" if args.kafka else "embedded",
+        "log": "kafka (Tansu)" if args.kafka else f"embedded {args.synchronous or 'FULL'}",
         "runs": runs,
         "seconds_per_phase": seconds,
         "batch": BATCH,
@@ -510,7 +522,7 @@ def main() -> None:
         }
         name = "api_append" + ("_kafka" if args.kafka else "")
     if not args.quick:
-        path = save(name, document)
+        path = save(args.save_as or name, document)
         print(f"saved {path}")
 
 

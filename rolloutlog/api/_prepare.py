@@ -1,18 +1,19 @@
 """Turning an append's body into log records: parse, validate, encode — optionally in a worker
 process.
 
-Each envelope is checked and encoded by the fast path (``log/_fastpath.py``: a client
-envelope of plain JSON types straight to its record, 2-3x cheaper than pydantic) or, for anything
-it does not take, by the pydantic models, which give every refusal. Validation and encoding were
-~45% of the service's CPU per appended event before the fast path, ~28% after; the service's
-process also runs the HTTP server, the log's writer and the projector under one GIL. ``Preparer`` can run this step in worker processes
-(``serve --validation-workers N``) so that it leaves the service process's GIL; small bodies stay
-inline, where the round trip would cost more than it saves. A worker is spoken to over a socket
-pair with asyncio streams: ``ProcessPoolExecutor`` was tried first and its management thread,
-fighting for the busy process's GIL, made every round trip cost ~10 ms. On the 2-core benchmark
-machine one worker added ~10-20% throughput but doubled the p99 latency at half load (the
-worker, the service and the clients contend for two cores), so the default is inline; on a
-machine with spare cores a worker takes validation off the service's GIL.
+Each envelope is checked and encoded by the fast path (``log/_fastpath.py``: a client envelope
+of plain JSON types straight to its record, 2-3x cheaper than pydantic) or, for anything it does
+not take, by the pydantic models, which give every refusal. In the append benchmark validation
+and encoding were ~44% of the service's main-thread CPU before the fast path, ~28% after (the
+process also runs the HTTP server, the log's writer and the projector, under one GIL).
+``Preparer`` can run this step in worker processes (``serve --validation-workers N``) so that it
+leaves the service process's GIL; small bodies stay inline, where the round trip would cost more
+than it saves. A worker is spoken to over a socket pair with asyncio streams:
+``ProcessPoolExecutor`` was tried first and its management thread, fighting for the busy
+process's GIL, made every round trip cost ~10 ms. On the 2-core benchmark machine one worker
+(measured before the fast path) added ~10-20% throughput but doubled the p99 latency at half
+load (the worker, the service and the clients contend for two cores), so the default is inline;
+on a machine with spare cores a worker takes validation off the service's GIL.
 
 The result is what ``Log.append`` would have produced — the same validation, the same record
 per event, the same size limit — plus the few fields the fencing checks need.

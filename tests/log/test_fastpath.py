@@ -207,3 +207,44 @@ def test_random_floats_and_strings_agree(seed: int) -> None:
             if key in data:
                 data[key] = text
         _agree(value)
+
+
+def test_prepare_gives_what_it_gave_before_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body mixing envelopes the fast path takes and envelopes only pydantic takes prepares
+    into the same batch, and a bad envelope in it is refused with the same error, as with every
+    envelope through pydantic (``prepare`` before issue 16)."""
+    from rolloutlog.api import _prepare
+
+    events = _valid()
+    events.append(_set(events[1], ("v",), True))  # pydantic only: a bool for the literal 1
+    events.append(_set(events[2], ("ts",), 2**60))  # pydantic only: an int past 2^53
+    events.append(_set(events[3], ("participant", "epoch"), 2))  # fast, a second epoch
+    bodies = [orjson.dumps(events)]
+    for index, field in ((5, ("data", "call_id")), (12, ("seq",))):
+        bodies.append(orjson.dumps([*events[:index], _set(events[index], field, -1)]))
+    bodies.append(orjson.dumps([*events, _set(events[0], ("type",), "attempt.started")]))
+    fast = [_outcome_of(_prepare.prepare, body) for body in bodies]
+    monkeypatch.setattr(_prepare, "fast_record", lambda value: None)
+    slow = [_outcome_of(_prepare.prepare, body) for body in bodies]
+    assert fast == slow
+    assert isinstance(fast[0], _prepare.Batch) and len(fast[0].values) == len(events)
+    refusals = [outcome[2].get("index") for outcome in fast[1:]]
+    assert refusals == [5, 12, len(events)], fast[1:]
+
+
+def _outcome_of(prepare: Any, body: bytes) -> Any:
+    try:
+        return prepare(body, False, 4, 1 << 20)
+    except InvalidEvent as e:
+        return (type(e).__name__, e.message, e.details)
+
+
+def test_the_remembered_names_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rolloutlog.log import _fastpath
+
+    monkeypatch.setattr(_fastpath, "_KNOWN_MAX", 8)
+    base = _valid()[2]
+    for i in range(50):
+        assert _agree(_set(base, ("episode",), f"bounded-{i}"))
+        assert not _agree(_set(base, ("episode",), f"bounded-{i}-a1"))
+    assert len(_fastpath._EPISODES) <= 8
