@@ -446,33 +446,22 @@ class Catalog:
         ``finished``, ``size_bytes``) count the whole manifest. Reads compose the chain
         (docs/design.md, "Incremental manifests").
         """
-        check_timings(timings_ms)
-        async with self._write() as conn:
-            committed = await write_checkpoint_parts_rows(
-                conn,
-                self._backend,
-                run=run,
-                checkpoint_id=checkpoint_id,
-                replica_id="",
-                generations={},
-                controller_epoch=controller_epoch,
-                offsets=offsets,
-                entries=entries,
-                timings_ms=dict(timings_ms or {}),
-                marked_at=marked_at,
-                now=self._clock(),
-                keep_committed=self._keep_committed,
-                base_checkpoint_id=base_checkpoint_id,
-                removed=removed,
-                totals=totals,
-            )
-            if committed is None:
-                raise InvalidRequest(
-                    f"a checkpoint of run {run!r} needs one offset for each of its partitions",
-                    field="offsets",
-                    given=sorted(offset.partition for offset in offsets),
-                )
-        self._after_bulk_commit()
+        committed = await self._write_parts(
+            run,
+            checkpoint_id,
+            offsets,
+            entries,
+            replica_id="",
+            generations={},
+            controller_epoch=controller_epoch,
+            timings_ms=timings_ms,
+            marked_at=marked_at,
+            base_checkpoint_id=base_checkpoint_id,
+            removed=removed,
+            totals=totals,
+            whole=True,
+        )
+        assert committed is not None  # ``whole``: every partition's part, or InvalidRequest
         return committed
 
     async def write_checkpoint_parts(
@@ -498,6 +487,41 @@ class Catalog:
         partitions' whole manifest). When every partition of the run then has its part, the
         same transaction commits the checkpoint (counts summed over the writers') and returns
         it; else None: another writer's part commits it, or it aborts at its deadline."""
+        return await self._write_parts(
+            run,
+            checkpoint_id,
+            offsets,
+            entries,
+            replica_id=replica_id,
+            generations=generations,
+            controller_epoch=controller_epoch,
+            timings_ms=timings_ms,
+            marked_at=marked_at,
+            base_checkpoint_id=base_checkpoint_id,
+            removed=removed,
+            totals=totals,
+            whole=False,
+        )
+
+    async def _write_parts(
+        self,
+        run: str,
+        checkpoint_id: int,
+        offsets: Sequence[PartitionOffset],
+        entries: Sequence[ManifestEntry],
+        *,
+        replica_id: str,
+        generations: Mapping[int, int],
+        controller_epoch: int | None,
+        timings_ms: Mapping[str, float] | None,
+        marked_at: float | None,
+        base_checkpoint_id: int | None,
+        removed: Sequence[ManifestEntry],
+        totals: Mapping[str, int] | None,
+        whole: bool,
+    ) -> Checkpoint | None:
+        """The one transaction of both: ``whole``, a write that leaves a partition without its
+        part is refused (and rolled back) instead of waiting for another writer's."""
         check_timings(timings_ms)
         async with self._write() as conn:
             committed = await write_checkpoint_parts_rows(
@@ -518,6 +542,12 @@ class Catalog:
                 removed=removed,
                 totals=totals,
             )
+            if committed is None and whole:
+                raise InvalidRequest(
+                    f"a checkpoint of run {run!r} needs one offset for each of its partitions",
+                    field="offsets",
+                    given=sorted(offset.partition for offset in offsets),
+                )
         self._after_bulk_commit()
         return committed
 
