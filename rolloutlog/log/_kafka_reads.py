@@ -106,8 +106,18 @@ class KafkaReads:
     async def read_records(
         self, run: str, partition: int, start: int, end: int
     ) -> AsyncIterator[tuple[int, bytes]]:
-        """Records of ``start <= offset < end``, fetching the next page while the caller consumes
-        the current one. A range reaching past the end yields what exists; one starting past the
+        """Records of ``start <= offset < end`` (``read_pages``, a record at a time)."""
+        async for page in self.read_pages(run, partition, start, end):
+            for item in page:
+                yield item
+
+    async def read_pages(
+        self, run: str, partition: int, start: int, end: int
+    ) -> AsyncIterator[list[tuple[int, bytes]]]:
+        """Records of ``start <= offset < end`` as the Fetch answers hold them, a page (list)
+        per answer, fetching the next page while the caller consumes the current one (no
+        coroutine step per record: a projector catching up reads every record of a partition
+        through here). A range reaching past the end yields what exists; one starting past the
         end of a partition is a lost run (``RunLost``): reads start at offsets known to exist."""
         topic = await self._read_topic(run)
         check_partition(topic, partition)
@@ -131,8 +141,8 @@ class KafkaReads:
                 records = cursor.records
                 if cursor.offset < min(end, cursor.highwater):
                     following = asyncio.create_task(self._step(client, topic, cursor))
-                for item in records:
-                    yield item
+                if records:
+                    yield records
                 if following is None and cursor.offset >= end:
                     return
         except Exception:

@@ -517,6 +517,7 @@ class Projector:
             self._quarantine(partition, offset, record, f"not a JSON envelope: {e}")
             return None
         problem = metadata_problem(meta)
+        tracker = None
         if problem is None:
             episode = meta.get("episode")
             if episode is not None:
@@ -535,7 +536,7 @@ class Projector:
             self._buffered.setdefault(meta["episode"], []).append((offset, meta, record))
             return None
         try:
-            return self._apply(partition, offset, meta, record, start)
+            return self._apply(partition, offset, meta, record, start, tracker)
         except Exception as e:  # the fold cannot apply it: skip it, keep the run going
             self._quarantine(partition, offset, record, _fold_failure(e))
             return None
@@ -575,10 +576,12 @@ class Projector:
         meta: dict[str, Any],
         record: bytes,
         start: int,
+        tracker: EpisodeTracker | None,
     ) -> Awaitable[None] | None:
-        """Apply one record at once (``record[start:]``: its payload); only the ``attempt.started`` of a restore whose verdict is
-        still out returns something to await (synchronous otherwise: a restore's 16,000 records
-        follow each other without a coroutine each)."""
+        """Apply one record at once (``record[start:]``: its payload; ``tracker``: its episode's,
+        if ``_take`` found one); only the ``attempt.started`` of a restore whose verdict is still
+        out returns something to await (synchronous otherwise: a restore's 16,000 records follow
+        each other without a coroutine each)."""
         self.events_applied += 1
         kind = meta["type"]
         if kind == "checkpoint.marker":
@@ -594,14 +597,15 @@ class Projector:
             if restore_id in self._inflight_restores:
                 return self._after_verdict(partition, meta, self._inflight_restores[restore_id])
             return None  # a restore that never committed changes nothing
-        tracker = self._tracker(episode, partition)
+        if tracker is None:
+            tracker = self._tracker(episode, partition)
         started, finished = tracker.first_offset is not None, tracker.finished
         if tracker.observe(offset, meta, record, start):
             self._dirty[partition].add(episode)
-        if not started and tracker.first_offset is not None:
-            self.new_starts.append(EpisodeStart(episode, partition, offset, meta["ts"]))
-        if tracker.finished and not finished:
-            self.new_finishes.append(_finish(tracker, meta, record, start))
+            if not started and tracker.first_offset is not None:
+                self.new_starts.append(EpisodeStart(episode, partition, offset, meta["ts"]))
+            if tracker.finished and not finished:
+                self.new_finishes.append(_finish(tracker, meta, record, start))
         capture = self._capture
         if capture is not None and episode in capture.waiting:
             self._check_wait(capture, tracker, offset)

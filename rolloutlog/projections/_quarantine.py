@@ -43,12 +43,17 @@ _IS = {
 }
 
 
-def _field_check(shape: FieldShape) -> str:
+def _field_check(shape: FieldShape, *, raises: bool = False) -> str:
     """The source of one field's check on the data ``d``, per its model: the JSON type, None
-    where the model allows it, left out where the model has a default."""
+    where the model allows it, left out where the model has a default. ``raises``: a required
+    field left out raises ``KeyError`` (cheaper than ``get``, for the fast path only)."""
     name = repr(shape.name)
     if not shape.nullable and shape.default is not REQUIRED:
         return f"({name} not in d or {_IS[shape.json].format(f'd[{name}]')})"
+    if raises and shape.default is REQUIRED:
+        value = f"d[{name}]"
+        check = _IS[shape.json].format(value)
+        return check if not shape.nullable else f"({value} is None or {check})"
     check = _IS[shape.json].format(f"d.get({name})")
     if not shape.nullable:
         return check  # required: left out reads as None, which is of no JSON type here
@@ -56,21 +61,51 @@ def _field_check(shape: FieldShape) -> str:
     return f"(d.get({name}{missing}) is None or {check})"
 
 
-def _compile(source: str) -> Callable[[dict[str, Any]], bool]:
+def _compile(source: str, args: str = "d") -> Callable[..., bool]:
     """A check from its generated source (as ``dataclasses`` builds its methods)."""
-    namespace = {"_NUMBER_TYPES": _NUMBER_TYPES, "_MISSING": _MISSING}
-    check: Callable[[dict[str, Any]], bool] = eval(f"lambda d: {source}", namespace)
+    namespace = {
+        "_NUMBER_TYPES": _NUMBER_TYPES,
+        "_MISSING": _MISSING,
+        "_episode_problem": _episode_problem,
+    }
+    check: Callable[..., bool] = eval(f"lambda {args}: {source}", namespace)
     return check
 
 
 def _checks(shapes: tuple[FieldShape, ...]) -> tuple[str, ...]:
-    return tuple(_field_check(shape) for shape in shapes if not shape.payload)
+    return tuple(_field_check(shape, raises=True) for shape in shapes if not shape.payload)
 
 
-#: Per event type, its ``data`` check as one generated expression (the fast path: a loop over
-#: the fields costs the projector as much as decoding the record).
-_DATA_CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
-    kind: _compile(" and ".join(_checks(shapes)) or "True") for kind, shapes in DATA_SHAPES.items()
+#: Episode ids repeat in every record of their episode: check each once.
+_episode_problem = lru_cache(maxsize=1 << 16)(episode_id_problem)
+
+#: What every envelope must hold, on the metadata ``m`` (its participant ``w``, its data ``d``):
+#: ``_problem`` says the same one field at a time. Missing keys raise ``KeyError``.
+_ENVELOPE = (
+    "type(w) is dict and type(d) is dict",
+    "type(m['seq']) is int",
+    "type(m['attempt']) is int",
+    "type(m['ts']) in _NUMBER_TYPES",
+    "type(w['id']) is str",
+    "type(w['epoch']) is int",
+    "type(w['kind']) is str",
+)
+_EPISODE = "type(m['episode']) is str and _episode_problem(m['episode']) is None"
+
+
+def _accept_source(kind: str, shapes: tuple[FieldShape, ...]) -> str:
+    """One type's whole check as one expression: the envelope, the episode (none on a
+    ``checkpoint.marker``), then the data's fields."""
+    parts = [*_ENVELOPE, *([] if kind == "checkpoint.marker" else [_EPISODE]), *_checks(shapes)]
+    return " and ".join(f"({part})" for part in parts)
+
+
+#: Per event type, its record check as one generated expression (the fast path: a loop over
+#: the fields, or a generic envelope check before the type's, costs the projector as much as
+#: decoding the record). It only accepts: anything it does not (or a missing key) goes to
+#: ``_problem``, which names the problem, so the verdicts are ``_problem``'s.
+_ACCEPT: dict[str, Callable[[dict[str, Any], Any, Any], bool]] = {
+    kind: _compile(_accept_source(kind, shapes), "m, w, d") for kind, shapes in DATA_SHAPES.items()
 }
 #: Per event type, each metadata field's name and check: ``_problem`` names the one that fails.
 _FIELD_CHECKS: dict[str, tuple[tuple[str, Callable[[dict[str, Any]], bool]], ...]] = {
@@ -85,34 +120,13 @@ def _is_int(value: Any) -> bool:
     return type(value) is int
 
 
-#: Episode ids repeat in every record of their episode: check each once.
-_episode_problem = lru_cache(maxsize=1 << 16)(episode_id_problem)
-
-
 def metadata_problem(meta: Any) -> str | None:
     """Why a record's decoded metadata cannot be folded, or None when it can."""
-    if type(meta) is dict:
-        kind = meta.get("type")
-        data = meta.get("data")
-        who = meta.get("participant")
-        check = _DATA_CHECKS.get(kind) if type(kind) is str else None
-        if (
-            check is not None
-            and type(data) is dict
-            and type(who) is dict
-            and type(meta.get("seq")) is int
-            and type(meta.get("attempt")) is int
-            and type(meta.get("ts")) in _NUMBER_TYPES
-            and type(who.get("id")) is str
-            and type(who.get("epoch")) is int
-            and type(who.get("kind")) is str
-            and check(data)
-        ):
-            if kind == "checkpoint.marker":
-                return None
-            episode = meta.get("episode")
-            if type(episode) is str and _episode_problem(episode) is None:
-                return None
+    try:
+        if _ACCEPT[meta["type"]](meta, meta["participant"], meta["data"]):
+            return None
+    except (KeyError, TypeError):  # not an object, a key missing, an unhashable type
+        pass
     return _problem(meta)
 
 
