@@ -28,7 +28,7 @@ __all__ = ["CutDecision", "EpisodeFold"]
 _new = tuple.__new__
 
 
-@dataclass
+@dataclass(slots=True)
 class _Filters:
     """Per-episode state of the zombie, duplicate and attempt filters (rules 3-5)."""
 
@@ -39,16 +39,19 @@ class _Filters:
     def admits(self, meta: dict[str, Any]) -> bool:
         who = meta["participant"]
         pid, epoch = who["id"], who["epoch"]
-        if self.max_epoch.get(pid, -1) > epoch:
+        max_epoch = self.max_epoch
+        if max_epoch.get(pid, -1) > epoch:
             return False
-        self.max_epoch[pid] = epoch
+        max_epoch[pid] = epoch
         key = (pid, epoch)
         seq = meta["seq"]
-        last = self.last_seq.get(key)
+        last_seq = self.last_seq
+        last = last_seq.get(key)
         if last is not None and seq <= last:
             return False
-        self.last_seq[key] = seq
-        return bool(meta["attempt"] == self.attempt)
+        last_seq[key] = seq
+        attempt: int = meta["attempt"]
+        return attempt == self.attempt
 
     @classmethod
     def after(cls, records: Iterable[tuple[int, dict[str, Any], Any]], attempt: int) -> _Filters:
@@ -362,19 +365,23 @@ class EpisodeFold(SessionRules):
                 sid: (c, False, changed) if waits and not changed else (c, waits, changed)
                 for sid, (c, waits, changed) in self.exports.items()
             }
-        for key in self._pending_staging:
-            if key not in self.staging_keys:
-                self.staging_keys.append(key)
-        self._pending_staging.clear()
+        pending = self._pending_staging
+        if pending:
+            for key in pending:
+                if key not in self.staging_keys:
+                    self.staging_keys.append(key)
+            pending.clear()
         lineage = self.lineage
         if lineage is not None:
             if lineage.pending:
                 lineage.commit()
-        else:
+        elif self._pending_ledger:
             self.ledger.extend(self._pending_ledger)
             self._pending_ledger.clear()
-        self._tail_chunks.clear()
-        self._tail_constrained.clear()
+        if self._tail_chunks:
+            self._tail_chunks.clear()
+        if self._tail_constrained:
+            self._tail_constrained.clear()
         self._latest_call = None
         self._cut_staging = None
         self._cut_staging_known = True

@@ -9,7 +9,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolloutlog.log import Event, encode_record, peek_record, validate_event
+from rolloutlog.log import Event, encode_record, marker_record, peek_record, validate_event
 from rolloutlog.projections import CheckpointResult
 from tests import factories as f
 from tests.projections.both_modes import check_both_modes, follow
@@ -326,3 +326,81 @@ async def test_old_attempt_events_during_a_restore_stay_out_of_the_continued_sta
         "seed",
         folded.payload_bytes,
     )
+
+
+# -- the record check's fast path (one generated expression per type) --------------------------
+
+
+def _metadata_samples() -> list[dict[str, Any]]:
+    """Well-formed metadata of every event type the factories build, and a marker."""
+    events = [
+        f.started("a"),
+        f.boundary("a", "seed", {"t": 1}),
+        f.step_started("a"),
+        f.ledger_row("a", token_ids=[1, 2]),
+        f.session_state("a"),
+        f.chunk("a"),
+        f.finished("a"),
+        f.session_started("a"),
+    ]
+    metas = [peek_record(encode_record(event))[0] for event in events]
+    metas.append(orjson.loads(marker_record(3, 1, 1.0)))
+    return metas
+
+
+_ODD_VALUES = [None, "x", "", 0, 1, -1, 1.5, True, False, [], {}, [1], {"a": 1}]
+_LEFT_OUT = object()
+
+
+def _mutants() -> list[tuple[int, str, str, Any]]:
+    """Every single mutation of the samples: each field (of the envelope, its data and its
+    participant) left out or set to each odd value, and an unknown field added."""
+    out = []
+    for index, meta in enumerate(_metadata_samples()):
+        for where in ("", "data", "participant"):
+            target = meta if not where else meta[where]
+            for key in [*target, "unknown_field"]:
+                for value in [_LEFT_OUT, *_ODD_VALUES]:
+                    out.append((index, where, key, value))
+    return out
+
+
+def _mutate(meta: dict[str, Any], where: str, key: str, value: Any) -> None:
+    target = meta if not where else meta.get(where)
+    if isinstance(target, dict):
+        if value is _LEFT_OUT:
+            target.pop(key, None)
+        else:
+            target[key] = value
+
+
+def test_the_record_checks_fast_path_gives_the_slow_paths_verdict() -> None:
+    from rolloutlog.projections._quarantine import _problem, metadata_problem
+
+    for index, where, key, value in _mutants():
+        meta = _metadata_samples()[index]
+        _mutate(meta, where, key, value)
+        assert metadata_problem(meta) == _problem(meta), (index, where, key, value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_mutants()), min_size=2, max_size=4))
+def test_the_record_checks_fast_path_gives_the_slow_paths_verdict_on_mixed_mutations(
+    mutations: list[tuple[int, str, str, Any]],
+) -> None:
+    from rolloutlog.projections._quarantine import _problem, metadata_problem
+
+    meta = _metadata_samples()[mutations[0][0]]
+    for _, where, key, value in mutations:
+        _mutate(meta, where, key, value)
+    assert metadata_problem(meta) == _problem(meta)
+
+
+def test_the_record_checks_fast_path_accepts_what_the_slow_path_accepts() -> None:
+    from rolloutlog.projections._quarantine import _problem, metadata_problem
+
+    for meta in _metadata_samples():
+        assert _problem(meta) is None
+        assert metadata_problem(meta) is None
+    for odd in ([1], "text", 3, None, {"type": ["unhashable"]}, {"type": "nope"}):
+        assert metadata_problem(odd) == _problem(odd) is not None
