@@ -552,13 +552,14 @@ class EmbeddedLog(Log):
         run_file = await self._run(run)
         if not records:
             return []
-        for record in records:
-            if not 0 <= record.partition < run_file.partitions:
-                raise InvalidRequest(f"partition {record.partition} out of range", run=run)
+        partitions = [record.partition for record in records]
+        if min(partitions) < 0 or max(partitions) >= run_file.partitions:
+            bad = next(p for p in partitions if not 0 <= p < run_file.partitions)
+            raise InvalidRequest(f"partition {bad} out of range", run=run)
         self.check_records(records)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Position]] = loop.create_future()
-        size = sum(len(record.value) for record in records)
+        size = sum([len(record.value) for record in records])
         run_file.submit(_Append(records, loop, future, size))
         return await future
 
