@@ -86,6 +86,9 @@ _READERS_PER_RUN = 4
 _GROUP_BYTES = 64 * 1024 * 1024
 #: The checkpointer runs after this many bytes were committed to the WAL.
 _CHECKPOINT_BYTES = 32 * 1024 * 1024
+#: Bytes of a run's latest committed records kept in memory for its followers (split evenly
+#: between its partitions).
+_TAIL_BYTES = 4 * 1024 * 1024
 
 
 def _open_files_budget() -> int:
@@ -205,6 +208,12 @@ class _RunFile:
         #: Followers waiting for the next commit: (their loop, their event).
         self.waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self.waiters_lock = threading.Lock()
+        #: Per partition, its latest committed records, (offset, value) with consecutive
+        #: offsets: a follower at the tip takes its next records from here instead of reading
+        #: back (and decoding) the segments just written. Only the writer thread changes a list
+        #: (appending to it, or replacing it); a follower copies a slice.
+        self.tail: list[list[tuple[int, bytes]]] = [[] for _ in range(partitions)]
+        self.tail_bytes = [0] * partitions
 
     def submit(self, request: _Append | _Call) -> None:
         self.requests.put(request)
@@ -358,6 +367,7 @@ class _RunFile:
             for request in group:
                 request.loop.call_soon_threadsafe(_fail, request.future, failure)
             return
+        self._keep_tail(group, results)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
         for request, positions in zip(group, results, strict=True):
             by_loop.setdefault(request.loop, []).append((request.future, positions))
@@ -368,6 +378,48 @@ class _RunFile:
             self.wal_bytes = 0
             self.writers.schedule(functools.partial(_checkpoint, self.path, self.synchronous))
         self.wake_followers()
+
+    def _keep_tail(self, group: list[_Append], results: list[list[Position]]) -> None:
+        """Add a committed group's records to the partitions' tails (before the followers are
+        woken); a tail keeps the newest records that fit its share of ``_TAIL_BYTES``."""
+        added: dict[int, list[tuple[int, bytes]]] = {}
+        for request, positions in zip(group, results, strict=True):
+            for record, (partition, offset) in zip(request.records, positions, strict=True):
+                items = added.get(partition)
+                if items is None:
+                    added[partition] = [(offset, record.value)]
+                else:
+                    items.append((offset, record.value))
+        limit = _TAIL_BYTES // self.partitions
+        for partition, items in added.items():
+            tail, size = self.tail[partition], self.tail_bytes[partition]
+            if not tail or tail[-1][0] + 1 != items[0][0]:
+                tail, size = [], 0  # the first records, or offsets jumped (a trim past the end)
+            tail.extend(items)
+            size += sum([len(value) for _, value in items])
+            if size > limit:  # keep the newest records that fit (maybe none)
+                cut = 0
+                while size > limit and cut < len(tail):
+                    size -= len(tail[cut][1])
+                    cut += 1
+                tail = tail[cut:]
+            self.tail[partition], self.tail_bytes[partition] = tail, size
+
+    def from_tail(self, partition: int, start: int, end: int) -> list[tuple[int, bytes]] | None:
+        """The committed records of ``[start, end)`` held in memory, up to the last committed
+        one (None unless the tail holds ``start``, or the records just before the first one
+        committed: then the follower reads the file)."""
+        tail = self.tail[partition]
+        if not tail or start < self.start_offsets[partition]:
+            return None
+        index = start - tail[0][0]
+        if index < 0 or index > len(tail):
+            return None
+        return tail[index : index + end - start]
+
+    def drop_tail(self, partition: int) -> None:
+        self.tail[partition] = []
+        self.tail_bytes[partition] = 0
 
     def wake_followers(self) -> None:
         with self.waiters_lock:
@@ -657,10 +709,23 @@ class EmbeddedLog(Log):
                 if not ranges:
                     await woken.wait()
                     continue
+                pages: list[tuple[int, list[tuple[int, bytes]]]] = []
+                unread: list[tuple[int, int, int]] = []
+                for partition, start, end in ranges:
+                    page = run_file.from_tail(partition, start, end)
+                    if page is None:
+                        unread.append((partition, start, end))
+                    elif page:
+                        pages.append((partition, page))
+                if not pages and not unread:
+                    # Offsets handed out, their group not committed yet: its commit wakes us.
+                    await woken.wait()
+                    continue
                 with run_file.waiters_lock:
                     run_file.waiters.discard((loop, woken))
-                async with run_file.reader() as reader:
-                    pages = await reader.run(read_ranges, reader.conn, ranges, run_file.blobs)
+                if unread:
+                    async with run_file.reader() as reader:
+                        pages += await reader.run(read_ranges, reader.conn, unread, run_file.blobs)
                 for partition, page in pages:
                     next_offsets[partition] = page[-1][0] + 1
                     yield partition, page
@@ -694,6 +759,7 @@ class EmbeddedLog(Log):
                 raise
             run_file.start_offsets[partition] = before
             run_file.next_offsets[partition] = max(run_file.next_offsets[partition], before)
+            run_file.drop_tail(partition)
             # Blob files below the lowest one a remaining segment refers to hold nothing live.
             (lowest,) = conn.execute("SELECT min(blob_file) FROM segments").fetchone()
             run_file.blobs.delete_below(run_file.blobs.current if lowest is None else lowest)
