@@ -315,4 +315,8 @@ async def test_a_follower_at_the_tip_takes_the_committed_records_from_memory(
             assert [item for item in items if item[0] >= stored[0][0]] == stored
             assert [offset for offset, _ in items] == sorted({offset for offset, _ in items})
         assert [offset for offset, _ in got[0]] == [*range(20), *range(85, 95)]
+        # A record kept in a blob file is read from there: its partition's tail starts after it.
+        await log.append_records("run", [Record(1, None, b"b" * _blobs.BLOB_THRESHOLD)])
+        await take(121)
+        assert reads[-1] == [(1, 30, 31)] and log._runs["run"].tail[1] == []
         await pages.aclose()
