@@ -10,22 +10,34 @@ Each figure is microseconds per event, median (min, max) over ``--rounds`` round
 ``benchmarks/results/api_append_prepare.json``.
 
     python benchmarks/api_append_prepare.py [--rounds 7]
+
+With ``--compare REF`` it times instead the route's per-event work outside the log and the
+HTTP stack (``prepare``, the batch's ``records`` and the reply's offsets body) as this tree's
+``api/_prepare.py`` and ``api/_append.py`` do it and as git ``REF``'s do it (both loaded in this
+process, on this tree's ``log`` package), alternately, round by round; results go to
+``benchmarks/results/api_append_prepare_compare.json``.
+
+    python benchmarks/api_append_prepare.py --compare REF [--rounds 7]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 import orjson
-from _common import save, summary
+from _common import ROOT, save, summary
 from api_append import BATCH, bodies
 
-from rolloutlog.api import _prepare
+from rolloutlog.api import _append, _prepare
 from rolloutlog.log import encode_event
 from tests import factories as f
 
@@ -71,10 +83,81 @@ def _without_fast_path() -> Iterator[None]:
         setattr(_prepare, "fast_record", fast)  # noqa: B010
 
 
+def _module_at(ref: str, path: str, name: str) -> ModuleType:
+    """The module at ``path`` as git ``ref`` has it, loaded under ``name``."""
+    source = subprocess.run(
+        ["git", "show", f"{ref}:{path}"], cwd=ROOT, check=True, capture_output=True
+    ).stdout
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and NamedTuples look their module up
+    exec(compile(source, f"{ref}:{path}", "exec"), module.__dict__)
+    return module
+
+
+def _route_work(
+    prepare: ModuleType, append: ModuleType, payloads: list[bytes]
+) -> Callable[[], object]:
+    """Per body: ``prepare``, ``records`` and the offsets body of as many positions."""
+    positions = [(i % 16, i) for i in range(BATCH)]
+
+    def run() -> None:
+        for body in payloads:
+            batch = prepare.prepare(body, False, 16, 1 << 20)
+            prepare.records(batch)
+            _drive(append._offsets_body(positions))
+
+    return run
+
+
+def _drive(coroutine: Any) -> Any:
+    """A coroutine that never awaits anything pending, run to its end without a loop."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("the coroutine awaited something")
+
+
+def _compare(ref: str, rounds: int) -> None:
+    sides = {
+        f"before ({ref})": (
+            _module_at(ref, "rolloutlog/api/_prepare.py", "_prepare_before"),
+            _module_at(ref, "rolloutlog/api/_append.py", "_append_before"),
+        ),
+        "after (this tree)": (_prepare, _append),
+    }
+    workloads = {"step.boundary (api_append)": bodies(200, 1), "every client type": _mixed()}
+    document: dict[str, Any] = {"compare": ref, "rounds": rounds, "batch": BATCH, "workloads": {}}
+    for name, payloads in workloads.items():
+        events = len(payloads) * BATCH
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        for modules in sides.values():
+            _route_work(*modules, payloads)()  # warm
+        for _ in range(rounds):
+            for side, modules in sides.items():
+                times[side].append(_time(_route_work(*modules, payloads), events))
+        figures = {side: summary(values) for side, values in times.items()}
+        document["workloads"][name] = {"us_per_event": figures}
+        print(
+            f"{name}: "
+            + ", ".join(f"{side} {s['median']:.2f} us/event" for side, s in figures.items())
+            + f" (load average {os.getloadavg()[0]:.2f})",
+            flush=True,
+        )
+    document["load_average_after"] = os.getloadavg()[0]
+    print(f"saved {save('api_append_prepare_compare', document)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--compare", default="", help="git ref whose route work is compared")
     args = parser.parse_args()
+    if args.compare:
+        _compare(args.compare, args.rounds)
+        return
     workloads = {"step.boundary (api_append)": bodies(200, 1), "every client type": _mixed()}
     document: dict[str, Any] = {"rounds": args.rounds, "batch": BATCH, "workloads": {}}
     for name, payloads in workloads.items():

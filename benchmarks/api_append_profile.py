@@ -7,9 +7,10 @@ wall-clock time, so neighbours on a busy machine do not skew the shares, and the
 per-call cost (cProfile's per-call cost inflates code made of many small calls). CPU that the
 log's writer threads use lands on whatever the main thread was doing then (often waiting in the
 event loop). The clients run ``api_append.throughput`` twice: a warm-up (every episode created),
-then the sampled phase. Prints each part's share of the samples (inclusive).
+then the sampled phase. Prints each part's share of the samples (inclusive), and with ``--top N``
+the N functions most often on top of the stack (self) and most often on it (inclusive).
 
-    python benchmarks/api_append_profile.py [--seconds 6] [--tree DIR]
+    python benchmarks/api_append_profile.py [--seconds 6] [--tree DIR] [--top N]
 
 ``--tree`` runs the ``rolloutlog`` package under DIR instead of this tree's (e.g. one extracted
 by ``api_append.extract``).
@@ -36,10 +37,13 @@ import collections, signal, sys
 from rolloutlog.api.cli import main
 out = sys.argv[1]
 inclusive = collections.Counter()
+own = collections.Counter()
 total = [0]
 
 def sample(signum, frame):
     total[0] += 1
+    if frame is not None:
+        own[frame.f_code.co_filename + ":" + frame.f_code.co_name] += 1
     seen = set()
     while frame is not None:
         key = frame.f_code.co_filename + ":" + frame.f_code.co_name
@@ -56,6 +60,8 @@ def stop(*_):
     with open(out, "w") as f:
         f.write(f"{total[0]}\\n")
         f.writelines(f"{n} {key}\\n" for key, n in inclusive.most_common())
+        f.write("self\\n")
+        f.writelines(f"{n} {key}\\n" for key, n in own.most_common())
 
 signal.signal(signal.SIGPROF, sample)
 signal.signal(signal.SIGUSR1, start)
@@ -103,6 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--tree", type=Path, default=ROOT)
+    parser.add_argument("--top", type=int, default=0, help="list the N commonest functions")
     args = parser.parse_args()
     server = Server(args.tree)
     out = Path(tempfile.mkstemp(prefix="rolloutlog-profile-")[1])
@@ -121,14 +128,25 @@ def main() -> None:
     lines = out.read_text().splitlines()
     out.unlink()
     total = int(lines[0])
-    counts: dict[str, int] = {}
-    for line in lines[1:]:
-        count, key = line.split(" ", 1)
-        counts[key] = int(count)
+    split = lines.index("self")
+    counts = _counts(lines[1:split])
     print(f"{total} samples of the service's main thread (tree {args.tree})")
     for label, suffix in PARTS:
         share = sum(n for key, n in counts.items() if key.endswith(suffix)) / max(total, 1)
         print(f"  {label:42s} {share * 100:5.1f}%")
+    for title, table in (("self", _counts(lines[split + 1 :])), ("inclusive", counts)):
+        if args.top:
+            print(f"top {args.top}, {title}:")
+        for key, n in list(table.items())[: args.top]:
+            print(f"  {n / max(total, 1) * 100:5.1f}%  {key.removeprefix(str(args.tree) + '/')}")
+
+
+def _counts(lines: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for line in lines:
+        count, key = line.split(" ", 1)
+        counts[key] = int(count)
+    return counts
 
 
 if __name__ == "__main__":

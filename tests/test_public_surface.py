@@ -71,6 +71,7 @@ SURFACES: dict[str, list[str]] = {
         "encode_record",
         "episode_id_problem",
         "fast_record",
+        "DATA_RULES",
         "DATA_SHAPES",
         "FieldShape",
         "REQUIRED",

@@ -152,17 +152,17 @@ async def check_fencing(service: Service, run: str, batch: Batch, fencing: RunFe
 SLICED_EVENTS = 8192
 
 
+#: One acknowledged position's JSON (``%`` with a (partition, offset) tuple).
+_POSITION = b'{"partition":%d,"offset":%d}'.__mod__
+
+
 async def _offsets_body(positions: Sequence[tuple[int, int]]) -> bytes:
+    if len(positions) <= SLICED_EVENTS:
+        return b'{"offsets":[%b]}' % b",".join(map(_POSITION, positions))
     parts = []
     for start in range(0, len(positions), SLICED_EVENTS):
-        parts.append(
-            b",".join(
-                b'{"partition":%d,"offset":%d}' % position
-                for position in positions[start : start + SLICED_EVENTS]
-            )
-        )
-        if len(positions) > SLICED_EVENTS:
-            await asyncio.sleep(0)  # a 200,000-event reply is built a slice at a time
+        parts.append(b",".join(map(_POSITION, positions[start : start + SLICED_EVENTS])))
+        await asyncio.sleep(0)  # a 200,000-event reply is built a slice at a time
     return b'{"offsets":[' + b",".join(parts) + b"]}"
 
 

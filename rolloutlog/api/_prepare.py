@@ -120,44 +120,58 @@ def parse_body(body: bytes | bytearray, ndjson: bool) -> list[Any]:
     return value
 
 
-def _add(batch: Batch, index: int, value: Any, partitions: int, max_record_bytes: int) -> None:
-    """Validate one envelope and add its record to the batch: by the fast path when it takes
-    the envelope, else by the models (which also give every refusal)."""
-    fast = fast_record(value)
-    if fast is None:
-        event = validate_event(value, index)
-        if event.type in SERVICE_EVENT_TYPES or event.participant.kind == "service":
-            raise InvalidEvent(
-                f"event {index}: {event.type} events are written by the service only",
-                index=index,
-                field="type" if event.type in SERVICE_EVENT_TYPES else "participant.kind",
-            )
-        assert event.episode is not None  # only service events have none
-        who = event.participant
-        fast = (encode_record(event), event.episode, event.attempt, who.id, who.epoch, event.seq)
-    record, episode, attempt, participant, epoch, seq = fast
-    check_record_size(len(record), max_record_bytes, index=index)
-    batch.partitions.append(partition_for(episode, partitions))
-    batch.values.append(record)
-    batch.episodes.append(episode)
-    batch.keys.setdefault((episode, attempt, participant, epoch), index)
-    seen = batch.seqs.get((participant, epoch))
-    if seen is None:
-        batch.seqs[(participant, epoch)] = (seq, seq, index)
-    elif seq < seen[0] or seq > seen[1]:
-        low, high, at = seen
-        batch.seqs[(participant, epoch)] = (
-            min(low, seq),
-            max(high, seq),
-            index if seq > high else at,
+def _slow_record(value: Any, index: int) -> tuple[bytes, str, int, str, int, int]:
+    """What ``fast_record`` gives, for an envelope it did not take: by the models, which also
+    give every refusal."""
+    event = validate_event(value, index)
+    if event.type in SERVICE_EVENT_TYPES or event.participant.kind == "service":
+        raise InvalidEvent(
+            f"event {index}: {event.type} events are written by the service only",
+            index=index,
+            field="type" if event.type in SERVICE_EVENT_TYPES else "participant.kind",
         )
+    assert event.episode is not None  # only service events have none
+    who = event.participant
+    return encode_record(event), event.episode, event.attempt, who.id, who.epoch, event.seq
+
+
+def _add_all(
+    batch: Batch, values: list[Any], first: int, partitions: int, max_record_bytes: int
+) -> None:
+    """Validate envelopes and add their records to the batch (``first``: the index of
+    ``values[0]`` in the body): by the fast path when it takes an envelope, else by the models.
+    One loop with its lookups hoisted: it runs for every event of every append."""
+    add_partition = batch.partitions.append
+    add_value = batch.values.append
+    add_episode = batch.episodes.append
+    keys = batch.keys
+    seqs = batch.seqs
+    for index, value in enumerate(values, first):
+        fast = fast_record(value)
+        record, episode, attempt, participant, epoch, seq = (
+            _slow_record(value, index) if fast is None else fast
+        )
+        if len(record) > max_record_bytes:
+            check_record_size(len(record), max_record_bytes, index=index)
+        add_partition(partition_for(episode, partitions))
+        add_value(record)
+        add_episode(episode)
+        key = (episode, attempt, participant, epoch)
+        if key not in keys:
+            keys[key] = index
+        who = (participant, epoch)
+        seen = seqs.get(who)
+        if seen is None:
+            seqs[who] = (seq, seq, index)
+        elif seq < seen[0] or seq > seen[1]:
+            low, high, at = seen
+            seqs[who] = (min(low, seq), max(high, seq), index if seq > high else at)
 
 
 def prepare(body: bytes, ndjson: bool, partitions: int, max_record_bytes: int) -> Batch:
     """Parse, validate and encode a body; raise the refusal of its first bad event."""
     batch = _new_batch()
-    for index, value in enumerate(parse_body(body, ndjson)):
-        _add(batch, index, value, partitions, max_record_bytes)
+    _add_all(batch, parse_body(body, ndjson), 0, partitions, max_record_bytes)
     return batch
 
 
@@ -259,12 +273,12 @@ async def prepare_sliced(
     else:
         values = await _parse_array_sliced(body, pause)
     batch = _new_batch()
-    for index, value in enumerate(values):
-        _add(batch, index, value, partitions, max_record_bytes)
+    for start in range(0, len(values), 16):
+        end = start + 16
+        _add_all(batch, values[start:end], start, partitions, max_record_bytes)
         # Freed as we go: 200,000 parsed envelopes freed at once held the loop ~0.3 s.
-        values[index] = None
-        if not index & 15:
-            await pause()
+        values[start:end] = [None] * len(values[start:end])
+        await pause()
     return batch
 
 
@@ -285,12 +299,8 @@ async def records_sliced(batch: Batch) -> list[Record]:
     for start in range(0, size, 4096):
         end = min(start + 4096, size)
         result.extend(
-            Record(partition, episode.encode(), value)
-            for partition, episode, value in zip(
-                batch.partitions[start:end],
-                batch.episodes[start:end],
-                batch.values[start:end],
-                strict=True,
+            _records(
+                batch.partitions[start:end], batch.episodes[start:end], batch.values[start:end]
             )
         )
         await pause()
@@ -467,9 +477,9 @@ class Preparer:
 
 def records(batch: Batch) -> list[Record]:
     """The batch's log records (keyed by episode, as ``Log.append`` keys them)."""
-    return [
-        Record(partition, episode.encode(), value)
-        for partition, episode, value in zip(
-            batch.partitions, batch.episodes, batch.values, strict=True
-        )
-    ]
+    return _records(batch.partitions, batch.episodes, batch.values)
+
+
+def _records(partitions: list[int], episodes: list[str], values: list[bytes]) -> list[Record]:
+    # map, not a comprehension: no Python frame per record
+    return list(map(Record, partitions, map(str.encode, episodes), values))

@@ -10,7 +10,6 @@ from rolloutlog.log._codec import (
 from rolloutlog.log._deltas import DELTA_KEY, compose_state, is_delta, state_delta
 from rolloutlog.log._digests import ledger_digest, task_digest, token_count
 from rolloutlog.log._events import (
-    OPAQUE_FIELD,
     SERVICE_EVENT_TYPES,
     SERVICE_PARTICIPANT_ID,
     AttemptStarted,
@@ -76,9 +75,16 @@ from rolloutlog.log._record import (
     record_restore_id,
     split_record,
 )
-from rolloutlog.log._shapes import DATA_SHAPES, REQUIRED, FieldShape
+from rolloutlog.log._shapes import (
+    DATA_RULES,
+    DATA_SHAPES,
+    OPAQUE_FIELD,
+    REQUIRED,
+    FieldShape,
+)
 
 __all__ = [
+    "DATA_RULES",
     "DATA_SHAPES",
     "REQUIRED",
     "FieldShape",

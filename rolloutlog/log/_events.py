@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeAlias
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeAlias
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -56,27 +57,54 @@ class ParticipantIdentity(_Frozen):
 
 # -- data of each event type -------------------------------------------------------------------
 
+#: A rule across a data model's fields: given the data (every field, payload included, as a
+#: mapping), the reason it breaks the rule, or None.
+DataRule: TypeAlias = Callable[[Mapping[str, Any]], "str | None"]
 
-class EpisodeStartedData(_Frozen):
+
+class _Data(_Frozen):
+    """An event type's data. ``rule``, when a type has one, is the one definition of what its
+    data must satisfy across fields: this model's validator calls it, and so do the append's
+    fast path and the SDK's check (``_shapes.DATA_RULES``), on the data as a dict."""
+
+    rule: ClassVar[DataRule | None] = None
+
+    @model_validator(mode="after")
+    def _follows_rule(self) -> Self:
+        rule = type(self).rule
+        if rule is not None:
+            problem = rule(self.__dict__)
+            if problem is not None:
+                raise ValueError(problem)
+        return self
+
+
+def _lengths_chain(data: Mapping[str, Any]) -> str | None:
+    if data["cum_len"] != data["prev_len"] + len(data["token_ids"]):
+        return "cum_len must equal prev_len + len(token_ids)"
+    return None
+
+
+class EpisodeStartedData(_Data):
     task: Opaque
     task_digest: Digest
     deadline_s: float | None = None
 
 
-class StepStartedData(_Frozen):
+class StepStartedData(_Data):
     owner: Name
     stage: Name
     mode: StepMode = "wait"
 
 
-class StepBoundaryData(_Frozen):
+class StepBoundaryData(_Data):
     owner: Name
     stage: Name
     next: Name | None = None
     state: Opaque
 
 
-class LedgerRowData(_Frozen):
+class LedgerRowData(_Data):
     call_id: Name
     parent_call_id: Name | None
     fingerprint: Digest
@@ -89,14 +117,10 @@ class LedgerRowData(_Frozen):
     staging_key: str | None = None
     constrained: bool = False
 
-    @model_validator(mode="after")
-    def _lengths_chain(self) -> LedgerRowData:
-        if self.cum_len != self.prev_len + len(self.token_ids):
-            raise ValueError("cum_len must equal prev_len + len(token_ids)")
-        return self
+    rule = _lengths_chain
 
 
-class GenerationChunkData(_Frozen):
+class GenerationChunkData(_Data):
     call_id: Name
     parent_call_id: Name | None
     request_digest: Digest
@@ -108,34 +132,34 @@ class GenerationChunkData(_Frozen):
     done: bool = False
 
 
-class SessionStartedData(_Frozen):
+class SessionStartedData(_Data):
     session_id: Name
     mode: SessionMode = "restart_only"
     verify: StepMode = "wait"
 
 
-class SessionStateData(_Frozen):
+class SessionStateData(_Data):
     session_id: Name
     state: Opaque
     #: Set on an export-on-checkpoint session's export for that checkpoint (None otherwise).
     checkpoint_id: NonNegative | None = None
 
 
-class SessionEndedData(_Frozen):
+class SessionEndedData(_Data):
     session_id: Name
 
 
-class EpisodeFinishedData(_Frozen):
+class EpisodeFinishedData(_Data):
     reward: float | None = None
     result: Opaque | None = None
 
 
-class CheckpointMarkerData(_Frozen):
+class CheckpointMarkerData(_Data):
     checkpoint_id: NonNegative
     controller_epoch: NonNegative
 
 
-class AttemptStartedData(_Frozen):
+class AttemptStartedData(_Data):
     restore_id: NonNegative
     checkpoint_id: NonNegative
     previous_attempt: NonNegative
@@ -245,14 +269,6 @@ EVENT_CLASSES: dict[str, type[_Envelope]] = {
         CheckpointMarker,
         AttemptStarted,
     )
-}
-
-#: The one opaque field of each event type that has one.
-OPAQUE_FIELD: dict[str, str] = {
-    "episode.started": "task",
-    "step.boundary": "state",
-    "session.state": "state",
-    "episode.finished": "result",
 }
 
 #: Event types only the service may write.

@@ -12,7 +12,7 @@ refuses it with its own error. ``tests/log/test_fastpath.py`` checks the two agr
 envelope, on generated valid and invalid envelopes of every type.
 
 The record's bytes are the model's JSON: its fields in model order, defaults filled in, the
-payload field (``_record.PAYLOAD_FIELD``) after a newline; orjson writes strings, ints and
+payload field (``_shapes.PAYLOAD_FIELD``) after a newline; orjson writes strings, ints and
 floats as pydantic-core does (floats in the shortest round-trip form, tested).
 
 The data fields' converters are built from the models (``_shapes.DATA_SHAPES``: JSON type,
@@ -28,8 +28,7 @@ import orjson
 
 from rolloutlog.log._events import MAX_SEQ, SERVICE_EVENT_TYPES
 from rolloutlog.log._ids import episode_id_problem, name_problem
-from rolloutlog.log._record import PAYLOAD_FIELD
-from rolloutlog.log._shapes import DATA_SHAPES, REQUIRED, FieldShape
+from rolloutlog.log._shapes import DATA_RULES, DATA_SHAPES, PAYLOAD_FIELD, REQUIRED, FieldShape
 
 __all__ = ["FastRecord", "fast_record"]
 
@@ -161,13 +160,11 @@ _KEYS: dict[str, frozenset[str]] = {
 }
 
 
-def _payload(kind: str, value: Any, fields: dict[str, Any]) -> bytes | Any | None:
+def _payload(kind: str, value: Any) -> bytes | Any | None:
     """The JSON of the data's payload field: None when the record has none, ``_BAD`` when only
     pydantic may decide."""
     if kind in _TOKENS:
         if type(value) is not list or not all(type(token) is int for token in value):
-            return _BAD
-        if kind == "ledger.row" and fields["cum_len"] != fields["prev_len"] + len(value):
             return _BAD
     elif value is None and kind in _OPTIONAL_PAYLOAD:
         return None
@@ -192,13 +189,20 @@ def _data(kind: str, data: Any) -> tuple[dict[str, Any], bytes | None] | None:
             return None
         fields[name] = value
     field = PAYLOAD_FIELD.get(kind)
-    if field is None:
-        return fields, None
-    value = data.get(field, _MISSING)
-    if value is _MISSING:
-        return (fields, None) if kind in _OPTIONAL_PAYLOAD else None
-    payload = _payload(kind, value, fields)
-    return None if payload is _BAD else (fields, payload)
+    payload = None
+    if field is not None:
+        value = data.get(field, _MISSING)
+        if value is _MISSING:
+            if kind not in _OPTIONAL_PAYLOAD:
+                return None
+            value = None
+        payload = _payload(kind, value)
+        if payload is _BAD:
+            return None
+    rule = DATA_RULES.get(kind)
+    if rule is not None and rule(fields if field is None else {**fields, field: value}) is not None:
+        return None
+    return fields, payload
 
 
 def fast_record(value: Any) -> FastRecord | None:

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from rolloutlog.log._events import OPAQUE_FIELD, SERVICE_PARTICIPANT_ID
+from rolloutlog.log._events import SERVICE_PARTICIPANT_ID
 from rolloutlog.log._opaque import Opaque
+from rolloutlog.log._shapes import OPAQUE_FIELD, PAYLOAD_FIELD
 
 if TYPE_CHECKING:
     from rolloutlog.log._events import Event
@@ -51,13 +52,7 @@ __all__ = [
     "split_record",
 ]
 
-#: The field of each event type kept out of the record's metadata.
-PAYLOAD_FIELD: dict[str, str] = {
-    **OPAQUE_FIELD,
-    "ledger.row": "token_ids",
-    "generation.chunk": "token_ids",
-}
-_TOKEN_TYPES = frozenset({"ledger.row", "generation.chunk"})
+_TOKEN_TYPES = frozenset(PAYLOAD_FIELD.keys() - OPAQUE_FIELD.keys())
 #: ``model_dump_json`` exclusions that leave the payload field out of the metadata.
 _EXCLUDE_PAYLOAD = {kind: {"data": {field}} for kind, field in PAYLOAD_FIELD.items()}
 _SEPARATOR = b"\n"

@@ -1,5 +1,10 @@
 """The shape of each event type's ``data``, derived at import from the pydantic models of ``_events``.
 
+``DATA_SHAPES`` (each field's JSON type, constraint, default), ``DATA_RULES`` (each model's rule
+across fields) and the payload field of each type (``PAYLOAD_FIELD``: the one ``Opaque`` or
+token-list field, which a record keeps apart from its metadata; ``OPAQUE_FIELD``: the ``Opaque``
+ones) are read off the models, so no table repeats them by hand.
+
 The models are the one definition of what an event's data holds. The append's fast path
 (``_fastpath``) and the projector's record check (``projections/_quarantine``) build their
 tables from ``DATA_SHAPES`` instead of writing the fields again, so a field added to a model is
@@ -17,11 +22,18 @@ from typing import Any, Literal
 
 from pydantic.fields import FieldInfo
 
-from rolloutlog.log._events import EVENT_CLASSES
+from rolloutlog.log._events import EVENT_CLASSES, DataRule
 from rolloutlog.log._ids import NAME_PATTERN
 from rolloutlog.log._opaque import Opaque
 
-__all__ = ["DATA_SHAPES", "REQUIRED", "FieldShape"]
+__all__ = [
+    "DATA_RULES",
+    "DATA_SHAPES",
+    "OPAQUE_FIELD",
+    "PAYLOAD_FIELD",
+    "REQUIRED",
+    "FieldShape",
+]
 
 
 #: The default of a required field.
@@ -109,14 +121,38 @@ def _shape(kind: str, name: str, info: FieldInfo) -> FieldShape:
     raise TypeError(f"{where}: no shape for the constraints {bounds}")
 
 
-def _data_shapes() -> dict[str, tuple[FieldShape, ...]]:
-    shapes = {}
-    for kind, cls in EVENT_CLASSES.items():
-        model = cls.model_fields["data"].annotation
-        assert isinstance(model, type)
-        shapes[kind] = tuple(_shape(kind, name, info) for name, info in model.model_fields.items())
-    return shapes
+def _data_model(kind: str) -> Any:
+    model = EVENT_CLASSES[kind].model_fields["data"].annotation
+    assert isinstance(model, type)
+    return model
 
 
 #: Per event type (client and service), its data's fields in model order.
-DATA_SHAPES: dict[str, tuple[FieldShape, ...]] = _data_shapes()
+DATA_SHAPES: dict[str, tuple[FieldShape, ...]] = {
+    kind: tuple(_shape(kind, name, info) for name, info in _data_model(kind).model_fields.items())
+    for kind in EVENT_CLASSES
+}
+
+#: Per event type that has one, its data model's rule across fields (``_events._Data.rule``).
+DATA_RULES: dict[str, DataRule] = {
+    kind: rule for kind in EVENT_CLASSES if (rule := _data_model(kind).rule) is not None
+}
+
+
+def _payload_fields(json: JsonType | None) -> dict[str, str]:
+    """Per event type, its payload field (of that JSON type; any with None); a type with two
+    payload fields raises: a record has room for one."""
+    fields: dict[str, str] = {}
+    for kind, shapes in DATA_SHAPES.items():
+        payloads = [shape for shape in shapes if shape.payload]
+        if len(payloads) > 1:
+            raise TypeError(f"{kind}: more than one payload field")
+        if payloads and json in (None, payloads[0].json):
+            fields[kind] = payloads[0].name
+    return fields
+
+
+#: The field of each event type kept out of its record's metadata (the record layout, ``_record``).
+PAYLOAD_FIELD: dict[str, str] = _payload_fields(None)
+#: The one opaque field of each event type that has one.
+OPAQUE_FIELD: dict[str, str] = _payload_fields("opaque")

@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from rolloutlog.log import (
+    DATA_RULES,
     DATA_SHAPES,
     SERVICE_EVENT_TYPES,
     FieldShape,
@@ -98,16 +99,14 @@ def _field_check(index: int, shape: FieldShape) -> str:
     return f"({value} is None or {check})" if shape.nullable else f"({check})"
 
 
-#: What the data models check beyond their fields (their ``model_validator``s).
-_MODEL_CHECKS = {"ledger.row": "d['cum_len'] == d['prev_len'] + len(d['token_ids'])"}
-
-
 def _data_check(kind: str, shapes: tuple[FieldShape, ...]) -> Callable[[dict[str, Any]], bool]:
-    """Whether a data dict has exactly the model's fields, each valid (see ``_field_check``)."""
+    """Whether a data dict has exactly the model's fields, each valid (see ``_field_check``), and
+    follows the model's rule across fields, if it has one (``DATA_RULES``)."""
     tests = [f"len(d) == {len(shapes)}"]
     tests += [_field_check(index, shape) for index, shape in enumerate(shapes)]
-    tests += [_MODEL_CHECKS[kind]] if kind in _MODEL_CHECKS else []
+    tests += ["_rule(d) is None"] if kind in DATA_RULES else []
     namespace: dict[str, Any] = {"_name": _name, "_count": _count, "_tokens": _tokens}
+    namespace["_rule"] = DATA_RULES.get(kind)
     namespace |= {"Opaque": Opaque}
     namespace |= {f"c{index}": shape.choices for index, shape in enumerate(shapes)}
     check: Callable[[dict[str, Any]], bool] = eval(f"lambda d: {' and '.join(tests)}", namespace)

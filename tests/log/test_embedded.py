@@ -266,3 +266,57 @@ async def test_a_read_only_log_reads_beside_the_holder_and_refuses_writes(tmp_pa
         with pytest.raises(DataDirLocked):
             async with open_log(f"embedded://{tmp_path}"):
                 pass
+
+
+async def test_a_follower_at_the_tip_takes_the_committed_records_from_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rolloutlog.log import Record, embedded
+
+    reads: list[list[tuple[int, int, int]]] = []
+    read_ranges = embedded.read_ranges
+
+    def counted(
+        conn: sqlite3.Connection, ranges: list[tuple[int, int, int]], blobs: object
+    ) -> object:
+        reads.append(ranges)
+        return read_ranges(conn, ranges, blobs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(embedded, "read_ranges", counted)
+    monkeypatch.setattr(embedded, "_TAIL_BYTES", 4 * 1000)  # 1,000 bytes a partition
+    async with open_log(tmp_path) as log:
+        assert isinstance(log, EmbeddedLog)
+        await log.ensure_run("run", 4)
+        pages = log.follow_run("run", [0] * 4)
+        got: dict[int, list[tuple[int, bytes]]] = {p: [] for p in range(4)}
+
+        async def take(count: int) -> None:
+            while sum(map(len, got.values())) < count:
+                partition, page = await anext(pages)
+                got[partition] += page
+
+        def batch(start: int, size: int) -> list[Record]:
+            return [Record(i % 4, None, b"v%d" % i * size) for i in range(start, start + 40)]
+
+        await log.append_records("run", batch(0, 10))  # 20-30 bytes a record: in the tails
+        await take(40)
+        assert reads == []
+        await log.append_records("run", batch(40, 100))  # 10 x 300+ bytes a partition: too big
+        await take(80)
+        assert len(reads) == 1
+        await log.trim("run", 0, 85)  # past partition 0's end: its offsets jump, its tail empties
+        assert log._runs["run"].tail[0] == []
+        await log.append_records("run", batch(80, 1))
+        await take(120)
+        # Partitions 1-3 from their tails again; partition 0's follower is behind its new start.
+        assert {tuple(p for p, _, _ in ranges) for ranges in reads[1:]} == {(0,)}
+        for partition, items in got.items():  # what the file holds (partition 0: from 85 on)
+            stored = [item async for item in log.read_records("run", partition, 0, 1000)]
+            assert [item for item in items if item[0] >= stored[0][0]] == stored
+            assert [offset for offset, _ in items] == sorted({offset for offset, _ in items})
+        assert [offset for offset, _ in got[0]] == [*range(20), *range(85, 95)]
+        # A record kept in a blob file is read from there: its partition's tail starts after it.
+        await log.append_records("run", [Record(1, None, b"b" * _blobs.BLOB_THRESHOLD)])
+        await take(121)
+        assert reads[-1] == [(1, 30, 31)] and log._runs["run"].tail[1] == []
+        await pages.aclose()

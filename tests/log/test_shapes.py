@@ -8,11 +8,19 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from rolloutlog.log import SERVICE_EVENT_TYPES
 from rolloutlog.log._events import EVENT_CLASSES
 from rolloutlog.log._fastpath import _DATA, _KEYS
-from rolloutlog.log._record import PAYLOAD_FIELD
-from rolloutlog.log._shapes import DATA_SHAPES, REQUIRED
+from rolloutlog.log._shapes import (
+    DATA_RULES,
+    DATA_SHAPES,
+    OPAQUE_FIELD,
+    PAYLOAD_FIELD,
+    REQUIRED,
+    _payload_fields,
+)
 from rolloutlog.projections._quarantine import _ACCEPT, _FIELD_CHECKS
 
 
@@ -29,8 +37,33 @@ def test_every_event_type_in_model_order() -> None:
             assert (shape.default is REQUIRED) == info.is_required(), (kind, shape.name)
             if shape.default is not REQUIRED:
                 assert shape.default == info.default
-        payload = [shape.name for shape in shapes if shape.payload]
-        assert payload == ([PAYLOAD_FIELD[kind]] if kind in PAYLOAD_FIELD else []), kind
+
+
+def test_payload_fields_are_the_record_layouts() -> None:
+    # Derived from the models, pinned here to the stored record layout (docs/design.md, "Records
+    # keep metadata apart from payloads"): a model change that moved a payload changes the format.
+    assert OPAQUE_FIELD == {
+        "episode.started": "task",
+        "step.boundary": "state",
+        "session.state": "state",
+        "episode.finished": "result",
+    }
+    assert PAYLOAD_FIELD == {
+        **OPAQUE_FIELD,
+        "ledger.row": "token_ids",
+        "generation.chunk": "token_ids",
+    }
+    assert DATA_RULES.keys() == {"ledger.row"}
+
+
+def test_a_model_with_two_payload_fields_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    shapes = {
+        **DATA_SHAPES,
+        "step.boundary": (*DATA_SHAPES["step.boundary"], DATA_SHAPES["episode.started"][0]),
+    }
+    monkeypatch.setattr("rolloutlog.log._shapes.DATA_SHAPES", shapes)
+    with pytest.raises(TypeError, match=r"step\.boundary: more than one payload field"):
+        _payload_fields(None)
 
 
 def test_shapes_read_the_constraints() -> None:
@@ -73,9 +106,14 @@ _NEW_FIELD = textwrap.dedent(
     from rolloutlog.log import _events, encode_record
     from rolloutlog.log._events import Name, NonNegative, StepStarted, StepStartedData
 
+    def _rule(data):
+        return "count above 5 needs a note" if data["count"] > 5 and data["note"] is None else None
+
     class Data(StepStartedData):
         note: Name | None = None
         count: NonNegative = 0
+
+        rule = _rule
 
     class Envelope(StepStarted):
         data: Data
@@ -90,6 +128,7 @@ _NEW_FIELD = textwrap.dedent(
 
     importlib.reload(_shapes)
     rolloutlog.log.DATA_SHAPES = _shapes.DATA_SHAPES
+    rolloutlog.log.DATA_RULES = _shapes.DATA_RULES
     importlib.reload(_fastpath)
     from rolloutlog.log._fastpath import fast_record
     from rolloutlog.projections._quarantine import metadata_problem
@@ -107,6 +146,15 @@ _NEW_FIELD = textwrap.dedent(
     for field, bad in (("note", "bad name"), ("note", 3), ("count", -1), ("count", "2")):
         value = {**good, "data": {**good["data"], field: bad}}
         assert fast_record(value) is None, value
+    # The model's rule: refused by the model, left to it by the fast path and the SDK's check.
+    unruly = {**good, "data": {**good["data"], "note": None, "count": 6}}
+    assert fast_record(unruly) is None
+    try:
+        Envelope.model_validate(unruly)
+    except ValueError as e:
+        assert "count above 5 needs a note" in str(e), e
+    else:
+        raise AssertionError("the model took a data breaking its rule")
     for field, bad in (("note", 3), ("count", "2"), ("count", None)):
         wrong = {**meta, "data": {**meta["data"], field: bad}}
         assert metadata_problem(wrong) == f"step.started: data.{field} has the wrong type"
@@ -117,6 +165,8 @@ _NEW_FIELD = textwrap.dedent(
     assert sdk_checks["step.started"](built)
     assert not sdk_checks["step.started"]({**built, "count": -1})
     assert not sdk_checks["step.started"]({k: v for k, v in built.items() if k != "note"})
+    assert not sdk_checks["step.started"]({**built, "count": 6})
+    assert sdk_checks["step.started"]({**built, "note": "n", "count": 6})
     print("ok")
     """
 )
