@@ -651,7 +651,7 @@ def measure_curves(
     and shared by the deployments. Points run smallest first, each deployment in turn; the largest
     live point of each deployment comes last, within ``--budget-s``."""
     live_counts = [500, 1000] if quick else [1000, 4000, 16_000, 64_000]
-    state_sizes = [1024, 1024 * 1024] if quick else [1024, 16 * 1024, 128 * 1024, 1024 * 1024]
+    state_sizes = [1024, 1024 * 1024] if quick else [1024, 32 * 1024, 1024 * 1024]
     state_count = 50 if quick else 200
     counts = {key: 2 if quick else n for key, n in CURVE_RUNS.items()}
     largest = max(live_counts)
