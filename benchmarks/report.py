@@ -19,7 +19,7 @@ from _common import RESULTS, ROOT
 #: The cause of each missed target, one entry per target: the lead updates these after the final
 #: ``make bench`` (then runs ``report.py`` again). Each says only what the figures the report prints
 #: beside it (the split of the measured time, the service's stage timings) or a named profile
-#: support; an empty string prints "cause not analysed for this run".
+#: support; an empty string prints "not analysed for this run".
 CAUSES = {
     "checkpoint_vs_stop_the_world": (
         "the baseline is a lower bound of the seed's design: its episodes park at once (the "
@@ -102,7 +102,7 @@ def plot(results: dict[str, Any], suffix: str) -> list[str]:
         }
         if not series:
             continue
-        fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+        fig, ax = plt.subplots(figsize=(8, 6.5), dpi=110)
         ticks: set[float] = set()
         for name, points in series.items():
             xs = [int(x) / unit for x in points]
@@ -170,7 +170,7 @@ def plot(results: dict[str, Any], suffix: str) -> list[str]:
             fontsize=10,
         )
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
         fig.tight_layout()
         name = f"curve_{key}{suffix}.png"
         fig.savefig(RESULTS / name)
@@ -282,6 +282,13 @@ def measured_split(reason: str, results: dict[str, Any]) -> str:
             f"{median(appends['half_load_p99_ms']):.0f} ms at half load (p50 "
             f"{median(appends['half_load_p50_ms']):.0f} ms); service CPU "
             f"{median(appends['cpu_us_per_event']):.0f} µs per event"
+        )
+    fold = results.get("fold_rate") or {}
+    if reason == "fold_rate" and fold:
+        parts.append(
+            f"{median(fold['events_per_s']):,.0f} events/s: {fold['records']:,} records of "
+            f"{fold['live']:,} live episodes folded from Kafka by a fresh projector in "
+            f"{ms(median(fold['catch_up_s']))} ({fold['events_per_s']['runs']} runs)"
         )
     return "; ".join(parts) + "." if parts else ""
 
@@ -411,7 +418,7 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
             f"of {appends.get('batch')} ~250-byte events as fast as the service acknowledges "
             f"(closed loop, {appends.get('seconds_per_phase'):g} s) → events/s; then the same "
             "clients paced at half that rate (open loop) → p50/p99 request latency, counted from "
-            f"when each request was due. Median of {appends.get('runs')} runs."
+            f"when each request was due. Median of {appends.get('runs')} run(s)."
         )
     w("")
 
@@ -638,8 +645,12 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
         w("")
         for reason in reasons:
             facts = measured_split(reason, results)
-            cause = CAUSES.get(reason) or "cause not analysed for this run."
-            w(f"- **{CAUSE_LABELS[reason]}**: " + (f"{facts} " if facts else "") + cause)
+            cause = CAUSES.get(reason) or "not analysed for this run."
+            w(
+                f"- **{CAUSE_LABELS[reason]}**: "
+                + (f"{facts} " if facts else "")
+                + f"Cause: {cause}"
+            )
         w("")
 
     # -- figures
