@@ -83,7 +83,12 @@ def test_report_names_missed_targets() -> None:
         "deployments": {"embedded": {"S1": per}},
         "baselines": {},
         "ratios": {"embedded": {"S1.checkpoint_vs_stop_the_world": 25.0}},
-        "fold_rate": {"events_per_s": _figure(150_000.0)},
+        "fold_rate": {
+            "records": 160_000,
+            "live": 16_000,
+            "catch_up_s": _figure(160_000 / 150_000.0),
+            "events_per_s": _figure(150_000.0),
+        },
     }
     text = report.build(results, [], quick=False)
     missed = text.split("### Missed targets", 1)[1].split("##", 1)[0]
