@@ -26,8 +26,9 @@ demo: venv
 	$(BIN)/python -m rolloutlog.participants.sim.demo $(DEMO_ARGS)
 
 # `bench`: issue 7's suite (S1-S4 through the real service on both deployments, beside the
-# stop-the-world, pyeventsourcing and floor baselines, and the curves), then its plots and
-# benchmarks/RESULTS.md (within 15 minutes here). `bench-components`: the component scripts
+# stop-the-world, pyeventsourcing and floor baselines; the projector's fold rate; the HTTP append
+# figures of api_append.py; the curves on both deployments), then its plots and
+# benchmarks/RESULTS.md (within ~15 minutes here: `--budget-s`). `bench-components`: the component scripts
 # (append, catalog, in-process checkpoint/restore, HTTP append) with their full repetitions.
 # Every script prints its figures and saves JSON under benchmarks/results/ (*_quick.json with
 # --quick, not committed).
