@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from _common import RESULTS, ROOT
+from _common import DEPLOYMENTS, RESULTS, ROOT
 
 #: The cause of each missed target, one entry per target: the lead updates these after the final
 #: ``make bench`` (then runs ``report.py`` again). Each says only what the figures the report prints
@@ -52,7 +52,6 @@ CAUSES = {
     "fold_rate": "",
     "curve_flatness": "",
 }
-DEPLOYMENTS = {"embedded": "embedded", "kafka": "Kafka (Tansu) + PostgreSQL"}
 #: Line style of each deployment in the plots (the figure gives the colour).
 STYLES = {"embedded": "-", "kafka": "--"}
 

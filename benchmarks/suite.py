@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 import orjson
-from _common import ROOT, kafka_broker, percentile, save, serve_command, summary
+from _common import DEPLOYMENTS, ROOT, kafka_broker, percentile, save, serve_command, summary
 from baselines import (
     eventsourcing_reconstruct,
     eventsourcing_store,
@@ -72,8 +72,6 @@ POSTGRES = os.environ.get(
     "ROLLOUTLOG_BENCH_POSTGRES", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
 )
 TICKS = os.sysconf("SC_CLK_TCK")
-
-DEPLOYMENT_NAMES = {"embedded": "embedded", "kafka": "Kafka (Tansu) + PostgreSQL"}
 
 #: Issue 16's targets (``report.py`` prints them in its table's order).
 TARGETS = {
@@ -682,7 +680,7 @@ def measure_curves(
         if elapsed + needed > args.budget_s and not reused:
             log(f"curve {name} {curve} {x}: skipped (time budget)")
             results["skipped"].append(
-                f"{DEPLOYMENT_NAMES[name]} {curve} curve point {x}: skipped, the suite had used "
+                f"{DEPLOYMENTS[name]} {curve} curve point {x}: skipped, the suite had used "
                 f"{elapsed:.0f} s of its {args.budget_s:.0f} s budget (`--budget-s`) and the "
                 f"point takes ~{needed:.0f} s"
             )
