@@ -661,7 +661,8 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
         w(
             "| workload | checkpoint (live) | first (cold) checkpoint | restore (plan) | "
             "restore + fetch | floor | restore / floor | load (SDK) | "
-            "service CPU per checkpoint / restore+fetch | service peak RSS |"
+            "service CPU per checkpoint / restore+fetch | service peak RSS: whole life / "
+            "restores + fetches |"
         )
         w("|---|---|---|---|---|---|---|---|---|---|")
         for key in ("S1", "S2", "S3"):
@@ -675,7 +676,9 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
                 f"{times(median(f.get('restore_over_floor')))} | "
                 f"{f['load_events_per_s']:,.0f} events/s | "
                 f"{f['service_cpu_s_per_checkpoint']:.2f} s / {f['service_cpu_s_per_restore_and_fetch']:.2f} s | "
-                f"{f['service_peak_rss_mb']:,.0f} MB |"
+                f"{f['service_peak_rss_mb']:,.0f} MB / "
+                + (f"{f['restore_peak_rss_mb']:,.0f} MB" if "restore_peak_rss_mb" in f else "n/a")
+                + " |"
             )
         for key in ("S1", "S2", "S3"):
             stages = (per.get(key) or {}).get("stages_ms") or {}
