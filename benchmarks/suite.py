@@ -278,12 +278,14 @@ async def sdk_load(svc: Service, run: str, workload: Workload) -> tuple[list[lis
     return episodes, time.perf_counter() - t0
 
 
-async def bulk_preload(svc: Service, run: str, workload: Workload) -> float:
+async def bulk_preload(svc: Service, run: str, workload: Workload) -> tuple[float, float]:
     """Preload straight into the deployment's log (the service is stopped meanwhile: the embedded
     log takes a lock; Kafka's topics outlive the service, and Tansu's its broker), streaming the
     episodes through ``KafkaTransport(log, validate=False)``: the SDK's encoder over an open
     ``rolloutlog.log`` backend, without the per-event validation (the workload's envelopes are
-    validated by the tests). The restarted service catches up from the log. Returns seconds."""
+    validated by the tests). The restarted service catches up from the log. Returns the seconds
+    of the preload and of the restart (until ``/readyz``: the projector's catch-up, here, ends
+    before it answers; ``caught_up`` then waits for the rest)."""
     svc.stop()
     url = svc.deployment.log_url or f"embedded://{svc.data_dir.resolve()}"
     t0 = time.perf_counter()
@@ -304,8 +306,9 @@ async def bulk_preload(svc: Service, run: str, workload: Workload) -> float:
             pending.append(asyncio.ensure_future(preload.append(run, chunk)))
         await asyncio.gather(*pending)
     elapsed = time.perf_counter() - t0
+    t0 = time.perf_counter()
     svc.start()
-    return elapsed
+    return elapsed, time.perf_counter() - t0
 
 
 async def caught_up(
@@ -583,7 +586,7 @@ async def curve_point(
         run = f"{workload.name}-{workload.count}-{workload.state_bytes}"
         async with AsyncTrainerClient(svc.url) as trainer:
             await trainer.create_run(run, PARTITIONS)
-        preload_s = await bulk_preload(svc, run, workload)
+        preload_s, restart_s = await bulk_preload(svc, run, workload)
         async with AsyncTrainerClient(svc.url) as trainer:
             await trainer.take_over(run)
             try:
@@ -602,6 +605,7 @@ async def curve_point(
             "live": workload.live,
             "state_bytes": workload.state_bytes,
             "preload_s": preload_s,
+            "restart_s": restart_s,
             "catch_up_s": catch_up_s,
         }
     )
