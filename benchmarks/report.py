@@ -163,9 +163,13 @@ def plot(results: dict[str, Any], suffix: str) -> list[str]:
         count = (
             f", {rollouts.pop()} rollouts" if key == "state_bytes" and len(rollouts) == 1 else ""
         )
-        names = " and ".join(DEPLOYMENTS.get(name, name) for name in series)
+        lines = {"-": "solid", "--": "dashed"}
+        names = "; ".join(
+            f"{DEPLOYMENTS.get(name, name)}: {lines.get(STYLES.get(name, ''), 'dash-dot')}"
+            for name in series
+        )
         ax.set_title(
-            f"Checkpoint and restore vs {label}{count}\n({names}; solid: embedded, dashed: Kafka)",
+            f"Checkpoint and restore vs {label}{count}\n({names})",
             fontsize=10,
         )
         ax.grid(True, which="both", alpha=0.3)
