@@ -26,9 +26,12 @@ demo: venv
 	$(BIN)/python -m rolloutlog.participants.sim.demo $(DEMO_ARGS)
 
 # `bench`: issue 7's suite (S1-S4 through the real service on both deployments, beside the
-# stop-the-world, pyeventsourcing and floor baselines, and the curves), then its plots and
-# benchmarks/RESULTS.md (within 15 minutes here). `bench-components`: the component scripts
-# (append, catalog, in-process checkpoint/restore, HTTP append) with their full repetitions.
+# stop-the-world, pyeventsourcing and floor baselines; the projector's fold rate; the HTTP append
+# figures of api_append.py; the curves on both deployments), then its plots and
+# benchmarks/RESULTS.md (within ~15 minutes here: curve points that would end past the suite's
+# `--budget-s` are skipped and listed; e.g. `make bench BENCH_ARGS="--budget-s 1200"`).
+# `bench-components`: the component scripts (append, catalog, in-process checkpoint/restore,
+# HTTP append) with their full repetitions.
 # Every script prints its figures and saves JSON under benchmarks/results/ (*_quick.json with
 # --quick, not committed).
 BENCH_STAMP := $(VENV)/.bench-installed
@@ -39,7 +42,7 @@ $(BENCH_STAMP): $(STAMP)
 	@touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	$(BIN)/python benchmarks/suite.py
+	$(BIN)/python benchmarks/suite.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/report.py
 
 bench-components: $(BENCH_STAMP)

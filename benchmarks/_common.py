@@ -16,6 +16,8 @@ from typing import Any
 import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The deployments the suite measures, as the results name them.
+DEPLOYMENTS = {"embedded": "embedded", "kafka": "Kafka (Tansu) + PostgreSQL"}
 RESULTS = ROOT / "benchmarks" / "results"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))

@@ -14,60 +14,46 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from _common import RESULTS, ROOT
+from _common import DEPLOYMENTS, RESULTS, ROOT
 
-#: Why a target is missed, printed under the missed targets (kept to what the suite measures).
-WHY = {
-    "checkpoint": (
-        "**checkpoint latency**: a checkpoint writes a marker into every partition, waits until the "
-        "service's projector has folded every partition up to its marker, then commits the "
-        "manifest (one row per live episode) in one SQL transaction; the manifest and the fold "
-        "grow with live episodes (see the stage timings), and on this shared 2-core machine the "
-        "service also waits for CPU."
+#: The cause of each missed target, one entry per target: the lead updates these after the final
+#: ``make bench`` (then runs ``report.py`` again). Each says only what the figures the report prints
+#: beside it (the split of the measured time, the service's stage timings) or a named profile
+#: support; an empty string prints "not analysed for this run".
+CAUSES = {
+    "checkpoint_vs_stop_the_world": (
+        "the baseline is a lower bound of the seed's design: its episodes park at once (the "
+        "seed's policy prepare stage alone took 2 s), all its participants live in one process "
+        "and write one record file each to a local disk; rolloutlog's checkpoint is a request to a "
+        "service (markers into every partition, the projector's fold up to them, catalog "
+        "transactions), whose stages are listed beside it."
     ),
-    "stop_the_world": (
-        "**against stop-the-world**: a live checkpoint captures and writes only the manifest "
-        "entries whose episodes changed since the previous one, but it still copies the whole "
-        "manifest in memory (C-level dict copies), lists every staging key a manifest entry "
-        "references in its reply (3 per S1 rollout), and pays two catalog transactions, a marker "
-        "per partition and the wait for the projector to reach them; on Kafka + PostgreSQL each "
-        "of those is a network round trip; the baseline is a lower bound of the seed's design: its "
-        "episodes park at once (the seed's policy prepare stage alone took 2 s), all its "
-        "participants live in one process and write one record file each to a local disk. "
-        "Against the seed's published figures (the informative rows of the table) the ratio is larger."
+    "restore_and_fetch_over_floor": (
+        "the floor only reads and splits the records; restore + fetch also folds, verifies and "
+        "commits the plan (the restore), then streams every projection over HTTP as NDJSON and "
+        "decodes it in the client (the fetch)."
     ),
-    "s4": (
-        "**checkpoint under saturation**: the saturating appender is a process on the same 2 cores "
-        "and its appends share the service's event loop with the checkpoint, whose markers queue "
-        "behind the appends and whose fold must first catch up with them."
+    "restore_and_fetch_vs_stop_the_world_restore": (
+        "the stop-the-world restore reads and decodes one file per participant in process; "
+        "restore + fetch plans the restore in the service, then streams every projection over "
+        "HTTP."
     ),
-    "restore": (
-        "**restore latency**: a restore replays each partition's range up to the cuts, folds and "
-        "verifies every continued episode's ledger (digest chain) and commits one plan row per "
-        "episode in one transaction."
+    "restore_and_fetch_vs_eventsourcing": (
+        "pyeventsourcing reads one snapshot row per episode in process; restore + fetch streams "
+        "every projection over HTTP as NDJSON (large session states cross a socket and are parsed "
+        "in the client)."
     ),
-    "floor": (
-        "**restore against the floor**: the floor only reads and splits the records; the restore "
-        "also folds, verifies and commits the plan."
+    "S4.checkpoint_over_S1": (
+        "the saturating appender is a process on the same 2 cores, and its appends share the "
+        "service with the checkpoint, whose projector must first fold them."
     ),
-    "eventsourcing": (
-        "**restore + fetch against pyeventsourcing**: rolloutlog's figure streams every projection "
-        "over HTTP as NDJSON and decodes it in the client (large session states cross a socket "
-        "and are parsed twice); pyeventsourcing reads one snapshot row per episode in process."
-    ),
-    "flat": (
-        "**flatness**: with the same churn at every size, what a live checkpoint still does per "
-        "live rollout is copying the composed manifest in memory (C-level dict copies) and the "
-        "reply's list of every referenced staging key (3 per S1 rollout: collected, serialized, "
-        "sent and parsed by the client); the capture, the manifest written and the catalog "
-        "transaction follow what changed."
-    ),
-    "memory": (
-        "**memory**: the service holds every live episode's tracker and, while a restore's "
-        "projections are fetched, its restore cache (see the figures' peak RSS)."
-    ),
+    "restore_peak_rss_mb": "",
+    "appends": "",
+    "fold_rate": "",
+    "curve_flatness": "",
 }
-DEPLOYMENTS = {"embedded": "embedded", "kafka": "Kafka (Tansu) + PostgreSQL"}
+#: Line style of each deployment in the plots (the figure gives the colour).
+STYLES = {"embedded": "-", "kafka": "--"}
 
 
 def ms(value: float | None) -> str:
@@ -98,6 +84,7 @@ def numeric_order(points: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], suffix: str) -> list[str]:
+    """One plot per curve, every deployment's points on it (line style by deployment)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,36 +96,59 @@ def plot(results: dict[str, Any], suffix: str) -> list[str]:
         ("live_rollouts", "live rollouts", 1.0),
         ("state_bytes", "session state size", 1024.0),
     ):
-        points = numeric_order(curves.get(key) or {})
-        if not points:
+        series = {
+            name: numeric_order(per.get(key) or {}) for name, per in curves.items() if per.get(key)
+        }
+        if not series:
             continue
-        xs = [int(x) / unit for x in points]
-        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-        for figure, name, style in (
-            ("checkpoint_s", "rolloutlog checkpoint (live)", "o-"),
-            ("checkpoint_cold_s", "rolloutlog first (cold) checkpoint", "o:"),
-            ("restore_s", "rolloutlog restore (plan)", "s-"),
-            ("restore_and_fetch_s", "rolloutlog restore + fetch", "s--"),
-            ("floor_s", "floor (read + split)", ":"),
-        ):
-            if not all(figure in p for p in points.values()):
-                continue
-            ys = [p[figure]["median"] for p in points.values()]
-            lows = [p[figure]["median"] - p[figure]["min"] for p in points.values()]
-            highs = [p[figure]["max"] - p[figure]["median"] for p in points.values()]
-            ax.errorbar(xs, ys, yerr=[lows, highs], fmt=style, capsize=3, label=name)
-        stw = [
-            (x, p["stop_the_world"])
-            for x, p in zip(xs, points.values(), strict=True)
-            if p.get("stop_the_world")
-        ]
+        fig, ax = plt.subplots(figsize=(8, 6.5), dpi=110)
+        ticks: set[float] = set()
+        for name, points in series.items():
+            xs = [int(x) / unit for x in points]
+            ticks.update(xs)
+            for index, (figure, label_) in enumerate(
+                (
+                    ("checkpoint_s", "checkpoint (live)"),
+                    ("checkpoint_cold_s", "first (cold) checkpoint"),
+                    ("restore_s", "restore (plan)"),
+                    ("restore_and_fetch_s", "restore + fetch"),
+                    ("floor_s", "floor (read + split)"),
+                )
+            ):
+                mine = [
+                    (x, p[figure]) for x, p in zip(xs, points.values(), strict=True) if figure in p
+                ]
+                if not mine:
+                    continue
+                ax.errorbar(
+                    [x for x, _ in mine],
+                    [f["median"] for _, f in mine],
+                    yerr=[
+                        [f["median"] - f["min"] for _, f in mine],
+                        [f["max"] - f["median"] for _, f in mine],
+                    ],
+                    fmt="o" + STYLES.get(name, "-."),
+                    color=f"C{index}",
+                    markersize=3,
+                    capsize=2,
+                    label=f"{label_}, {DEPLOYMENTS.get(name, name)}",
+                )
+        # The stop-the-world baseline does not depend on the deployment: one line.
+        stw: dict[float, float] = {}
+        for points in series.values():
+            for x, p in points.items():
+                if p.get("stop_the_world"):
+                    stw[int(x) / unit] = p["stop_the_world"]["checkpoint_s"]["median"]
         if stw:
+            xs_stw = sorted(stw)
             ax.plot(
-                [x for x, _ in stw],
-                [s["checkpoint_s"]["median"] for _, s in stw],
+                xs_stw,
+                [stw[x] for x in xs_stw],
                 "^-.",
+                color="C5",
                 label="stop-the-world checkpoint (lower bound)",
             )
+        xs = sorted(ticks)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(xs)
@@ -149,10 +159,21 @@ def plot(results: dict[str, Any], suffix: str) -> list[str]:
         ax.minorticks_off()
         ax.set_xlabel(label)
         ax.set_ylabel("seconds (median, bars: min-max)")
-        count = f", {curves.get('state_rollouts')} rollouts" if key == "state_bytes" else ""
-        ax.set_title(f"Checkpoint and restore vs {label}{count} (embedded)", fontsize=10)
+        rollouts = {per.get("state_rollouts") for per in curves.values()}
+        count = (
+            f", {rollouts.pop()} rollouts" if key == "state_bytes" and len(rollouts) == 1 else ""
+        )
+        lines = {"-": "solid", "--": "dashed"}
+        names = "; ".join(
+            f"{DEPLOYMENTS.get(name, name)}: {lines.get(STYLES.get(name, ''), 'dash-dot')}"
+            for name in series
+        )
+        ax.set_title(
+            f"Checkpoint and restore vs {label}{count}\n({names})",
+            fontsize=10,
+        )
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
         fig.tight_layout()
         name = f"curve_{key}{suffix}.png"
         fig.savefig(RESULTS / name)
@@ -179,6 +200,100 @@ def churn_rollouts(results: dict[str, Any]) -> str:
             if churn:
                 return f"{churn['rollouts_per_checkpoint']:,}"
     return "a fixed number of"
+
+
+def curve_span(points: dict[str, Any]) -> str:
+    xs = sorted(int(x) for x in points)
+    return f"{xs[0]:,} → {xs[-1]:,}" if xs else ""
+
+
+#: How each ``CAUSES`` key is named in the report.
+CAUSE_LABELS = {
+    "checkpoint_vs_stop_the_world": "S1 checkpoint against stop-the-world",
+    "restore_and_fetch_over_floor": "restore + fetch against the floor",
+    "restore_and_fetch_vs_stop_the_world_restore": "restore + fetch against the stop-the-world restore",
+    "restore_and_fetch_vs_eventsourcing": "restore + fetch against pyeventsourcing",
+    "S4.checkpoint_over_S1": "checkpoint under saturating appends",
+    "restore_peak_rss_mb": "memory",
+    "appends": "HTTP append",
+    "fold_rate": "projector fold rate",
+    "curve_flatness": "flatness",
+}
+
+
+def measured_split(reason: str, results: dict[str, Any]) -> str:
+    """What the suite measured about a missed target, split into its parts (from the JSON only)."""
+    deployments = results.get("deployments", {})
+    baselines = results.get("baselines", {})
+    parts: list[str] = []
+    for name, per in deployments.items():
+        where = DEPLOYMENTS.get(name, name)
+        for key in ("S1", "S2"):
+            f = per.get(key) or {}
+            if reason.startswith("restore_and_fetch") and "restore_and_fetch_s" in f:
+                restore, total = median(f["restore_s"]), median(f["restore_and_fetch_s"])
+                assert restore is not None and total is not None
+                split = (
+                    f"{key} on {where}: restore (plan) {ms(restore)} + fetch {ms(total - restore)}"
+                    f" = {ms(total)}"
+                )
+                base = baselines.get(key, {})
+                if reason.endswith("over_floor"):
+                    split += f", floor {ms(median(f.get('floor_s')))}"
+                elif reason.endswith("stop_the_world_restore") and base.get("stop_the_world"):
+                    split += f", stop-the-world restore {ms(median(base['stop_the_world']['restore_s']))}"
+                elif reason.endswith("eventsourcing") and base.get("eventsourcing"):
+                    split += (
+                        f", pyeventsourcing {ms(median(base['eventsourcing']['reconstruct_s']))}"
+                    )
+                parts.append(split)
+        s1 = per.get("S1") or {}
+        if reason == "checkpoint_vs_stop_the_world" and s1:
+            stages = (s1.get("stages_ms") or {}).get("checkpoint") or {}
+            parts.append(
+                f"S1 on {where}: checkpoint {ms(median(s1['checkpoint_s']))} (service stages, "
+                "median ms: " + ", ".join(f"{k} {v:,.0f}" for k, v in stages.items()) + ")"
+            )
+        s4 = per.get("S4")
+        if reason == "S4.checkpoint_over_S1" and s4 and s1:
+            parts.append(
+                f"{where}: {ms(median(s4['checkpoint_s']))} against S1's "
+                f"{ms(median(s1['checkpoint_s']))} while the SDK appended "
+                f"{s4['appends']['events_per_s']:,.0f} events/s"
+            )
+        if reason == "restore_peak_rss_mb" and "restore_peak_rss_mb" in s1:
+            parts.append(
+                f"{where}: {s1['restore_peak_rss_mb']:,.0f} MB from the first restore to the last "
+                f"fetch; {s1['service_peak_rss_mb']:,.0f} MB over the service's whole life (load, "
+                "checkpoints, restores, S4)"
+            )
+    if reason == "curve_flatness":
+        for name, per in (results.get("curves") or {}).items():
+            points = numeric_order(per.get("live_rollouts") or {})
+            if points:
+                parts.append(
+                    f"checkpoint (live) on {DEPLOYMENTS.get(name, name)}: "
+                    + ", ".join(
+                        f"{int(x):,} → {ms(median(p.get('checkpoint_s')))}"
+                        for x, p in points.items()
+                    )
+                )
+    appends = results.get("appends") or {}
+    if reason == "appends" and appends:
+        parts.append(
+            f"{median(appends['events_per_s']):,.0f} events/s closed loop, p99 "
+            f"{median(appends['half_load_p99_ms']):.0f} ms at half load (p50 "
+            f"{median(appends['half_load_p50_ms']):.0f} ms); service CPU "
+            f"{median(appends['cpu_us_per_event']):.0f} µs per event"
+        )
+    fold = results.get("fold_rate") or {}
+    if reason == "fold_rate" and fold:
+        parts.append(
+            f"{median(fold['events_per_s']):,.0f} events/s: {fold['records']:,} records of "
+            f"{fold['live']:,} live episodes folded from Kafka by a fresh projector in "
+            f"{ms(median(fold['catch_up_s']))} ({fold['events_per_s']['runs']} runs)"
+        )
+    return "; ".join(parts) + "." if parts else ""
 
 
 def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
@@ -215,7 +330,14 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
     w(
         f"| load average after the run | {', '.join(f'{x:.1f}' for x in results.get('load_average_after', []))} |"
     )
-    w(f"| suite wall time | {results.get('elapsed_s', 0):.0f} s |")
+    parts = ", ".join(
+        f"{part} {sec:.0f} s" for part, sec in results.get("part_seconds", {}).items()
+    )
+    w(
+        f"| suite wall time | {results.get('elapsed_s', 0):.0f} s"
+        + (f" ({parts})" if parts else "")
+        + " |"
+    )
     for name, version in versions.items():
         w(f"| {name} | {version} |")
     w("")
@@ -275,12 +397,32 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
         "- **Floor**: reading the records a restore of that checkpoint replays from rolloutlog's own "
         "log and splitting them (metadata decoded, opaque states passed through), nothing else."
     )
-    w(
-        "- Curves (embedded deployment only, to stay within 15 minutes): their episodes are bulk "
-        "preloaded straight into the embedded log with `rolloutlog.log` while the service is "
-        "stopped, then the restarted service catches up and is measured over REST like the rest. "
-        "Restores at curve points are the median of fewer runs (see the JSON)."
-    )
+    curve_runs = next((c.get("runs") for c in (results.get("curves") or {}).values()), None)
+    if curve_runs:
+        w(
+            "- **Curves** (on "
+            + " and ".join(DEPLOYMENTS.get(d, d) for d in results["curves"])
+            + "): each point's episodes (S1's, or S2's with another state size) are preloaded in "
+            "bulk straight into the deployment's log (the embedded log, or the run's Kafka topics) "
+            "with `rolloutlog.log` while the service is stopped, then the restarted service "
+            "catches up and is measured over REST like the workloads. To keep the suite within "
+            f"~15 minutes a point takes fewer runs: {curve_runs['checkpoints']} live checkpoints, "
+            f"{curve_runs['restores']} restores ({curve_runs['largest_restores']} at the largest "
+            f"live-rollouts point), {curve_runs['stop_the_world']} stop-the-world checkpoints (one "
+            "series shared by the deployments); the 16,000 live-rollouts point is S1's measurement "
+            f"({runs} runs). The curve tables give each point's run counts."
+        )
+    appends = results.get("appends") or {}
+    if appends:
+        w(
+            "- **HTTP append** (`benchmarks/api_append.py`, run by the suite): per run a fresh "
+            "`rolloutlog serve` on the embedded log with its default options; "
+            f"{appends.get('clients')} clients each on its own keep-alive connection POST batches "
+            f"of {appends.get('batch')} ~250-byte events as fast as the service acknowledges "
+            f"(closed loop, {appends.get('seconds_per_phase'):g} s) → events/s; then the same "
+            "clients paced at half that rate (open loop) → p50/p99 request latency, counted from "
+            f"when each request was due. Median of {appends.get('runs')} run(s)."
+        )
     w("")
 
     # -- targets
@@ -289,6 +431,7 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
     w("| target | " + " | ".join(DEPLOYMENTS[d] for d in deployments) + " |")
     w("|---|" + "---|" * len(deployments))
     missed: list[str] = []
+    #: The ``CAUSES`` keys of the missed targets, in the order they were missed.
     reasons: list[str] = []
 
     def row(
@@ -313,8 +456,8 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
                 missed.append(
                     f"{label} on {DEPLOYMENTS[name]}: measured {fmt(value)} (missed by {by:.1f}x)"
                 )
-                if why and WHY[why] not in reasons:
-                    reasons.append(WHY[why])
+                if why and why not in reasons:
+                    reasons.append(why)
         w(f"| {label} | " + " | ".join(cells) + " |")
 
     def fig(workload: str, key: str) -> Any:
@@ -330,7 +473,7 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
         targets["S1.checkpoint_vs_stop_the_world"],
         True,
         times,
-        "stop_the_world",
+        "checkpoint_vs_stop_the_world",
     )
     row(
         "S1 first (cold) checkpoint vs stop-the-world (informative: the whole manifest)",
@@ -347,7 +490,7 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
             targets["restore_and_fetch_over_floor"],
             False,
             times,
-            "floor",
+            "restore_and_fetch_over_floor",
         )
     for key in ("S1", "S2"):
         row(
@@ -356,7 +499,7 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
             1.0,
             True,
             times,
-            "floor",
+            "restore_and_fetch_vs_stop_the_world_restore",
         )
         row(
             f"{key} restore + fetch faster than pyeventsourcing's reconstruction",
@@ -364,7 +507,7 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
             1.0,
             True,
             times,
-            "eventsourcing",
+            "restore_and_fetch_vs_eventsourcing",
         )
     row(
         "S4 checkpoint under saturating appends within 2x of S1's",
@@ -372,44 +515,16 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
         targets["S4.checkpoint_over_S1"],
         False,
         times,
-        "s4",
+        "S4.checkpoint_over_S1",
     )
     row(
         "service peak RSS, S1 restore + fetch ≤ 400 MB",
-        lambda name, per: per.get("S1", {}).get(
-            "restore_peak_rss_mb", per.get("S1", {}).get("service_peak_rss_mb")
-        ),
+        lambda name, per: per.get("S1", {}).get("restore_peak_rss_mb"),
         targets["S1.restore_peak_rss_mb"],
         False,
         lambda mb: f"{mb:,.0f} MB",
-        "memory",
+        "restore_peak_rss_mb",
     )
-    # Figures of one deployment each (other parts of the suite: ``appends``, ``fold_rate``).
-    appends = results.get("appends") or {}
-    fold = results.get("fold_rate") or {}
-    single = [
-        (
-            "HTTP append, one service, batches of 100, 8 clients ≥ 50k events/s (embedded)",
-            appends.get("events_per_s"),
-            targets["appends.events_per_s"],
-            True,
-            lambda v: f"{v:,.0f} events/s",
-        ),
-        (
-            "HTTP append p99 at half load ≤ 25 ms (embedded)",
-            appends.get("p99_half_load_ms"),
-            targets["appends.p99_half_load_ms"],
-            False,
-            lambda v: f"{v:.0f} ms",
-        ),
-        (
-            "projector fold rate on Kafka ≥ 200k events/s",
-            median(fold.get("events_per_s")),
-            targets["fold_rate.events_per_s"],
-            True,
-            lambda v: f"{v:,.0f} events/s",
-        ),
-    ]
     seed = results.get("seed", {})
     for key, figure in (
         ("S1", "checkpoint_s"),
@@ -431,10 +546,39 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
                 times,
                 informative=True,
             )
+    # Figures of one deployment each (other parts of the suite: ``appends``, ``fold_rate``).
+    appends = results.get("appends") or {}
+    fold = results.get("fold_rate") or {}
+    single = [
+        (
+            "HTTP append, one service, batches of 100, 8 clients ≥ 50k events/s (embedded)",
+            median(appends.get("events_per_s")),
+            targets["appends.events_per_s"],
+            True,
+            lambda v: f"{v:,.0f} events/s",
+            "appends",
+        ),
+        (
+            "HTTP append p99 at half load ≤ 25 ms (embedded)",
+            median(appends.get("half_load_p99_ms")),
+            targets["appends.p99_half_load_ms"],
+            False,
+            lambda v: f"{v:.0f} ms",
+            "appends",
+        ),
+        (
+            "projector fold rate on Kafka ≥ 200k events/s",
+            median(fold.get("events_per_s")),
+            targets["fold_rate.events_per_s"],
+            True,
+            lambda v: f"{v:,.0f} events/s",
+            "fold_rate",
+        ),
+    ]
     w("")
     w("| target (one deployment) | measured |")
     w("|---|---|")
-    for label, value, target, higher, fmt in single:
+    for label, value, target, higher, fmt, why in single:
         if value is None:
             w(f"| {label} | not measured in this run |")
             continue
@@ -443,46 +587,50 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
         if not met:
             by = target / value if higher else value / target
             missed.append(f"{label}: measured {fmt(value)} (missed by {by:.1f}x)")
-    curve_ratios = ratios.get("curves", {})
-    if curve_ratios:
+            if why not in reasons:
+                reasons.append(why)
+    flatness = ratios.get("curves", {})
+    curves = results.get("curves") or {}
+    if flatness:
+        names = list(flatness)
         w("")
-        w("| flatness (embedded; max/min of the medians over the curve) | measured |")
-        w("|---|---|")
-        curves = results.get("curves") or {}
-        spans = {}
-        for key in ("live_rollouts", "state_bytes"):
-            xs = sorted(int(x) for x in (curves.get(key) or {}))
-            spans[key] = f"{xs[0]:,} → {xs[-1]:,}" if xs else ""
-        for key, label in (
-            (
-                "live_rollouts.checkpoint_s",
-                f"checkpoint (live), {spans['live_rollouts']} live rollouts",
-            ),
+        w(
+            "| flatness (max/min of the medians over the curve; the span in brackets) | "
+            + " | ".join(DEPLOYMENTS.get(n, n) for n in names)
+            + " |"
+        )
+        w("|---|" + "---|" * len(names))
+        for key, label, target in (
+            ("live_rollouts.checkpoint_s", "checkpoint (live) vs live rollouts within 2x", True),
             (
                 "live_rollouts.checkpoint_cold_s",
-                f"first (cold) checkpoint, {spans['live_rollouts']} live rollouts (informative)",
+                "first (cold) checkpoint vs live rollouts (informative)",
+                False,
             ),
-            ("state_bytes.checkpoint_s", f"checkpoint (live), {spans['state_bytes']} B states"),
-            (
-                "live_rollouts.restore_s",
-                f"restore, {spans['live_rollouts']} live rollouts (informative)",
-            ),
-            ("state_bytes.restore_s", f"restore, {spans['state_bytes']} B states (informative)"),
+            ("state_bytes.checkpoint_s", "checkpoint (live) vs state size within 2x", True),
+            ("live_rollouts.restore_s", "restore vs live rollouts (informative)", False),
+            ("state_bytes.restore_s", "restore vs state size (informative)", False),
         ):
-            value = curve_ratios.get(f"{key}.max_over_min")
-            if value is None:
-                continue
-            if key.endswith(".checkpoint_s"):
+            cells = []
+            for name in names:
+                value = flatness[name].get(f"{key}.max_over_min")
+                if value is None:
+                    cells.append("n/a")
+                    continue
+                span = curve_span(curves.get(name, {}).get(key.split(".")[0]) or {})
+                if not target:
+                    cells.append(f"{times(value)} ({span})")
+                    continue
                 met = value <= targets["curve_flatness"]
+                cells.append(f"{times(value)} {'✅' if met else '❌'} ({span})")
                 if not met:
                     missed.append(
-                        f"{label} within 2x: measured {value:.2f}x (missed by {value / 2:.1f}x)"
+                        f"{label} on {DEPLOYMENTS.get(name, name)} ({span}): measured "
+                        f"{value:.2f}x (missed by {value / targets['curve_flatness']:.1f}x)"
                     )
-                    if WHY["flat"] not in reasons:
-                        reasons.append(WHY["flat"])
-                w(f"| {label} within 2x | {times(value)} {'✅' if met else '❌'} |")
-            else:
-                w(f"| {label} | {times(value)} |")
+                    if "curve_flatness" not in reasons:
+                        reasons.append("curve_flatness")
+            w(f"| {label} | " + " | ".join(cells) + " |")
     w("")
     w("### Missed targets")
     w("")
@@ -493,10 +641,19 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
         w("- none")
     w("")
     if reasons:
-        w("Why (what the measurements and the service's stage timings below show):")
+        w(
+            "Why: per target, the split of what was measured (from the figures below), then the "
+            "cause as analysed (`CAUSES` in `benchmarks/report.py`):"
+        )
         w("")
         for reason in reasons:
-            w(f"- {reason}")
+            facts = measured_split(reason, results)
+            cause = CAUSES.get(reason) or "not analysed for this run."
+            w(
+                f"- **{CAUSE_LABELS[reason]}**: "
+                + (f"{facts} " if facts else "")
+                + f"Cause: {cause}"
+            )
         w("")
 
     # -- figures
@@ -508,7 +665,8 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
         w(
             "| workload | checkpoint (live) | first (cold) checkpoint | restore (plan) | "
             "restore + fetch | floor | restore / floor | load (SDK) | "
-            "service CPU per checkpoint / restore+fetch | service peak RSS |"
+            "service CPU per checkpoint / restore+fetch | service peak RSS: whole life / "
+            "restores + fetches |"
         )
         w("|---|---|---|---|---|---|---|---|---|---|")
         for key in ("S1", "S2", "S3"):
@@ -522,7 +680,9 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
                 f"{times(median(f.get('restore_over_floor')))} | "
                 f"{f['load_events_per_s']:,.0f} events/s | "
                 f"{f['service_cpu_s_per_checkpoint']:.2f} s / {f['service_cpu_s_per_restore_and_fetch']:.2f} s | "
-                f"{f['service_peak_rss_mb']:,.0f} MB |"
+                f"{f['service_peak_rss_mb']:,.0f} MB / "
+                + (f"{f['restore_peak_rss_mb']:,.0f} MB" if "restore_peak_rss_mb" in f else "n/a")
+                + " |"
             )
         for key in ("S1", "S2", "S3"):
             stages = (per.get(key) or {}).get("stages_ms") or {}
@@ -583,34 +743,45 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
     # -- curves
     curves = results.get("curves") or {}
     if curves:
-        w("## Curves (embedded deployment)")
+        w("## Curves")
         w("")
-        for key, label, unit in (
-            ("live_rollouts", "live rollouts", ""),
-            ("state_bytes", f"state size ({curves.get('state_rollouts')} rollouts)", " B"),
-        ):
-            points = numeric_order(curves.get(key) or {})
-            if not points:
-                continue
-            w(
-                f"| {label} | checkpoint (live) | first (cold) checkpoint | restore (plan) | "
-                "restore + fetch | floor | stop-the-world checkpoint |"
-            )
-            w("|---|---|---|---|---|---|---|")
-            for x, p in points.items():
-                stw = (p.get("stop_the_world") or {}).get("checkpoint_s")
+        for name, per in curves.items():
+            for key, label, unit in (
+                ("live_rollouts", "live rollouts", ""),
+                ("state_bytes", f"state size ({per.get('state_rollouts')} rollouts)", " B"),
+            ):
+                points = numeric_order(per.get(key) or {})
+                if not points:
+                    continue
+                w(f"{DEPLOYMENTS.get(name, name)}, against {label}:")
+                w("")
                 w(
-                    f"| {int(x):,}{unit} | {spread(p['checkpoint_s'])} | "
-                    f"{spread(p.get('checkpoint_cold_s'))} | {spread(p['restore_s'])} | "
-                    f"{spread(p['restore_and_fetch_s'])} | {spread(p['floor_s'])} | {spread(stw)} |"
+                    f"| {label} | checkpoint (live) | first (cold) checkpoint | restore (plan) | "
+                    "restore + fetch | floor | stop-the-world checkpoint | runs (checkpoint / "
+                    "restore / stop-the-world) |"
                 )
-            w("")
+                w("|---|---|---|---|---|---|---|---|")
+                for x, p in points.items():
+                    stw = (p.get("stop_the_world") or {}).get("checkpoint_s")
+                    counts = " / ".join(
+                        str((f or {}).get("runs", "-"))
+                        for f in (p.get("checkpoint_s"), p.get("restore_s"), stw)
+                    )
+                    w(
+                        f"| {int(x):,}{unit}"
+                        + (f" ({p['from_workload']})" if p.get("from_workload") else "")
+                        + f" | {spread(p['checkpoint_s'])} | "
+                        f"{spread(p.get('checkpoint_cold_s'))} | {spread(p['restore_s'])} | "
+                        f"{spread(p['restore_and_fetch_s'])} | {spread(p['floor_s'])} | "
+                        f"{spread(stw)} | {counts} |"
+                    )
+                w("")
         for image in images:
             w(f"![{image}](results/{image})")
             w("")
         w(
-            "The 16,000 live-rollouts point is S1's measurement (loaded through the SDK); the other "
-            "points were preloaded in bulk. Restores at curve points: 3 runs (2 at 64,000)."
+            "A point marked (S1) is S1's measurement on that deployment (loaded through the SDK); "
+            "the others were preloaded in bulk. The first (cold) checkpoint is one run per point."
         )
         w("")
 

@@ -5,14 +5,16 @@ loaded with the SDK's transports (``HttpTransport`` on the embedded deployment, 
 on Kafka (Tansu) + PostgreSQL), checkpointed and restored over REST with ``rolloutlog.trainer``'s
 client. Workloads S1-S4 are ``workloads.py``'s; the baselines (stop-the-world export,
 pyeventsourcing on SQLite, the floor) are ``baselines.py``'s, on the same envelopes, in the same
-run. Curves (embedded deployment): checkpoint and restore latency against live rollouts and
-against state size; their episodes are preloaded straight into the embedded log with
-``rolloutlog.log`` (service stopped), then measured over REST on a restarted service.
+run. Curves (both deployments): checkpoint and restore latency against live rollouts and
+against state size; their episodes are preloaded straight into the deployment's log with
+``rolloutlog.log`` (service stopped), then measured over REST on a restarted service. The HTTP
+append figures are ``api_append.py``'s, run by this suite.
 
 Saved to ``benchmarks/results/suite.json`` (``suite_quick.json`` with ``--quick``); ``report.py``
 turns it into plots and ``benchmarks/RESULTS.md``.
 
-    python benchmarks/suite.py [--quick] [--runs 5] [--backends embedded,kafka] [--parts main,curves]
+    python benchmarks/suite.py [--quick] [--runs 5] [--backends embedded,kafka]
+        [--parts main,appends,curves] [--save-as NAME]
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 
 import httpx
 import orjson
-from _common import ROOT, kafka_broker, percentile, save, serve_command, summary
+from _common import DEPLOYMENTS, ROOT, kafka_broker, percentile, save, serve_command, summary
 from baselines import (
     eventsourcing_reconstruct,
     eventsourcing_store,
@@ -176,6 +178,12 @@ class Service:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def reset_peak_rss(self) -> None:
+        """Start VmHWM again from the current RSS (Linux: ``clear_refs`` 5), so that the next
+        ``peak_rss_mb`` is the peak of what runs in between."""
+        assert self.proc is not None
+        Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.send_signal(signal.SIGTERM)
@@ -270,15 +278,19 @@ async def sdk_load(svc: Service, run: str, workload: Workload) -> tuple[list[lis
     return episodes, time.perf_counter() - t0
 
 
-async def bulk_preload(svc: Service, run: str, workload: Workload) -> float:
-    """Preload straight into the embedded log (the service is stopped meanwhile), streaming the
+async def bulk_preload(svc: Service, run: str, workload: Workload) -> tuple[float, float]:
+    """Preload straight into the deployment's log (the service is stopped meanwhile: the embedded
+    log takes a lock; Kafka's topics outlive the service, and Tansu's its broker), streaming the
     episodes through ``KafkaTransport(log, validate=False)``: the SDK's encoder over an open
     ``rolloutlog.log`` backend, without the per-event validation (the workload's envelopes are
-    validated by the tests). Returns seconds."""
+    validated by the tests). The restarted service catches up from the log. Returns the seconds
+    of the preload and of the restart (until ``/readyz``: the projector's catch-up, here, ends
+    before it answers; ``caught_up`` then waits for the rest)."""
     svc.stop()
+    url = svc.deployment.log_url or f"embedded://{svc.data_dir.resolve()}"
     t0 = time.perf_counter()
     async with (
-        open_log(f"embedded://{svc.data_dir.resolve()}") as log,
+        open_log(url) as log,
         KafkaTransport(log, validate=False, max_batch=4096) as preload,
     ):
         pending: list[asyncio.Future[Any]] = []
@@ -294,8 +306,9 @@ async def bulk_preload(svc: Service, run: str, workload: Workload) -> float:
             pending.append(asyncio.ensure_future(preload.append(run, chunk)))
         await asyncio.gather(*pending)
     elapsed = time.perf_counter() - t0
+    t0 = time.perf_counter()
     svc.start()
-    return elapsed
+    return elapsed, time.perf_counter() - t0
 
 
 async def caught_up(
@@ -396,6 +409,7 @@ async def checkpoints_and_restores(
             info = await checkpoint("checkpoint_s")
             for stage, value in info.timings_ms.items():
                 stages["checkpoint"].setdefault(stage, []).append(float(value))
+    svc.reset_peak_rss()
     for index in range(restores):
         if index:
             info = await checkpoint("checkpoint_after_restore_s")
@@ -424,6 +438,9 @@ async def checkpoints_and_restores(
             figures.setdefault(key, []).append(value)
         figures.setdefault("floor_mb", []).append(floor_bytes / 1e6)
     out: dict[str, Any] = {key: summary(values) for key, values in figures.items()}
+    # The service's peak RSS from the first restore to the last fetch (the checkpoint after a
+    # restore included), not the load's.
+    out["restore_peak_rss_mb"] = svc.peak_rss_mb()
     out["churn"] = {"rollouts_per_checkpoint": CHURN_ROLLOUTS, "events": advanced}
     # The service's own stage timings (its reply's ``timings_ms``): where the time went.
     out["stages_ms"] = {
@@ -559,22 +576,36 @@ def measure_baselines(
 # -- curves ----------------------------------------------------------------------------------------
 
 
-async def curve_point(workload: Workload, runs: int, restores: int) -> dict[str, Any]:
-    with service(Deployment("embedded")) as svc:
+async def curve_point(
+    deployment: Deployment, workload: Workload, runs: int, restores: int
+) -> dict[str, Any]:
+    """One curve point on a fresh service of ``deployment``: the run created over REST, its
+    episodes preloaded in bulk (``bulk_preload``), then measured like a workload. On Kafka the
+    run's topics are deleted afterwards (Tansu keeps them in memory as long as it runs)."""
+    with service(deployment) as svc:
         run = f"{workload.name}-{workload.count}-{workload.state_bytes}"
         async with AsyncTrainerClient(svc.url) as trainer:
             await trainer.create_run(run, PARTITIONS)
-        preload_s = await bulk_preload(svc, run, workload)
+        preload_s, restart_s = await bulk_preload(svc, run, workload)
         async with AsyncTrainerClient(svc.url) as trainer:
             await trainer.take_over(run)
-            catch_up_s = await caught_up(trainer, run, workload.live, timeout_s=600)
+            try:
+                catch_up_s = await caught_up(trainer, run, workload.live, timeout_s=600)
+            except RuntimeError:
+                log(f"the service's log (last lines):\n{svc.log_tail()}")
+                raise
             out = await checkpoints_and_restores(svc, trainer, run, workload, runs, restores)
             out["service_peak_rss_mb"] = svc.peak_rss_mb()
+        svc.stop()
+        if deployment.log_url:
+            async with open_log(deployment.log_url) as kafka_log:
+                await kafka_log.delete_run(run)
     out.update(
         {
             "live": workload.live,
             "state_bytes": workload.state_bytes,
             "preload_s": preload_s,
+            "restart_s": restart_s,
             "catch_up_s": catch_up_s,
         }
     )
@@ -594,6 +625,115 @@ def stw_point(workload: Workload, runs: int) -> dict[str, Any]:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return {"checkpoint_s": summary(times), "restore_s": summary(restores)}
+
+
+#: Runs at curve points, fewer than the workloads' (``--runs``) so that the whole suite stays
+#: within ~15 minutes here: live checkpoints, restores (each after its floor, and every one but
+#: the first after a checkpoint), restores at the largest live-rollouts point, stop-the-world
+#: checkpoints (each with its restore). Every figure's ``runs`` says how many it took.
+CURVE_RUNS = {"checkpoints": 3, "restores": 2, "largest_restores": 1, "stop_the_world": 3}
+#: Wall seconds a curve point is expected to take here (the largest live-rollouts point: its
+#: preload, catch-up, checkpoints, restore and stop-the-world runs; any other: ~10-25 s): a point
+#: starts only if the suite's ``--budget-s`` still has that much room.
+POINT_S = {"largest": 150.0, "other": 25.0}
+
+
+def measure_curves(
+    results: dict[str, Any],
+    backends: list[str],
+    kafka: str | None,
+    quick: bool,
+    started: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Checkpoint and restore against live rollouts and against state size, on each deployment.
+
+    Every point but the main part's S1 (the 16,000 live-rollouts point, reused with its runs) is
+    preloaded in bulk (``curve_point``). The stop-the-world baseline of a point is measured once
+    and shared by the deployments. Points run smallest first, each deployment in turn; the largest
+    live point of each deployment comes last, within ``--budget-s``."""
+    live_counts = [500, 1000] if quick else [1000, 4000, 16_000, 64_000]
+    state_sizes = [1024, 1024 * 1024] if quick else [1024, 32 * 1024, 1024 * 1024]
+    state_count = 50 if quick else 200
+    counts = {key: 2 if quick else n for key, n in CURVE_RUNS.items()}
+    largest = max(live_counts)
+    plan = [
+        (name, curve, x)
+        for name in backends
+        for curve, x in [("live", c) for c in live_counts if c != largest]
+        + [("state", size) for size in state_sizes]
+    ]
+    plan += [(name, "live", largest) for name in backends]
+    stw: dict[tuple[str, int], dict[str, Any]] = {}
+    out: dict[str, Any] = {}
+    for name, curve, x in plan:
+        deployment = Deployment(name, kafka if name == "kafka" else None)
+        mine = out.setdefault(
+            name,
+            {
+                "live_rollouts": {},
+                "state_bytes": {},
+                "state_rollouts": state_count,
+                "runs": counts,
+            },
+        )
+        main_s1 = results["deployments"].get(name, {}).get("S1")
+        elapsed = time.perf_counter() - started
+        reused = curve == "live" and main_s1 is not None and main_s1["live"] == x
+        needed = POINT_S["largest" if x == largest else "other"]
+        if elapsed + needed > args.budget_s and not reused:
+            log(f"curve {name} {curve} {x}: skipped (time budget)")
+            results["skipped"].append(
+                f"{DEPLOYMENTS[name]} {curve} curve point {x}: skipped, the suite had used "
+                f"{elapsed:.0f} s of its {args.budget_s:.0f} s budget (`--budget-s`) and the "
+                f"point takes ~{needed:.0f} s"
+            )
+            continue
+        workload = live_point(x) if curve == "live" else state_point(state_count, x)
+        if reused:
+            # S1 is this point (same episodes, same deployment, loaded through the SDK).
+            assert main_s1 is not None
+            point = {k: v for k, v in main_s1.items() if isinstance(v, dict)}
+            point.update(live=x, state_bytes=0, from_workload="S1")
+            baseline = results["baselines"].get("S1", {}).get("stop_the_world")
+            if baseline:
+                point["stop_the_world"] = baseline
+        else:
+            log(f"curve {name}: {workload.count} live rollouts, {workload.state_bytes} B states")
+            restores = counts["largest_restores" if x == largest else "restores"]
+            point = asyncio.run(curve_point(deployment, workload, counts["checkpoints"], restores))
+            if (curve, x) not in stw:
+                stw[(curve, x)] = stw_point(workload, counts["stop_the_world"])
+            point["stop_the_world"] = stw[(curve, x)]
+        mine["live_rollouts" if curve == "live" else "state_bytes"][str(x)] = point
+        log(
+            f"  {name} {curve} {x}: checkpoint {point['checkpoint_s']['median'] * 1e3:.0f} ms, "
+            f"restore {point['restore_s']['median'] * 1e3:.0f} ms (+fetch "
+            f"{point['restore_and_fetch_s']['median'] * 1e3:.0f} ms; preload "
+            f"{point.get('preload_s', 0):.0f} s)"
+        )
+    return out
+
+
+#: Runs and seconds per phase of the HTTP append part (``api_append.measure``).
+APPEND_RUNS = {"full": (3, 4.0), "quick": (1, 2.0)}
+
+
+def http_appends(runs_and_seconds: tuple[int, float]) -> dict[str, Any]:
+    """Issue 16's HTTP append figures, measured by ``benchmarks/api_append.py`` (its ``measure``:
+    a fresh ``rolloutlog serve`` on the embedded log per run, with the service's default options;
+    8 clients, batches of 100, closed loop → events/s; then paced at half that → p50/p99)."""
+    import api_append
+
+    runs, seconds = runs_and_seconds
+    figures = api_append.measure(runs, seconds, [], {"this tree": ROOT})["this tree"]
+    return {
+        **figures,
+        "runs": runs,
+        "seconds_per_phase": seconds,
+        "batch": api_append.BATCH,
+        "clients": api_append.CLIENTS,
+    }
 
 
 # -- the projector's fold rate on Kafka -------------------------------------------------------------
@@ -728,7 +868,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--backends", default="embedded,kafka")
-    parser.add_argument("--parts", default="main,curves")
+    parser.add_argument("--parts", default="main,appends,curves")
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 runs (smoke test)")
     parser.add_argument(
         "--no-baselines",
@@ -745,8 +885,9 @@ def main() -> None:
     parser.add_argument(
         "--budget-s",
         type=float,
-        default=780.0,
-        help="seconds after which the remaining curve points are skipped (default: %(default)s)",
+        default=930.0,
+        help="the suite's wall-time budget: a curve point that would end past it is skipped "
+        "(and listed as skipped; default: %(default)s)",
     )
     args = parser.parse_args()
     # Tansu has no idempotent producer: its warning per producer is known (see RESULTS.md).
@@ -780,6 +921,8 @@ def main() -> None:
         "baselines": {},
         "curves": {},
         "skipped": [],
+        # Wall seconds of each part of this run (where the suite's time goes).
+        "part_seconds": {},
     }
     if "kafka" in backends and results["versions"]["postgresql"] == "unknown":
         # A clone without the services still measures the embedded deployment (and says so).
@@ -787,6 +930,7 @@ def main() -> None:
         results["skipped"].append(f"Kafka + PostgreSQL deployment: no PostgreSQL at {POSTGRES}")
         log(results["skipped"][-1])
     with kafka_broker("kafka" in backends and "main" in parts) as kafka:
+        part_started = time.perf_counter()
         if "main" in parts:
             for name in backends:
                 deployment = Deployment(name, kafka if name == "kafka" else None)
@@ -833,58 +977,21 @@ def main() -> None:
                 log("projector fold rate on Kafka (S1's episodes)")
                 results["fold_rate"] = asyncio.run(fold_rate(kafka, sizes["S1"], 2 if quick else 3))
                 log(f"  {results['fold_rate']['events_per_s']['median']:.0f} events/s")
-        if "curves" in parts:
-            live_counts = [500, 1000] if quick else [1000, 4000, 16_000, 64_000]
-            state_sizes = (
-                [1024, 1024 * 1024] if quick else [1024, 16 * 1024, 128 * 1024, 1024 * 1024]
-            )
-            state_count = 50 if quick else 200
-            live_curve: dict[str, Any] = {}
-            state_curve: dict[str, Any] = {}
-            main_s1 = results["deployments"].get("embedded", {}).get("S1")
-            # The largest point last: its preload, checkpoints and restores take 3-5 minutes on a
-            # busy 2-core machine, so it runs only if the budget still has room for it.
-            largest = max(live_counts)
-            plan = [("live", c) for c in live_counts if c != largest]
-            plan += [("state", size) for size in state_sizes] + [("live", largest)]
-            for curve, x in plan:
-                elapsed = time.perf_counter() - started
-                room = args.budget_s - (240 if (curve, x) == ("live", largest) and not quick else 0)
-                reused = curve == "live" and main_s1 is not None and main_s1["live"] == x
-                if elapsed > room and not reused:
-                    log(f"curve {curve} {x}: skipped (time budget)")
-                    results["skipped"].append(
-                        f"{curve} curve point {x}: skipped, the suite had used {elapsed:.0f} s "
-                        f"of its {args.budget_s:.0f} s budget (`--budget-s`)"
-                    )
-                    continue
-                if reused:
-                    # S1 is this point (same episodes, same deployment, loaded through the SDK).
-                    assert main_s1 is not None
-                    point = {k: v for k, v in main_s1.items() if isinstance(v, dict)}
-                    point.update(live=x, state_bytes=0, from_workload="S1")
-                    stw = results["baselines"].get("S1", {}).get("stop_the_world")
-                    if stw:
-                        point["stop_the_world"] = stw
-                elif curve == "live":
-                    log(f"curve: {x} live rollouts")
-                    point = asyncio.run(curve_point(live_point(x), runs, 2 if x > 16_000 else 3))
-                    point["stop_the_world"] = stw_point(live_point(x), runs)
-                else:
-                    log(f"curve: {state_count} rollouts with {x} B states")
-                    point = asyncio.run(curve_point(state_point(state_count, x), runs, 3))
-                    point["stop_the_world"] = stw_point(state_point(state_count, x), runs)
-                (live_curve if curve == "live" else state_curve)[str(x)] = point
-                log(
-                    f"  {curve} {x}: checkpoint {point['checkpoint_s']['median'] * 1e3:.0f} ms, "
-                    f"restore {point['restore_s']['median'] * 1e3:.0f} ms (preload "
-                    f"{point.get('preload_s', 0):.0f} s)"
-                )
-            results["curves"] = {
-                "live_rollouts": live_curve,
-                "state_bytes": state_curve,
-                "state_rollouts": state_count,
-            }
+            results["part_seconds"]["main"] = time.perf_counter() - part_started
+    if "appends" in parts:
+        log("HTTP append (benchmarks/api_append.py, embedded, the service's defaults)")
+        part_started = time.perf_counter()
+        results["appends"] = http_appends(APPEND_RUNS["quick" if quick else "full"])
+        results["part_seconds"]["appends"] = time.perf_counter() - part_started
+        log(
+            f"  {results['appends']['events_per_s']['median']:.0f} events/s, p99 at half load "
+            f"{results['appends']['half_load_p99_ms']['median']:.1f} ms"
+        )
+    if "curves" in parts:
+        part_started = time.perf_counter()
+        with kafka_broker("kafka" in backends) as kafka:
+            results["curves"] = measure_curves(results, backends, kafka, quick, started, args)
+        results["part_seconds"]["curves"] = time.perf_counter() - part_started
     results["ratios"] = ratios(results)
     results["elapsed_s"] = time.perf_counter() - started
     results["load_average_after"] = os.getloadavg()
@@ -924,16 +1031,16 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
                 )
             mine[f"{key}.restore_over_floor"] = figures["restore_over_floor"]["median"]
         out[name] = mine
-    for curve, points in results.get("curves", {}).items():
-        if not isinstance(points, dict) or not points:
-            continue
-        for key in ("checkpoint_s", "checkpoint_cold_s", "restore_s"):
-            medians = [p[key]["median"] for p in points.values() if key in p]
-            if not medians:
-                continue
-            out.setdefault("curves", {})[f"{curve}.{key}.max_over_min"] = ratio(
-                max(medians), min(medians)
-            )
+    for name, curves in results.get("curves", {}).items():
+        for curve in ("live_rollouts", "state_bytes"):
+            points = curves.get(curve) or {}
+            for key in ("checkpoint_s", "checkpoint_cold_s", "restore_s"):
+                medians = [p[key]["median"] for p in points.values() if key in p]
+                if len(medians) < 2:
+                    continue
+                out.setdefault("curves", {}).setdefault(name, {})[f"{curve}.{key}.max_over_min"] = (
+                    ratio(max(medians), min(medians))
+                )
     return out
 
 
