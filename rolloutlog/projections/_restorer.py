@@ -53,8 +53,8 @@ from rolloutlog.projections._planner import (
 from rolloutlog.projections._projector import Projector, RestoreReset, _describe
 from rolloutlog.projections._replay import replay_at_cuts, replay_stream
 from rolloutlog.projections._start_plan import all_restores
-from rolloutlog.projections._verify import apply_policy
 from rolloutlog.projections._timing import StageTimer
+from rolloutlog.projections._verify import apply_policy
 
 logger = logging.getLogger(__name__)
 
@@ -389,7 +389,6 @@ class Restorer:
                 projector.release_pins(part.pins)
             raise
         committed = begun = False
-        build: RestoreLines | None = None
         self._requesting[(run, restore_id)] = projector
         try:
             if part is None:
@@ -397,9 +396,6 @@ class Restorer:
             projector.begin_restore(restore_id, part.resets, part.pins)
             begun = True
             if whole:
-                # The fetch that follows the reply needs every continued projection: they are
-                # built (replayed, or encoded from the plan's) while the restore commits.
-                build = self._build_planned(run, restore_id, projector, checkpoint, manifest, part)
                 planned, cuts = part.plan.episodes, part.cuts
                 fences = {self.replica_id: dict(projector.generations)}
             else:
@@ -437,15 +433,18 @@ class Restorer:
         except BaseException as e:
             if part is not None and not begun:
                 projector.release_pins(part.pins)
-            if build is not None and build.task is not None:
-                build.task.cancel()
             await self._abort(run, restore_id, e)
             raise
         finally:
             del self._requesting[(run, restore_id)]
             if begun:
                 projector.end_restore(restore_id, committed)
-        if build is not None:  # else the projections are built when first fetched
+        if whole:
+            # The fetch that follows the reply needs every continued projection: their build
+            # (replayed, or encoded from the plan's) starts now, not when it asks. (Started
+            # before the commit, it held the event loop from the commit: the plan then took as
+            # long as the replay.)
+            build = self._build_planned(run, restore_id, projector, checkpoint, manifest, part)
             self.cache.put(run, restore_id, build)
         # What stays (cached projections, the trackers' new states): keep the collector from
         # walking it again and again.
