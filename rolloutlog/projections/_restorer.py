@@ -107,7 +107,6 @@ class RestoreLines:
         self.size_bytes = 0
         self.done = False
         self.error: BaseException | None = None
-        self.task: asyncio.Task[None] | None = None
         self._more = asyncio.Event()
 
     def add(self, line: ProjectionLine) -> None:
@@ -311,6 +310,8 @@ class Restorer:
         #: This replica's requests being run, with the projector that plans them in-process.
         self._requesting: dict[tuple[str, int], Projector] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Projection lines being built (``_build``).
+        self._builds: set[asyncio.Task[None]] = set()
 
     async def restore(
         self,
@@ -900,7 +901,12 @@ class Restorer:
             lines.finish()
             self.cache.trim((run, restore_id))
 
-        lines.task = asyncio.create_task(fill())
+        # The task is held here, not by the lines: a cycle through the task's frame would keep a
+        # superseded restore's lines (all of them) until a collection, which ``gc.freeze`` after
+        # a restore may put off for good (measured: +160 MB peak over two S1 restores).
+        task = asyncio.create_task(fill())
+        self._builds.add(task)
+        task.add_done_callback(self._builds.discard)
         return lines
 
     async def checkpoint_projection(
