@@ -10,7 +10,14 @@ from fastapi.responses import Response
 
 from rolloutlog._telemetry import span
 from rolloutlog.api._auth import Role, require
-from rolloutlog.api._http import json_response, stream_json_object, stream_ndjson, wants_ndjson
+from rolloutlog.api._http import (
+    JSON,
+    json_response,
+    stream_json_object,
+    stream_ndjson,
+    stream_ndjson_lines,
+    wants_ndjson,
+)
 from rolloutlog.api._models import (
     CheckpointList,
     CheckpointOut,
@@ -38,9 +45,9 @@ from rolloutlog.api._views import (
 )
 from rolloutlog.catalog import ManifestEntry, RestoreEntry
 from rolloutlog.errors import InvalidRequest, UnknownEpisode, UnknownRestore
-from rolloutlog.projections import CheckpointResult, EpisodeProjection
+from rolloutlog.projections import CheckpointResult
 
-__all__ = ["projection_matches", "router"]
+__all__ = ["router"]
 
 router = APIRouter()
 
@@ -343,12 +350,13 @@ async def episode_projection(
     assert restore is not None
     restore_id = await _restore_id(service, run, restore)
     with span("rolloutlog.projections", {"rolloutlog.restore_id": restore_id}):
-        projections = await service.coordinator.restore_projections(run, restore_id)
+        lines = await service.coordinator.restore_projection_lines(run, restore_id)
+        projections = await lines.complete()
     service.metrics.count_served_cuts(run, restore_id, projections.values())
     found = projections.get(episode)
     if found is None:
         raise await _not_continued(service, run, restore_id, episode)
-    return json_response(found.to_json())
+    return Response(found.line[:-1], media_type=JSON)
 
 
 async def _not_continued(
@@ -376,30 +384,6 @@ async def _not_continued(
     )
 
 
-def projection_matches(
-    projection: EpisodeProjection, kind: str | None, participant: str | None
-) -> bool:
-    """The bulk filter: does this projection hold something for that participant?
-
-    - ``participant=P`` (with ``kind`` agent or resources, or none): a session opened by P
-      (of that kind).
-    - ``kind=environment``: every projection (the environment drives every episode).
-    - ``kind=policy``: a ledger to restore or a generation cut to continue.
-    - ``kind=agent``: an agent session or a boundary owned by an agent session.
-    - ``kind=resources``: a resources session.
-    """
-    sessions = projection.sessions.values()
-    if participant is not None:
-        return any(s.participant == participant and kind in (None, s.kind) for s in sessions)
-    if kind is None or kind == "environment":
-        return True
-    if kind == "policy":
-        return bool(projection.ledger) or projection.generation_cut is not None
-    if kind == "agent" and any(owner != "environment" for owner in projection.boundaries):
-        return True
-    return any(s.kind == kind for s in sessions)
-
-
 @router.get(
     "/v1/runs/{run}/restores/{restore_id}/projections",
     summary="Every continued episode's projection for one participant (NDJSON)",
@@ -424,8 +408,14 @@ async def restore_projections(
     service = _service(request)
     with span("rolloutlog.projections", {"rolloutlog.restore_id": restore_id}):
         # Checked before the response starts (an unknown restore is a 404); then each
-        # projection is sent as soon as it is folded (in no fixed order).
-        projections = await service.coordinator.restore_projection_stream(run, restore_id)
-    counted = service.metrics.count_streamed_cuts(run, restore_id, projections)
-    selected = (p async for p in counted if projection_matches(p, kind, participant))
-    return stream_ndjson(selected, EpisodeProjection.to_json)
+        # projection's line is sent as soon as it is built (in no fixed order).
+        lines = await service.coordinator.restore_projection_lines(run, restore_id)
+
+    async def selected() -> AsyncIterator[bytes]:
+        async for batch in lines.batches():
+            for line in batch:
+                if line.matches(kind, participant):
+                    yield line.line
+        service.metrics.count_served_cuts(run, restore_id, lines.lines)
+
+    return stream_ndjson_lines(selected())

@@ -15,11 +15,13 @@ from rolloutlog.log import Opaque
 from rolloutlog.wire import NDJSON
 
 __all__ = [
+    "JSON",
     "NDJSON",
     "dumps",
     "json_response",
     "stream_json_object",
     "stream_ndjson",
+    "stream_ndjson_lines",
     "wants_ndjson",
 ]
 
@@ -71,6 +73,10 @@ async def _each(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]
             yield item
 
 
+#: How much NDJSON a streamed response writes at once.
+_CHUNK_BYTES = 256 * 1024
+
+
 def stream_ndjson(
     items: AsyncIterable[Any] | Iterable[Any],
     encode: Callable[[Any], Any] = lambda item: item,
@@ -80,15 +86,29 @@ def stream_ndjson(
     """One JSON value per line (from an async or a plain iterable); a failure mid-stream ends it
     with an ``{"error": …}`` line."""
 
+    async def lines() -> AsyncIterator[bytes]:
+        async for item in _each(items):
+            yield dumps(encode(item)) + b"\n"
+
+    return stream_ndjson_lines(lines(), status_code, on_close)
+
+
+def stream_ndjson_lines(
+    lines: AsyncIterable[bytes],
+    status_code: int = 200,
+    on_close: Callable[[], None] | None = None,
+) -> StreamingResponse:
+    """NDJSON lines already encoded (each ending with a newline), spliced into chunks as they
+    come; a failure mid-stream ends it with an ``{"error": …}`` line."""
+
     async def body() -> AsyncIterator[bytes]:
         buffer: list[bytes] = []
         size = 0
         try:
-            async for item in _each(items):
-                line = dumps(encode(item)) + b"\n"
+            async for line in lines:
                 buffer.append(line)
                 size += len(line)
-                if size >= 64 * 1024:
+                if size >= _CHUNK_BYTES:
                     yield b"".join(buffer)
                     buffer.clear()
                     size = 0

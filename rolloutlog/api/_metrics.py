@@ -10,9 +10,8 @@ offset and the lag between them (the numbers ``GET /v1/runs/{run}/projector`` sh
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -29,7 +28,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from rolloutlog.projections import CUT_DISPOSITIONS, EpisodeProjection, served_cut_dispositions
+from rolloutlog.projections import CUT_DISPOSITIONS, ProjectionLine, served_cut_dispositions
 
 if TYPE_CHECKING:
     from rolloutlog.projections import Coordinator
@@ -215,22 +214,9 @@ class Metrics:
         for disposition, count in dispositions.items():
             self.generation_cuts.labels(disposition).inc(count)
 
-    def count_served_cuts(
-        self, run: str, restore_id: int, projections: Iterable[EpisodeProjection]
-    ) -> None:
-        """The cuts a restore continues, counted at the first read of its projections."""
-        self._count_served_once(run, restore_id, served_cut_dispositions(projections))
-
-    async def count_streamed_cuts(
-        self, run: str, restore_id: int, projections: AsyncIterator[EpisodeProjection]
-    ) -> AsyncIterator[EpisodeProjection]:
-        """``count_served_cuts`` over a stream: each projection passes through, and the cuts are
-        counted once the stream has sent them all."""
-        counts: collections.Counter[str] = collections.Counter()
-        async for projection in projections:
-            counts.update(served_cut_dispositions((projection,)))
-            yield projection
-        self._count_served_once(run, restore_id, counts)
+    def count_served_cuts(self, run: str, restore_id: int, lines: Iterable[ProjectionLine]) -> None:
+        """The cuts a restore continues, counted once its projections were first all read."""
+        self._count_served_once(run, restore_id, served_cut_dispositions(lines))
 
     def _count_served_once(self, run: str, restore_id: int, counts: Mapping[str, int]) -> None:
         if (run, restore_id) not in self._served:

@@ -744,7 +744,9 @@ class Catalog:
                 await _restore_requests.end_request(
                     conn, run, restore.restore_id, "committed", now, None
                 )
-            await _results.drop_abandoned(conn, run, restore.restore_id)
+            await _results.drop_abandoned(
+                conn, run, [e.episode for e in entries if e.action != "excluded"]
+            )
             unacknowledged = await _results.count_unacknowledged(conn, run)
         self._after_bulk_commit()
         return dataclasses.replace(restore, unacknowledged_results=unacknowledged)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog.catalog._schema import checkpoint_offsets, checkpoints, episodes, results
@@ -38,10 +38,6 @@ _UPSERT = text(
     "ts = excluded.ts, reward = excluded.reward, result = excluded.result, "
     "recorded_at = excluded.recorded_at, acknowledged_at = NULL "
     "WHERE results.attempt < excluded.attempt"
-)
-_ABANDONED = text(
-    "DELETE FROM results WHERE run = :run AND episode IN (SELECT episode FROM restore_episodes "
-    "WHERE run = :run AND restore_id = :restore_id AND action IN ('continue', 'restart'))"
 )
 _IN_BATCH = 10_000
 
@@ -91,9 +87,17 @@ async def record(
         await conn.execute(_UPSERT, kept)
 
 
-async def drop_abandoned(conn: AsyncConnection, run: str, restore_id: int) -> None:
-    """A restore's part: the results of the attempts it continued or restarted are gone."""
-    await conn.execute(_ABANDONED, {"run": run, "restore_id": restore_id})
+async def drop_abandoned(conn: AsyncConnection, run: str, abandoned: Sequence[str]) -> None:
+    """A restore's part: the results of the attempts it continued or restarted (``abandoned``)
+    are gone. Named by the plan, not joined against its fresh ``restore_episodes`` rows: on
+    PostgreSQL that join was planned blind (neither table analyzed yet) as a nested loop, 6-12 s
+    for S3's 2,000 results and 15,686 continued episodes."""
+    for start in range(0, len(abandoned), _IN_BATCH):
+        await conn.execute(
+            delete(results).where(
+                results.c.run == run, results.c.episode.in_(abandoned[start : start + _IN_BATCH])
+            )
+        )
 
 
 async def count_unacknowledged(conn: AsyncConnection, run: str) -> int:

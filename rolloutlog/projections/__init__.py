@@ -17,6 +17,7 @@ from rolloutlog.projections._model import (
     EpisodeProjection,
     GenerationCut,
     LedgerEntry,
+    ProjectionLine,
     ProjectionStatus,
     SessionView,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "TrackedEpisode",
     "EpisodeFold",
     "EpisodeProjection",
+    "ProjectionLine",
     "ProjectionStatus",
     "GenerationCut",
     "LedgerEntry",

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ from rolloutlog.projections._projector import Projector, RunHealth
 from rolloutlog.projections._restorer import (
     DEFAULT_RESTORE_DEADLINE_S,
     ProjectionCache,
+    RestoreLines,
     Restorer,
     RestoreResult,
 )
@@ -304,11 +305,10 @@ class Coordinator:
         service restart: deterministic from the log and the catalog)."""
         return await self._restorer.restore_projections(run, restore_id)
 
-    async def restore_projection_stream(
-        self, run: str, restore_id: int
-    ) -> AsyncIterator[EpisodeProjection]:
-        """``restore_projections`` streamed: each as soon as it is folded (the bulk route)."""
-        return await self._restorer.projection_stream(run, restore_id)
+    async def restore_projection_lines(self, run: str, restore_id: int) -> RestoreLines:
+        """``restore_projections`` as the routes serve them: NDJSON lines, streamed as they are
+        built (cached, within the restore cache's byte budget)."""
+        return await self._restorer.projection_lines(run, restore_id)
 
     async def checkpoint_projection(
         self, run: str, checkpoint_id: int, episode: str

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.projections._model import EpisodeProjection, ProjectionLine
 from rolloutlog.projections._planner import RestorePlan
 
 __all__ = ["CUT_DISPOSITIONS", "planned_cut_dispositions", "served_cut_dispositions"]
@@ -49,11 +49,6 @@ def planned_cut_dispositions(
     return dict(counts)
 
 
-def served_cut_dispositions(projections: Iterable[EpisodeProjection]) -> dict[str, int]:
+def served_cut_dispositions(lines: Iterable[ProjectionLine]) -> dict[str, int]:
     """``continued`` and ``terminal`` over the projections a restore continues."""
-    counts: Counter[str] = Counter()
-    for projection in projections:
-        cut = projection.generation_cut
-        if cut is not None:
-            counts["terminal" if cut.terminal else "continued"] += 1
-    return dict(counts)
+    return dict(Counter(line.cut for line in lines if line.cut is not None))

@@ -169,3 +169,66 @@ class EpisodeProjection:
                 "staging_key": cut.staging_key,
             },
         }
+
+
+def _opaque_raw(value: Any) -> Any:
+    if isinstance(value, Opaque):
+        return orjson.Fragment(value.raw)
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+class ProjectionLine(NamedTuple):
+    """A projection as the restore routes serve it: its ``ProjectionOut`` NDJSON line, encoded
+    once (opaque states spliced in raw), with what the routes' filters and metrics read of it.
+    A restore's cache holds these rather than the projections: an S1 projection is 5.4 KB as a
+    line against ~8 KB as objects, and serving it again re-encodes nothing."""
+
+    episode: str
+    #: ``ProjectionOut`` as JSON, ending with a newline.
+    line: bytes
+    #: ``(kind, participant)`` of each open session.
+    sessions: tuple[tuple[str, str], ...]
+    #: A ledger to restore or a generation cut to continue (what ``kind=policy`` serves).
+    policy: bool
+    #: A boundary owned by an agent session.
+    agent_boundary: bool
+    #: ``continued`` / ``terminal`` for a generation cut (``served_cut_dispositions``), or None.
+    cut: str | None
+
+    @classmethod
+    def of(cls, projection: EpisodeProjection) -> ProjectionLine:
+        generation_cut = projection.generation_cut
+        return cls(
+            projection.episode,
+            # Joined rather than ``OPT_APPEND_NEWLINE``: orjson's own buffer is not shrunk to
+            # fit (an S1 line of 5.4 KB held 16 KB), the joined copy is.
+            orjson.dumps(projection.to_json(), default=_opaque_raw) + b"\n",
+            tuple((s.kind, s.participant) for s in projection.sessions.values()),
+            bool(projection.ledger) or generation_cut is not None,
+            any(owner != "environment" for owner in projection.boundaries),
+            None
+            if generation_cut is None
+            else "terminal"
+            if generation_cut.terminal
+            else "continued",
+        )
+
+    def matches(self, kind: str | None, participant: str | None) -> bool:
+        """The bulk route's filter: does this projection hold something for that participant?
+
+        - ``participant=P`` (with ``kind`` agent or resources, or none): a session opened by P
+          (of that kind).
+        - ``kind=environment``: every projection (the environment drives every episode).
+        - ``kind=policy``: a ledger to restore or a generation cut to continue.
+        - ``kind=agent``: an agent session or a boundary owned by an agent session.
+        - ``kind=resources``: a resources session.
+        """
+        if participant is not None:
+            return any(p == participant and kind in (None, k) for k, p in self.sessions)
+        if kind is None or kind == "environment":
+            return True
+        if kind == "policy":
+            return self.policy
+        if kind == "agent" and self.agent_boundary:
+            return True
+        return any(k == kind for k, _ in self.sessions)

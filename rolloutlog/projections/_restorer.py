@@ -40,7 +40,7 @@ from rolloutlog.log import Log, Record, attempt_started_record, partition_for
 from rolloutlog.projections._checkpointer import DEFAULT_WAIT_DEADLINE_S
 from rolloutlog.projections._cuts import planned_cut_dispositions
 from rolloutlog.projections._feeders import flush_episodes
-from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.projections._model import EpisodeProjection, ProjectionLine
 from rolloutlog.projections._planner import (
     PlannedEpisode,
     RestorePlan,
@@ -54,6 +54,7 @@ from rolloutlog.projections._projector import Projector, RestoreReset, _describe
 from rolloutlog.projections._replay import replay_at_cuts, replay_stream
 from rolloutlog.projections._start_plan import all_restores
 from rolloutlog.projections._timing import StageTimer
+from rolloutlog.projections._verify import apply_policy
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +64,9 @@ __all__ = [
     "PlanPart",
     "PlanRequest",
     "ProjectionCache",
+    "RestoreLines",
     "RestoreResult",
     "Restorer",
-    "projection_bytes",
 ]
 
 #: How long the owners of a restore's partitions have to plan their parts: past it any replica
@@ -89,60 +90,104 @@ class RestoreResult:
     cuts: Mapping[str, int] = field(default_factory=dict)
 
 
-#: What a cached projection's objects cost besides its payloads (the projection, its maps and
-#: tuples): S1's projections measure 8.0 KB each with ``tracemalloc``, ``projection_bytes`` says
-#: 7.9 KB.
-_PROJECTION_OVERHEAD = 2600
+#: What a cached line costs besides its bytes (its tuple, strings and index entry).
+_LINE_OVERHEAD = 400
+#: How many projections a build encodes before it lets the event loop run.
+_ENCODE_SLICE = 256
 
 
-def projection_bytes(projection: EpisodeProjection) -> int:
-    """The memory a projection holds: its payloads (task, states), its ledger's token ids (raw
-    JSON), its generation cut's ids (8 bytes each as a tuple of small ints) and its objects."""
-    size = projection.payload_bytes + _PROJECTION_OVERHEAD
-    for row in projection.ledger:
-        size += len(row.token_ids_json) + 320
-    if projection.generation_cut is not None:
-        size += 8 * len(projection.generation_cut.token_ids)
-    return size
+class RestoreLines:
+    """One committed restore's continued projections as NDJSON lines (``ProjectionLine``), as
+    its build adds them: any number of fetchers stream them while the build goes on (a
+    replay that started while the restore committed, or the plan's own projections)."""
+
+    def __init__(self) -> None:
+        self.lines: list[ProjectionLine] = []
+        self.by_episode: dict[str, ProjectionLine] = {}
+        self.size_bytes = 0
+        self.done = False
+        self.error: BaseException | None = None
+        self._more = asyncio.Event()
+
+    def add(self, line: ProjectionLine) -> None:
+        self.lines.append(line)
+        self.by_episode[line.episode] = line
+        self.size_bytes += len(line.line) + _LINE_OVERHEAD
+        self._more.set()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.done = True
+        self._more.set()
+
+    async def batches(self) -> AsyncIterator[list[ProjectionLine]]:
+        """The lines in the order they were built, in batches as they come; the build's error
+        if it failed."""
+        sent = 0
+        while True:
+            if sent < len(self.lines):
+                batch = self.lines[sent:]
+                sent += len(batch)
+                yield batch
+                continue
+            if self.error is not None:
+                raise self.error
+            if self.done:
+                return
+            self._more.clear()
+            await self._more.wait()
+
+    async def complete(self) -> dict[str, ProjectionLine]:
+        """Every line by episode, once the build is done."""
+        async for _ in self.batches():
+            pass
+        return self.by_episode
 
 
 class ProjectionCache:
-    """Committed restores' continued projections within a byte budget (``projection_bytes``).
+    """Committed restores' projection lines within a byte budget (``RestoreLines.size_bytes``).
 
     A run's newest committed restore supersedes its older ones (their attempts are fenced): they
     are dropped when it is cached (and when a restore of the run begins, so that a restore's
-    replay never holds two generations), and rebuilt from the log if asked for again. Over the
-    budget, the other runs' restores go first, oldest first; the newest restore just put is
-    always kept."""
+    replay never holds two generations), and rebuilt from the log if asked for again (served
+    once, not kept). Over the budget, the other runs' restores go first, oldest first; the
+    newest restore put is always kept. Dropping an entry leaves its fetchers streaming it."""
 
     def __init__(self, budget_bytes: int) -> None:
         self._budget = budget_bytes
-        self._entries: dict[tuple[str, int], tuple[dict[str, EpisodeProjection], int]] = {}
+        self._entries: dict[tuple[str, int], RestoreLines] = {}
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
-    def get(self, run: str, restore_id: int) -> dict[str, EpisodeProjection] | None:
-        found = self._entries.get((run, restore_id))
-        return None if found is None else found[0]
+    def get(self, run: str, restore_id: int) -> RestoreLines | None:
+        return self._entries.get((run, restore_id))
 
     @property
     def size_bytes(self) -> int:
-        return sum(size for _, size in self._entries.values())
+        return sum(lines.size_bytes for lines in self._entries.values())
 
-    def put(self, run: str, restore_id: int, projections: dict[str, EpisodeProjection]) -> None:
+    def put(self, run: str, restore_id: int, lines: RestoreLines) -> None:
         newest = max((rid for r, rid in self._entries if r == run), default=-1)
         if restore_id < newest:
             return  # an older restore rebuilt on demand: served once, not kept
         self.forget_run(run)
-        size = sum(projection_bytes(p) for p in projections.values())
-        self._entries[(run, restore_id)] = (projections, size)
+        self._entries[(run, restore_id)] = lines
+        self.trim((run, restore_id))
+
+    def trim(self, keep: tuple[str, int]) -> None:
+        """Drop entries other than ``keep``, oldest first, until within the budget."""
         total = self.size_bytes
         for key in sorted(self._entries, key=lambda k: k[1]):
             if total <= self._budget:
                 break
-            if key != (run, restore_id):
-                total -= self._entries.pop(key)[1]
+            if key != keep:
+                total -= self._entries.pop(key).size_bytes
+
+    def drop(self, run: str, restore_id: int, lines: RestoreLines) -> None:
+        """Drop ``lines`` if they are still the entry of that restore (a failed build)."""
+        if self._entries.get((run, restore_id)) is lines:
+            del self._entries[(run, restore_id)]
 
     def forget_run(self, run: str) -> None:
         for key in [key for key in self._entries if key[0] == run]:
@@ -150,8 +195,18 @@ class ProjectionCache:
 
 
 async def _each(projections: Iterable[EpisodeProjection]) -> AsyncIterator[EpisodeProjection]:
-    for projection in projections:
+    for index, projection in enumerate(projections, 1):
         yield projection
+        if index % _ENCODE_SLICE == 0:
+            await asyncio.sleep(0)
+
+
+async def _with_policy(
+    projections: AsyncIterator[EpisodeProjection], policy: RestorePolicy
+) -> AsyncIterator[EpisodeProjection]:
+    """The continued projections as the restore's plan kept them (its policy drops old cuts)."""
+    async for projection in projections:
+        yield apply_policy(projection, policy.policy_version, policy.max_policy_lag)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +310,8 @@ class Restorer:
         #: This replica's requests being run, with the projector that plans them in-process.
         self._requesting: dict[tuple[str, int], Projector] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Projection lines being built (``_build``).
+        self._builds: set[asyncio.Task[None]] = set()
 
     async def restore(
         self,
@@ -383,8 +440,13 @@ class Restorer:
             del self._requesting[(run, restore_id)]
             if begun:
                 projector.end_restore(restore_id, committed)
-        if whole and part.pins is None:  # else the projections are built when first fetched
-            self.cache.put(run, restore_id, part.plan.projections)
+        if whole:
+            # The fetch that follows the reply needs every continued projection: their build
+            # (replayed, or encoded from the plan's) starts now, not when it asks. (Started
+            # before the commit, it held the event loop from the commit: the plan then took as
+            # long as the replay.)
+            build = self._build_planned(run, restore_id, projector, checkpoint, manifest, part)
+            self.cache.put(run, restore_id, build)
         # What stays (cached projections, the trackers' new states): keep the collector from
         # walking it again and again.
         gc.freeze()
@@ -728,23 +790,24 @@ class Restorer:
     # -- serving projections ---------------------------------------------------------------
 
     async def restore_projections(self, run: str, restore_id: int) -> dict[str, EpisodeProjection]:
-        """Every continued episode's projection of a committed restore (recomputed after a
-        service restart: deterministic from the log and the catalog)."""
+        """Every continued episode's projection of a committed restore, replayed from the log
+        (deterministic from the log and the catalog; the routes serve ``projection_lines``)."""
+        replayed = await self._replay_restore(run, restore_id)
+        return {projection.episode: projection async for projection in replayed}
+
+    async def projection_lines(self, run: str, restore_id: int) -> RestoreLines:
+        """A committed restore's projection lines: from the cache (perhaps still being built),
+        else built from a replay of the log (``replay_stream``: each line as soon as its
+        episode is folded) and cached. Unknown or gone restores raise here, before anything is
+        streamed."""
         cached = self.cache.get(run, restore_id)
         if cached is not None:
             return cached
-        stream = await self.projection_stream(run, restore_id)
-        return {projection.episode: projection async for projection in stream}
+        lines = self._build(run, restore_id, await self._replay_restore(run, restore_id))
+        self.cache.put(run, restore_id, lines)
+        return lines
 
-    async def projection_stream(
-        self, run: str, restore_id: int
-    ) -> AsyncIterator[EpisodeProjection]:
-        """``restore_projections`` one at a time: from the cache, else as the replay folds each
-        (``replay_stream``), cached once all were folded. Unknown or gone restores raise here,
-        before anything is streamed."""
-        cached = self.cache.get(run, restore_id)
-        if cached is not None:
-            return _each(cached.values())
+    async def _replay_restore(self, run: str, restore_id: int) -> AsyncIterator[EpisodeProjection]:
         restore = await self.catalog.get_restore(run, restore_id)
         entries = await self.catalog.restore_episodes(
             run, restore_id, action="continue", limit=None
@@ -764,7 +827,6 @@ class Restorer:
         restores = {
             r.restore_id for r in await all_restores(self.catalog, run) if r.restore_id < restore_id
         }
-        attempts = {e.episode: e.attempt for e in entries}
         projector = self._projectors.get(run)
         stream = replay_stream(
             self.log,
@@ -773,18 +835,79 @@ class Restorer:
             replay_start(checkpoint.offsets),
             restores,
             quarantined=projector.quarantined if projector is not None else frozenset(),
-            attempts=attempts,
+            attempts={e.episode: e.attempt for e in entries},
         )
-        return self._caching(run, restore_id, stream)
+        try:
+            request = (await self.catalog.get_restore_request(run, restore_id)).request
+        except UnknownRestore:  # committed before restores kept their request
+            return stream
+        policy = PlanRequest.from_json(request).policy
+        return stream if not policy.constrains else _with_policy(stream, policy)
 
-    async def _caching(
-        self, run: str, restore_id: int, stream: AsyncIterator[EpisodeProjection]
-    ) -> AsyncIterator[EpisodeProjection]:
-        result: dict[str, EpisodeProjection] = {}
-        async for projection in stream:
-            result[projection.episode] = projection
-            yield projection
-        self.cache.put(run, restore_id, result)
+    def _build_planned(
+        self,
+        run: str,
+        restore_id: int,
+        projector: Projector,
+        checkpoint: Checkpoint,
+        manifest: Sequence[ManifestEntry],
+        part: PlanPart,
+    ) -> RestoreLines:
+        """The lines of a restore planned in-process, built while it commits: its continued
+        projections from the plan when it replayed them, else from a replay of their records
+        (what ``_replay_restore`` reads once the restore is committed)."""
+        attempts = {
+            p.entry.episode: p.entry.attempt
+            for p in part.plan.episodes
+            if p.entry.action == "continue"
+        }
+        if part.pins is None:
+            kept = part.plan.projections
+            return self._build(run, restore_id, _each(kept[e] for e in attempts if e in kept))
+
+        async def replayed() -> AsyncIterator[EpisodeProjection]:
+            restores = {r.restore_id for r in await all_restores(self.catalog, run)}
+            stream = replay_stream(
+                self.log,
+                run,
+                [e for e in manifest if e.episode in attempts],
+                replay_start(checkpoint.offsets),
+                restores,
+                quarantined=projector.quarantined,
+                attempts=attempts,
+            )
+            async for projection in stream:
+                yield projection
+
+        return self._build(run, restore_id, replayed())
+
+    def _build(
+        self, run: str, restore_id: int, projections: AsyncIterator[EpisodeProjection]
+    ) -> RestoreLines:
+        """Encode ``projections`` into new ``RestoreLines`` in a task (dropped from the cache
+        if it fails: the next fetch builds them again)."""
+        lines = RestoreLines()
+
+        async def fill() -> None:
+            try:
+                async for projection in projections:
+                    lines.add(ProjectionLine.of(projection))
+            except BaseException as e:
+                lines.finish(e)
+                self.cache.drop(run, restore_id, lines)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                return
+            lines.finish()
+            self.cache.trim((run, restore_id))
+
+        # The task is held here, not by the lines: a cycle through the task's frame would keep a
+        # superseded restore's lines (all of them) until a collection, which ``gc.freeze`` after
+        # a restore may put off for good (measured: +160 MB peak over two S1 restores).
+        task = asyncio.create_task(fill())
+        self._builds.add(task)
+        task.add_done_callback(self._builds.discard)
+        return lines
 
     async def checkpoint_projection(
         self, run: str, checkpoint_id: int, episode: str
