@@ -103,6 +103,8 @@ class Checkpointer:
         #: Per run, the checkpoint whose staging keys this replica's projector holds whole (its
         #: base's, as its reply listed them): a requester that names it gets a delta.
         self._staged: dict[str, int] = {}
+        #: Per run and partition, the offset this service last trimmed the log below.
+        self._trimmed: dict[str, dict[int, int]] = {}
 
     def attach(self, projector: Projector) -> None:
         """Write the projector's parts of checkpoints other replicas requested."""
@@ -426,9 +428,15 @@ class Checkpointer:
             full = await self.catalog.get_checkpoint(run, checkpoint.checkpoint_id)
             for partition, needed in replay_start(full.offsets).items():
                 floor[partition] = min(floor.get(partition, needed), needed)
+        # Only partitions whose floor rose: a trim is a write (the embedded log's writer queue,
+        # behind the appends), and a live rollout that stays put holds its partition's floor.
+        trimmed = self._trimmed.setdefault(run, {})
         for partition, before in floor.items():
-            if before > 0 and not await self.log.trim(run, partition, before):
+            if before <= trimmed.get(partition, 0):
+                continue
+            if not await self.log.trim(run, partition, before):
                 return
+            trimmed[partition] = before
 
 
 async def _resolve(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 
 from rolloutlog.catalog import ManifestEntry
@@ -169,3 +170,32 @@ async def committed_since(service: Service, since: int) -> CheckpointResult:
     result = await service.checkpoint(staging_since=since)
     assert isinstance(result, CheckpointResult)
     return result
+
+
+async def test_the_log_is_trimmed_only_where_the_floor_rose(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[int, int]] = []
+    trim = service.log.trim
+
+    async def counted(run: str, partition: int, before: int) -> bool:
+        calls.append((partition, before))
+        return await trim(run, partition, before)
+
+    monkeypatch.setattr(service.log, "trim", counted)
+    checkpointer = service.coordinator._checkpointer
+    await service.append(f.started("a"), f.boundary("a"), f.finished("a"))
+    for _ in range(3):  # a's partition: its floor is past a's records
+        await committed(service)
+    await checkpointer._trim(service.run)
+    if not calls or not await trim(service.run, *calls[0]):
+        pytest.skip("this log cannot trim")
+    floors = set(calls)
+    calls.clear()
+    for _ in range(2):  # the floors stay: no write into the log
+        await committed(service)
+        await checkpointer._trim(service.run)
+    assert calls == []
+    checkpointer._trimmed.clear()  # as a restarted service: trimmed again, once
+    await checkpointer._trim(service.run)
+    assert set(calls) == floors
