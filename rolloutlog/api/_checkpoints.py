@@ -109,6 +109,7 @@ async def take_checkpoint(request: Request, run: RunPath, body: CheckpointReques
             deadline_s=body.deadline_s,
             wait=body.wait,
             trigger=body.trigger,
+            staging_since=body.staging_keys_since,
         )
         if not isinstance(result, CheckpointResult):
             audited.done("pending", checkpoint_id=result)
@@ -116,6 +117,12 @@ async def take_checkpoint(request: Request, run: RunPath, body: CheckpointReques
             return json_response(checkpoint_view(pending), 202)
         audited.done("committed", result.timings_ms, checkpoint_id=result.checkpoint.checkpoint_id)
     view = checkpoint_view(result.checkpoint, result.staging_keys)
+    restaged = result.staging_delta
+    if restaged is not None:
+        view["staging_keys_since"] = restaged.since
+        view["staging_keys_added"] = restaged.added
+        view["staging_keys_removed"] = restaged.removed
+        view["staging_key_count"] = restaged.count
     view["timings_ms"] = dict(result.timings_ms)
     return json_response(view, 201)
 

@@ -87,6 +87,9 @@ class CheckpointRequest(_Request):
     deadline_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
     wait: bool = True
     trigger: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_.-]{0,63}$")] = "request"
+    #: The requester holds this checkpoint's ``staging_keys``: the reply may say what changed
+    #: from them (``staging_keys_added``/``_removed``) instead of listing them all.
+    staging_keys_since: Count | None = None
 
 
 class RestoreRequest(_Request):
@@ -183,6 +186,12 @@ class CheckpointOut(_Response):
     counts: CheckpointCounts
     offsets: list[CheckpointOffset]
     staging_keys: list[str] | None = None
+    #: Instead of ``staging_keys`` (a request's ``staging_keys_since``): what changed from that
+    #: checkpoint's, and how many keys there are now.
+    staging_keys_since: int | None = None
+    staging_keys_added: list[str] | None = None
+    staging_keys_removed: list[str] | None = None
+    staging_key_count: int | None = None
     timings_ms: dict[str, float]
     trigger: str | None = None
     controller_epoch: int | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ from rolloutlog.catalog._schema import (
     checkpoints,
     runs,
 )
+from rolloutlog.catalog._turns import WriteTurns
 from rolloutlog.catalog._validate import (
     check_count,
     check_episode,
@@ -133,6 +134,8 @@ class Catalog:
         self._clock = clock
         self._engine: AsyncEngine | None = None
         self._reader: AsyncEngine | None = None
+        #: SQLite: writers take turns in the process, not by polling the database's lock.
+        self._turns = WriteTurns() if backend.name == "sqlite" else None
         self._translated: tuple[type[BaseException], ...] = (
             sa_exc.SQLAlchemyError,
             OSError,
@@ -208,11 +211,16 @@ class Catalog:
             return await conn.run_sync(_migrate.current_revision)
 
     @asynccontextmanager
-    async def _write(self) -> AsyncIterator[AsyncConnection]:
+    async def _write(self, *, urgent: bool = False) -> AsyncIterator[AsyncConnection]:
+        """A write transaction; ``urgent`` (a checkpoint's) goes before other waiting writers."""
         if self._engine is None:
             raise CatalogError("the catalog is not started")
+        turns = self._turns
         try:
-            async with self._engine.begin() as conn:
+            async with (
+                turns.turn(urgent=urgent) if turns is not None else nullcontext(),
+                self._engine.begin() as conn,
+            ):
                 yield conn
         except RolloutlogError:
             raise
@@ -387,7 +395,7 @@ class Catalog:
         """Create the run's one ``pending`` checkpoint; return its id (strictly increasing)."""
         check_name(trigger, "trigger", length=64)
         check_positive_seconds(deadline_s, "deadline_s")
-        async with self._write() as conn:
+        async with self._write(urgent=True) as conn:
             row = await lock_run(conn, run, controller_epoch)
             pending = (
                 await conn.execute(
@@ -523,7 +531,7 @@ class Catalog:
         """The one transaction of both: ``whole``, a write that leaves a partition without its
         part is refused (and rolled back) instead of waiting for another writer's."""
         check_timings(timings_ms)
-        async with self._write() as conn:
+        async with self._write(urgent=True) as conn:
             committed = await write_checkpoint_parts_rows(
                 conn,
                 self._backend,

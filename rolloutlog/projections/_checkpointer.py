@@ -32,7 +32,13 @@ from rolloutlog.projections._waits import ExportRequests, name_expired_waits
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_WAIT_DEADLINE_S", "GRACE_S", "CheckpointResult", "Checkpointer"]
+__all__ = [
+    "DEFAULT_WAIT_DEADLINE_S",
+    "GRACE_S",
+    "CheckpointResult",
+    "Checkpointer",
+    "StagingDelta",
+]
 
 _STAGING_KEYS = attrgetter("staging_keys")
 _ACTION = itemgetter(2)
@@ -54,10 +60,23 @@ REMOTE_PARTS_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
+class StagingDelta:
+    """How a checkpoint's staging keys differ from those of checkpoint ``since`` (its base):
+    ``count`` keys in all."""
+
+    since: int
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointResult:
     checkpoint: Checkpoint
-    staging_keys: tuple[str, ...]
+    #: Every staging key the manifest references; None when ``staging_delta`` says it instead.
+    staging_keys: tuple[str, ...] | None
     timings_ms: Mapping[str, float]
+    staging_delta: StagingDelta | None = None
 
 
 class Checkpointer:
@@ -81,6 +100,11 @@ class Checkpointer:
         self._exports = ExportRequests()
         self.replica_id = replica_id
         self.grace_s = grace_s
+        #: Per run, the checkpoint whose staging keys this replica's projector holds whole (its
+        #: base's, as its reply listed them): a requester that names it gets a delta.
+        self._staged: dict[str, int] = {}
+        #: Per run and partition, the offset this service last trimmed the log below.
+        self._trimmed: dict[str, dict[int, int]] = {}
 
     def attach(self, projector: Projector) -> None:
         """Write the projector's parts of checkpoints other replicas requested."""
@@ -94,9 +118,12 @@ class Checkpointer:
         deadline_s: float | None = None,
         wait: bool = True,
         trigger: str = "request",
+        staging_since: int | None = None,
     ) -> CheckpointResult | int:
         """Take a checkpoint. Returns the committed result, or (``wait=False`` while wait steps
-        are still open) the id of the checkpoint that stays ``pending`` and commits later."""
+        are still open) the id of the checkpoint that stays ``pending`` and commits later.
+        ``staging_since``: the requester holds that checkpoint's staging keys; the result says
+        what changed from them when this replica can (``staging_delta``), else lists them all."""
         projector = await self._projector(run)
         projector.check_running()
         timer = StageTimer()
@@ -132,7 +159,9 @@ class Checkpointer:
             self._exports.open(projector, capture, marked_at + deadline)
         if capture.waiting and not wait:
             self._spawn(
-                self._finish(projector, controller_epoch, capture, timer, deadline, marked_at)
+                self._finish(
+                    projector, controller_epoch, capture, timer, deadline, marked_at, staging_since
+                )
             )
             return checkpoint_id
         if not wait and len(capture.owned) < projector.partitions:
@@ -141,13 +170,23 @@ class Checkpointer:
             finishing = cast(
                 "asyncio.Task[CheckpointResult]",
                 self._spawn(
-                    self._finish(projector, controller_epoch, capture, timer, deadline, marked_at)
+                    self._finish(
+                        projector,
+                        controller_epoch,
+                        capture,
+                        timer,
+                        deadline,
+                        marked_at,
+                        staging_since,
+                    )
                 ),
             )
             with contextlib.suppress(TimeoutError):
                 return await asyncio.wait_for(asyncio.shield(finishing), REMOTE_PARTS_WAIT_S)
             return checkpoint_id
-        return await self._finish(projector, controller_epoch, capture, timer, deadline, marked_at)
+        return await self._finish(
+            projector, controller_epoch, capture, timer, deadline, marked_at, staging_since
+        )
 
     async def _finish(
         self,
@@ -157,13 +196,14 @@ class Checkpointer:
         timer: StageTimer,
         deadline: float,
         marked_at: float,
+        staging_since: int | None = None,
     ) -> CheckpointResult:
         run = projector.run
         checkpoint_id = capture.checkpoint_id
         try:
             await _resolve(projector, capture, deadline, deadline)
             timer.stage("waits")
-            committed, delta = await self._write_parts(
+            committed, delta, restaged = await self._write_parts(
                 projector, capture, timer, controller_epoch, marked_at
             )
             whole = len(capture.owned) == projector.partitions
@@ -182,12 +222,16 @@ class Checkpointer:
                         checkpoint_id=checkpoint_id,
                     )
                 whole = False
-            # Each key once: the keys the whole manifest references, counted as entries change.
-            if whole:
-                staging = tuple(capture.staging)
-            else:  # other replicas wrote parts: the catalog has the whole manifest
+            # Each key once: the keys the whole manifest references, counted as entries change;
+            # or only what changed, to a requester holding the base's (a list as long as the
+            # live rollouts' keys, encoded, sent and parsed, would cost what is live).
+            staging: tuple[str, ...] | None = None
+            staged = self._staged.pop(run, None)
+            if not whole:  # other replicas wrote parts: the catalog has the whole manifest
                 manifest = await self.catalog.load_manifest(run, checkpoint_id)
                 staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, manifest))))
+            elif restaged is None or staging_since != restaged.since or staged != restaged.since:
+                staging = tuple(capture.staging)
             timer.stage("commit")
         except BaseException:
             self._exports.close(run, capture)
@@ -195,8 +239,12 @@ class Checkpointer:
             raise
         self._exports.close(run, capture)
         _end(projector, capture, delta)
+        if whole:
+            self._staged[run] = checkpoint_id
         self._spawn(self._trim(run))
-        return CheckpointResult(committed, staging, timer.total())
+        return CheckpointResult(
+            committed, staging, timer.total(), restaged if staging is None else None
+        )
 
     async def _write_parts(
         self,
@@ -205,13 +253,14 @@ class Checkpointer:
         timer: StageTimer,
         controller_epoch: int | None,
         marked_at: float | None,
-    ) -> tuple[Checkpoint | None, _Delta | None]:
-        """Write the capture's parts (one transaction); the checkpoint if that committed it."""
+    ) -> tuple[Checkpoint | None, _Delta | None, StagingDelta | None]:
+        """Write the capture's parts (one transaction); the checkpoint if that committed it,
+        the delta manifest written (None: whole), how the staging keys changed from the base's."""
         if not capture.owned:  # a replica that owns none of the run's partitions
-            return None, None
+            return None, None, None
         projector.check_running()  # a run whose log was lost meanwhile commits nothing
         offsets, entries = _manifest(capture)
-        delta = _delta(capture, entries)
+        delta, restaged = _delta(capture, entries)
         # Every finish below the markers is in the catalog before they commit: a restarted
         # projector reads from the new cut on, and would never record it (issue 18).
         await flush_episodes(self.catalog, projector, finishes_only=True)
@@ -228,7 +277,7 @@ class Checkpointer:
         run, checkpoint_id = projector.run, capture.checkpoint_id
         if delta is None:
             whole = list((capture.whole or {}).values())
-            return await write(run, checkpoint_id, offsets, whole, **common), None
+            return await write(run, checkpoint_id, offsets, whole, **common), None, restaged
         committed = await write(
             run,
             checkpoint_id,
@@ -239,7 +288,7 @@ class Checkpointer:
             totals=delta.totals,
             **common,
         )
-        return committed, delta
+        return committed, delta, restaged
 
     async def _outcome(self, run: str, checkpoint_id: int, deadline_at: float) -> Checkpoint | None:
         """The checkpoint once it is no longer pending (polled), or None if it still is
@@ -279,7 +328,7 @@ class Checkpointer:
             if capture.waiting:
                 self._exports.open(projector, capture, deadline_at)
             await _resolve(projector, capture, deadline, deadline_at - time.time())
-            done, delta = await self._write_parts(projector, capture, StageTimer(), None, met_at)
+            done, delta, _ = await self._write_parts(projector, capture, StageTimer(), None, met_at)
             if done is None:
                 done = await self._outcome(run, checkpoint_id, deadline_at + self.grace_s)
             committed = done is not None and done.status in ("committed", "expired")
@@ -379,9 +428,15 @@ class Checkpointer:
             full = await self.catalog.get_checkpoint(run, checkpoint.checkpoint_id)
             for partition, needed in replay_start(full.offsets).items():
                 floor[partition] = min(floor.get(partition, needed), needed)
+        # Only partitions whose floor rose: a trim is a write (the embedded log's writer queue,
+        # behind the appends), and a live rollout that stays put holds its partition's floor.
+        trimmed = self._trimmed.setdefault(run, {})
         for partition, before in floor.items():
-            if before > 0 and not await self.log.trim(run, partition, before):
+            if before <= trimmed.get(partition, 0):
+                continue
+            if not await self.log.trim(run, partition, before):
                 return
+            trimmed[partition] = before
 
 
 async def _resolve(
@@ -420,14 +475,16 @@ class _Delta:
     amended: int
 
 
-def _delta(capture: CheckpointCapture, entries: list[ManifestEntry]) -> _Delta | None:
+def _delta(
+    capture: CheckpointCapture, entries: list[ManifestEntry]
+) -> tuple[_Delta | None, StagingDelta | None]:
     """What the manifest changes from its base's (None: write it whole, ``capture.whole``).
     ``entries`` are the capture's: every live episode's without a base, else those whose
     trackers changed. Whole when there is no base, when the chain is ``MAX_CHAIN_DEPTH`` deltas
     long, or when its deltas would amend at least half as many entries as it holds: a read
     composes at most 1.5x the manifest's entries, and a whole manifest's cost is spread over
     the deltas before it. Sets ``capture.totals`` and ``capture.staging`` either way, from
-    what changed."""
+    what changed; with a base, also returns the staging keys that came and went since it."""
     base = capture.base
     if base is None:
         whole = capture.compose()
@@ -437,12 +494,13 @@ def _delta(capture: CheckpointCapture, entries: list[ManifestEntry]) -> _Delta |
             **{action: counts[action] for action in ("continue", "restart", "finished")},
             "size_bytes": sum(map(_SIZE, entries)),
         }
-        return None
+        return None, None
     # Counts and staging references follow what changed (before ``compose`` amends the base).
     before = base.entries
     replaced = [before[episode] for episode in capture.entries if episode in before]
     removed = [before[episode] for episode in capture.gone if episode in before]
     totals, staging = dict(base.totals), base.staging
+    dropped: set[str] = set()
     for entry in chain(replaced, removed):
         totals[entry[2]] -= 1
         totals["size_bytes"] -= entry[7]
@@ -451,17 +509,27 @@ def _delta(capture: CheckpointCapture, entries: list[ManifestEntry]) -> _Delta |
                 staging[key] -= 1
             else:
                 del staging[key]
+                dropped.add(key)
+    added: list[str] = []
     for entry in entries:
         totals[entry[2]] += 1
         totals["size_bytes"] += entry[7]
         for key in entry[6]:
-            staging[key] = staging.get(key, 0) + 1
+            count = staging.get(key, 0)
+            staging[key] = count + 1
+            if not count:
+                if key in dropped:  # referenced before and after: no change
+                    dropped.discard(key)
+                else:
+                    added.append(key)
     capture.totals, capture.staging = totals, staging
+    restaged = StagingDelta(base.checkpoint_id, tuple(added), tuple(dropped), len(staging))
     whole = capture.compose()
     amended = base.amended + len(entries) + len(removed)
     if base.depth >= MAX_CHAIN_DEPTH or 2 * amended >= len(whole):
-        return None
-    return _Delta(base.checkpoint_id, entries, removed, totals, base.depth + 1, amended)
+        return None, restaged
+    delta = _Delta(base.checkpoint_id, entries, removed, totals, base.depth + 1, amended)
+    return delta, restaged
 
 
 def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[ManifestEntry]]:

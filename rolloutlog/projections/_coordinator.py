@@ -256,11 +256,17 @@ class Coordinator:
         deadline_s: float | None = None,
         wait: bool = True,
         trigger: str = "request",
+        staging_since: int | None = None,
     ) -> CheckpointResult | int:
         """Take a checkpoint. Returns the committed result, or (``wait=False`` while wait steps
         are still open) the id of the checkpoint that stays ``pending`` and commits later."""
         return await self._checkpointer.checkpoint(
-            run, controller_epoch, deadline_s=deadline_s, wait=wait, trigger=trigger
+            run,
+            controller_epoch,
+            deadline_s=deadline_s,
+            wait=wait,
+            trigger=trigger,
+            staging_since=staging_since,
         )
 
     async def restore(

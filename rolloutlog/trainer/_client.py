@@ -27,6 +27,7 @@ from rolloutlog.trainer._types import (
     EpisodeResult,
     RestoreEpisode,
     RestoreInfo,
+    StagingKeys,
     error_from_body,
     error_from_response,
 )
@@ -69,6 +70,7 @@ class _Calls:
         self._prefix = "" if not given_client or url is None else self.url
         self._headers = _headers(token)
         self.controller_epochs: dict[str, int] = {}
+        self._staging = StagingKeys()
 
     def _epoch(self, run: str, controller_epoch: int | None) -> int:
         if controller_epoch is not None:
@@ -81,13 +83,15 @@ class _Calls:
                 run=run,
             ) from None
 
-    @staticmethod
     def _checkpoint_call(
-        run: str, epoch: int, deadline_s: float | None, wait: bool, trigger: str
+        self, run: str, epoch: int, deadline_s: float | None, wait: bool, trigger: str
     ) -> _Call:
         body: dict[str, Any] = {"controller_epoch": epoch, "wait": wait, "trigger": trigger}
         if deadline_s is not None:
             body["deadline_s"] = deadline_s
+        since = self._staging.since(run)
+        if since is not None:
+            body["staging_keys_since"] = since
         return _Call("POST", f"/v1/runs/{run}/checkpoints", json=body)
 
     @staticmethod
@@ -323,7 +327,7 @@ class AsyncTrainerClient(_Calls):
         call = self._checkpoint_call(
             run, self._epoch(run, controller_epoch), deadline_s, wait, trigger
         )
-        return CheckpointInfo.from_json(await self._send(call))
+        return self._staging.info(run, await self._send(call))
 
     async def get_checkpoint(self, run: str, checkpoint_id: CheckpointRef) -> CheckpointInfo:
         path = self._checkpoint_path(run, checkpoint_id)
@@ -600,7 +604,7 @@ class TrainerClient(_Calls):
         call = self._checkpoint_call(
             run, self._epoch(run, controller_epoch), deadline_s, wait, trigger
         )
-        return CheckpointInfo.from_json(self._send(call))
+        return self._staging.info(run, self._send(call))
 
     def get_checkpoint(self, run: str, checkpoint_id: CheckpointRef) -> CheckpointInfo:
         return CheckpointInfo.from_json(

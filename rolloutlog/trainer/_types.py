@@ -4,7 +4,7 @@ rebuilt by ``rolloutlog.errors.error_from_wire``)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -51,6 +51,58 @@ class CheckpointInfo:
             timings_ms=dict(body.get("timings_ms", {})),
             raw=dict(body),
         )
+
+
+class StagingKeys:
+    """Per run, the staging keys of the newest checkpoint the client took: its next checkpoint
+    request names that checkpoint (``staging_keys_since``), and a reply that says only what
+    changed from it (``staging_keys_added``/``_removed``, see docs/api.md) is composed with them,
+    so a checkpoint's reply costs what changed, not every live rollout's keys."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[int, set[str]]] = {}
+
+    def since(self, run: str) -> int | None:
+        held = self._held.get(run)
+        return held[0] if held is not None else None
+
+    def info(self, run: str, body: Mapping[str, Any]) -> CheckpointInfo:
+        """The reply of a checkpoint request for ``run``, with every staging key listed."""
+        held = self._held.pop(run, None)
+        added = body.get("staging_keys_added")
+        if added is None:
+            info = CheckpointInfo.from_json(body)
+            if info.staging_keys is not None:
+                self._held[run] = (info.checkpoint_id, set(info.staging_keys))
+            elif held is not None:  # pending: the next one may still amend the held keys
+                self._held[run] = held
+            return info
+        since = body.get("staging_keys_since")
+        if held is None or held[0] != since:
+            raise _inconsistent(
+                run,
+                f"checkpoint {body.get('checkpoint_id')} of run {run!r}: the service sent the "
+                f"staging keys changed since checkpoint {since}, whose keys this client does not "
+                "hold",
+            )
+        keys = held[1]
+        keys.difference_update(body.get("staging_keys_removed") or ())
+        keys.update(added)
+        if len(keys) != body.get("staging_key_count"):
+            raise _inconsistent(
+                run,
+                f"checkpoint {body.get('checkpoint_id')} of run {run!r}: {len(keys)} staging "
+                f"keys composed, the service counts {body.get('staging_key_count')}",
+            )
+        info = replace(CheckpointInfo.from_json(body), staging_keys=tuple(keys))
+        self._held[run] = (info.checkpoint_id, keys)
+        return info
+
+
+def _inconsistent(run: str, message: str) -> ServiceError:
+    """A delta reply this client cannot compose: the checkpoint committed, but its staging keys
+    are unknown here (the next checkpoint's reply lists them all again)."""
+    return ServiceError(500, "internal", message, {"run": run})
 
 
 @dataclass(frozen=True)

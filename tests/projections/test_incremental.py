@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 
 from rolloutlog.catalog import ManifestEntry
@@ -113,3 +114,88 @@ async def test_a_restore_of_a_delta_continues_every_episode(service: Service) ->
     third = await committed(service)
     manifest = await service.catalog.load_manifest(service.run, third.checkpoint.checkpoint_id)
     assert {e.episode: e.attempt for e in manifest} == {name: 1 for name in names}
+
+
+async def test_a_requester_holding_the_base_staging_keys_gets_what_changed(
+    service: Service,
+) -> None:
+    rows = {name: f.ledger_row(name) for name in ("a", "b", "c")}
+
+    def first_row(name: str) -> dict[str, Any]:
+        data = rows[name].data
+        return {"call_id": "c1", "cum_len": 512, "digest": data.digest}
+
+    for name, row in rows.items():
+        await service.append(f.started(name), row, f.boundary(name, "seed", {"t": 1}))
+
+    async def keys_of(result: CheckpointResult) -> set[str]:
+        manifest = await service.catalog.load_manifest(service.run, result.checkpoint.checkpoint_id)
+        return {key for entry in manifest for key in entry.staging_keys}
+
+    first = await committed(service)
+    assert first.staging_delta is None and first.staging_keys is not None
+    held = set(first.staging_keys)
+    assert held == await keys_of(first) == {"stage-a-c1", "stage-b-c1", "stage-c-c1"}
+    # a references a second key, b finishes (the trainer has its rows), d begins with one.
+    await service.append(
+        f.ledger_row("a", "c2", parent=first_row("a")),
+        f.boundary("a", "invoke_agent", {"t": 2}),
+    )
+    await service.append(f.finished("b"))
+    await service.append(f.started("d"), f.ledger_row("d"), f.boundary("d", "seed", {"t": 1}))
+    first_id = first.checkpoint.checkpoint_id
+    second = await committed_since(service, first_id)
+    delta = second.staging_delta
+    assert second.staging_keys is None and delta is not None
+    assert (delta.since, sorted(delta.added), sorted(delta.removed)) == (
+        first_id,
+        ["stage-a-c2", "stage-d-c1"],
+        ["stage-b-c1"],
+    )
+    held = (held - set(delta.removed)) | set(delta.added)
+    assert held == await keys_of(second) and delta.count == len(held)
+    # Naming a checkpoint that is not the base (a lost reply, another client): every key.
+    await service.append(f.boundary("c", "invoke_agent", {"t": 2}))
+    third = await committed_since(service, first_id)
+    assert third.staging_delta is None and third.staging_keys is not None
+    assert set(third.staging_keys) == await keys_of(third)
+    # After a reply that listed every key, naming it gets a delta again (nothing changed).
+    fourth = await committed_since(service, third.checkpoint.checkpoint_id)
+    assert fourth.staging_keys is None and fourth.staging_delta is not None
+    assert (fourth.staging_delta.added, fourth.staging_delta.removed) == ((), ())
+    assert fourth.staging_delta.count == len(await keys_of(fourth))
+
+
+async def committed_since(service: Service, since: int) -> CheckpointResult:
+    result = await service.checkpoint(staging_since=since)
+    assert isinstance(result, CheckpointResult)
+    return result
+
+
+async def test_the_log_is_trimmed_only_where_the_floor_rose(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[int, int]] = []
+    trim = service.log.trim
+
+    async def counted(run: str, partition: int, before: int) -> bool:
+        calls.append((partition, before))
+        return await trim(run, partition, before)
+
+    monkeypatch.setattr(service.log, "trim", counted)
+    checkpointer = service.coordinator._checkpointer
+    await service.append(f.started("a"), f.boundary("a"), f.finished("a"))
+    for _ in range(3):  # a's partition: its floor is past a's records
+        await committed(service)
+    await checkpointer._trim(service.run)
+    if not calls or not await trim(service.run, *calls[0]):
+        pytest.skip("this log cannot trim")
+    floors = set(calls)
+    calls.clear()
+    for _ in range(2):  # the floors stay: no write into the log
+        await committed(service)
+        await checkpointer._trim(service.run)
+    assert calls == []
+    checkpointer._trimmed.clear()  # as a restarted service: trimmed again, once
+    await checkpointer._trim(service.run)
+    assert set(calls) == floors

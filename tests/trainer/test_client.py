@@ -299,3 +299,37 @@ async def test_participants_projector_and_quarantine_pages(api: Api) -> None:
         await analyst.participants("nope")
     with pytest.raises(InvalidRequest):
         await analyst.quarantine("run", after="nowhere")
+
+
+async def test_a_checkpoint_reply_lists_what_changed_and_the_client_composes_every_key(
+    api: Api, trainer: AsyncTrainerClient
+) -> None:
+    await trainer.create_run("run", partitions=2)
+    await api.register()
+    await api.register("policy-0", "policy")
+    await api.append(f.started("a"), f.ledger_row("a"), f.boundary("a"))
+    await api.append(f.started("b"), f.ledger_row("b"), f.boundary("b"))
+    await trainer.take_over("run")
+    first = await trainer.checkpoint("run")
+    assert "staging_keys" in first.raw and "staging_keys_added" not in first.raw
+    assert sorted(first.staging_keys or ()) == ["stage-a-c1", "stage-b-c1"]
+    await api.append(f.finished("b"))
+    await api.append(f.started("c"), f.ledger_row("c"), f.boundary("c"))
+    second = await trainer.checkpoint("run")
+    # The request named the first checkpoint: the reply says only what changed.
+    assert "staging_keys" not in second.raw
+    assert second.raw["staging_keys_since"] == first.checkpoint_id
+    assert (second.raw["staging_keys_added"], second.raw["staging_keys_removed"]) == (
+        ["stage-c-c1"],
+        ["stage-b-c1"],
+    )
+    assert sorted(second.staging_keys or ()) == ["stage-a-c1", "stage-c-c1"]
+    # Another client holds no keys: its reply lists them all.
+    async with AsyncTrainerClient(token=TOKENS["trainer"], client=api.client) as other:
+        await other.take_over("run")
+        third = await other.checkpoint("run")
+    assert sorted(third.raw["staging_keys"]) == ["stage-a-c1", "stage-c-c1"]
+    # This client still names the second: not the base any more, so every key comes listed.
+    fourth = await trainer.checkpoint("run", controller_epoch=other.controller_epochs["run"])
+    assert "staging_keys_added" not in fourth.raw
+    assert sorted(fourth.staging_keys or ()) == ["stage-a-c1", "stage-c-c1"]
