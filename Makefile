@@ -18,8 +18,13 @@ check: venv
 	$(BIN)/ruff check rolloutlog tests benchmarks
 	$(BIN)/mypy --strict rolloutlog
 
+# pytest on PYTEST_WORKERS processes (pytest-xdist; 0 runs in this process): most tests wait on
+# real processes, timeouts and leases, so two workers halve the wall time on two cores. A module
+# whose fixture outlives one test stays on one worker (tests/conftest.py).
+PYTEST_WORKERS ?= 2
+
 test: check
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The README's first command: 300 simulated rollouts, a checkpoint, SIGKILL, restore.
 demo: venv
