@@ -9,6 +9,25 @@ import pytest
 
 from tests._services import DEFAULT_POSTGRES_URL, kafka_broker, unavailable
 
+_SHARED_SCOPES = {"class", "module", "package"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (``make test``), keep the tests of a module whose
+    fixture outlives one test (a module-scoped service, browser or PostgreSQL cluster) on one
+    worker, so it starts once; every other test goes to whichever worker is free. Session
+    fixtures (the Tansu broker, the PostgreSQL URL) start once per worker; tests share them
+    isolated by run names, schemas, temp dirs and free ports."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        defs = (d for ds in info.name2fixturedefs.values() for d in ds)
+        if any(d.scope in _SHARED_SCOPES for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> Iterator[str]:
