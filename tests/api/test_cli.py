@@ -266,6 +266,9 @@ def test_ctrl_c_ends_a_waiting_command_with_130(server: Server) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As a terminal's foreground job starts it: a shell's background job (pytest started
+        # with `&`) would hand the CLI an ignored SIGINT, which it keeps.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 30
     while not httpx.get(
