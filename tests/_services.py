@@ -19,6 +19,8 @@ from typing import IO
 
 import pytest
 
+from rolloutlog.participants.sim import free_port
+
 REQUIRE_SERVICES = os.environ.get("ROLLOUTLOG_REQUIRE_SERVICES") == "1"
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_POSTGRES_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
@@ -29,12 +31,6 @@ def unavailable(reason: str) -> None:
     if REQUIRE_SERVICES:
         pytest.fail(f"required service missing: {reason}", pytrace=False)
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:

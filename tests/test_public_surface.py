@@ -99,6 +99,7 @@ SURFACES: dict[str, list[str]] = {
         "EpisodeProjection",
         "GenerationCut",
         "LedgerEntry",
+        "ProjectionLine",
         "ProjectionStatus",
         "RecordView",
         "RestoreResult",

@@ -18,7 +18,7 @@ and checks every reward. Importing this package starts nothing.
 """
 
 from rolloutlog.participants.sim._collector import Collector, CollectorReport, Rollout
-from rolloutlog.participants.sim._gym import PARTICIPANTS, Gym
+from rolloutlog.participants.sim._gym import PARTICIPANTS, Gym, free_port
 from rolloutlog.participants.sim._model import (
     RESOURCES_KINDS,
     expected_answer,
@@ -37,6 +37,7 @@ __all__ = [
     "Gym",
     "Rollout",
     "expected_answer",
+    "free_port",
     "expected_reward",
     "make_task",
     "make_tasks",

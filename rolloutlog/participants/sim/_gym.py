@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -39,10 +40,32 @@ _MODES["sandbox"] = "sandbox"  # export-on-checkpoint: state in a SQLite file of
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port nothing listens on, for a server started next (by another process).
+
+    Taken below the kernel's ephemeral range: a port the kernel hands out (``bind`` to port 0)
+    may be taken by any outgoing connection between this check and the server's own bind (seen as
+    ``EADDRINUSE`` with the tests on two workers); outgoing connections never take these."""
+    for _ in range(100):
+        port = random.randrange(_PORTS_FROM, _EPHEMERAL_LOW)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {_PORTS_FROM}-{_EPHEMERAL_LOW - 1}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+_PORTS_FROM = 10_000
+_EPHEMERAL_LOW = max(_PORTS_FROM + 1000, _ephemeral_low())
 
 
 def die_with_parent() -> None:
