@@ -84,24 +84,21 @@ class Log(abc.ABC):
     async def append_records(self, run: str, records: Sequence[Record]) -> list[Position]:
         """Append encoded records, all or none; positions in input order, once durable."""
 
-    @abc.abstractmethod
-    def read_records(
+    async def read_records(
         self, run: str, partition: int, start: int, end: int
     ) -> AsyncIterator[tuple[int, bytes]]:
-        """Records of ``partition`` with ``start <= offset < end``, in order, as raw bytes."""
+        """Records of ``partition`` with ``start <= offset < end``, in order, as raw bytes
+        (``read_pages``, a record at a time)."""
+        async for page in self.read_pages(run, partition, start, end):
+            for item in page:
+                yield item
 
-    async def read_pages(
+    @abc.abstractmethod
+    def read_pages(
         self, run: str, partition: int, start: int, end: int
     ) -> AsyncIterator[list[tuple[int, bytes]]]:
-        """``read_records`` a page (list) at a time: cheaper for bulk replays."""
-        page: list[tuple[int, bytes]] = []
-        async for item in self.read_records(run, partition, start, end):
-            page.append(item)
-            if len(page) >= 1024:
-                yield page
-                page = []
-        if page:
-            yield page
+        """``read_records`` a page (list) at a time, as the backend reads them: bulk replays and a
+        projector catching up take no coroutine step per record."""
 
     @abc.abstractmethod
     async def delete_run(self, run: str) -> bool:

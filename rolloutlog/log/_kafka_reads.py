@@ -103,14 +103,6 @@ class KafkaReads:
 
     # -- public reads ------------------------------------------------------------------------------
 
-    async def read_records(
-        self, run: str, partition: int, start: int, end: int
-    ) -> AsyncIterator[tuple[int, bytes]]:
-        """Records of ``start <= offset < end`` (``read_pages``, a record at a time)."""
-        async for page in self.read_pages(run, partition, start, end):
-            for item in page:
-                yield item
-
     async def read_pages(
         self, run: str, partition: int, start: int, end: int
     ) -> AsyncIterator[list[tuple[int, bytes]]]:

@@ -634,13 +634,6 @@ class EmbeddedLog(Log):
         run_file.submit(_Call(function, loop, future))
         return await future
 
-    async def read_records(
-        self, run: str, partition: int, start: int, end: int
-    ) -> AsyncIterator[tuple[int, bytes]]:
-        async for page in self.read_pages(run, partition, start, end):
-            for item in page:
-                yield item
-
     async def read_pages(
         self, run: str, partition: int, start: int, end: int
     ) -> AsyncIterator[list[tuple[int, bytes]]]:
