@@ -122,6 +122,7 @@ def test_the_sim_surface_and_a_side_effect_free_import() -> None:
                 "Rollout",
                 "expected_answer",
                 "expected_reward",
+                "free_port",
                 "make_task",
                 "make_tasks",
                 "request_digest",
