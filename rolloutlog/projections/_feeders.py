@@ -20,12 +20,14 @@ __all__ = ["flush_episodes", "record_episodes", "record_quarantine"]
 
 #: The episode records' last flush on the way out waits at most this for the catalog.
 _LAST_FLUSH_S = 5.0
-#: Starts and finishes per catalog write.
-_EPISODE_BATCH = 5000
+#: Starts and finishes per catalog write: small enough that a checkpoint's writes, which go
+#: before the feeder's next batch, wait a few milliseconds for the one being written (S4).
+_EPISODE_BATCH = 1000
 #: Quarantined records per catalog write.
 _QUARANTINE_BATCH = 1000
-#: One flush of a projector's episodes at a time: a flush that must see every finish recorded
-#: (a checkpoint's, a restore's, the results routes') waits for a batch another one is writing.
+#: One batch of a projector's episodes written at a time: a flush that must see every finish
+#: recorded (a checkpoint's, a restore's, the results routes') waits for the batch another one
+#: is writing, not for all of that flush's batches (the lock is taken per batch, in order).
 _FLUSHING: weakref.WeakKeyDictionary[Projector, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
@@ -104,28 +106,30 @@ async def flush_episodes(
     lock = _FLUSHING.get(projector)
     if lock is None:
         lock = _FLUSHING[projector] = asyncio.Lock()
-    async with lock:
-        await _flush_episodes(catalog, projector, finishes_only)
+    while True:
+        async with lock:
+            if not (projector.new_finishes if finishes_only else projector.has_new_episodes()):
+                return
+            await _flush_batch(catalog, projector, finishes_only)
 
 
-async def _flush_episodes(catalog: Catalog, projector: Projector, finishes_only: bool) -> None:
-    while projector.new_finishes if finishes_only else projector.has_new_episodes():
-        starts, finishes = projector.take_new_episodes(_EPISODE_BATCH)
-        if finishes_only:
-            projector.put_back_new_episodes(starts, ())
-            starts = []
-        done = False
-        try:
-            await catalog.record_episodes(projector.run, starts, finishes)
-            done = True
-        except Exception as e:
-            if isinstance(e, RolloutlogError) and e.retriable:
-                raise
-            done = True  # dropped: retrying what the catalog refuses would block the run
-            logger.exception("the catalog refused episodes of run %s", projector.run)
-        finally:
-            if not done:
-                # Unavailable, or cancelled mid-write: back in front, in order (the projector
-                # may have queued more meanwhile). Sending a batch again whose commit did land
-                # is harmless: starts keep the first position, finishes are idempotent.
-                projector.put_back_new_episodes(starts, finishes)
+async def _flush_batch(catalog: Catalog, projector: Projector, finishes_only: bool) -> None:
+    starts, finishes = projector.take_new_episodes(_EPISODE_BATCH)
+    if finishes_only:
+        projector.put_back_new_episodes(starts, ())
+        starts = []
+    done = False
+    try:
+        await catalog.record_episodes(projector.run, starts, finishes)
+        done = True
+    except Exception as e:
+        if isinstance(e, RolloutlogError) and e.retriable:
+            raise
+        done = True  # dropped: retrying what the catalog refuses would block the run
+        logger.exception("the catalog refused episodes of run %s", projector.run)
+    finally:
+        if not done:
+            # Unavailable, or cancelled mid-write: back in front, in order (the projector
+            # may have queued more meanwhile). Sending a batch again whose commit did land
+            # is harmless: starts keep the first position, finishes are idempotent.
+            projector.put_back_new_episodes(starts, finishes)
