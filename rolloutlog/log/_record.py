@@ -105,24 +105,33 @@ def encode_record_dict(event: dict[str, Any]) -> bytes:
     return b"%b\n%b" % (head, orjson.dumps(payload, default=_default))
 
 
+def _fitted(record: bytes) -> bytes:
+    """A copy of an ``orjson.dumps`` result that fits its length: orjson's buffer is not shrunk
+    (a 230-byte record held 4 KB), and the service's own records stay in memory by the
+    thousand (a restore writes one per planned episode; the embedded log keeps its tail)."""
+    return bytes(memoryview(record))
+
+
 def marker_record(checkpoint_id: int, controller_epoch: int, ts: float) -> bytes:
     """The ``checkpoint.marker`` the service writes into every partition (no episode).
 
     Its ``seq`` is the checkpoint id: checkpoint ids only grow, so the service's ``seq`` rises
     per (participant, epoch) in each partition, as the envelope asks of every writer (§3).
     """
-    return orjson.dumps(
-        {
-            "v": 1,
-            "episode": None,
-            "attempt": 0,
-            "step": None,
-            "participant": _service(controller_epoch),
-            "seq": checkpoint_id,
-            "ts": ts,
-            "type": "checkpoint.marker",
-            "data": {"checkpoint_id": checkpoint_id, "controller_epoch": controller_epoch},
-        }
+    return _fitted(
+        orjson.dumps(
+            {
+                "v": 1,
+                "episode": None,
+                "attempt": 0,
+                "step": None,
+                "participant": _service(controller_epoch),
+                "seq": checkpoint_id,
+                "ts": ts,
+                "type": "checkpoint.marker",
+                "data": {"checkpoint_id": checkpoint_id, "controller_epoch": controller_epoch},
+            }
+        )
     )
 
 
@@ -145,24 +154,26 @@ def attempt_started_record(
     epoch), as the envelope asks of every writer (§3). (The fold never filters these records by
     ``seq``: a committed restore's record is taken for its restore id.)
     """
-    return orjson.dumps(
-        {
-            "v": 1,
-            "episode": episode,
-            "attempt": attempt,
-            "step": None,
-            "participant": _service(controller_epoch),
-            "seq": restore_id,
-            "ts": ts,
-            # ``record_restore_id`` reads these two keys, in this order, off the bytes.
-            "type": "attempt.started",
-            "data": {
-                "restore_id": restore_id,
-                "checkpoint_id": checkpoint_id,
-                "previous_attempt": previous_attempt,
-                "cut": cut,
-            },
-        }
+    return _fitted(
+        orjson.dumps(
+            {
+                "v": 1,
+                "episode": episode,
+                "attempt": attempt,
+                "step": None,
+                "participant": _service(controller_epoch),
+                "seq": restore_id,
+                "ts": ts,
+                # ``record_restore_id`` reads these two keys, in this order, off the bytes.
+                "type": "attempt.started",
+                "data": {
+                    "restore_id": restore_id,
+                    "checkpoint_id": checkpoint_id,
+                    "previous_attempt": previous_attempt,
+                    "cut": cut,
+                },
+            }
+        )
     )
 
 

@@ -11,6 +11,8 @@ requester merges before its commit."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
 import logging
 import time
@@ -94,6 +96,27 @@ class RestoreResult:
 _LINE_OVERHEAD = 400
 #: How many projections a build encodes before it lets the event loop run.
 _ENCODE_SLICE = 256
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (AttributeError, OSError, TypeError):  # not glibc
+        return None
+    return trim
+
+
+#: glibc's ``malloc_trim``, if this is glibc (``_release_freed``).
+_MALLOC_TRIM = _libc_trim()
+
+
+def _release_freed() -> None:
+    """Hand the memory freed by the plan (and by the run's previous restore's lines) back to the
+    OS before the lines are built. glibc keeps freed heap pages otherwise: measured on S1, the
+    second restore's build then grew RSS on top of ~130 MB freed but held (VmHWM 414 MB with
+    the trim's ~390 MB), for a few milliseconds' trim."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class RestoreLines:
@@ -445,6 +468,7 @@ class Restorer:
             # (replayed, or encoded from the plan's) starts now, not when it asks. (Started
             # before the commit, it held the event loop from the commit: the plan then took as
             # long as the replay.)
+            _release_freed()
             build = self._build_planned(run, restore_id, projector, checkpoint, manifest, part)
             self.cache.put(run, restore_id, build)
         # What stays (cached projections, the trackers' new states): keep the collector from
