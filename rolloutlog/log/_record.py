@@ -105,7 +105,7 @@ def encode_record_dict(event: dict[str, Any]) -> bytes:
     return b"%b\n%b" % (head, orjson.dumps(payload, default=_default))
 
 
-def _fitted(record: bytes) -> bytes:
+def fitted(record: bytes) -> bytes:
     """A copy of an ``orjson.dumps`` result that fits its length: orjson's buffer is not shrunk
     (a 230-byte record held 4 KB), and the service's own records stay in memory by the
     thousand (a restore writes one per planned episode; the embedded log keeps its tail)."""
@@ -118,7 +118,7 @@ def marker_record(checkpoint_id: int, controller_epoch: int, ts: float) -> bytes
     Its ``seq`` is the checkpoint id: checkpoint ids only grow, so the service's ``seq`` rises
     per (participant, epoch) in each partition, as the envelope asks of every writer (§3).
     """
-    return _fitted(
+    return fitted(
         orjson.dumps(
             {
                 "v": 1,
@@ -154,7 +154,7 @@ def attempt_started_record(
     epoch), as the envelope asks of every writer (§3). (The fold never filters these records by
     ``seq``: a committed restore's record is taken for its restore id.)
     """
-    return _fitted(
+    return fitted(
         orjson.dumps(
             {
                 "v": 1,

@@ -61,6 +61,7 @@ from rolloutlog.log._interface import (
     check_run_name,
 )
 from rolloutlog.log._lock import DataDirLock
+from rolloutlog.log._record import fitted
 from rolloutlog.log._segments import (
     OFFSET_MASK,
     SEGMENT_BYTES,
@@ -392,11 +393,14 @@ class _RunFile:
             for record, (partition, offset) in zip(request.records, positions, strict=True):
                 if len(record.value) >= BLOB_THRESHOLD:
                     blobbed.add(partition)
+                # A copy of its length: the append's bytes may sit in a larger buffer (orjson's
+                # holds 4 KB for a 230-byte record), and the tail is counted by length.
+                value = fitted(record.value)
                 items = added.get(partition)
                 if items is None:
-                    added[partition] = [(offset, record.value)]
+                    added[partition] = [(offset, value)]
                 else:
-                    items.append((offset, record.value))
+                    items.append((offset, value))
         limit = _TAIL_BYTES // self.partitions
         for partition, items in added.items():
             if partition in blobbed:

@@ -320,3 +320,32 @@ async def test_a_follower_at_the_tip_takes_the_committed_records_from_memory(
         await take(121)
         assert reads[-1] == [(1, 30, 31)] and log._runs["run"].tail[1] == []
         await pages.aclose()
+
+
+async def test_the_tail_holds_records_in_memory_of_their_length(tmp_path: Path) -> None:
+    """The tail is counted by record length, so it keeps copies that fit: an ``orjson.dumps``
+    result sits in a 4 KB buffer however short it is (30,000 small records held 127 MB before,
+    9 MB after)."""
+    import tracemalloc
+
+    import orjson
+
+    from rolloutlog.log._interface import Record
+
+    async with open_log(tmp_path) as log:
+        assert isinstance(log, EmbeddedLog)
+        await log.ensure_run("run", 4)
+        tracemalloc.start()
+        try:
+            records = [
+                Record(i % 4, None, orjson.dumps({"type": "step.boundary", "seq": i}))
+                for i in range(2000)
+            ]
+            await log.append_records("run", records)
+            held = sum(len(tail) for tail in log._runs["run"].tail)
+            del records
+            kept, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert held == 2000
+    assert kept < 1_000_000, kept  # ~2,000 x 70 bytes of records and their tuples, not 8 MB
