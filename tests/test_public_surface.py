@@ -68,6 +68,7 @@ SURFACES: dict[str, list[str]] = {
         "decode_event",
         "decode_record",
         "encode_event",
+        "encode_opaque",
         "encode_record",
         "episode_id_problem",
         "fast_record",

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from rolloutlog.errors import RolloutlogError
-from rolloutlog.log import Opaque
+from rolloutlog.log import encode_opaque
 from rolloutlog.wire import NDJSON
 
 __all__ = [
@@ -31,11 +31,9 @@ JSON = "application/json"
 
 
 def _default(value: Any) -> Any:
-    if isinstance(value, Opaque):
-        return orjson.Fragment(value.raw)
     if isinstance(value, frozenset | set | tuple):
         return list(value)
-    raise TypeError(f"cannot encode {type(value).__name__}")
+    return encode_opaque(value)
 
 
 def dumps(value: Any) -> bytes:

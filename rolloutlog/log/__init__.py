@@ -60,7 +60,7 @@ from rolloutlog.log._interface import (
     open_log,
 )
 from rolloutlog.log._lock import DataDirLock
-from rolloutlog.log._opaque import Opaque
+from rolloutlog.log._opaque import Opaque, encode_opaque
 from rolloutlog.log._record import (
     attempt_started_record,
     encode_record,
@@ -113,6 +113,7 @@ __all__ = [
     "LedgerRowData",
     "Log",
     "Opaque",
+    "encode_opaque",
     "ParticipantIdentity",
     "ParticipantKind",
     "Position",

@@ -14,7 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from rolloutlog.errors import InvalidEvent
 from rolloutlog.log._events import EVENT_CLASSES, Event, _Envelope
-from rolloutlog.log._opaque import Opaque
+from rolloutlog.log._opaque import encode_opaque
 from rolloutlog.log._record import record_envelope
 
 __all__ = [
@@ -26,12 +26,6 @@ __all__ = [
 ]
 
 _EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
-
-
-def _default(value: Any) -> Any:
-    if isinstance(value, Opaque):
-        return orjson.Fragment(value.raw)
-    raise TypeError(f"cannot encode {type(value).__name__}")
 
 
 def _problem_field(error: ValidationError) -> tuple[str, str]:
@@ -66,7 +60,7 @@ def validate_events(values: Sequence[Any]) -> list[Event]:
 
 def encode_event(event: Event) -> bytes:
     """The wire form: one JSON object (payloads embedded as their raw bytes)."""
-    return orjson.dumps(event.model_dump(), default=_default)
+    return orjson.dumps(event.model_dump(), default=encode_opaque)
 
 
 def decode_event(data: bytes | str) -> Event:

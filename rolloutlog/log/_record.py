@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from rolloutlog.log._events import SERVICE_PARTICIPANT_ID
-from rolloutlog.log._opaque import Opaque
+from rolloutlog.log._opaque import Opaque, encode_opaque
 from rolloutlog.log._shapes import OPAQUE_FIELD, PAYLOAD_FIELD
 
 if TYPE_CHECKING:
@@ -56,12 +56,6 @@ _TOKEN_TYPES = frozenset(PAYLOAD_FIELD.keys() - OPAQUE_FIELD.keys())
 #: ``model_dump_json`` exclusions that leave the payload field out of the metadata.
 _EXCLUDE_PAYLOAD = {kind: {"data": {field}} for kind, field in PAYLOAD_FIELD.items()}
 _SEPARATOR = b"\n"
-
-
-def _default(value: Any) -> Any:
-    if isinstance(value, Opaque):
-        return orjson.Fragment(value.raw)
-    raise TypeError(f"cannot encode {type(value).__name__}")
 
 
 # -- building ------------------------------------------------------------------------------
@@ -92,7 +86,7 @@ def encode_record_dict(event: dict[str, Any]) -> bytes:
     field = PAYLOAD_FIELD.get(event["type"])
     data = event["data"]
     if field is None or field not in data:
-        return orjson.dumps(event, default=_default)
+        return orjson.dumps(event, default=encode_opaque)
     payload = data.pop(field)
     try:
         head = orjson.dumps(event)
@@ -102,7 +96,7 @@ def encode_record_dict(event: dict[str, Any]) -> bytes:
         return head
     if type(payload) is Opaque:
         return b"%b\n%b" % (head, payload.raw)
-    return b"%b\n%b" % (head, orjson.dumps(payload, default=_default))
+    return b"%b\n%b" % (head, orjson.dumps(payload, default=encode_opaque))
 
 
 def fitted(record: bytes) -> bytes:

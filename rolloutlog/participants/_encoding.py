@@ -28,6 +28,7 @@ from rolloutlog.log import (
     SERVICE_EVENT_TYPES,
     FieldShape,
     Opaque,
+    encode_opaque,
     encode_record,
     encode_record_dict,
     episode_id_problem,
@@ -37,15 +38,9 @@ from rolloutlog.log import (
 __all__ = ["check_built", "encode_record_fast", "encode_wire"]
 
 
-def _default(value: Any) -> Any:
-    if isinstance(value, Opaque):
-        return orjson.Fragment(value.raw)
-    raise TypeError(f"cannot encode {type(value).__name__}")
-
-
 def encode_wire(event: dict[str, Any]) -> bytes:
     """An envelope as one JSON object (opaque payloads embedded as their raw bytes)."""
-    return orjson.dumps(event, default=_default)
+    return orjson.dumps(event, default=encode_opaque)
 
 
 #: The SDK's record encoder is the log's (``rolloutlog.log``'s record layout, for dict envelopes).

@@ -12,7 +12,7 @@ from typing import Any, Literal, NamedTuple
 
 import orjson
 
-from rolloutlog.log import Opaque, capture_key
+from rolloutlog.log import Opaque, capture_key, encode_opaque
 
 #: A projection's status at its cut (the catalog's episodes say ``running``/``finished``/
 #: ``excluded``: docs/design.md §11).
@@ -171,12 +171,6 @@ class EpisodeProjection:
         }
 
 
-def _opaque_raw(value: Any) -> Any:
-    if isinstance(value, Opaque):
-        return orjson.Fragment(value.raw)
-    raise TypeError(f"cannot encode {type(value).__name__}")
-
-
 class ProjectionLine(NamedTuple):
     """A projection as the restore routes serve it: its ``ProjectionOut`` NDJSON line, encoded
     once (opaque states spliced in raw), with what the routes' filters and metrics read of it.
@@ -202,7 +196,7 @@ class ProjectionLine(NamedTuple):
             projection.episode,
             # Joined rather than ``OPT_APPEND_NEWLINE``: orjson's own buffer is not shrunk to
             # fit (an S1 line of 5.4 KB held 16 KB), the joined copy is.
-            orjson.dumps(projection.to_json(), default=_opaque_raw) + b"\n",
+            orjson.dumps(projection.to_json(), default=encode_opaque) + b"\n",
             tuple((s.kind, s.participant) for s in projection.sessions.values()),
             bool(projection.ledger) or generation_cut is not None,
             any(owner != "environment" for owner in projection.boundaries),
