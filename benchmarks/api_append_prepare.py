@@ -138,16 +138,21 @@ def _compare(ref: str, rounds: int) -> None:
         for _ in range(rounds):
             for side, modules in sides.items():
                 times[side].append(_time(_route_work(*modules, payloads), events))
-        figures = {side: summary(values) for side, values in times.items()}
-        document["workloads"][name] = {"us_per_event": figures}
-        print(
-            f"{name}: "
-            + ", ".join(f"{side} {s['median']:.2f} us/event" for side, s in figures.items())
-            + f" (load average {os.getloadavg()[0]:.2f})",
-            flush=True,
-        )
+        _report(document, name, times)
     document["load_average_after"] = os.getloadavg()[0]
     print(f"saved {save('api_append_prepare_compare', document)}")
+
+
+def _report(document: dict[str, Any], name: str, times: dict[str, list[float]]) -> None:
+    """One workload's medians per side, into ``document`` and printed."""
+    figures = {side: summary(values) for side, values in times.items()}
+    document["workloads"][name] = {"us_per_event": figures}
+    print(
+        f"{name}: "
+        + ", ".join(f"{side} {s['median']:.2f} us/event" for side, s in figures.items())
+        + f" (load average {os.getloadavg()[0]:.2f})",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -169,14 +174,7 @@ def main() -> None:
             with _without_fast_path():
                 times["pydantic"].append(_time(_prepare_all(payloads), events))
             times["parse only"].append(_time(_parse_all(payloads), events))
-        figures = {side: summary(values) for side, values in times.items()}
-        document["workloads"][name] = {"us_per_event": figures}
-        print(
-            f"{name}: "
-            + ", ".join(f"{side} {s['median']:.2f} us/event" for side, s in figures.items())
-            + f" (load average {os.getloadavg()[0]:.2f})",
-            flush=True,
-        )
+        _report(document, name, times)
     document["load_average_after"] = os.getloadavg()[0]
     print(f"saved {save('api_append_prepare', document)}")
 
