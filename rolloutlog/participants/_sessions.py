@@ -78,7 +78,8 @@ class Resources(Participant):
         self.mode: SessionMode = mode
         self.verify: StepMode = verify
         self.export_hook = export_hook
-        #: Sessions exported for checkpoints by ``serve_exports``.
+        #: Sessions whose state the export hook gave a checkpoint (counted before they are
+        #: appended: a checkpoint can commit before the append's acknowledgement arrives).
         self.exports = 0
         self._locks: dict[SessionKey, asyncio.Lock] = {}
 
@@ -145,6 +146,8 @@ class Resources(Participant):
             for key, sid in sorted(set(sessions)):  # one order: no deadlock between exports
                 await held.enter_async_context(self.session_lock(key, sid))
             states = await self.export_hook(sessions)
+            if checkpoint_id is not None:  # given to the checkpoint once the hook returned
+                self.exports += sum(1 for s in set(sessions) if s in states)
 
             async def one(key: str, sid: str) -> Position | None:
                 state = states.get((key, sid), _DROPPED)
@@ -183,7 +186,6 @@ class Resources(Participant):
                 continue
             await self.export(fresh, checkpoint_id=checkpoint_id)
             done.update((checkpoint_id, key, sid) for key, sid in fresh)
-            self.exports += len(fresh)
 
     def restored_state(self, projection: Mapping[str, Any], session_id: str) -> Any:
         """The state a replacement attempt restores for ``session_id`` (None when none)."""
