@@ -473,6 +473,7 @@ async def saturated_checkpoints(
     try:
         await asyncio.sleep(1.5)  # registered and appending at full rate
         times = []
+        stages: dict[str, list[float]] = {}
         before = svc.cpu_s()
         for _ in range(runs):
             t0 = time.perf_counter()
@@ -480,6 +481,8 @@ async def saturated_checkpoints(
             times.append(time.perf_counter() - t0)
             assert info.status == "committed", info
             assert info.counts["continue"] >= live, info.counts
+            for stage, value in info.timings_ms.items():
+                stages.setdefault(stage, []).append(float(value))
             await asyncio.sleep(0.3)
         cpu = svc.cpu_s() - before
         out_bytes, _ = await asyncio.to_thread(loader.communicate, timeout=seconds + 120)
@@ -490,6 +493,11 @@ async def saturated_checkpoints(
     appends = orjson.loads(out_bytes.strip().splitlines()[-1])
     return {
         "checkpoint_s": summary(times),
+        # The service's own stage timings, as S1's: queueing on the event loop behind the
+        # appends is what the request's time has beyond their ``total``.
+        "stages_ms": {
+            "checkpoint": {stage: statistics.median(values) for stage, values in stages.items()}
+        },
         "appends": appends,
         "service_cpu_s_during": cpu,
     }
@@ -654,9 +662,13 @@ def measure_curves(
     live point of each deployment comes last, within ``--budget-s``."""
     live_counts = [500, 1000] if quick else [1000, 4000, 16_000, 64_000]
     state_sizes = [1024, 1024 * 1024] if quick else [1024, 32 * 1024, 1024 * 1024]
+    if args.live_points is not None:  # a before/after of a few points
+        live_counts = [int(x) for x in args.live_points.split(",") if x]
+    if args.state_points is not None:
+        state_sizes = [int(x) for x in args.state_points.split(",") if x]
     state_count = 50 if quick else 200
     counts = {key: 2 if quick else n for key, n in CURVE_RUNS.items()}
-    largest = max(live_counts)
+    largest = max(live_counts, default=0)
     plan = [
         (name, curve, x)
         for name in backends
@@ -888,6 +900,16 @@ def main() -> None:
         default=930.0,
         help="the suite's wall-time budget: a curve point that would end past it is skipped "
         "(and listed as skipped; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--live-points",
+        help="the live-rollouts points of the curves part, comma-separated (default: "
+        "1000,4000,16000,64000; empty: none)",
+    )
+    parser.add_argument(
+        "--state-points",
+        help="the state-size points (bytes) of the curves part, comma-separated (default: "
+        "1024,32768,1048576; empty: none)",
     )
     args = parser.parse_args()
     # Tansu has no idempotent producer: its warning per producer is known (see RESULTS.md).
