@@ -9,8 +9,8 @@ trips), serializes migrations and classifies driver errors into rolloutlog's err
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 from sqlalchemy import Table
 from sqlalchemy import exc as sa_exc
@@ -24,6 +24,8 @@ from rolloutlog.errors import (
 )
 
 ONE_PENDING_INDEX = "uq_checkpoints_one_pending"
+
+T = TypeVar("T")
 
 
 class Backend:
@@ -50,6 +52,15 @@ class Backend:
     ) -> None:
         """Insert rows given column-wise (``columns[i]`` holds column ``names[i]`` of every row)
         inside ``conn``'s open transaction."""
+        raise NotImplementedError
+
+    #: Whether ``write_in_one_hop`` can run a write transaction.
+    one_hop_writes: ClassVar[bool] = False
+
+    async def write_in_one_hop(self, fn: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        """Run the write transaction ``fn`` whole on a worker thread: one trip through the
+        event loop instead of one per statement (under load, each waits for the loop's turn).
+        ``fn`` may await only ``conn``'s calls."""
         raise NotImplementedError
 
     def after_bulk_commit(self, engine: AsyncEngine) -> None:

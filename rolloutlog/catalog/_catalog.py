@@ -227,6 +227,23 @@ class Catalog:
         except self._translated as e:
             raise self._backend.translate(e) from e
 
+    async def _urgent_write(self, fn: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        """A checkpoint's write transaction: ``_write(urgent=True)``, run in one hop where the
+        backend can (``Backend.write_in_one_hop``)."""
+        if not self._backend.one_hop_writes:
+            async with self._write(urgent=True) as conn:
+                return await fn(conn)
+        if self._engine is None:
+            raise CatalogError("the catalog is not started")
+        turns = self._turns
+        try:
+            async with turns.turn(urgent=True) if turns is not None else nullcontext():
+                return await self._backend.write_in_one_hop(fn)
+        except RolloutlogError:
+            raise
+        except self._translated as e:
+            raise self._backend.translate(e) from e
+
     @asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncConnection]:
         if self._reader is None:
@@ -395,7 +412,8 @@ class Catalog:
         """Create the run's one ``pending`` checkpoint; return its id (strictly increasing)."""
         check_name(trigger, "trigger", length=64)
         check_positive_seconds(deadline_s, "deadline_s")
-        async with self._write(urgent=True) as conn:
+
+        async def begin(conn: AsyncConnection) -> int:
             row = await lock_run(conn, run, controller_epoch)
             pending = (
                 await conn.execute(
@@ -426,6 +444,8 @@ class Catalog:
                 )
             )
             return checkpoint_id
+
+        return await self._urgent_write(begin)
 
     async def commit_checkpoint(
         self,
@@ -531,7 +551,8 @@ class Catalog:
         """The one transaction of both: ``whole``, a write that leaves a partition without its
         part is refused (and rolled back) instead of waiting for another writer's."""
         check_timings(timings_ms)
-        async with self._write(urgent=True) as conn:
+
+        async def write(conn: AsyncConnection) -> Checkpoint | None:
             committed = await write_checkpoint_parts_rows(
                 conn,
                 self._backend,
@@ -556,6 +577,9 @@ class Catalog:
                     field="offsets",
                     given=sorted(offset.partition for offset in offsets),
                 )
+            return committed
+
+        committed = await self._urgent_write(write)
         self._after_bulk_commit()
         return committed
 
