@@ -714,9 +714,10 @@ def measure_curves(
             log(f"curve {name}: {workload.count} live rollouts, {workload.state_bytes} B states")
             restores = counts["largest_restores" if x == largest else "restores"]
             point = asyncio.run(curve_point(deployment, workload, counts["checkpoints"], restores))
-            if (curve, x) not in stw:
-                stw[(curve, x)] = stw_point(workload, counts["stop_the_world"])
-            point["stop_the_world"] = stw[(curve, x)]
+            if not args.no_baselines:  # a before/after of rolloutlog's points needs none
+                if (curve, x) not in stw:
+                    stw[(curve, x)] = stw_point(workload, counts["stop_the_world"])
+                point["stop_the_world"] = stw[(curve, x)]
         mine["live_rollouts" if curve == "live" else "state_bytes"][str(x)] = point
         log(
             f"  {name} {curve} {x}: checkpoint {point['checkpoint_s']['median'] * 1e3:.0f} ms, "
@@ -885,7 +886,8 @@ def main() -> None:
     parser.add_argument(
         "--no-baselines",
         action="store_true",
-        help="rolloutlog's figures only (a before/after comparison of two commits needs no more)",
+        help="rolloutlog's figures only, curve points included (a before/after comparison of "
+        "two commits needs no more)",
     )
     parser.add_argument("--workloads", default="S1,S2,S3", help="of the main part")
     parser.add_argument(
