@@ -64,7 +64,6 @@ from rolloutlog.log._lock import DataDirLock
 from rolloutlog.log._record import fitted
 from rolloutlog.log._segments import (
     OFFSET_MASK,
-    SEGMENT_BYTES,
     connect,
     fetch_page,
     open_range,
@@ -72,6 +71,7 @@ from rolloutlog.log._segments import (
     read_run_file,
     row_id,
     segment_row,
+    split_segments,
 )
 
 __all__ = ["EmbeddedLog", "from_url"]
@@ -351,7 +351,7 @@ class _RunFile:
             rows = [
                 segment_row(partition, segment, blobs)
                 for partition, (first, values) in added.items()
-                for segment in _segments(first, values)
+                for segment in split_segments(first, values)
             ]
             conn = self._connection()
             blobs.flush()  # before the segments that refer to it
@@ -454,24 +454,6 @@ class _RunFile:
 #: ``Position(partition, offset)`` from a pair without a Python frame (the writer makes one per
 #: record).
 _position = functools.partial(tuple.__new__, Position)
-
-
-def _segments(first: int, values: list[bytes]) -> list[tuple[int, list[bytes], list[int]]]:
-    """A partition's consecutive records (from offset ``first``) as segments: a segment stops
-    growing before ``SEGMENT_BYTES`` (a larger record is a segment of its own)."""
-    sizes = list(map(len, values))
-    total = sum(sizes)
-    if total <= SEGMENT_BYTES:
-        return [(first, values, [total])]
-    segments = []
-    start = size = 0
-    for index, length in enumerate(sizes):
-        if index > start and size + length > SEGMENT_BYTES:
-            segments.append((first + start, values[start:index], [size]))
-            start, size = index, 0
-        size += length
-    segments.append((first + start, values[start:], [size]))
-    return segments
 
 
 def _resolve_all(done: list[tuple[asyncio.Future[Any], Any]]) -> None:

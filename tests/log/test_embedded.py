@@ -367,9 +367,9 @@ async def test_the_tail_holds_records_in_memory_of_their_length(tmp_path: Path) 
 async def test_a_commit_group_cuts_a_partitions_records_into_segments_at_the_limit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rolloutlog.log import Record, embedded
+    from rolloutlog.log import Record, _segments
 
-    monkeypatch.setattr(embedded, "SEGMENT_BYTES", 100)
+    monkeypatch.setattr(_segments, "SEGMENT_BYTES", 100)
     values = [b"%030d" % i for i in range(10)] + [b"b" * 150, b"c" * 30]
     async with open_log(tmp_path) as log:
         assert isinstance(log, EmbeddedLog)
