@@ -8,7 +8,10 @@ per-call cost (cProfile's per-call cost inflates code made of many small calls).
 log's writer threads use lands on whatever the main thread was doing then (often waiting in the
 event loop). The clients run ``api_append.throughput`` twice: a warm-up (every episode created),
 then the sampled phase. Prints each part's share of the samples (inclusive), and with ``--top N``
-the N functions most often on top of the stack (self) and most often on it (inclusive).
+the N functions most often on top of the stack (self) and most often on it (inclusive). It also
+splits the sampled phase's CPU per event by thread, from /proc: the service's main thread (the
+event loop: HTTP, the route, the projector), its other threads (the log's writers and readers,
+the catalog's), and the clients (this process).
 
     python benchmarks/api_append_profile.py [--seconds 6] [--tree DIR] [--top N]
 
@@ -72,7 +75,7 @@ sys.exit(main(sys.argv[2:]))
 #: The parts reported: (label, the end of a sampled ``file:function``).
 PARTS = [
     ("the HTTP request, all of it", "httptools_impl.py:run_asgi"),
-    ("  the append route", "api/_append.py:append_events"),
+    ("  the append route", "api/_append.py:_serve"),
     ("    prepare: parse, validate, encode", "api/_prepare.py:prepare"),
     ("      orjson.loads of the body", "api/_prepare.py:parse_body"),
     ("      the fast path", "log/_fastpath.py:fast_record"),
@@ -99,10 +102,45 @@ async def _drive(server: Server, proc: subprocess.Popen[bytes], seconds: float) 
         await conn.request("POST", f"/v1/runs/{RUN}/participants", body)
     conn.close()
     _, seq = await throughput(server.port, seconds, 1)
+    before, clients_before, started = (
+        _thread_cpu(proc.pid),
+        time.process_time(),
+        time.perf_counter(),
+    )
     proc.send_signal(signal.SIGUSR1)
     rate, _ = await throughput(server.port, seconds, seq)
     proc.send_signal(signal.SIGUSR2)
+    after, clients = _thread_cpu(proc.pid), time.process_time() - clients_before
+    events = rate * (time.perf_counter() - started)
     print(f"sampled phase: {rate:.0f} events/s; load average {os.getloadavg()[0]:.2f}")
+    main_thread = [
+        b - a for a, b in zip(before.get(proc.pid, (0, 0)), after[proc.pid], strict=True)
+    ]
+    others = [0.0, 0.0]
+    for tid, cpu in after.items():
+        if tid != proc.pid:
+            for kind in (0, 1):
+                others[kind] += cpu[kind] - before.get(tid, (0.0, 0.0))[kind]
+    per_event = 1e6 / max(events, 1)
+    for label, (user, system) in (("main thread", main_thread), ("other threads", others)):
+        print(
+            f"  service {label:14s} {(user + system) * per_event:5.2f} us/event "
+            f"(user {user * per_event:.2f}, system {system * per_event:.2f})"
+        )
+    print(f"  clients (this process)       {clients * per_event:5.2f} us/event")
+
+
+def _thread_cpu(pid: int) -> dict[int, tuple[float, float]]:
+    """(user, system) CPU seconds of each thread of process ``pid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        found[int(task.name)] = (int(fields[11]) / tick, int(fields[12]) / tick)
+    return found
 
 
 def main() -> None:

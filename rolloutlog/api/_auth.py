@@ -11,7 +11,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from rolloutlog.api._tokens import Role, Tokens, allows, is_loopback_host
 from rolloutlog.errors import Forbidden, Unauthorized
 
-__all__ = ["AuthDependency", "Role", "Tokens", "public", "require"]
+__all__ = ["AuthDependency", "Role", "Tokens", "authorize", "public", "require"]
 
 _bearer = HTTPBearer(auto_error=False, description="A token of the route's role (or admin).")
 
@@ -50,6 +50,11 @@ def require(role: Role) -> AuthDependency:
 
     check.role = role  # type: ignore[attr-defined]  # read by route_roles()
     return check
+
+
+async def authorize(request: Request, check: AuthDependency) -> None:
+    """Run a ``require(role)`` check as its dependency would (for a route that solves none)."""
+    await check(request, await _bearer(request))
 
 
 async def public() -> None:

@@ -1,4 +1,5 @@
-"""uvicorn's httptools protocol with a header read timeout.
+"""uvicorn's httptools protocol with a header read timeout, writing each response's head with its
+body.
 
 uvicorn times out idle keep-alive connections only (``timeout_keep_alive``, armed after a
 response): a connection that opens and sends nothing, or half of its headers, is held forever, and
@@ -6,11 +7,17 @@ neither uvicorn, h11 nor httptools offer a bound. This subclass arms a timer whe
 opens and when a request's first byte arrives, and disarms it when the headers are complete; if
 it fires the connection gets ``408`` and is closed. A stalled *body* is timed by the app
 (``_app.BodyTimeout``), where the request is known.
+
+uvicorn writes a response's status line and headers as soon as the app starts the response, and
+its body when the app sends it: two ``send`` calls, and a client reading the reply wakes for the
+head and again for the body. ``_HeadWithBody`` holds the head until the body's first part (or
+the end of the event loop's turn, for a response whose body comes later) and writes both at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -38,7 +45,11 @@ class _TimedHeaders(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        before = self.cycle
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle is not before:  # its task has not run yet
+            cycle.transport = _HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
 
     def _arm(self) -> None:
         if self._header_timer is None:
@@ -65,6 +76,48 @@ class _TimedHeaders(HttpToolsProtocol):
                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
             )
         self.transport.close()
+
+
+class _HeadWithBody:
+    """The connection as one response sees it: its first write (the head) is held until its
+    next (the body's first part) and goes out with it, or alone at the end of the loop's turn."""
+
+    __slots__ = ("_first", "_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._first = True
+
+    def write(self, data: bytes) -> None:
+        if self._first:
+            self._first = False
+            self._held = data
+            self._loop.call_soon(self._flush)
+            return
+        held = self._held
+        if held is not None:
+            self._held = None
+            data = held + data
+        self._transport.write(data)
+
+    def _flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:

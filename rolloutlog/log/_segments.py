@@ -112,6 +112,24 @@ def segment_row(
     return row_id(partition, first), len(values), lowest_blob_file, encoded
 
 
+def split_segments(first: int, values: list[bytes]) -> list[tuple[int, list[bytes], list[int]]]:
+    """A partition's consecutive records (from offset ``first``) as segments: a segment stops
+    growing before ``SEGMENT_BYTES`` (a larger record is a segment of its own)."""
+    sizes = list(map(len, values))
+    total = sum(sizes)
+    if total <= SEGMENT_BYTES:
+        return [(first, values, [total])]
+    segments = []
+    start = size = 0
+    for index, length in enumerate(sizes):
+        if index > start and size + length > SEGMENT_BYTES:
+            segments.append((first + start, values[start:index], [size]))
+            start, size = index, 0
+        size += length
+    segments.append((first + start, values[start:], [size]))
+    return segments
+
+
 def read_run_file(
     path: Path, partitions: int | None, synchronous: str
 ) -> tuple[int, list[int], list[int]]:

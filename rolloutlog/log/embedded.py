@@ -64,7 +64,6 @@ from rolloutlog.log._lock import DataDirLock
 from rolloutlog.log._record import fitted
 from rolloutlog.log._segments import (
     OFFSET_MASK,
-    SEGMENT_BYTES,
     connect,
     fetch_page,
     open_range,
@@ -72,6 +71,7 @@ from rolloutlog.log._segments import (
     read_run_file,
     row_id,
     segment_row,
+    split_segments,
 )
 
 __all__ = ["EmbeddedLog", "from_url"]
@@ -326,28 +326,33 @@ class _RunFile:
         mark = blobs.mark()
         conn: sqlite3.Connection | None = None
         try:
-            # Per partition: the open segment's first offset, values and size.
-            open_segments: dict[int, tuple[int, list[bytes], list[int]]] = {}
-            rows: list[tuple[int, int, int | None, bytes]] = []
+            # Per partition: the first offset the group gives it and the values, in order (its
+            # offsets are consecutive). One short loop per record: the writer holds the GIL
+            # the service's event loop needs while it runs.
+            added: dict[int, tuple[int, list[bytes]]] = {}
             results: list[list[Position]] = []
             for request in group:
-                positions = []
+                partitions: list[int] = []
+                offsets: list[int] = []
+                add_partition = partitions.append
+                add_offset = offsets.append
                 for record in request.records:
                     partition = record.partition
                     offset = next_offsets[partition]
                     next_offsets[partition] = offset + 1
-                    positions.append(Position(partition, offset))
-                    segment = open_segments.get(partition)
-                    if segment is not None and segment[2][0] + len(record.value) > SEGMENT_BYTES:
-                        rows.append(segment_row(partition, segment, blobs))
-                        segment = None
-                    if segment is None:
-                        open_segments[partition] = (offset, [record.value], [len(record.value)])
+                    add_partition(partition)
+                    add_offset(offset)
+                    values = added.get(partition)
+                    if values is None:
+                        added[partition] = (offset, [record.value])
                     else:
-                        segment[1].append(record.value)
-                        segment[2][0] += len(record.value)
-                results.append(positions)
-            rows.extend(segment_row(p, segment, blobs) for p, segment in open_segments.items())
+                        values[1].append(record.value)
+                results.append(list(map(_position, zip(partitions, offsets, strict=True))))
+            rows = [
+                segment_row(partition, segment, blobs)
+                for partition, (first, values) in added.items()
+                for segment in split_segments(first, values)
+            ]
             conn = self._connection()
             blobs.flush()  # before the segments that refer to it
             conn.execute("BEGIN IMMEDIATE")
@@ -371,7 +376,7 @@ class _RunFile:
             for request in group:
                 request.loop.call_soon_threadsafe(_fail, request.future, failure)
             return
-        self._keep_tail(group, results)
+        self._keep_tail(added)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
         for request, positions in zip(group, results, strict=True):
             by_loop.setdefault(request.loop, []).append((request.future, positions))
@@ -383,39 +388,30 @@ class _RunFile:
             self.writers.schedule(functools.partial(_checkpoint, self.path, self.synchronous))
         self.wake_followers()
 
-    def _keep_tail(self, group: list[_Append], results: list[list[Position]]) -> None:
-        """Add a committed group's records to the partitions' tails (before the followers are
-        woken); a tail keeps the newest records that fit its share of ``_TAIL_BYTES``, none of
-        them stored in a blob file."""
-        added: dict[int, list[tuple[int, bytes]]] = {}
-        blobbed: set[int] = set()
-        for request, positions in zip(group, results, strict=True):
-            for record, (partition, offset) in zip(request.records, positions, strict=True):
-                if len(record.value) >= BLOB_THRESHOLD:
-                    blobbed.add(partition)
-                # A copy of its length: the append's bytes may sit in a larger buffer (orjson's
-                # holds 4 KB for a 230-byte record), and the tail is counted by length.
-                value = fitted(record.value)
-                items = added.get(partition)
-                if items is None:
-                    added[partition] = [(offset, value)]
-                else:
-                    items.append((offset, value))
+    def _keep_tail(self, added: dict[int, tuple[int, list[bytes]]]) -> None:
+        """Add a committed group's records (per partition: its first offset and values) to the
+        partitions' tails (before the followers are woken); a tail keeps the newest records
+        that fit its share of ``_TAIL_BYTES``, none of them stored in a blob file."""
         limit = _TAIL_BYTES // self.partitions
-        for partition, items in added.items():
-            if partition in blobbed:
+        for partition, (first, values) in added.items():
+            if max(map(len, values)) >= BLOB_THRESHOLD:
                 # A record in a blob file is read from there (its tail starts after it): the
                 # follower checks the file it will be restored from, and memory stays small.
                 self.tail[partition], self.tail_bytes[partition] = [], 0
                 continue
+            # Copies of their length: the append's bytes may sit in a larger buffer (orjson's
+            # holds 4 KB for a 230-byte record), and the tail is counted by length.
+            kept = list(map(fitted, values))
             tail, size = self.tail[partition], self.tail_bytes[partition]
-            if not tail or tail[-1][0] + 1 != items[0][0]:
+            if not tail or tail[-1][0] + 1 != first:
                 tail, size = [], 0  # the first records, or offsets jumped (a trim past the end)
-            tail.extend(items)
-            size += sum([len(value) for _, value in items])
-            if size > limit:  # keep the newest records that fit (maybe none)
+            tail.extend(zip(range(first, first + len(kept)), kept, strict=True))
+            size += sum(map(len, kept))
+            if size > limit:
+                # Keep the newest records that fit half of it (maybe none): trimmed once per
+                # half a tail of appends, not after every group (each trim copies the list).
                 cut = 0
-                while size > limit and cut < len(tail):
+                while size > limit // 2 and cut < len(tail):
                     size -= len(tail[cut][1])
                     cut += 1
                 tail = tail[cut:]
@@ -453,6 +449,11 @@ class _RunFile:
             call.loop.call_soon_threadsafe(_fail, call.future, e)
         else:
             call.loop.call_soon_threadsafe(_resolve_all, [(call.future, result)])
+
+
+#: ``Position(partition, offset)`` from a pair without a Python frame (the writer makes one per
+#: record).
+_position = functools.partial(tuple.__new__, Position)
 
 
 def _resolve_all(done: list[tuple[asyncio.Future[Any], Any]]) -> None:

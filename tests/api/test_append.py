@@ -402,3 +402,41 @@ async def test_big_bodies_prepared_in_slices_match_the_one_call_prepare(
         with pytest.raises(type(expected_error)) as caught:
             await _prepare.prepare_sliced(body, False, 4, 1 << 20)
         assert caught.value.details.get("index") == expected_error.details.get("index")
+
+
+async def test_the_events_route_answers_past_fastapi_with_the_same_replies(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``LeanRoute`` serves appends itself (the role checked by the route's own dependency) and
+    hands FastAPI only what its path pattern refuses, which FastAPI answers as before."""
+    from fastapi import routing
+
+    await api.seed([])
+    solved: list[object] = []
+    solve = routing.solve_dependencies
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        solved.append(kwargs.get("request"))
+        return await solve(*args, **kwargs)
+
+    monkeypatch.setattr(routing, "solve_dependencies", counted)
+    response = await api.append(f.started("lean"))
+    assert response.headers["content-type"] == "application/json"
+    assert int(response.headers["content-length"]) == len(response.content)
+    assert len(response.json()["offsets"]) == 1
+    assert solved == []
+    for headers, status, code in (
+        ({}, 401, "unauthorized"),
+        (bearer("analyst"), 403, "forbidden"),
+        ({"Authorization": "Basic abc"}, 401, "unauthorized"),
+    ):
+        refused = await api.client.post(EVENTS, content=b"[]", headers=headers)
+        assert (refused.status_code, refused.json()["error"]["code"]) == (status, code)
+        assert ("www-authenticate" in refused.headers) == (status == 401)
+    refused = await api.client.post(
+        "/v1/runs/-bad/events", content=b"[]", headers=bearer("participant")
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["details"]["field"] == "path.run"
+    assert len(solved) == 1  # FastAPI's own handler answered that one
+    assert sum(await api.log_ends()) == 1

@@ -362,3 +362,43 @@ async def test_the_tail_holds_records_in_memory_of_their_length(tmp_path: Path) 
             tracemalloc.stop()
     assert held == 2000
     assert kept < 1_000_000, kept  # the copies fit; the appended bytes (2,000 x 4 KB) are gone
+
+
+async def test_a_commit_group_cuts_a_partitions_records_into_segments_at_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rolloutlog.log import Record, _segments
+
+    monkeypatch.setattr(_segments, "SEGMENT_BYTES", 100)
+    values = [b"%030d" % i for i in range(10)] + [b"b" * 150, b"c" * 30]
+    async with open_log(tmp_path) as log:
+        assert isinstance(log, EmbeddedLog)
+        await log.ensure_run("run", 2)
+        await log.append_records("run", [Record(0, None, value) for value in values])
+        await log.append_records("run", [Record(1, None, b"one")])
+        conn = sqlite3.connect(log._runs["run"].path)
+        counts = [count for (count,) in conn.execute("SELECT count FROM segments ORDER BY id")]
+        conn.close()
+        # 3 x 30 bytes fit 100, a 4th does not; the big record is a segment of its own.
+        assert counts == [3, 3, 3, 1, 1, 1, 1]
+        stored = [item async for item in log.read_records("run", 0, 0, 100)]
+        assert stored == list(enumerate(values))
+
+
+async def test_a_full_tail_keeps_the_newest_records_that_fit_half_its_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rolloutlog.log import Record, embedded
+
+    monkeypatch.setattr(embedded, "_TAIL_BYTES", 2 * 1000)  # 1,000 bytes a partition
+    async with open_log(tmp_path) as log:
+        assert isinstance(log, EmbeddedLog)
+        await log.ensure_run("run", 2)
+        run_file = log._runs["run"]
+        await log.append_records("run", [Record(0, None, b"x" * 30) for _ in range(30)])
+        assert len(run_file.tail[0]) == 30 and run_file.tail_bytes[0] == 900
+        await log.append_records("run", [Record(0, None, b"y" * 30) for _ in range(5)])
+        # 1,050 bytes: trimmed once to at most 500 (the newest 16), not to 1,000 each group.
+        assert [offset for offset, _ in run_file.tail[0]] == list(range(19, 35))
+        assert run_file.tail_bytes[0] == 480
+        assert run_file.from_tail(0, 30, 35) == [(offset, b"y" * 30) for offset in range(30, 35)]
