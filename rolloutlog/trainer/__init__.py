@@ -9,6 +9,7 @@ from rolloutlog.trainer._types import (
     RestoreEpisode,
     RestoreInfo,
     ServiceError,
+    StagingKeyList,
     error_from_body,
     error_from_response,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "RestoreInfo",
     "ResumePlan",
     "ServiceError",
+    "StagingKeyList",
     "TrainerClient",
     "error_from_body",
     "error_from_response",
