@@ -5,6 +5,7 @@ one per live episode without payloads (``_tracker``).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from rolloutlog.projections._verify import Lineage, verify_projection
 __all__ = ["CutDecision", "EpisodeFold"]
 
 _new = tuple.__new__
+intern = sys.intern
 
 
 @dataclass(slots=True)
@@ -33,25 +35,32 @@ class _Filters:
     """Per-episode state of the zombie, duplicate and attempt filters (rules 3-5)."""
 
     attempt: int = 0
-    max_epoch: dict[str, int] = field(default_factory=dict)
-    last_seq: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: Per participant id, its highest epoch and the last seq admitted from that epoch: a record
+    #: of an older epoch is a zombie's, a seq at or below the last a duplicate. (An older epoch's
+    #: seqs are never asked again, so one entry per participant is enough: ~350 bytes an episode
+    #: less than a dict of epochs beside a dict of seqs keyed by (id, epoch).)
+    seen: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def admits(self, meta: dict[str, Any]) -> bool:
         who = meta["participant"]
         pid, epoch = who["id"], who["epoch"]
-        max_epoch = self.max_epoch
-        if max_epoch.get(pid, -1) > epoch:
-            return False
-        max_epoch[pid] = epoch
-        key = (pid, epoch)
         seq = meta["seq"]
-        last_seq = self.last_seq
-        last = last_seq.get(key)
-        if last is not None and seq <= last:
+        seen = self.seen
+        last = seen.get(pid)
+        if last is None:
+            # Interned: the same few participants write every episode of a run.
+            seen[intern(pid)] = (epoch, seq)
+        elif last[0] < epoch or (last[0] == epoch and seq > last[1]):
+            seen[pid] = (epoch, seq)
+        else:
             return False
-        last_seq[key] = seq
         attempt: int = meta["attempt"]
         return attempt == self.attempt
+
+    def last_seq(self, participant: tuple[str, int]) -> int | None:
+        """The last seq admitted from a participant epoch, or None."""
+        last = self.seen.get(participant[0])
+        return last[1] if last is not None and last[0] == participant[1] else None
 
     @classmethod
     def after(cls, records: Iterable[tuple[int, dict[str, Any], Any]], attempt: int) -> _Filters:
@@ -86,6 +95,7 @@ _Chunk = tuple[int, int, bool, _CallFacts, bytes | None]
 _SessionChange = tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]
 #: What ``snapshot`` does to each field: shares it, copies it shallowly, or copies it deeper.
 _SHARE, _SHALLOW, _DEEP = 0, 1, 2
+_NO_CALLS: frozenset[str] = frozenset()
 
 
 class EpisodeFold(SessionRules):
@@ -205,7 +215,8 @@ class EpisodeFold(SessionRules):
         self._pending_ledger: list[LedgerEntry] = []
         self._pending_staging: list[str] = []
         self._tail_chunks: dict[str, list[_Chunk]] = {}
-        self._tail_constrained: set[str] = set()
+        # (Replaced, never changed in place: shared empty by the many episodes without one.)
+        self._tail_constrained: frozenset[str] = _NO_CALLS
         self._latest_call: str | None = None
         # The generation cut's staging key, noted as its only chunk arrives (a manifest reads it
         # for every episode, and a lookup through the tail costs a capture 2 us per episode at
@@ -248,7 +259,8 @@ class EpisodeFold(SessionRules):
         self.size_bytes += len(record)
         data = meta["data"]
         if kind == "step.boundary":
-            owner = data["owner"]
+            # The names a view keeps are interned: every episode repeats the same few.
+            owner = intern(data["owner"])
             self.open_waits.pop(owner, None)
             self._commit(offset)
             # (The views are built as plain tuples: a fold builds them by the hundred thousand.)
@@ -260,13 +272,16 @@ class EpisodeFold(SessionRules):
             if start < len(record) and is_delta(record, start):
                 self._delta_boundary(owner, data, meta, offset, state, len(record) - start)
             else:
-                view = (data["stage"], data.get("next"), state, meta.get("step"), offset)
+                following = data.get("next")
+                if following is not None:
+                    following = intern(following)
+                view = (intern(data["stage"]), following, state, meta.get("step"), offset)
                 self.boundaries[owner] = _new(BoundaryView, view)
                 self.boundary_bytes[owner] = len(record) - start
                 if owner in self.boundary_deltas:
                     del self.boundary_deltas[owner]
             if owner == "environment":
-                self.last_stage = data["stage"]
+                self.last_stage = self.boundaries[owner][0]
         elif kind == "step.started":
             if data.get("mode", "wait") == "wait":
                 self.open_waits[data["owner"]] = offset
@@ -275,13 +290,14 @@ class EpisodeFold(SessionRules):
         elif kind == "ledger.row":
             self._ledger_row(data, record, start)
         elif kind == "generation.chunk":
-            call_id = data["call_id"]
+            call_id = intern(data["call_id"])
+            parent = data.get("parent_call_id")
             payload = record[start:] if start else record
             tokens = token_count(payload) if start < len(record) else 0
             kept = payload if self.keep_payloads and start < len(record) else None
             staging_key = data.get("staging_key")
             facts = (
-                data.get("parent_call_id"),
+                intern(parent) if parent is not None else None,
                 data["request_digest"],
                 data["policy_version"],
                 staging_key,
@@ -331,13 +347,13 @@ class EpisodeFold(SessionRules):
                 self.exact = False
 
     def _ledger_row(self, data: dict[str, Any], record: bytes, start: int) -> None:
-        call_id = data["call_id"]
+        call_id = intern(data["call_id"])  # kept as a key of the lineage's rows
         token_ids_json = record[start:] if start < len(record) else b"[]"
         staging_key = data.get("staging_key")
         if staging_key:
             self._pending_staging.append(staging_key)
         if data.get("constrained"):
-            self._tail_constrained.add(call_id)
+            self._tail_constrained = self._tail_constrained | {call_id}
         self._latest_call = call_id
         self._cut_staging_known = False
         lineage = self.lineage
@@ -380,8 +396,7 @@ class EpisodeFold(SessionRules):
             self._pending_ledger.clear()
         if self._tail_chunks:
             self._tail_chunks.clear()
-        if self._tail_constrained:
-            self._tail_constrained.clear()
+        self._tail_constrained = _NO_CALLS
         self._latest_call = None
         self._cut_staging = None
         self._cut_staging_known = True
@@ -409,8 +424,10 @@ class EpisodeFold(SessionRules):
                 sessions[sid] = _new(SessionView, view)
                 sizes[sid] = size
             elif kind == "session.started":
-                mode = data.get("mode", "restart_only")
-                view = (sid, who["kind"], who["id"], mode, data.get("verify", "wait"), None)
+                mode = intern(data.get("mode", "restart_only"))
+                verify = intern(data.get("verify", "wait"))
+                sid = intern(sid)
+                view = (sid, intern(who["kind"]), intern(who["id"]), mode, verify, None)
                 sessions[sid] = _new(SessionView, view)
                 sizes[sid] = 0
                 modes_changed = True
@@ -725,7 +742,6 @@ _SHALLOW_FIELDS = frozenset(
         "_pending_sessions",
         "_pending_ledger",
         "_pending_staging",
-        "_tail_constrained",
     )
 )
 #: The fields that make the state (what a restore takes back from a pinned copy): all but the
