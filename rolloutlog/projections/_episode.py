@@ -89,12 +89,10 @@ _NOTHING_YET: CutDecision = ("restart", "the attempt has recorded nothing yet", 
 #: alive (~300 bytes an episode in the projector).
 _CallFacts = tuple[str | None, str, int, str | None]
 #: One generation chunk in the tail: (start, token count, done, its call's facts, its token ids'
-#: raw JSON when the state keeps payloads).
-_Chunk = tuple[int, int, bool, _CallFacts, bytes | None]
+#: raw JSON when the state keeps payloads, its call id).
+_Chunk = tuple[int, int, bool, _CallFacts, bytes | None, str]
 #: A pending session change: (type, data, state's raw JSON when kept, state's size, writer).
 _SessionChange = tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]
-#: What ``snapshot`` does to each field: shares it, copies it shallowly, or copies it deeper.
-_SHARE, _SHALLOW, _DEEP = 0, 1, 2
 _NO_CALLS: frozenset[str] = frozenset()
 
 
@@ -214,7 +212,9 @@ class EpisodeFold(SessionRules):
         self._pending_sessions: list[_SessionChange] = []
         self._pending_ledger: list[LedgerEntry] = []
         self._pending_staging: list[str] = []
-        self._tail_chunks: dict[str, list[_Chunk]] = {}
+        # (One list for every call rather than a list per call: a live episode's tail mostly
+        # holds one call's chunks, and a dict of lists cost it ~190 bytes more.)
+        self._tail_chunks: list[_Chunk] = []
         # (Replaced, never changed in place: shared empty by the many episodes without one.)
         self._tail_constrained: frozenset[str] = _NO_CALLS
         self._latest_call: str | None = None
@@ -302,11 +302,14 @@ class EpisodeFold(SessionRules):
                 data["policy_version"],
                 staging_key,
             )
-            chunk = (data["start"], tokens, bool(data.get("done")), facts, kept)
-            chunks = self._tail_chunks.setdefault(call_id, [])
-            chunks.append(chunk)
+            chunk = (data["start"], tokens, bool(data.get("done")), facts, kept, call_id)
+            tail = self._tail_chunks
+            # Its call's only chunk so far? (The last chunk answers for a call's streamed
+            # chunks; the others are looked through only when calls interleave.)
+            only = not tail or (tail[-1][5] != call_id and all(c[5] != call_id for c in tail))
+            tail.append(chunk)
             self._latest_call = call_id
-            self._cut_staging_known = len(chunks) == 1 and call_id not in self._tail_constrained
+            self._cut_staging_known = only and call_id not in self._tail_constrained
             if self._cut_staging_known:
                 self._cut_staging = staging_key
         elif kind in ("session.started", "session.state", "session.ended"):
@@ -461,7 +464,9 @@ class EpisodeFold(SessionRules):
         call = self._latest_call
         if call is None or call in self._tail_constrained:
             return None
-        chunks = self._tail_chunks.get(call)
+        chunks = self._tail_chunks
+        if len(chunks) != 1 or chunks[0][5] != call:
+            chunks = [chunk for chunk in chunks if chunk[5] == call]
         if not chunks:
             return None
         if len(chunks) == 1:  # the common case (a manifest asks for every episode's cut)
@@ -628,12 +633,10 @@ class EpisodeFold(SessionRules):
     def snapshot(self) -> EpisodeFold:
         """A copy of this state that later records do not change (the filters are shared)."""
         copy = object.__new__(type(self))
-        for name, how in _snapshot_plan(type(self)):
+        for name, copied in _snapshot_plan(type(self)):
             value = getattr(self, name)
-            if how == _SHALLOW:
+            if copied and value is not None:
                 value = value.copy()
-            elif how == _DEEP:
-                value = _deep_copy(name, value)
             setattr(copy, name, value)
         copy.pinned = False
         copy._state_at_pin = None
@@ -712,7 +715,8 @@ class EpisodeFold(SessionRules):
         if cut is not None:
             facts = (cut.parent_call_id, cut.request_digest, cut.policy_version, cut.staging_key)
             tokens = orjson.dumps(list(cut.token_ids)) if keep else None
-            self._tail_chunks[cut.call_id] = [(0, len(cut.token_ids), cut.terminal, facts, tokens)]
+            chunk = (0, len(cut.token_ids), cut.terminal, facts, tokens, cut.call_id)
+            self._tail_chunks.append(chunk)
             self._latest_call = cut.call_id
             self._cut_staging_known = False
         self.size_bytes = self.payload_bytes()
@@ -728,8 +732,11 @@ class EpisodeFold(SessionRules):
             self.exact = False
 
 
-_SHALLOW_FIELDS = frozenset(
+#: The fields ``snapshot`` copies (their ``copy()``: shallow, the lineage's its own); the others
+#: are immutable values, shared.
+_COPIED_FIELDS = frozenset(
     (
+        "lineage",
         "boundaries",
         "boundary_deltas",
         "exports",
@@ -742,6 +749,7 @@ _SHALLOW_FIELDS = frozenset(
         "_pending_sessions",
         "_pending_ledger",
         "_pending_staging",
+        "_tail_chunks",
     )
 )
 #: The fields that make the state (what a restore takes back from a pinned copy): all but the
@@ -751,34 +759,21 @@ _STATE_FIELDS = tuple(
     for name in EpisodeFold.__slots__
     if name not in ("episode", "filters", "version", "pinned", "_state_at_pin")
 )
-_PLANS: dict[type, tuple[tuple[str, int], ...]] = {}
+_PLANS: dict[type, tuple[tuple[str, bool], ...]] = {}
 
 
-def _snapshot_plan(cls: type) -> tuple[tuple[str, int], ...]:
-    """Per field of ``cls`` (its subclasses' slots too), how ``snapshot`` copies it."""
+def _snapshot_plan(cls: type) -> tuple[tuple[str, bool], ...]:
+    """Per field of ``cls`` (its subclasses' slots too), whether ``snapshot`` copies it."""
     plan = _PLANS.get(cls)
     if plan is None:
         names = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())]
         plan = tuple(
-            (
-                name,
-                _DEEP
-                if name in ("lineage", "_tail_chunks")
-                else _SHALLOW
-                if name in _SHALLOW_FIELDS
-                else _SHARE,
-            )
+            (name, name in _COPIED_FIELDS)
             for name in names
             if name not in ("pinned", "_state_at_pin")
         )
         _PLANS[cls] = plan
     return plan
-
-
-def _deep_copy(name: str, value: Any) -> Any:
-    if name == "lineage":
-        return value.copy() if value is not None else None
-    return {call: list(chunks) for call, chunks in value.items()}
 
 
 def _ledger_entry(data: dict[str, Any], token_ids_json: bytes) -> LedgerEntry:
