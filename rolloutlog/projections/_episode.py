@@ -128,13 +128,11 @@ class EpisodeFold(SessionRules):
         "attempt",
         "boundaries",
         "boundary_bytes",
-        "boundary_deltas",
         "committed_through",
         "deadline_s",
         "episode",
         "events",
         "exact",
-        "exports",
         "filters",
         "finished",
         "finished_offset",
@@ -176,17 +174,18 @@ class EpisodeFold(SessionRules):
         self.task_digest: str | None = None
         self.deadline_s: float | None = None
         self.boundaries: dict[str, BoundaryView] = {}
-        #: Per owner, the delta states (raw) since its view's whole state, in log order.
-        self.boundary_deltas: dict[str, tuple[bytes, ...]] = {}
+        #: Per owner, the delta states (raw) since its view's whole state, in log order (None
+        #: until the first: most episodes never have one, and an empty dict is 64 bytes each).
+        self.boundary_deltas = None
         #: The stage of the environment's latest boundary.
         self.last_stage: str | None = None
         self.sessions: dict[str, SessionView] = {}
-        #: Exports of ``checkpoint`` sessions (see ``SessionRules._export``).
-        self.exports: dict[str, tuple[int, bool, bool]] = {}
+        #: Exports of ``checkpoint`` sessions (see ``SessionRules._export``; None until the first).
+        self.exports = None
         #: A ``restart_only`` session is open in the committed prefix.
         self.restart_only_open = False
-        #: Committed ledger rows (kept with payloads only; ``lineage`` judges them otherwise).
-        self.ledger: list[LedgerEntry] = []
+        #: Committed ledger rows (kept with payloads only, else None: ``lineage`` judges them).
+        self.ledger: list[LedgerEntry] | None = [] if self.keep_payloads else None
         #: The committed rows' staging keys, in order, without repeats.
         self.staging_keys: list[str] = []
         self.lineage: Lineage | None = None if self.keep_payloads else Lineage()
@@ -210,7 +209,7 @@ class EpisodeFold(SessionRules):
         self._state_at_pin: EpisodeFold | None = None
         # The tail: changes not yet committed by a boundary.
         self._pending_sessions: list[_SessionChange] = []
-        self._pending_ledger: list[LedgerEntry] = []
+        self._pending_ledger: list[LedgerEntry] | None = [] if self.keep_payloads else None
         self._pending_staging: list[str] = []
         # (One list for every call rather than a list per call: a live episode's tail mostly
         # holds one call's chunks, and a dict of lists cost it ~190 bytes more.)
@@ -278,8 +277,9 @@ class EpisodeFold(SessionRules):
                 view = (intern(data["stage"]), following, state, meta.get("step"), offset)
                 self.boundaries[owner] = _new(BoundaryView, view)
                 self.boundary_bytes[owner] = len(record) - start
-                if owner in self.boundary_deltas:
-                    del self.boundary_deltas[owner]
+                deltas = self.boundary_deltas
+                if deltas and owner in deltas:
+                    del deltas[owner]
             if owner == "environment":
                 self.last_stage = self.boundaries[owner][0]
         elif kind == "step.started":
@@ -361,7 +361,8 @@ class EpisodeFold(SessionRules):
         self._cut_staging_known = False
         lineage = self.lineage
         if lineage is None:
-            self._pending_ledger.append(_ledger_entry(data, token_ids_json))
+            if self._pending_ledger is not None:
+                self._pending_ledger.append(_ledger_entry(data, token_ids_json))
             return
         try:
             lineage.row(
@@ -394,7 +395,7 @@ class EpisodeFold(SessionRules):
         if lineage is not None:
             if lineage.pending:
                 lineage.commit()
-        elif self._pending_ledger:
+        elif self._pending_ledger and self.ledger is not None:
             self.ledger.extend(self._pending_ledger)
             self._pending_ledger.clear()
         if self._tail_chunks:
@@ -450,7 +451,8 @@ class EpisodeFold(SessionRules):
     def _drop_tail(self) -> None:
         """The tail's session changes and ledger rows are dropped (its chunks stay)."""
         self._pending_sessions.clear()
-        self._pending_ledger.clear()
+        if self._pending_ledger:
+            self._pending_ledger.clear()
         self._pending_staging.clear()
         if self.lineage is not None:
             self.lineage.drop_tail()
@@ -597,7 +599,7 @@ class EpisodeFold(SessionRules):
             if self.boundary_deltas
             else dict(self.boundaries),
             sessions=dict(self.sessions),
-            ledger=tuple(self.ledger),
+            ledger=tuple(self.ledger or ()),
             generation_cut=generation_cut,
             open_waits=dict(self.open_waits),
             committed_through=self.committed_through,
@@ -756,7 +758,7 @@ _COPIED_FIELDS = frozenset(
 #: identity, the filters (which go on seeing records), the version and the pin bookkeeping.
 _STATE_FIELDS = tuple(
     name
-    for name in EpisodeFold.__slots__
+    for name in (*SessionRules.__slots__, *EpisodeFold.__slots__)
     if name not in ("episode", "filters", "version", "pinned", "_state_at_pin")
 )
 _PLANS: dict[type, tuple[tuple[str, bool], ...]] = {}
