@@ -207,10 +207,11 @@ class EpisodeFold(SessionRules):
         self.exact = True
         self.pinned = False
         self._state_at_pin: EpisodeFold | None = None
-        # The tail: changes not yet committed by a boundary.
-        self._pending_sessions: list[_SessionChange] = []
+        # The tail: changes not yet committed by a boundary (the lists None while empty: a live
+        # episode mostly waits with none, and each empty list was 56 bytes).
+        self._pending_sessions: list[_SessionChange] | None = None
         self._pending_ledger: list[LedgerEntry] | None = [] if self.keep_payloads else None
-        self._pending_staging: list[str] = []
+        self._pending_staging: list[str] | None = None
         # (One list for every call rather than a list per call: a live episode's tail mostly
         # holds one call's chunks, and a dict of lists cost it ~190 bytes more.)
         self._tail_chunks: list[_Chunk] = []
@@ -322,7 +323,10 @@ class EpisodeFold(SessionRules):
             if self.exports and data["session_id"] in self.exports:
                 self._export_changed(data["session_id"])
             change = (kind, data, kept, len(record) - start, meta["participant"])
-            self._pending_sessions.append(change)
+            if self._pending_sessions is None:
+                self._pending_sessions = [change]
+            else:
+                self._pending_sessions.append(change)
         elif kind == "episode.started":
             self._commit(offset)
             self._task(data, record, start)
@@ -354,7 +358,10 @@ class EpisodeFold(SessionRules):
         token_ids_json = record[start:] if start < len(record) else b"[]"
         staging_key = data.get("staging_key")
         if staging_key:
-            self._pending_staging.append(staging_key)
+            if self._pending_staging is None:
+                self._pending_staging = [staging_key]
+            else:
+                self._pending_staging.append(staging_key)
         if data.get("constrained"):
             self._tail_constrained = self._tail_constrained | {call_id}
         self._latest_call = call_id
@@ -390,7 +397,7 @@ class EpisodeFold(SessionRules):
             for key in pending:
                 if key not in self.staging_keys:
                     self.staging_keys.append(key)
-            pending.clear()
+            self._pending_staging = None
         lineage = self.lineage
         if lineage is not None:
             if lineage.pending:
@@ -409,7 +416,7 @@ class EpisodeFold(SessionRules):
     def _commit_sessions(self) -> None:
         sessions, sizes = self.sessions, self.session_bytes
         modes_changed = False
-        for kind, data, kept, size, who in self._pending_sessions:
+        for kind, data, kept, size, who in self._pending_sessions or ():
             sid = data["session_id"]
             if kind == "session.state":
                 state = Opaque(kept) if kept is not None else None
@@ -439,7 +446,7 @@ class EpisodeFold(SessionRules):
                 sessions.pop(sid, None)
                 sizes.pop(sid, None)
                 modes_changed = True
-        self._pending_sessions.clear()
+        self._pending_sessions = None
         if modes_changed:
             restart_only = False
             for session in sessions.values():
@@ -450,10 +457,10 @@ class EpisodeFold(SessionRules):
 
     def _drop_tail(self) -> None:
         """The tail's session changes and ledger rows are dropped (its chunks stay)."""
-        self._pending_sessions.clear()
+        self._pending_sessions = None
         if self._pending_ledger:
             self._pending_ledger.clear()
-        self._pending_staging.clear()
+        self._pending_staging = None
         if self.lineage is not None:
             self.lineage.drop_tail()
 

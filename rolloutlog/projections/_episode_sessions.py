@@ -25,7 +25,7 @@ class SessionRules:
     sessions: dict[str, SessionView]
     session_bytes: dict[str, int]
     finished: bool
-    _pending_sessions: list[tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]]
+    _pending_sessions: list[tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]] | None
 
     def _delta_boundary(
         self,
@@ -78,7 +78,7 @@ class SessionRules:
         view = (sid, current[1], current[2], current[3], current[4], state)
         self.sessions[sid] = _new(SessionView, view)
         self.session_bytes[sid] = size
-        marks = any(c[1]["session_id"] == sid for c in self._pending_sessions)
+        marks = any(c[1]["session_id"] == sid for c in self._pending_sessions or ())
         if self.exports is None:
             self.exports = {}
         self.exports[sid] = (data["checkpoint_id"], marks, False)
