@@ -12,10 +12,10 @@ from rolloutlog.projections._episode import _Filters
 from rolloutlog.projections._tracker import EpisodeTracker
 from tests import factories as f
 
-#: Bytes one S1-shaped live episode's tracker may hold (3,485 measured by this test; 5,120 before
+#: Bytes one S1-shaped live episode's tracker may hold (3,373 measured by this test; 5,120 before
 #: its names were interned, its filters kept one entry per participant and its unused containers
-#: went: docs/performance.md).
-TRACKER_BYTES = 4_000
+#: went: docs/design.md, "What a live episode costs the projector").
+TRACKER_BYTES = 3_800
 
 
 def _s1_records(episode: str) -> list[bytes]:
