@@ -6,7 +6,8 @@ log keeps them and fed in partition order to ``Projector._take``, which is what 
 follower does with each record it reads: peek the envelope, check it (``metadata_problem``, the
 home partition), and apply it to the episode's tracker. Figures: µs per record for the whole
 ``_take``, for the decoding alone (``peek_record``), for the check alone (``metadata_problem``)
-and for the tracker's share (``EpisodeTracker.observe`` on the same records).
+and for the tracker's share (``EpisodeTracker.observe`` on the same records); and the bytes a
+projector holds per live episode once it took them (tracemalloc: its trackers and maps).
 
 Through a log (``--backends embedded,kafka``; Kafka is Tansu started as the tests start it, or
 ``ROLLOUTLOG_BENCH_KAFKA``): the same records appended straight into a run (no service), then
@@ -31,6 +32,7 @@ import inspect
 import statistics
 import tempfile
 import time
+import tracemalloc
 import uuid
 from typing import Any
 
@@ -68,6 +70,25 @@ def time_take(partitions: list[list[bytes]]) -> float:
     elapsed = time.process_time() - started
     assert not projector.quarantined_count, projector.new_quarantined[:1]
     return elapsed
+
+
+def bytes_per_episode(partitions: list[list[bytes]], episodes: int) -> float:
+    """Bytes a fresh projector holds per episode once it took every record (tracemalloc)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        projector = Projector(None, "bench", PARTITIONS)  # type: ignore[arg-type]
+        projector.caught_up = True
+        for partition, page in enumerate(partitions):
+            for offset, record in enumerate(page):
+                projector._take(partition, offset, record)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    del projector
+    return held / episodes
 
 
 def time_observe(partitions: list[list[bytes]], peeked: list[list[Any]]) -> float:
@@ -196,12 +217,14 @@ def main() -> None:
         "peek_us_per_record": summary(peek_us),
         "check_us_per_record": summary(check_us),
         "observe_us_per_record": summary(observe_us),
+        "bytes_per_live_episode": round(bytes_per_episode(partitions, args.episodes)),
     }
     print(
         f"{count} records: Projector._take {statistics.median(take_us):.2f} µs/record "
         f"[{min(take_us):.2f}..{max(take_us):.2f}]; of which peek_record "
         f"{statistics.median(peek_us):.2f}, metadata_problem {statistics.median(check_us):.2f}, "
-        f"tracker.observe {statistics.median(observe_us):.2f}"
+        f"tracker.observe {statistics.median(observe_us):.2f}; "
+        f"{results['bytes_per_live_episode']} bytes per live episode"
     )
     names = [name for name in args.backends.split(",") if name]
     if names:

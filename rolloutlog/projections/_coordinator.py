@@ -433,7 +433,7 @@ class Coordinator:
             return None
         high: int | None = None
         for tracker in list(projector.trackers.values()):
-            seen = tracker.filters.last_seq.get(participant)
+            seen = tracker.filters.last_seq(participant)
             if seen is not None and (high is None or seen > high):
                 high = seen
         return high

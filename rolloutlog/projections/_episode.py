@@ -5,6 +5,7 @@ one per live episode without payloads (``_tracker``).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from rolloutlog.projections._verify import Lineage, verify_projection
 __all__ = ["CutDecision", "EpisodeFold"]
 
 _new = tuple.__new__
+intern = sys.intern
 
 
 @dataclass(slots=True)
@@ -33,25 +35,32 @@ class _Filters:
     """Per-episode state of the zombie, duplicate and attempt filters (rules 3-5)."""
 
     attempt: int = 0
-    max_epoch: dict[str, int] = field(default_factory=dict)
-    last_seq: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: Per participant id, its highest epoch and the last seq admitted from that epoch: a record
+    #: of an older epoch is a zombie's, a seq at or below the last a duplicate. (An older epoch's
+    #: seqs are never asked again, so one entry per participant is enough: ~350 bytes an episode
+    #: less than a dict of epochs beside a dict of seqs keyed by (id, epoch).)
+    seen: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def admits(self, meta: dict[str, Any]) -> bool:
         who = meta["participant"]
         pid, epoch = who["id"], who["epoch"]
-        max_epoch = self.max_epoch
-        if max_epoch.get(pid, -1) > epoch:
-            return False
-        max_epoch[pid] = epoch
-        key = (pid, epoch)
         seq = meta["seq"]
-        last_seq = self.last_seq
-        last = last_seq.get(key)
-        if last is not None and seq <= last:
+        seen = self.seen
+        last = seen.get(pid)
+        if last is None:
+            # Interned: the same few participants write every episode of a run.
+            seen[intern(pid)] = (epoch, seq)
+        elif last[0] < epoch or (last[0] == epoch and seq > last[1]):
+            seen[pid] = (epoch, seq)
+        else:
             return False
-        last_seq[key] = seq
         attempt: int = meta["attempt"]
         return attempt == self.attempt
+
+    def last_seq(self, participant: tuple[str, int]) -> int | None:
+        """The last seq admitted from a participant epoch, or None."""
+        last = self.seen.get(participant[0])
+        return last[1] if last is not None and last[0] == participant[1] else None
 
     @classmethod
     def after(cls, records: Iterable[tuple[int, dict[str, Any], Any]], attempt: int) -> _Filters:
@@ -80,12 +89,11 @@ _NOTHING_YET: CutDecision = ("restart", "the attempt has recorded nothing yet", 
 #: alive (~300 bytes an episode in the projector).
 _CallFacts = tuple[str | None, str, int, str | None]
 #: One generation chunk in the tail: (start, token count, done, its call's facts, its token ids'
-#: raw JSON when the state keeps payloads).
-_Chunk = tuple[int, int, bool, _CallFacts, bytes | None]
+#: raw JSON when the state keeps payloads, its call id).
+_Chunk = tuple[int, int, bool, _CallFacts, bytes | None, str]
 #: A pending session change: (type, data, state's raw JSON when kept, state's size, writer).
 _SessionChange = tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]
-#: What ``snapshot`` does to each field: shares it, copies it shallowly, or copies it deeper.
-_SHARE, _SHALLOW, _DEEP = 0, 1, 2
+_NO_CALLS: frozenset[str] = frozenset()
 
 
 class EpisodeFold(SessionRules):
@@ -120,13 +128,11 @@ class EpisodeFold(SessionRules):
         "attempt",
         "boundaries",
         "boundary_bytes",
-        "boundary_deltas",
         "committed_through",
         "deadline_s",
         "episode",
         "events",
         "exact",
-        "exports",
         "filters",
         "finished",
         "finished_offset",
@@ -168,17 +174,18 @@ class EpisodeFold(SessionRules):
         self.task_digest: str | None = None
         self.deadline_s: float | None = None
         self.boundaries: dict[str, BoundaryView] = {}
-        #: Per owner, the delta states (raw) since its view's whole state, in log order.
-        self.boundary_deltas: dict[str, tuple[bytes, ...]] = {}
+        #: Per owner, the delta states (raw) since its view's whole state, in log order (None
+        #: until the first: most episodes never have one, and an empty dict is 64 bytes each).
+        self.boundary_deltas = None
         #: The stage of the environment's latest boundary.
         self.last_stage: str | None = None
         self.sessions: dict[str, SessionView] = {}
-        #: Exports of ``checkpoint`` sessions (see ``SessionRules._export``).
-        self.exports: dict[str, tuple[int, bool, bool]] = {}
+        #: Exports of ``checkpoint`` sessions (see ``SessionRules._export``; None until the first).
+        self.exports = None
         #: A ``restart_only`` session is open in the committed prefix.
         self.restart_only_open = False
-        #: Committed ledger rows (kept with payloads only; ``lineage`` judges them otherwise).
-        self.ledger: list[LedgerEntry] = []
+        #: Committed ledger rows (kept with payloads only, else None: ``lineage`` judges them).
+        self.ledger: list[LedgerEntry] | None = [] if self.keep_payloads else None
         #: The committed rows' staging keys, in order, without repeats.
         self.staging_keys: list[str] = []
         self.lineage: Lineage | None = None if self.keep_payloads else Lineage()
@@ -200,12 +207,16 @@ class EpisodeFold(SessionRules):
         self.exact = True
         self.pinned = False
         self._state_at_pin: EpisodeFold | None = None
-        # The tail: changes not yet committed by a boundary.
-        self._pending_sessions: list[_SessionChange] = []
-        self._pending_ledger: list[LedgerEntry] = []
-        self._pending_staging: list[str] = []
-        self._tail_chunks: dict[str, list[_Chunk]] = {}
-        self._tail_constrained: set[str] = set()
+        # The tail: changes not yet committed by a boundary (the lists None while empty: a live
+        # episode mostly waits with none, and each empty list was 56 bytes).
+        self._pending_sessions: list[_SessionChange] | None = None
+        self._pending_ledger: list[LedgerEntry] | None = [] if self.keep_payloads else None
+        self._pending_staging: list[str] | None = None
+        # (One list for every call rather than a list per call: a live episode's tail mostly
+        # holds one call's chunks, and a dict of lists cost it ~190 bytes more.)
+        self._tail_chunks: list[_Chunk] = []
+        # (Replaced, never changed in place: shared empty by the many episodes without one.)
+        self._tail_constrained: frozenset[str] = _NO_CALLS
         self._latest_call: str | None = None
         # The generation cut's staging key, noted as its only chunk arrives (a manifest reads it
         # for every episode, and a lookup through the tail costs a capture 2 us per episode at
@@ -248,7 +259,8 @@ class EpisodeFold(SessionRules):
         self.size_bytes += len(record)
         data = meta["data"]
         if kind == "step.boundary":
-            owner = data["owner"]
+            # The names a view keeps are interned: every episode repeats the same few.
+            owner = intern(data["owner"])
             self.open_waits.pop(owner, None)
             self._commit(offset)
             # (The views are built as plain tuples: a fold builds them by the hundred thousand.)
@@ -260,13 +272,17 @@ class EpisodeFold(SessionRules):
             if start < len(record) and is_delta(record, start):
                 self._delta_boundary(owner, data, meta, offset, state, len(record) - start)
             else:
-                view = (data["stage"], data.get("next"), state, meta.get("step"), offset)
+                following = data.get("next")
+                if following is not None:
+                    following = intern(following)
+                view = (intern(data["stage"]), following, state, meta.get("step"), offset)
                 self.boundaries[owner] = _new(BoundaryView, view)
                 self.boundary_bytes[owner] = len(record) - start
-                if owner in self.boundary_deltas:
-                    del self.boundary_deltas[owner]
+                deltas = self.boundary_deltas
+                if deltas and owner in deltas:
+                    del deltas[owner]
             if owner == "environment":
-                self.last_stage = data["stage"]
+                self.last_stage = self.boundaries[owner][0]
         elif kind == "step.started":
             if data.get("mode", "wait") == "wait":
                 self.open_waits[data["owner"]] = offset
@@ -275,22 +291,26 @@ class EpisodeFold(SessionRules):
         elif kind == "ledger.row":
             self._ledger_row(data, record, start)
         elif kind == "generation.chunk":
-            call_id = data["call_id"]
+            call_id = intern(data["call_id"])
+            parent = data.get("parent_call_id")
             payload = record[start:] if start else record
             tokens = token_count(payload) if start < len(record) else 0
             kept = payload if self.keep_payloads and start < len(record) else None
             staging_key = data.get("staging_key")
             facts = (
-                data.get("parent_call_id"),
+                intern(parent) if parent is not None else None,
                 data["request_digest"],
                 data["policy_version"],
                 staging_key,
             )
-            chunk = (data["start"], tokens, bool(data.get("done")), facts, kept)
-            chunks = self._tail_chunks.setdefault(call_id, [])
-            chunks.append(chunk)
+            chunk = (data["start"], tokens, bool(data.get("done")), facts, kept, call_id)
+            tail = self._tail_chunks
+            # Its call's only chunk so far? (The last chunk answers for a call's streamed
+            # chunks; the others are looked through only when calls interleave.)
+            only = not tail or (tail[-1][5] != call_id and all(c[5] != call_id for c in tail))
+            tail.append(chunk)
             self._latest_call = call_id
-            self._cut_staging_known = len(chunks) == 1 and call_id not in self._tail_constrained
+            self._cut_staging_known = only and call_id not in self._tail_constrained
             if self._cut_staging_known:
                 self._cut_staging = staging_key
         elif kind in ("session.started", "session.state", "session.ended"):
@@ -303,7 +323,10 @@ class EpisodeFold(SessionRules):
             if self.exports and data["session_id"] in self.exports:
                 self._export_changed(data["session_id"])
             change = (kind, data, kept, len(record) - start, meta["participant"])
-            self._pending_sessions.append(change)
+            if self._pending_sessions is None:
+                self._pending_sessions = [change]
+            else:
+                self._pending_sessions.append(change)
         elif kind == "episode.started":
             self._commit(offset)
             self._task(data, record, start)
@@ -331,18 +354,22 @@ class EpisodeFold(SessionRules):
                 self.exact = False
 
     def _ledger_row(self, data: dict[str, Any], record: bytes, start: int) -> None:
-        call_id = data["call_id"]
+        call_id = intern(data["call_id"])  # kept as a key of the lineage's rows
         token_ids_json = record[start:] if start < len(record) else b"[]"
         staging_key = data.get("staging_key")
         if staging_key:
-            self._pending_staging.append(staging_key)
+            if self._pending_staging is None:
+                self._pending_staging = [staging_key]
+            else:
+                self._pending_staging.append(staging_key)
         if data.get("constrained"):
-            self._tail_constrained.add(call_id)
+            self._tail_constrained = self._tail_constrained | {call_id}
         self._latest_call = call_id
         self._cut_staging_known = False
         lineage = self.lineage
         if lineage is None:
-            self._pending_ledger.append(_ledger_entry(data, token_ids_json))
+            if self._pending_ledger is not None:
+                self._pending_ledger.append(_ledger_entry(data, token_ids_json))
             return
         try:
             lineage.row(
@@ -370,18 +397,17 @@ class EpisodeFold(SessionRules):
             for key in pending:
                 if key not in self.staging_keys:
                     self.staging_keys.append(key)
-            pending.clear()
+            self._pending_staging = None
         lineage = self.lineage
         if lineage is not None:
             if lineage.pending:
                 lineage.commit()
-        elif self._pending_ledger:
+        elif self._pending_ledger and self.ledger is not None:
             self.ledger.extend(self._pending_ledger)
             self._pending_ledger.clear()
         if self._tail_chunks:
             self._tail_chunks.clear()
-        if self._tail_constrained:
-            self._tail_constrained.clear()
+        self._tail_constrained = _NO_CALLS
         self._latest_call = None
         self._cut_staging = None
         self._cut_staging_known = True
@@ -390,7 +416,7 @@ class EpisodeFold(SessionRules):
     def _commit_sessions(self) -> None:
         sessions, sizes = self.sessions, self.session_bytes
         modes_changed = False
-        for kind, data, kept, size, who in self._pending_sessions:
+        for kind, data, kept, size, who in self._pending_sessions or ():
             sid = data["session_id"]
             if kind == "session.state":
                 state = Opaque(kept) if kept is not None else None
@@ -409,8 +435,10 @@ class EpisodeFold(SessionRules):
                 sessions[sid] = _new(SessionView, view)
                 sizes[sid] = size
             elif kind == "session.started":
-                mode = data.get("mode", "restart_only")
-                view = (sid, who["kind"], who["id"], mode, data.get("verify", "wait"), None)
+                mode = intern(data.get("mode", "restart_only"))
+                verify = intern(data.get("verify", "wait"))
+                sid = intern(sid)
+                view = (sid, intern(who["kind"]), intern(who["id"]), mode, verify, None)
                 sessions[sid] = _new(SessionView, view)
                 sizes[sid] = 0
                 modes_changed = True
@@ -418,7 +446,7 @@ class EpisodeFold(SessionRules):
                 sessions.pop(sid, None)
                 sizes.pop(sid, None)
                 modes_changed = True
-        self._pending_sessions.clear()
+        self._pending_sessions = None
         if modes_changed:
             restart_only = False
             for session in sessions.values():
@@ -429,9 +457,10 @@ class EpisodeFold(SessionRules):
 
     def _drop_tail(self) -> None:
         """The tail's session changes and ledger rows are dropped (its chunks stay)."""
-        self._pending_sessions.clear()
-        self._pending_ledger.clear()
-        self._pending_staging.clear()
+        self._pending_sessions = None
+        if self._pending_ledger:
+            self._pending_ledger.clear()
+        self._pending_staging = None
         if self.lineage is not None:
             self.lineage.drop_tail()
 
@@ -444,7 +473,9 @@ class EpisodeFold(SessionRules):
         call = self._latest_call
         if call is None or call in self._tail_constrained:
             return None
-        chunks = self._tail_chunks.get(call)
+        chunks = self._tail_chunks
+        if len(chunks) != 1 or chunks[0][5] != call:
+            chunks = [chunk for chunk in chunks if chunk[5] == call]
         if not chunks:
             return None
         if len(chunks) == 1:  # the common case (a manifest asks for every episode's cut)
@@ -575,7 +606,7 @@ class EpisodeFold(SessionRules):
             if self.boundary_deltas
             else dict(self.boundaries),
             sessions=dict(self.sessions),
-            ledger=tuple(self.ledger),
+            ledger=tuple(self.ledger or ()),
             generation_cut=generation_cut,
             open_waits=dict(self.open_waits),
             committed_through=self.committed_through,
@@ -611,12 +642,10 @@ class EpisodeFold(SessionRules):
     def snapshot(self) -> EpisodeFold:
         """A copy of this state that later records do not change (the filters are shared)."""
         copy = object.__new__(type(self))
-        for name, how in _snapshot_plan(type(self)):
+        for name, copied in _snapshot_plan(type(self)):
             value = getattr(self, name)
-            if how == _SHALLOW:
+            if copied and value is not None:
                 value = value.copy()
-            elif how == _DEEP:
-                value = _deep_copy(name, value)
             setattr(copy, name, value)
         copy.pinned = False
         copy._state_at_pin = None
@@ -695,7 +724,8 @@ class EpisodeFold(SessionRules):
         if cut is not None:
             facts = (cut.parent_call_id, cut.request_digest, cut.policy_version, cut.staging_key)
             tokens = orjson.dumps(list(cut.token_ids)) if keep else None
-            self._tail_chunks[cut.call_id] = [(0, len(cut.token_ids), cut.terminal, facts, tokens)]
+            chunk = (0, len(cut.token_ids), cut.terminal, facts, tokens, cut.call_id)
+            self._tail_chunks.append(chunk)
             self._latest_call = cut.call_id
             self._cut_staging_known = False
         self.size_bytes = self.payload_bytes()
@@ -711,8 +741,11 @@ class EpisodeFold(SessionRules):
             self.exact = False
 
 
-_SHALLOW_FIELDS = frozenset(
+#: The fields ``snapshot`` copies (their ``copy()``: shallow, the lineage's its own); the others
+#: are immutable values, shared.
+_COPIED_FIELDS = frozenset(
     (
+        "lineage",
         "boundaries",
         "boundary_deltas",
         "exports",
@@ -725,44 +758,31 @@ _SHALLOW_FIELDS = frozenset(
         "_pending_sessions",
         "_pending_ledger",
         "_pending_staging",
-        "_tail_constrained",
+        "_tail_chunks",
     )
 )
 #: The fields that make the state (what a restore takes back from a pinned copy): all but the
 #: identity, the filters (which go on seeing records), the version and the pin bookkeeping.
 _STATE_FIELDS = tuple(
     name
-    for name in EpisodeFold.__slots__
+    for name in (*SessionRules.__slots__, *EpisodeFold.__slots__)
     if name not in ("episode", "filters", "version", "pinned", "_state_at_pin")
 )
-_PLANS: dict[type, tuple[tuple[str, int], ...]] = {}
+_PLANS: dict[type, tuple[tuple[str, bool], ...]] = {}
 
 
-def _snapshot_plan(cls: type) -> tuple[tuple[str, int], ...]:
-    """Per field of ``cls`` (its subclasses' slots too), how ``snapshot`` copies it."""
+def _snapshot_plan(cls: type) -> tuple[tuple[str, bool], ...]:
+    """Per field of ``cls`` (its subclasses' slots too), whether ``snapshot`` copies it."""
     plan = _PLANS.get(cls)
     if plan is None:
         names = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())]
         plan = tuple(
-            (
-                name,
-                _DEEP
-                if name in ("lineage", "_tail_chunks")
-                else _SHALLOW
-                if name in _SHALLOW_FIELDS
-                else _SHARE,
-            )
+            (name, name in _COPIED_FIELDS)
             for name in names
             if name not in ("pinned", "_state_at_pin")
         )
         _PLANS[cls] = plan
     return plan
-
-
-def _deep_copy(name: str, value: Any) -> Any:
-    if name == "lineage":
-        return value.copy() if value is not None else None
-    return {call: list(chunks) for call, chunks in value.items()}
 
 
 def _ledger_entry(data: dict[str, Any], token_ids_json: bytes) -> LedgerEntry:

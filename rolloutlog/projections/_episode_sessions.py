@@ -16,15 +16,16 @@ _new = tuple.__new__
 class SessionRules:
     """Delta boundaries (``rolloutlog.log._deltas``) and ``checkpoint`` sessions' exports."""
 
-    __slots__ = ()
+    # Set by ``EpisodeFold._clear``; here as they are replaced here (None until the first).
+    __slots__ = ("boundary_deltas", "exports")
+    boundary_deltas: dict[str, tuple[bytes, ...]] | None
+    exports: dict[str, tuple[int, bool, bool]] | None
     boundaries: dict[str, BoundaryView]
     boundary_bytes: dict[str, int]
-    boundary_deltas: dict[str, tuple[bytes, ...]]
     sessions: dict[str, SessionView]
     session_bytes: dict[str, int]
-    exports: dict[str, tuple[int, bool, bool]]
     finished: bool
-    _pending_sessions: list[tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]]
+    _pending_sessions: list[tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]] | None
 
     def _delta_boundary(
         self,
@@ -44,12 +45,15 @@ class SessionRules:
         self.boundaries[owner] = _new(BoundaryView, view)
         self.boundary_bytes[owner] = self.boundary_bytes.get(owner, 0) + size
         if delta is not None:
-            self.boundary_deltas[owner] = (*self.boundary_deltas.get(owner, ()), delta.raw)
+            deltas = self.boundary_deltas
+            if deltas is None:
+                self.boundary_deltas = deltas = {}
+            deltas[owner] = (*deltas.get(owner, ()), delta.raw)
 
     def _composed_boundaries(self) -> dict[str, BoundaryView]:
         """The boundaries with each owner's deltas composed onto its last whole state."""
         boundaries = dict(self.boundaries)
-        for owner, deltas in self.boundary_deltas.items():
+        for owner, deltas in (self.boundary_deltas or {}).items():
             view = boundaries[owner]
             base = view.state.raw if view.state is not None else None
             boundaries[owner] = view._replace(state=Opaque(compose_state(base, deltas)))
@@ -74,12 +78,16 @@ class SessionRules:
         view = (sid, current[1], current[2], current[3], current[4], state)
         self.sessions[sid] = _new(SessionView, view)
         self.session_bytes[sid] = size
-        marks = any(c[1]["session_id"] == sid for c in self._pending_sessions)
+        marks = any(c[1]["session_id"] == sid for c in self._pending_sessions or ())
+        if self.exports is None:
+            self.exports = {}
         self.exports[sid] = (data["checkpoint_id"], marks, False)
 
     def _export_changed(self, sid: str) -> None:
-        checkpoint_id, waits, _ = self.exports[sid]
-        self.exports[sid] = (checkpoint_id, waits, True)
+        exports = self.exports
+        if exports is not None:  # (asked only of a session it holds)
+            checkpoint_id, waits, _ = exports[sid]
+            exports[sid] = (checkpoint_id, waits, True)
 
     def export_owners(self) -> set[str]:
         """The wait owners (``export:<session>``) of the open ``checkpoint`` sessions."""
@@ -97,7 +105,7 @@ class SessionRules:
                 sid = owner[7:]
                 if sid not in self.sessions:
                     continue  # ended since: nothing to restore
-                found = self.exports.get(sid)
+                found = self.exports.get(sid) if self.exports else None
                 if found is None or found[0] != checkpoint_id or found[1] or found[2]:
                     missing.append(sid)
         return missing
