@@ -64,7 +64,7 @@ def select_records(
     cut: float,
     committed_restores: Container[int] | None = None,
     attempt: int = 0,
-) -> tuple[list[RecordView], int]:
+) -> tuple[list[Any], int]:
     """The records of one episode that the projection at ``cut`` folds, and the current attempt.
 
     The records may start after the episode's first event (a replay starts where the
@@ -73,7 +73,7 @@ def select_records(
     (the episode's attempt at the cut) when there is none. Each record is read as
     ``(offset, metadata, …)``: ``project_raw`` selects ``(offset, metadata, record, start)``.
     """
-    kept: list[RecordView] = []
+    kept: list[Any] = []
     filters = _Filters(attempt=_attempt_at_start(records, committed_restores, attempt))
     for record in records:
         offset, meta = record[0], record[1]
