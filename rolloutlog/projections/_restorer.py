@@ -96,11 +96,6 @@ class RestoreResult:
 _LINE_OVERHEAD = 400
 #: How many projections a build encodes before it lets the event loop run.
 _ENCODE_SLICE = 256
-#: How many bytes of lines a build adds before it lets the event loop run, so that its fetches
-#: send them (and the client decodes them on the other core) while it goes on: a replay hands
-#: out every projection it has read without waiting, and a build that ran through them all
-#: first left the client idle meanwhile.
-_YIELD_BYTES = 256 * 1024
 
 
 def _libc_trim() -> Callable[[int], int] | None:
@@ -919,14 +914,8 @@ class Restorer:
 
         async def fill() -> None:
             try:
-                added = 0
                 async for projection in projections:
-                    line = ProjectionLine.of(projection)
-                    lines.add(line)
-                    added += len(line.line)
-                    if added >= _YIELD_BYTES:
-                        added = 0
-                        await asyncio.sleep(0)
+                    lines.add(ProjectionLine.of(projection))
             except BaseException as e:
                 lines.finish(e)
                 self.cache.drop(run, restore_id, lines)
