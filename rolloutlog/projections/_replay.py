@@ -12,7 +12,6 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
-from typing import NamedTuple
 
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import ManifestEntry
@@ -21,16 +20,6 @@ from rolloutlog.projections._fold import project_raw
 from rolloutlog.projections._model import EpisodeProjection
 
 logger = logging.getLogger(__name__)
-
-
-class _Passed(NamedTuple):
-    """Episodes of one partition whose cut its read has passed, with the records read for them
-    (only those before each cut)."""
-
-    episodes: Sequence[str]
-    cuts: dict[str, int]
-    records: dict[str, list[tuple[int, bytes]]]
-
 
 __all__ = ["replay_at_cuts", "replay_stream"]
 
@@ -77,12 +66,31 @@ async def replay_stream(
     for entry in entries:
         by_partition[entry.cut_partition][entry.episode] = entry.cut_offset
         at_cut[entry.episode] = entry.attempt
-    # Each episode is folded when the reader asks for it, not when its partition's read passes
-    # its cut: the projection (and the payloads it copies out of the records) is then encoded
-    # and dropped before the next one is folded, rather than a batch of them alive at once
-    # (measured on S2's 350 KB states: a copy that stays alive costs ~5x one whose memory is
-    # reused, the page faults of fresh memory).
-    ready: asyncio.Queue[_Passed | BaseException | None] = asyncio.Queue()
+    ready: asyncio.Queue[list[EpisodeProjection] | BaseException | None] = asyncio.Queue()
+
+    def fold(
+        episodes: Sequence[str], cuts: dict[str, int], records: dict[str, list[tuple[int, bytes]]]
+    ) -> list[EpisodeProjection]:
+        out: list[EpisodeProjection] = []
+        with collector_paused():
+            for episode in episodes:
+                mine = records.pop(episode)
+                if not mine:
+                    continue
+                try:
+                    out.append(
+                        project_raw(
+                            episode,
+                            mine,
+                            cuts[episode],
+                            committed_restores,
+                            as_attempt=None if attempts is None else attempts.get(episode),
+                            attempt=at_cut[episode],
+                        )
+                    )
+                except Exception:  # a record the fold cannot apply: it has no projection
+                    logger.exception("run %s: could not fold episode %s", run, episode)
+        return out
 
     async def one(partition: int, cuts: dict[str, int]) -> None:
         try:
@@ -101,7 +109,7 @@ async def replay_stream(
                     except ValueError:  # not an envelope (the projector quarantines it)
                         continue
                     wanted = records.get(episode)  # type: ignore[arg-type]
-                    if wanted is not None and item[0] < cuts[episode]:  # type: ignore[index]
+                    if wanted is not None:
                         wanted.append(item)
                 if not page:
                     continue
@@ -110,9 +118,9 @@ async def replay_stream(
                 while passed < len(by_cut) and cuts[by_cut[passed]] <= last:
                     passed += 1
                 if passed > done:
-                    ready.put_nowait(_Passed(by_cut[done:passed], cuts, records))
+                    ready.put_nowait(fold(by_cut[done:passed], cuts, records))
                     done = passed
-            ready.put_nowait(_Passed(by_cut[done:], cuts, records))
+            ready.put_nowait(fold(by_cut[done:], cuts, records))
             ready.put_nowait(None)
         except BaseException as e:  # handed to the reader, which raises it
             ready.put_nowait(e)
@@ -128,25 +136,8 @@ async def replay_stream(
             elif isinstance(item, BaseException):
                 raise item
             else:
-                with collector_paused():
-                    for episode in item.episodes:
-                        mine = item.records.pop(episode)
-                        if not mine:
-                            continue
-                        try:
-                            projection = project_raw(
-                                episode,
-                                mine,
-                                item.cuts[episode],
-                                committed_restores,
-                                as_attempt=None if attempts is None else attempts.get(episode),
-                                attempt=at_cut[episode],
-                            )
-                        except Exception:  # a record the fold cannot apply: no projection
-                            logger.exception("run %s: could not fold episode %s", run, episode)
-                            continue
-                        del mine
-                        yield projection
+                for projection in item:
+                    yield projection
     finally:
         for task in tasks:
             task.cancel()
