@@ -43,6 +43,8 @@ from rolloutlog.projections._model import EpisodeProjection
 
 #: One record as the fold reads it: (offset, metadata, raw payload or None).
 RecordView = tuple[int, dict[str, Any], bytes | None]
+#: What ``select_records`` reads of a record: its offset and metadata first.
+_Selectable = tuple[Any, ...]
 
 __all__ = [
     "EpisodeFold",
@@ -58,22 +60,23 @@ __all__ = [
 
 
 def select_records(
-    records: Sequence[RecordView],
+    records: Sequence[_Selectable],
     cut: float,
     committed_restores: Container[int] | None = None,
     attempt: int = 0,
-) -> tuple[list[RecordView], int]:
+) -> tuple[list[Any], int]:
     """The records of one episode that the projection at ``cut`` folds, and the current attempt.
 
     The records may start after the episode's first event (a replay starts where the
     checkpoint's live episodes need it to): the attempt current at their start is the
     ``previous_attempt`` of the first committed ``attempt.started`` among them, or ``attempt``
-    (the episode's attempt at the cut) when there is none.
+    (the episode's attempt at the cut) when there is none. Each record is read as
+    ``(offset, metadata, …)``: ``project_raw`` selects ``(offset, metadata, record, start)``.
     """
-    kept: list[RecordView] = []
+    kept: list[Any] = []
     filters = _Filters(attempt=_attempt_at_start(records, committed_restores, attempt))
     for record in records:
-        offset, meta, _ = record
+        offset, meta = record[0], record[1]
         if offset >= cut:
             break
         kind = meta["type"]
@@ -98,9 +101,10 @@ def select_records(
 
 
 def _attempt_at_start(
-    records: Sequence[RecordView], committed_restores: Container[int] | None, attempt: int
+    records: Sequence[_Selectable], committed_restores: Container[int] | None, attempt: int
 ) -> int:
-    for _, meta, _ in records:
+    for record in records:
+        meta = record[1]
         if meta["type"] == "attempt.started" and (
             committed_restores is None or meta["data"]["restore_id"] in committed_restores
         ):
@@ -190,9 +194,6 @@ def _fold_in_one_pass(
     return fold
 
 
-_ATTEMPT_STARTED = b'"type":"attempt.started"'
-
-
 def project_raw(
     episode: str,
     records: list[tuple[int, bytes]],
@@ -203,26 +204,35 @@ def project_raw(
     attempt: int = 0,
 ) -> EpisodeProjection:
     """The projection of ``episode`` at ``cut`` from its raw records: each record's metadata is
-    decoded just before it is folded and dropped right after, so a replay of many episodes keeps
-    few objects alive."""
-    if any(_ATTEMPT_STARTED in record for _, record in records):
-        fold = fold_episode(
-            episode,
-            [(offset, *split_record(record)) for offset, record in records],
-            cut,
-            committed_restores,
-            as_attempt=as_attempt,
-            attempt=attempt,
-        )
+    decoded once (``peek_record``) and its payload is never copied out of it, so a replay of
+    many episodes keeps few objects alive and a large state is not copied again here.
+
+    Whether a restore truncates anything is read off the decoded metadata, not searched for in
+    the records' bytes: a search ran through every payload (measured: 0.3-0.5 ms per 350 KB
+    state, the largest part of S2's build)."""
+    peeked = []
+    restarted = False
+    for offset, record in records:
+        meta, start = peek_record(record)
+        restarted = restarted or meta["type"] == "attempt.started"
+        peeked.append((offset, meta, record, start))
+    if restarted:
+        # Restores truncate what earlier attempts contributed: select first, then fold.
+        kept, current = select_records(peeked, cut, committed_restores, attempt)
+        fold = EpisodeFold(episode, current)
+        if as_attempt is not None:
+            fold.attempt = as_attempt
+        apply = fold.apply
+        for offset, meta, record, start in kept:
+            apply(offset, meta, record, start)
     else:
         fold = EpisodeFold(episode, attempt)
         if as_attempt is not None:
             fold.attempt = as_attempt
         observe = fold.observe
-        for offset, record in records:
+        for offset, meta, record, start in peeked:
             if offset >= cut:
                 break
-            meta, start = peek_record(record)
             observe(offset, meta, record, start)
     return fold.projection(cut)
 

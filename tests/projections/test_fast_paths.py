@@ -9,8 +9,16 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolloutlog.log import Event, encode_record, marker_record, peek_record, validate_event
-from rolloutlog.projections import CheckpointResult
+from rolloutlog.log import (
+    Event,
+    encode_opaque,
+    encode_record,
+    marker_record,
+    peek_record,
+    validate_event,
+)
+from rolloutlog.projections import CheckpointResult, EpisodeProjection, project_events
+from rolloutlog.projections._fold import project_raw
 from tests import factories as f
 from tests.projections.both_modes import check_both_modes, follow
 from tests.projections.conftest import Service, open_service
@@ -405,3 +413,36 @@ def test_the_record_checks_fast_path_accepts_what_the_slow_path_accepts() -> Non
         assert metadata_problem(meta) is None
     for odd in ([1], "text", 3, None, {"type": ["unhashable"]}, {"type": "nope"}):
         assert metadata_problem(odd) == _problem(odd) is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(lineage_stream(), st.integers(0, 24), st.booleans())
+def test_a_replay_of_raw_records_projects_what_the_typed_fold_does(
+    stream: tuple[list[Event], set[int]], cut: int, quoted: bool
+) -> None:
+    """``project_raw`` (a restore's replay: metadata peeked, payloads left in the records)
+    gives ``project_events``' projection, across restores committed or not, before or after
+    the cut; a payload that spells out an ``attempt.started`` changes nothing."""
+    events, committed = stream
+    if quoted:  # a session state whose bytes name the restore record's type
+        text = '"type":"attempt.started"'
+        events = [*events, f.session_state("e", "s1", {"note": text}, who=RES, seq=99)]
+    offsets = list(enumerate(events))
+    expected = project_events("e", offsets, cut, committed)
+    records = [(offset, encode_record(event)) for offset, event in offsets]
+    got = project_raw("e", records, cut, committed)
+
+    def seen(p: EpisodeProjection) -> tuple[Any, ...]:
+        line = orjson.dumps(p.to_json(), default=encode_opaque)
+        return (
+            line,
+            p.cut,
+            p.first_offset,
+            p.committed_through,
+            p.events_folded,
+            p.payload_bytes,
+            p.staging_keys,
+            dict(p.open_waits),
+        )
+
+    assert seen(got) == seen(expected)
