@@ -190,6 +190,7 @@ SURFACES: dict[str, list[str]] = {
         "RestoreInfo",
         "ResumePlan",
         "ServiceError",  # rolloutlog.errors'
+        "StagingKeyList",
         "TrainerClient",
         "error_from_body",  # rolloutlog.errors'
         "error_from_response",

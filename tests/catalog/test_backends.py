@@ -21,6 +21,7 @@ from rolloutlog.catalog import (
 )
 from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._postgres import PostgresBackend
+from rolloutlog.catalog._validate import check_episode
 from rolloutlog.errors import (
     BackendUnavailable,
     CatalogError,
@@ -193,9 +194,21 @@ async def test_postgres_lost_connection_is_unavailable(postgres_schema: str) -> 
         assert (await catalog.get_run("r")).run == "r"
 
 
+def _storable(episode: str) -> bool:
+    """Any text, except what the catalog refuses: a name with ``-a`` must be a valid episode id
+    (``check_episode``: it must not look like a capture key)."""
+    if "-a" not in episode:
+        return True
+    try:
+        check_episode(episode)
+    except InvalidRequest:
+        return False
+    return True
+
+
 _episode_ids = st.text(
     alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=40
-).filter(lambda e: not (e.rsplit("-a", 1)[-1].isdigit() and "-a" in e))
+).filter(_storable)
 _entries = st.lists(
     st.builds(
         ManifestEntry,
