@@ -108,6 +108,12 @@ def median(figure: dict[str, Any] | None) -> float | None:
     return figure["median"] if figure else None
 
 
+def _stages(workload: dict[str, Any]) -> str:
+    """A workload's checkpoint stage timings (median ms), as the service reported them."""
+    stages = (workload.get("stages_ms") or {}).get("checkpoint") or {}
+    return ", ".join(f"{k} {v:,.0f}" for k, v in stages.items()) or "not recorded"
+
+
 def numeric_order(points: dict[str, Any]) -> dict[str, Any]:
     """Curve points by their x (the JSON keeps keys sorted as strings)."""
     return dict(sorted(points.items(), key=lambda item: int(item[0])))
@@ -279,17 +285,17 @@ def measured_split(reason: str, results: dict[str, Any]) -> str:
                 parts.append(split)
         s1 = per.get("S1") or {}
         if reason == "checkpoint_vs_stop_the_world" and s1:
-            stages = (s1.get("stages_ms") or {}).get("checkpoint") or {}
             parts.append(
                 f"S1 on {where}: checkpoint {ms(median(s1['checkpoint_s']))} (service stages, "
-                "median ms: " + ", ".join(f"{k} {v:,.0f}" for k, v in stages.items()) + ")"
+                f"median ms: {_stages(s1)})"
             )
         s4 = per.get("S4")
         if reason == "S4.checkpoint_over_S1" and s4 and s1:
             parts.append(
                 f"{where}: {ms(median(s4['checkpoint_s']))} against S1's "
                 f"{ms(median(s1['checkpoint_s']))} while the SDK appended "
-                f"{s4['appends']['events_per_s']:,.0f} events/s"
+                f"{s4['appends']['events_per_s']:,.0f} events/s (service stages, median ms: "
+                f"S4 {_stages(s4)}; S1 {_stages(s1)})"
             )
         if reason == "restore_peak_rss_mb" and "restore_peak_rss_mb" in s1:
             parts.append(
@@ -734,7 +740,8 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
                 f"appended {a['events_per_s']:,.0f} events/s ({a['writers']} transports, batches of "
                 f"{a['batch']}; append latency p50 {a['p50_ms']:.0f} ms, p99 {a['p99_ms']:.0f} ms, "
                 f"max {a['max_ms']:.0f} ms); service CPU during the checkpoints "
-                f"{s4['service_cpu_s_during']:.1f} s."
+                f"{s4['service_cpu_s_during']:.1f} s; the service's own stage timings (median "
+                f"ms): {_stages(s4)}."
             )
         w("")
     w("### Baselines (same run, same envelopes)")
