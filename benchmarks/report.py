@@ -27,59 +27,75 @@ CAUSES = {
         "and write one record file each to a local disk; rolloutlog's checkpoint is a request to a "
         "service (markers into every partition, the projector's fold up to them, two catalog "
         "transactions, whose stages are listed beside it), and the rest of its time is the HTTP "
-        "request and reply (uvicorn, FastAPI, httpx) on the same 2 cores."
+        "request and reply (uvicorn, FastAPI, httpx) on the same 2 cores. On Kafka + PostgreSQL "
+        "the catalog's commit stage is the largest: its statements are asyncpg round trips, each "
+        "waiting for the event loop's next turn (on SQLite the checkpoint's two transactions run "
+        "whole on one worker thread, docs/design.md; no synchronous PostgreSQL driver is "
+        "installed to do the same)."
     ),
     "restore_and_fetch_over_floor": (
         "the floor only reads and splits the records. A restore takes each continued episode's "
         "verdict from the projector's trackers, which keep no payloads, so its projections are "
-        "built by replaying the checkpoint's records and folding them (about 10 µs of CPU per "
-        "record) once the plan commits; then every projection line crosses HTTP and is decoded "
-        "by the client, on the same 2 cores."
+        "built by replaying the checkpoint's records and folding them once the plan commits; "
+        "then every projection line crosses HTTP and is decoded by the client, on the same 2 "
+        "cores. Profiled (py-spy, S1 embedded): the fetch is bound by the service's one core, "
+        "~1.7 s of its CPU against the client's 0.55 s (orjson.loads, ~3 µs a line); of the "
+        "service's build the fold takes ~75% (the metadata peek ~15 µs per episode, the fold's "
+        "state machine ~15, the projection ~10) and encoding the lines ~17% (~11 µs per "
+        "episode). S2's 350 MB of lines are bound by moving bytes on both sides (copies into "
+        "fresh memory, ~180 µs per 350 KB here, and httpx's 64 KB reads in the client)."
     ),
     "restore_and_fetch_vs_stop_the_world_restore": (
         "the stop-the-world restore reads and decodes one file per participant in process; "
-        "restore + fetch plans the restore in the service (catalog commit of every episode's "
-        "entry), folds the replayed records into projections and streams them over HTTP."
+        "restore + fetch plans the restore in the service (the verdicts from the trackers, the "
+        "catalog commit of every episode's entry, an attempt.started record per continued "
+        "episode: the plan's stages are listed with the figures), then folds the replayed records "
+        "into projections and streams them over HTTP (the split in the row above)."
     ),
     "restore_and_fetch_vs_eventsourcing": (
         "pyeventsourcing reads one snapshot row per episode in process; restore + fetch streams "
         "every projection over HTTP as NDJSON (large session states cross a socket and are parsed "
-        "in the client)."
+        "in the client). On Kafka + PostgreSQL, S2's floor alone (reading its 350 MB of records "
+        "back from Tansu) takes most of pyeventsourcing's whole reconstruction."
     ),
     "S4.checkpoint_over_S1": (
         "the saturating appender is a process on the same 2 cores and its HTTP appends share "
         "the service's event loop with the checkpoint's request, whose projector must first fold "
-        "them; the suite records no stage timings under S4, so the split between queueing and "
-        "the stages is not measured (the catalog feeder, which made the checkpoint's flush wait "
-        "for its whole backlog, now yields after every batch)."
+        "them. The stages under S4 are listed beside S1's: on embedded the begin and commit "
+        "stages still wait for the catalog's write turn and for the loop between the one-hop "
+        "transactions, and the markers are an append queued in the log's commit-group queue "
+        "behind the appends' groups and their fsyncs; the rest is the request's own queueing "
+        "behind the appends' requests."
     ),
     "restore_peak_rss_mb": (
-        "the service holds every live episode's tracker (162 MB with S1's 16,000 live episodes "
-        "before any restore, 93 MB idle: the appends part's RSS), and a restore + fetch adds the "
+        "the service holds every live episode's tracker (about 3.7 KB per S1 episode, ~60 MB of "
+        "RSS for 16,000: benchmarks/results/fold17_memory.json), and a restore + fetch adds the "
         "restore's encoded projection lines (about 5.4 KB per S1 projection, ~90 MB: the cache "
         "the fetches are served from) and the replay's pages and projection objects while the "
-        "lines are built (~40 MB, freed after); the peak grows with live rollouts (about 1.1 GB "
-        "at 64,000). Two leaks of this kind were found and fixed this round: orjson's 4 KB output "
-        "buffers held by the restore's records and by the embedded log's tail."
+        "lines are built (~40 MB, freed after), over the interpreter and its libraries (~90 MB "
+        "idle); the peak grows with live rollouts."
     ),
     "appends": (
-        "about 29 µs of service CPU per event on one event loop: the HTTP stack, parsing and the "
-        "envelope check (the fast path), the projector folding the appended events and the log's "
-        "writer, with the 8 clients on the same 2 cores; 50,000 events/s needs about 20 µs."
+        "service CPU per event on one event loop: the HTTP stack (the events route is served "
+        "past FastAPI's per-request machinery), parsing and the envelope check, the projector "
+        "folding the appended events (~4 µs) and the log's writer thread (~3.6 µs: SQLite's WAL "
+        "writes), with the 8 clients on the same 2 cores; 50,000 events/s needs about 20 µs."
     ),
     "fold_rate": (
-        "about 10 µs of CPU per record in one Python process (Kafka: the Fetch read and its CRC "
-        "check about 3 µs, decoding 1.5 µs, the record check 0.9 µs, the tracker 3.9 µs, the "
-        "projector's bookkeeping about 1 µs; benchmarks/results/projector_fold_fold16.json), with "
-        "Tansu on the same 2 cores; 200,000 events/s needs 5 µs including the read, which no "
-        "single step would give back."
+        "about 8 µs of CPU per record in one Python process (in process: decoding 1.1 µs, the "
+        "record check 0.7 µs, the tracker 2.9 µs with the sha256 lineage checks the rules ask "
+        "for, the projector's bookkeeping ~1.3 µs; Kafka adds ~2 µs, mostly the event loop and "
+        "the Fetch round trips, the CRC being aiokafka's C code at 0.36 µs; "
+        "benchmarks/results/fold17_projector_fold.json), with Tansu on the same 2 cores; "
+        "200,000 events/s needs 5 µs including the read: no step measured above 0.5 µs is left "
+        "to take out without rewriting the fold in C."
     ),
     "curve_flatness": (
-        "on embedded, from 1,000 to 64,000 live rollouts the service's own stages grow from 11 "
-        "to 29 ms (the catalog commit 6 → 18 ms, the delta manifest's write 0.1 → 3 ms: SQLite "
-        "work that follows the size of the checkpoint's tables) and the time outside them (the "
-        "HTTP request and reply, the client) from 4 to 23 ms, not split further; on Kafka + "
-        "PostgreSQL the same checkpoint stays within 2x."
+        "a live checkpoint writes what changed since the previous one (delta manifests, the "
+        "trainer client's staging keys composed and listed only when read, the entries' "
+        "versions laid over the base's); on embedded the catalog's commit follows the size of "
+        "the checkpoint's tables (SQLite pages), and the time outside the service's stages is "
+        "the HTTP request and reply."
     ),
 }
 #: Line style of each deployment in the plots (the figure gives the colour).

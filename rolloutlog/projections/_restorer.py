@@ -11,8 +11,6 @@ requester merges before its commit."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import logging
 import time
@@ -21,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mappi
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolloutlog import _malloc
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import (
     Catalog,
@@ -98,25 +97,12 @@ _LINE_OVERHEAD = 400
 _ENCODE_SLICE = 256
 
 
-def _libc_trim() -> Callable[[int], int] | None:
-    try:
-        trim: Callable[[int], int] = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (AttributeError, OSError, TypeError):  # not glibc
-        return None
-    return trim
-
-
-#: glibc's ``malloc_trim``, if this is glibc (``_release_freed``).
-_MALLOC_TRIM = _libc_trim()
-
-
 def _release_freed() -> None:
     """Hand the memory freed by the plan (and by the run's previous restore's lines) back to the
     OS before the lines are built. glibc keeps freed heap pages otherwise: measured on S1, the
     second restore's build then grew RSS on top of ~130 MB freed but held (VmHWM 414 MB with
     the trim's ~390 MB), for a few milliseconds' trim."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    _malloc.trim()
 
 
 class RestoreLines:

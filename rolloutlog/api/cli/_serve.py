@@ -243,10 +243,12 @@ def _serve(
 
     import uvicorn
 
+    from rolloutlog._malloc import limit_arenas
     from rolloutlog.api._app import create_app
     from rolloutlog.api._logging import configure_logging, uvicorn_log_config
     from rolloutlog.api._protocol import http_protocol
 
+    limit_arenas()  # before any thread of the service starts (rolloutlog/_malloc.py)
     configure_logging(log_level)
     app = create_app(settings)
     config = uvicorn.Config(

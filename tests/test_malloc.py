@@ -1,0 +1,50 @@
+"""The service's malloc arena limit (``rolloutlog._malloc``): threads that allocate share the
+allowed arenas instead of getting one each (glibc's ``malloc_stats`` lists them)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rolloutlog import _malloc
+
+_PROGRAM = """
+import ctypes, ctypes.util, sys, threading
+from rolloutlog import _malloc
+if sys.argv[1] == "limit":
+    assert _malloc.limit_arenas(1)
+def work():
+    kept = [bytearray(1000) for _ in range(2000)]
+    del kept
+threads = [threading.Thread(target=work) for _ in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+ctypes.CDLL(ctypes.util.find_library("c")).malloc_stats()
+"""
+
+
+def _arenas(mode: str) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PROGRAM, mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=60,
+    )
+    return sum(1 for line in done.stderr.splitlines() if line.startswith("Arena "))
+
+
+@pytest.mark.skipif(_malloc._LIBC is None, reason="not glibc: the service leaves malloc alone")
+def test_threads_share_the_allowed_arenas() -> None:
+    assert _arenas("default") > 1  # glibc's default: a new arena per thread
+    assert _arenas("limit") == 1
+
+
+def test_an_operators_own_arena_limit_is_left_as_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert not _malloc.limit_arenas()
