@@ -73,7 +73,9 @@ CAUSES = {
         "restore's encoded projection lines (about 5.4 KB per S1 projection, ~90 MB: the cache "
         "the fetches are served from) and the replay's pages and projection objects while the "
         "lines are built (~40 MB, freed after), over the interpreter and its libraries (~90 MB "
-        "idle); the peak grows with live rollouts."
+        "idle); the peak grows with live rollouts. On Kafka it also grew with the restores taken: "
+        "386 MB over S1's 2 restores + fetches in a run of 2 (benchmarks/results/arena_code.json), "
+        "428 MB over 5 here; not split further (the Kafka reads' buffers are one candidate)."
     ),
     "appends": (
         "service CPU per event on one event loop: the HTTP stack (the events route is served "
