@@ -37,11 +37,6 @@ PARTITIONS = 16
 RUN = "build"
 
 
-def cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 async def measure(workload: workloads.Workload, runs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rolloutlog-build-") as directory:
         async with open_log(f"embedded://{directory}") as log:
@@ -66,7 +61,7 @@ async def measure(workload: workloads.Workload, runs: int) -> dict[str, Any]:
             cpu, wall, rss = [], [], []
             for _ in range(runs):
                 gc.collect()
-                c0, t0 = cpu_s(), time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 lines = [
                     ProjectionLine.of(projection)
                     async for projection in replay_stream(
@@ -74,7 +69,7 @@ async def measure(workload: workloads.Workload, runs: int) -> dict[str, Any]:
                     )
                 ]
                 wall.append(time.perf_counter() - t0)
-                cpu.append(cpu_s() - c0)
+                cpu.append(time.process_time() - c0)
                 rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
                 assert len(lines) == len(names), (len(lines), len(names))
                 del lines
