@@ -44,6 +44,7 @@ SURFACES: dict[str, list[str]] = {
         "MAX_PARTITIONS",
         "NAME_PATTERN",
         "OPAQUE_FIELD",
+        "PAYLOAD_FIELD",
         "Opaque",
         "ParticipantIdentity",
         "ParticipantKind",

@@ -79,7 +79,7 @@ _RUN_NAME = re.compile(RUN_PATTERN)
 _PARTICIPANT = require(Role.PARTICIPANT)
 _JSON = (b"content-type", b"application/json")
 
-router = APIRouter(route_class=LeanRoute)
+router = APIRouter()
 
 _EVENTS_BODY = {
     "description": "A JSON array of event envelopes (docs/design.md §3), or NDJSON with "
@@ -207,8 +207,17 @@ async def _offsets_body(positions: Sequence[tuple[int, int]]) -> bytes:
     return b'{"offsets":[' + b",".join(parts) + b"]}"
 
 
-@router.post(
+async def append_events(request: Request, run: RunPath) -> Response:
+    # What FastAPI serves when ``LeanRoute`` hands a request over (a run name it refuses).
+    return Response(await _append(request, run), media_type="application/json")
+
+
+# ``LeanRoute`` serves this one route itself (its ``_serve`` is the append).
+router.add_api_route(
     "/v1/runs/{run}/events",
+    append_events,
+    methods=["POST"],
+    route_class_override=LeanRoute,
     summary="Append events (all or nothing)",
     response_model=AppendOut,
     dependencies=[Depends(_PARTICIPANT)],
@@ -222,9 +231,6 @@ async def _offsets_body(positions: Sequence[tuple[int, int]]) -> bytes:
         503: {"model": ErrorOut, "description": "unavailable"},
     },
 )
-async def append_events(request: Request, run: RunPath) -> Response:
-    # What FastAPI serves when ``LeanRoute`` hands a request over (a run name it refuses).
-    return Response(await _append(request, run), media_type="application/json")
 
 
 async def _append(request: Request, run: str) -> bytes:

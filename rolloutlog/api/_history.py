@@ -27,7 +27,7 @@ from rolloutlog.api._service import Service
 from rolloutlog.api._views import manifest_entry_view, restore_entry_view
 from rolloutlog.catalog import Episode, ManifestEntry, RestoreEntry
 from rolloutlog.errors import UnknownEpisode
-from rolloutlog.log import OPAQUE_FIELD, capture_key, split_record
+from rolloutlog.log import PAYLOAD_FIELD, capture_key, split_record
 
 __all__ = ["explain", "router"]
 
@@ -36,7 +36,7 @@ router = APIRouter()
 ANALYST = [Depends(require(Role.ANALYST))]
 NOT_FOUND: Responses = {404: {"model": ErrorOut, "description": "unknown_run, unknown_episode"}}
 #: Payload fields never shown in a timeline (they may be megabytes; fetch one event for them).
-_PAYLOADS = frozenset(OPAQUE_FIELD.values()) | {"token_ids"}
+_PAYLOADS = frozenset(PAYLOAD_FIELD.values())
 #: At most this many of an episode's records are read for one history (a page of the timeline
 #: is cut from them; attempts, ledger and generation calls are summarized over all of them).
 SCAN_LIMIT = 50_000
@@ -329,7 +329,7 @@ async def episode_event(
         )
     meta, payload = split_record(records[0][1])
     if payload is not None:
-        field = OPAQUE_FIELD.get(meta["type"], "token_ids")
+        field = PAYLOAD_FIELD[meta["type"]]
         meta.setdefault("data", {})[field] = orjson.Fragment(payload)
     return json_response({"partition": partition, "offset": offset, "event": meta})
 

@@ -79,6 +79,7 @@ from rolloutlog.log._shapes import (
     DATA_RULES,
     DATA_SHAPES,
     OPAQUE_FIELD,
+    PAYLOAD_FIELD,
     REQUIRED,
     FieldShape,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "MAX_PARTITIONS",
     "NAME_PATTERN",
     "OPAQUE_FIELD",
+    "PAYLOAD_FIELD",
     "SERVICE_EVENT_TYPES",
     "SERVICE_PARTICIPANT_ID",
     "AttemptStarted",

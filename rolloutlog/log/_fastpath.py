@@ -200,8 +200,15 @@ def _data(kind: str, data: Any) -> tuple[dict[str, Any], bytes | None] | None:
         if payload is _BAD:
             return None
     rule = DATA_RULES.get(kind)
-    if rule is not None and rule(fields if field is None else {**fields, field: value}) is not None:
-        return None
+    if rule is not None:
+        if field is None:
+            problem = rule(fields)
+        else:  # the rule reads the payload field beside the others, without a copy of them
+            fields[field] = value
+            problem = rule(fields)
+            del fields[field]
+        if problem is not None:
+            return None
     return fields, payload
 
 

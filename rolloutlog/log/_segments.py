@@ -105,28 +105,28 @@ def connect(path: Path, synchronous: str) -> sqlite3.Connection:
 
 
 def segment_row(
-    partition: int, segment: tuple[int, list[bytes], list[int]], blobs: BlobStore
+    partition: int, segment: tuple[int, list[bytes]], blobs: BlobStore
 ) -> tuple[int, int, int | None, bytes]:
-    first, values, _ = segment
+    first, values = segment
     encoded, lowest_blob_file = _encode_segment(values, blobs)
     return row_id(partition, first), len(values), lowest_blob_file, encoded
 
 
-def split_segments(first: int, values: list[bytes]) -> list[tuple[int, list[bytes], list[int]]]:
+def split_segments(first: int, values: list[bytes]) -> list[tuple[int, list[bytes]]]:
     """A partition's consecutive records (from offset ``first``) as segments: a segment stops
     growing before ``SEGMENT_BYTES`` (a larger record is a segment of its own)."""
     sizes = list(map(len, values))
     total = sum(sizes)
     if total <= SEGMENT_BYTES:
-        return [(first, values, [total])]
+        return [(first, values)]
     segments = []
     start = size = 0
     for index, length in enumerate(sizes):
         if index > start and size + length > SEGMENT_BYTES:
-            segments.append((first + start, values[start:index], [size]))
+            segments.append((first + start, values[start:index]))
             start, size = index, 0
         size += length
-    segments.append((first + start, values[start:], [size]))
+    segments.append((first + start, values[start:]))
     return segments
 
 
