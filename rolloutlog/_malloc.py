@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from collections.abc import Callable
 
 __all__ = ["SERVICE_ARENAS", "limit_arenas", "trim"]
 
@@ -40,7 +39,6 @@ def _libc() -> ctypes.CDLL | None:
 
 
 _LIBC = _libc()
-_TRIM: Callable[[int], int] | None = None if _LIBC is None else _LIBC.malloc_trim
 
 
 def limit_arenas(arenas: int = SERVICE_ARENAS) -> bool:
@@ -53,5 +51,5 @@ def limit_arenas(arenas: int = SERVICE_ARENAS) -> bool:
 
 def trim() -> None:
     """Hand the heap's freed pages back to the OS (glibc's ``malloc_trim(0)``), if glibc."""
-    if _TRIM is not None:
-        _TRIM(0)
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)

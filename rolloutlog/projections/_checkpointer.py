@@ -106,6 +106,12 @@ class Checkpointer:
         #: Per run and partition, the offset this service last trimmed the log below.
         self._trimmed: dict[str, dict[int, int]] = {}
 
+    def forget_run(self, run: str) -> None:
+        """A deleted run: a run created again under its name starts its offsets and checkpoints
+        afresh (a stale trim floor would hold its trims off until its offsets passed it)."""
+        self._staged.pop(run, None)
+        self._trimmed.pop(run, None)
+
     def attach(self, projector: Projector) -> None:
         """Write the projector's parts of checkpoints other replicas requested."""
         projector.on_remote_capture = lambda capture: self._spawn(self._remote(projector, capture))

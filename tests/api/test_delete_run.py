@@ -45,6 +45,8 @@ async def deleted_and_reused(api: Api) -> None:
     assert reply.json() == {"run": api.run, "deleted": True}
     assert api.run not in api.service.coordinator.projectors
     assert api.run not in api.service.fencing
+    checkpointer = api.service.coordinator._checkpointer
+    assert api.run not in checkpointer._trimmed and api.run not in checkpointer._staged
     await api.call("GET", f"/v1/runs/{api.run}", "analyst", 404)
     missing = await api.call("DELETE", f"/v1/runs/{api.run}", "trainer", 404)
     assert missing.json()["error"]["code"] == "unknown_run"
