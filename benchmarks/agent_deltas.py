@@ -4,7 +4,7 @@ One agent session runs ``--turns`` turns of a Simple-Agent-like loop (each turn 
 a tool result join the messages; a boundary before each model call and after each tool round,
 lazily) against the service in process (embedded log, SQLite catalog in a temporary directory),
 through ``HttpTransport``. Then the agent's records are read back from the log and summed, and
-compared with the summed JSON size of the loop's messages (issue 13's bar: delta boundaries within
+compared with the summed JSON size of the loop's messages (the bar: delta boundaries within
 1.5x). A checkpoint and a restore follow, and the restored state is checked to equal the loop's.
 Message sizes are uniform in ``--sizes`` (bytes). Saved to ``benchmarks/results/agent_deltas.json``
 (``--quick``: 50 turns, ``agent_deltas_quick.json``, not committed).

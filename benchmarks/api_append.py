@@ -1,4 +1,4 @@
-"""HTTP append through a real ``rolloutlog serve`` (uvicorn) on the embedded backend (issue 5).
+"""HTTP append through a real ``rolloutlog serve`` (uvicorn) on the embedded backend.
 
 Per run, a fresh server in a subprocess and a fresh data directory:
 
@@ -21,7 +21,8 @@ headline (the default of ``serve`` on this machine), the others are kept for com
 
 With ``--compare REF`` the service of git ``REF`` (its ``rolloutlog`` package, extracted into
 a temporary directory, run with this venv) and this tree's are measured alternately, run by
-run, on the same machine in the same session (``api_append_before_after.json``). Every run also
+run, on the same machine at the same time (``api_append_before_after.json``, for the commit
+message; not committed). Every run also
 records the service process's CPU time per event during the throughput phase (user + system,
 from /proc: its HTTP server, validation, log writer threads and projector together).
 ``--synchronous NORMAL`` runs the embedded log without an fsync per commit group (taking the

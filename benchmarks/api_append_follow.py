@@ -1,4 +1,4 @@
-"""The embedded log's follower at the tip, in one process: records from memory or read back (issue 16).
+"""The embedded log's follower at the tip, in one process: records from memory or read back.
 
 What the append benchmark's service does with the log, without the HTTP stack and the fold:
 eight appenders send batches of 100 ~250-byte records (episodes spread over 16 partitions) to

@@ -1,10 +1,10 @@
-"""An append's preparation in one process: the fast path against the pydantic path (issue 16).
+"""An append's preparation in one process: the fast path against the pydantic path.
 
 ``_prepare.prepare`` (parse a body of 100 envelopes, validate each, encode each record, note what
 fencing reads) timed on the same bodies two ways, alternately, round by round: as it runs
 (``fast path``: ``log/_fastpath.py`` takes every envelope here) and with the fast path turned off
 (``pydantic``: every envelope through ``validate_event`` + ``encode_record``, what ``prepare``
-did before issue 16). ``parse only`` is the ``orjson.loads`` of the same body, the floor.
+does without it). ``parse only`` is the ``orjson.loads`` of the same body, the floor.
 Bodies: ``api_append``'s (``step.boundary``, ~250 bytes) and a mix of every client event type.
 Each figure is microseconds per event, median (min, max) over ``--rounds`` rounds; results go to
 ``benchmarks/results/api_append_prepare.json``.
@@ -15,7 +15,7 @@ With ``--compare REF`` it times instead the route's per-event work outside the l
 HTTP stack (``prepare``, the batch's ``records`` and the reply's offsets body) as this tree's
 ``api/_prepare.py`` and ``api/_append.py`` do it and as git ``REF``'s do it (both loaded in this
 process, on this tree's ``log`` package), alternately, round by round; results go to
-``benchmarks/results/api_append_prepare_compare.json``.
+``benchmarks/results/api_append_prepare_compare.json`` (for the commit message; not committed).
 
     python benchmarks/api_append_prepare.py --compare REF [--rounds 7]
 """
@@ -74,7 +74,7 @@ def _parse_all(payloads: list[bytes]) -> Callable[[], object]:
 
 @contextlib.contextmanager
 def _without_fast_path() -> Iterator[None]:
-    """``prepare`` as before issue 16: no envelope taken by the fast path."""
+    """``prepare`` with no envelope taken by the fast path."""
     fast = getattr(_prepare, "fast_record")  # noqa: B009 (not part of the module's interface)
     setattr(_prepare, "fast_record", lambda value: None)  # noqa: B010
     try:

@@ -1,4 +1,4 @@
-"""The embedded log's writer thread alone: its CPU per record, this tree against a git ref (issue 16).
+"""The embedded log's writer thread alone: its CPU per record, this tree against a git ref.
 
 What the writer does for the append benchmark's service, without the service: commit groups of 8
 appends of 100 ~250-byte records (episodes spread over 16 partitions) through

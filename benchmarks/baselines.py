@@ -1,4 +1,4 @@
-"""What a user would pick instead of rolloutlog, measured on the same envelopes (issue 7).
+"""What a user would pick instead of rolloutlog, measured on the same envelopes.
 
 - **stop-the-world export**: the seed's design reduced to its core. Admission pauses, every live
   episode parks at its next boundary (modelled as asyncio tasks that park at once: the real wait

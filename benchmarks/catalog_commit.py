@@ -1,4 +1,4 @@
-"""Benchmark: commit a 16,000-entry manifest and read the latest checkpoint back (issue 3).
+"""Benchmark: commit a 16,000-entry manifest and read the latest checkpoint back.
 
 Targets: commit <= 60 ms on SQLite and <= 150 ms on PostgreSQL; reading the latest checkpoint
 with its 16,000 entries <= 100 ms on either. Every measured commit runs in steady state: two

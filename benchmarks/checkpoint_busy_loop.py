@@ -1,5 +1,5 @@
 """Benchmark: a checkpoint's two catalog transactions on the embedded (SQLite) catalog while the
-event loop is busy (issue 16, S4), through aiosqlite (one event-loop hop per statement) and in
+event loop is busy (as under S4), through aiosqlite (one event-loop hop per statement) and in
 one hop (``SQLiteBackend.write_in_one_hop``), alternating in one process.
 
 The busy loop stands in for S4's saturating HTTP appends: ``--hogs`` tasks each hold the loop

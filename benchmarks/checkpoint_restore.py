@@ -1,4 +1,4 @@
-"""Checkpoint and restore latency at the seed's scale (issue 4's targets).
+"""Checkpoint and restore latency at the seed's scale, against their targets.
 
 Workloads (deterministic):
 - S1: 16,000 live episodes, each ~10 events (start, session, two ledger rows of 512 token ids with

@@ -1,4 +1,4 @@
-"""Append and read-back throughput of the log backends (issue 2's targets).
+"""Append and read-back throughput of the log backends, against their targets.
 
 For each backend: events/s and p50/p99 acknowledgement latency for ~200 B events and MB/s for
 350 KB events, appended by concurrent tasks of one process; then read-back throughput (raw records;

@@ -1,4 +1,4 @@
-"""Per-call cost of resolving a parent across policy workers (issue 13 item 1), by option.
+"""Per-call cost of resolving a parent across policy workers, by option.
 
 A policy call resolves its parent (rows of its capture key with the request's fingerprint) and,
 once its ``ledger.row`` is durable, stores its own row for its children. Options measured, each

@@ -1,4 +1,4 @@
-"""Issue 17: how fast partitions change hands on Tansu, Kafka consumer groups against the catalog
+"""Replicas: how fast partitions change hands on Tansu, Kafka consumer groups against the catalog
 leases rolloutlog's replicas use (docs/design.md §2).
 
 - Consumer groups (aiokafka): three members of one group on a 16-partition topic, each a

@@ -1,4 +1,4 @@
-"""Issue 17: S1 on 1, 2 and 3 replicas of ``rolloutlog serve`` sharing one Kafka (Tansu) log and
+"""Replicas: S1 on 1, 2 and 3 replicas of ``rolloutlog serve`` sharing one Kafka (Tansu) log and
 one PostgreSQL catalog.
 
 Per replica count (a fresh topic prefix and catalog schema each; ``--lease-s`` as given):

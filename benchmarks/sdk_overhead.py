@@ -1,4 +1,4 @@
-"""CPU cost per recorded event on the participant's event loop (issue 6's target: <= 20 us).
+"""CPU cost per recorded event on the participant's event loop (target: <= 20 us).
 
 Concurrent episodes each record ``episode.started`` then boundaries with a small state, awaiting
 every event until durable (the write-ahead rule), through:

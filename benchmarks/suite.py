@@ -1,4 +1,4 @@
-"""Issue 7's suite: checkpoints and restores at the seed's scale, beside the alternatives.
+"""The benchmark suite: checkpoints and restores at the seed's scale, beside the alternatives.
 
 rolloutlog is measured through the real service: a ``rolloutlog serve`` subprocess per workload,
 loaded with the SDK's transports (``HttpTransport`` on the embedded deployment, ``KafkaTransport``
@@ -73,7 +73,7 @@ POSTGRES = os.environ.get(
 )
 TICKS = os.sysconf("SC_CLK_TCK")
 
-#: Issue 16's targets (``report.py`` prints them in its table's order).
+#: The targets (``report.py`` prints a row for each).
 TARGETS = {
     "S1.checkpoint_vs_stop_the_world": 20.0,
     "curve_flatness": 2.0,
@@ -733,7 +733,7 @@ APPEND_RUNS = {"full": (3, 4.0), "quick": (1, 2.0)}
 
 
 def http_appends(runs_and_seconds: tuple[int, float]) -> dict[str, Any]:
-    """Issue 16's HTTP append figures, measured by ``benchmarks/api_append.py`` (its ``measure``:
+    """The HTTP append figures, measured by ``benchmarks/api_append.py`` (its ``measure``:
     a fresh ``rolloutlog serve`` on the embedded log per run, with the service's default options;
     8 clients, batches of 100, closed loop → events/s; then paced at half that → p50/p99)."""
     import api_append

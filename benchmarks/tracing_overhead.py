@@ -1,4 +1,4 @@
-"""What traces and the request middleware cost (issue 15: "no cost when disabled: measure it").
+"""What traces and the request middleware cost (the rule: "no cost when disabled: measure it").
 
 1. ``calls``: nanoseconds per call of each instrumentation point (``rolloutlog._telemetry``) with
    tracing off (no tracer provider: the state of a service without ``OTEL_*`` variables) and on

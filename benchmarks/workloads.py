@@ -1,4 +1,4 @@
-"""The issue-7 workloads, generated deterministically and shared by every system measured.
+"""The benchmark workloads, generated deterministically and shared by every system measured.
 
 Each workload is a list of episodes; an episode is the list of envelopes (docs/design.md §3, plain
 dicts) its participants append, in order. rolloutlog gets them through the SDK's transports (or
