@@ -1,12 +1,16 @@
-"""Issue 7's benchmark pieces at tiny sizes: the workloads are valid envelopes, the baselines
-restore what they stored, and the report names the targets a result misses."""
+"""The benchmark pieces at tiny sizes: the workloads are valid envelopes, the baselines
+restore what they stored, and the report names the targets a result misses. And the results
+directory holds each script's own output only, and nothing tracked is named after a work branch."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 from rolloutlog.log import validate_event
@@ -16,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import baselines
 import report
 import workloads
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
 
 
 def test_workloads_are_valid_and_deterministic() -> None:
@@ -180,3 +187,54 @@ def test_fold_rate_folds_every_record_from_kafka(kafka_bootstrap: str) -> None:
     figures = asyncio.run(suite.fold_rate(kafka_bootstrap, workloads.s1(50), 1))
     assert figures["records"] == 500 and figures["live"] == 50
     assert figures["events_per_s"]["median"] > 0
+
+
+#: How a work branch names things (letters, a two-digit number from 10 to 19, maybe a letter, then
+#: an underscore): what the repository holds is named after what it is, never after its making.
+WORK_BRANCH = re.compile(r"\b[a-z]+1[0-9][a-z]?_")
+
+
+def _tracked(*paths: str) -> list[str]:
+    """The files git tracks (under ``paths``), relative to the repository's root."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--", *paths], cwd=ROOT, capture_output=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError) as error:
+        pytest.skip(f"not a git checkout, so the tracked files are unknown: {error}")
+    return [name for name in listed.stdout.decode().split("\0") if name]
+
+
+def test_results_hold_each_scripts_own_output_only() -> None:
+    """benchmarks/results/ holds ``<script>.json`` (as ``_common.save`` labels it) for scripts of
+    benchmarks/ and report.py's ``curve_*.png`` plots; a run saved under another name (a
+    comparison, ``--save-as``) belongs in a commit message."""
+    scripts = {path.stem for path in BENCHMARKS.glob("*.py")}
+    strays = []
+    for name in _tracked("benchmarks/results"):
+        path = ROOT / name
+        if path.suffix == ".png" and re.fullmatch(r"curve_[a-z_]+", path.stem):
+            continue
+        own = path.suffix == ".json" and path.stem in scripts
+        if own and orjson.loads(path.read_bytes()).get("benchmark") == path.stem:
+            continue
+        strays.append(name)
+    assert not strays, f"not a script's own latest run: {strays}"
+
+
+def test_nothing_tracked_names_a_work_branch() -> None:
+    named = []
+    for name in _tracked():
+        if WORK_BRANCH.search(name):
+            named.append(name)
+            continue
+        try:
+            text = (ROOT / name).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):  # removed from the checkout, or not text
+            continue
+        named += [
+            f"{name}:{number}"
+            for number, line in enumerate(text.splitlines(), 1)
+            if WORK_BRANCH.search(line)
+        ]
+    assert not named, f"named after a work branch: {named}"
