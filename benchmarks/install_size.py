@@ -13,6 +13,7 @@ Saves benchmarks/results/install_size.json.
 from __future__ import annotations
 
 import argparse
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -23,12 +24,16 @@ from typing import Any
 from _common import ROOT, save, summary
 
 
-def _source(rev: str, into: Path) -> Path:
-    """The project's tree at ``rev``, outside the working tree (pip builds in the tree)."""
-    into.mkdir()
+def _wheel(python: str, rev: str, work: Path) -> Path:
+    """rolloutlog's wheel built from the tree at ``rev`` (outside the working tree)."""
+    tree, out = work / f"tree-{rev}", work / f"wheel-{rev}"
+    tree.mkdir()
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-    return into
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    build = [python, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(out), str(tree)]
+    subprocess.run(build, check=True, capture_output=True)
+    (wheel,) = out.glob("rolloutlog-*.whl")
+    return wheel
 
 
 def _size(path: Path) -> int:
@@ -42,16 +47,20 @@ def _install(python: str, spec: str, work: Path) -> dict[str, float]:
     (site,) = venv.glob("lib/python*/site-packages")
     empty = _size(site)
     pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run([*pip, "install", "--quiet", spec], check=True, capture_output=True)
     seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     listed = subprocess.run(
         [*pip, "list", "--format=freeze"], check=True, capture_output=True, text=True
     )
     return {
         "seconds": seconds,
+        "cpu_seconds": cpu,
         "mb": (_size(site) - empty) / 1e6,
-        "distributions": len(listed.stdout.splitlines()) - 1,  # pip itself is not installed
+        "distributions": sum(not line.startswith("pip==") for line in listed.stdout.splitlines()),
     }
 
 
@@ -63,12 +72,12 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="install-size-") as tmp:
         work = Path(tmp)
-        here = _source("HEAD", work / "here")
+        here = _wheel(args.python, "HEAD", work)
         cases = {"base": str(here), "server": f"{here}[server]"}
         if args.before:
-            cases = {"before": str(_source(args.before, work / "before")), **cases}
+            cases = {"before": str(_wheel(args.python, args.before, work)), **cases}
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
-        for name, spec in cases.items():
+        for spec in cases.values():
             _install(args.python, spec, work)  # warm
         for _ in range(args.runs):
             for name, spec in cases.items():
@@ -84,12 +93,14 @@ def main() -> None:
     for name, measured in runs.items():
         results["cases"][name] = {
             "seconds": summary([m["seconds"] for m in measured]),
+            "cpu_seconds": summary([m["cpu_seconds"] for m in measured]),
             "mb": summary([m["mb"] for m in measured]),
             "distributions": measured[0]["distributions"],
         }
     for name, case in results["cases"].items():
         print(
-            f"{name:7} {case['seconds']['median']:6.1f} s  {case['mb']['median']:6.1f} MB  "
+            f"{name:7} {case['seconds']['median']:6.1f} s ({case['cpu_seconds']['median']:.1f} s "
+            f"CPU)  {case['mb']['median']:6.1f} MB  "
             f"{case['distributions']} distributions"
         )
     print(f"saved {save('install_size', results)}")
