@@ -5,6 +5,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv check test demo bench bench-quick bench-components clean
 
+# An editable install of `.[test]`: the test tools and, through them, the server extra.
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
