@@ -1,11 +1,14 @@
 """Slow clients against a real ``rolloutlog serve`` (timeouts set short): a connection that sends
 nothing, half its headers, or a body that never finishes is answered ``408`` and closed within
-the timeout while other requests are served; a body that keeps coming is not cut off; appends
-beyond ``--max-inflight-appends`` are refused with ``503 unavailable`` and the service recovers."""
+the timeout while other requests are served; a body that keeps coming is not cut off, but one
+trickled below ``--min-body-rate`` is, and frees its append slot; appends beyond
+``--max-inflight-appends`` are refused with ``503 unavailable`` and the service recovers."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import orjson
 
 from tests.faults._api import (
     append,
+    append_when_served,
     closed_within,
     create_run,
     envelope,
@@ -38,7 +42,9 @@ def _post_head(port: int, length: int) -> bytes:
 async def test_stalled_headers_and_bodies_are_cut_off_while_others_are_served(
     tmp_path: Path,
 ) -> None:
+    # The steady body below sends ~33 bytes/s: above this minimum rate.
     flags = ("--header-timeout", str(TIMEOUT_S), "--body-timeout", str(TIMEOUT_S))
+    flags += ("--min-body-rate", "10")
     async with serve(tmp_path, *flags) as served, httpx.AsyncClient(base_url=served.url) as client:
         await create_run(client, RUN)
         await register(client, RUN)
@@ -115,11 +121,88 @@ async def test_appends_beyond_the_in_flight_bound_get_503_and_the_service_recove
 
         for sock in holders:  # the stalled clients go away: their slots are released
             sock.close()
+        await append_when_served(client, served, RUN, [envelope("e1", 2)], time.monotonic(), 10)
+        assert served.alive()
+
+
+#: Trickling clients: more than ``--max-inflight-appends`` (64) of them.
+TRICKLERS = 70
+TRICKLE_EVERY_S = 1.0
+#: The grace (``--body-timeout``): above the trickle's interval, so a trickle never stalls.
+GRACE_S = 3.0
+#: Appends from a normal client succeed again within this of the trickles' start (the grace,
+#: then scheduling 70 connections on a loaded machine; measured ~4 s on a quiet one).
+APPEND_WITHIN_S = GRACE_S + 15.0
+
+
+def _trickle(
+    socks: list[socket.socket], every_s: float, seconds: float
+) -> tuple[dict[socket.socket, bytes], list[socket.socket]]:
+    """Send each socket a byte every ``every_s`` until the server answers and closes it (a reply
+    is read before the next byte goes, so the server's close never meets our byte and resets
+    the reply away); the replies, and the sockets still open after ``seconds``."""
+    replies = {sock: b"" for sock in socks}
+    open_ = list(socks)
+    for sock in socks:
+        sock.setblocking(False)
+    deadline = time.monotonic() + seconds
+    while open_ and time.monotonic() < deadline:
+        for sock in list(open_):
+            try:
+                data = sock.recv(65536)
+            except BlockingIOError:
+                data = None
+            except ConnectionResetError:
+                data = b""
+            if data == b"":
+                open_.remove(sock)
+            elif data is not None:
+                replies[sock] += data
+            elif not replies[sock]:
+                with contextlib.suppress(OSError):
+                    sock.send(b" ")
+        time.sleep(every_s)
+    return replies, open_
+
+
+async def test_trickled_bodies_are_cut_off_and_free_their_append_slots(tmp_path: Path) -> None:
+    # A byte every second never stalls (--body-timeout is 3 s): before the minimum rate, 64 such
+    # bodies held every append slot for good and every other append was refused.
+    flags = ("--body-timeout", str(GRACE_S), "--min-body-rate", "1000")
+    async with serve(tmp_path, *flags) as served, httpx.AsyncClient(base_url=served.url) as client:
+        await create_run(client, RUN)
+        await register(client, RUN)
+        assert (await append(client, RUN, [envelope("e1", 1, type_="episode.started")])).is_success
+        head = _post_head(served.port, 10_000)
+        tricklers = [raw_connection(served.port, head) for _ in range(TRICKLERS)]
+        # A body the app answers without reading is not read on: the connection closes.
+        unread = raw_connection(
+            served.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n "
+        )
+        started = time.monotonic()
+        trickling = asyncio.create_task(
+            asyncio.to_thread(_trickle, [*tricklers, unread], TRICKLE_EVERY_S, APPEND_WITHIN_S + 10)
+        )
         deadline = time.monotonic() + 10
-        while True:
-            response = await append(client, RUN, [envelope("e1", 2)])
-            if response.status_code == 200 or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.1)
-        assert response.status_code == 200, response.text
+        while await _inflight(client) < 64:
+            assert time.monotonic() < deadline, served.tail()
+            await asyncio.sleep(0.05)
+        # A normal client retries its refused appends (as the SDK does) until a slot frees.
+        events = [envelope("e1", 2)]
+        took = await append_when_served(client, served, RUN, events, started, APPEND_WITHIN_S)
+        print(f"an append succeeded {took:.1f} s after the trickles began")
+        assert took >= GRACE_S * 0.9  # the slots were held until then
+        replies, still_open = await trickling
+        assert not still_open, f"{len(still_open)} connections still open: {served.tail()}"
+        for sock in (*tricklers, unread):
+            sock.close()
+        assert replies[unread].startswith(b"HTTP/1.1 200"), replies[unread]
+        statuses = [reply[:12] for sock, reply in replies.items() if sock is not unread]
+        timed_out = [reply for reply in replies.values() if reply.startswith(b"HTTP/1.1 408")]
+        # Each got a reply: 408 for the 64 that held a slot, 503 for the rest.
+        assert len(timed_out) == 64, statuses
+        assert all(s in (b"HTTP/1.1 408", b"HTTP/1.1 503") for s in statuses), statuses
+        assert all(b"below the minimum of 1000 bytes/s" in reply for reply in timed_out)
+        assert all(b'"code":"request_timeout"' in reply for reply in timed_out)
+        assert await _inflight(client) == 0
         assert served.alive()
