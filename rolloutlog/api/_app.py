@@ -27,6 +27,7 @@ from rolloutlog.api import (
     _ui,
 )
 from rolloutlog.api._auth import Role, public
+from rolloutlog.api._bodies import BODY_METER, BodyMeter
 from rolloutlog.api._exports import router as exports_router
 from rolloutlog.api._http import json_response, send_error
 from rolloutlog.api._metrics import CONTENT_TYPE_LATEST
@@ -93,7 +94,10 @@ class BodyTimeout:
       pass ``timeout_s`` plus one second per ``min_rate`` bytes received: past a grace of
       ``timeout_s``, the body must average ``min_rate``. A body sent a byte every few seconds
       never stalls, and without this held its append slot for good. Only the time ``receive``
-      waits counts: a slow app does not make its client slow.
+      waits counts: a slow app does not make its client slow;
+    - the body's ``BodyMeter`` (in the scope) lets an append that finds every slot taken take
+      this one's when it is slowest and below ``min_rate`` (``_bodies``): its wait is then
+      refused the same way, at once.
 
     Once the body is complete, ``receive`` is left alone: a streaming response waits on it for
     the disconnect."""
@@ -110,39 +114,48 @@ class BodyTimeout:
         complete = False
         timeout_s = self.timeout_s
         min_rate = self.min_rate
-        received = 0
-        waited = 0.0
+        meter = scope[BODY_METER] = BodyMeter()
         loop = asyncio.get_running_loop()
 
         async def timed() -> Message:
-            nonlocal complete, received, waited
+            nonlocal complete
             if complete:
                 return await receive()
             wait_s = timeout_s
             if min_rate:
-                wait_s = min(wait_s, timeout_s + received / min_rate - waited)
-            started = loop.time()
+                wait_s = min(wait_s, timeout_s + meter.received / min_rate - meter.waited)
+            task = asyncio.current_task()
+            meter.start(loop.time(), task)
             try:
                 async with asyncio.timeout(max(wait_s, 0.0)):
                     message = await receive()
-            except TimeoutError:
-                if wait_s >= timeout_s:
-                    message_text = f"no part of the request body arrived for {timeout_s:g} s"
-                    raise _BodyTimeout(message_text, timeout_s) from None
-                waited += loop.time() - started
+            except (TimeoutError, asyncio.CancelledError) as e:
+                meter.stop(loop.time())
+                if not meter.evicted:
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    if wait_s >= timeout_s:
+                        text = f"no part of the request body arrived for {timeout_s:g} s"
+                        raise _BodyTimeout(text, timeout_s) from None
+                elif task is not None and task.cancelling():
+                    task.uncancel()  # its slot went to another append: refused, not cancelled
                 raise _BodyTimeout(
-                    f"the request body arrived at {received / waited:.0f} bytes/s over "
-                    f"{waited:.1f} s, below the minimum of {min_rate} bytes/s (after the first "
-                    f"{timeout_s:g} s)",
+                    f"the request body arrived at {meter.received / meter.waited:.0f} bytes/s "
+                    f"over {meter.waited:.1f} s, below the minimum of {min_rate} bytes/s"
+                    + (
+                        "; its append slot went to another append"
+                        if meter.evicted
+                        else f" (after the first {timeout_s:g} s)"
+                    ),
                     timeout_s,
                     min_body_rate=min_rate,
-                    received_bytes=received,
+                    received_bytes=meter.received,
                 ) from None
-            waited += loop.time() - started
+            meter.stop(loop.time())
             if message["type"] != "http.request":
                 complete = True
             else:
-                received += len(message.get("body", b""))
+                meter.received += len(message.get("body", b""))
                 complete = not message.get("more_body", False)
             return message
 

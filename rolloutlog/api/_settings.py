@@ -45,7 +45,9 @@ class Settings:
     #: A request body must also arrive at this many bytes a second on average, past a grace of
     #: ``body_timeout_s``: the time the service waits for it may not pass ``body_timeout_s`` plus
     #: one second per this many bytes received, or it is refused (``408``) and its connection
-    #: closed (a body trickled a byte at a time holds no append slot for long). 0: no minimum.
+    #: closed (a body trickled a byte at a time holds no append slot for long); and an append
+    #: that finds every slot taken takes the slot of the slowest body below it (``_bodies``).
+    #: 0: no minimum.
     min_body_rate: int = 4096
     #: Open connections the service keeps at most; None: half the open-file limit (which
     #: ``serve`` raises to its hard limit at start). See ``_protocol``.

@@ -1,6 +1,6 @@
 """The service's edges in-process: the connection cap's arithmetic, the routes its reserve
-serves, and the body timeout's minimum rate (against real servers: tests/faults/
-test_slow_clients.py and test_connection_cap.py)."""
+serves, the body timeout's minimum rate and which slow body gives its append slot up (against
+real servers: tests/faults/test_slow_clients.py and test_connection_cap.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from starlette.exceptions import HTTPException
 
 from rolloutlog.api._app import BodyTimeout
+from rolloutlog.api._bodies import EVICTABLE_AFTER_S, BodyMeter, slowest
 from rolloutlog.api._protocol import (
     MAX_BACKLOG,
     MIN_BACKLOG,
@@ -109,3 +110,25 @@ async def test_only_the_time_spent_waiting_for_the_body_counts() -> None:
     # was waited for.
     middleware = BodyTimeout(slow_app, timeout_s=0.2, min_rate=50)
     await middleware({"type": "http"}, _body(0.01, b"x", 20), _nothing)
+
+
+def test_the_slot_given_up_is_the_slowest_body_waited_for_long_enough() -> None:
+    def meter(received: int, waited: float, waiting: bool = True) -> BodyMeter:
+        m = BodyMeter()
+        m.received, m.waited = received, waited
+        if waiting:
+            m.start(100.0, object())  # type: ignore[arg-type]
+        return m
+
+    now = 100.0
+    fresh = meter(0, EVICTABLE_AFTER_S / 2)  # not waited for long enough
+    fast = meter(50_000, 5.0)  # 10,000 bytes/s: above the minimum
+    slow = meter(20, 5.0)  # 4 bytes/s
+    slower = meter(2, 5.0)  # 0.4 bytes/s
+    busy = meter(0, 9.0, waiting=False)  # the app is working on its parts: not waiting
+    assert slowest([fresh, fast, slow, slower, busy], 4096, now) is slower
+    assert slowest([fresh, fast, slow], 4096, now) is slow
+    assert slowest([fresh, fast, busy], 4096, now) is None
+    assert slowest([slow], 1, now) is None  # not below a minimum of 1 byte/s
+    fresh.stop(now + EVICTABLE_AFTER_S)
+    assert fresh.waited == EVICTABLE_AFTER_S * 1.5 and fresh.since is None

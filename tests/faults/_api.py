@@ -174,6 +174,45 @@ async def append_when_served(
         await asyncio.sleep(0.1)
 
 
+async def trickle(
+    port: int,
+    head: bytes,
+    every_s: float,
+    stop: asyncio.Event,
+    replies: list[tuple[bytes, float]],
+) -> None:
+    """A slow client, as slow-loris tools are: ``head`` (a request's headers), then a byte every
+    ``every_s`` until the service answers and closes; then the same on a new connection, until
+    ``stop``. Each answer and how long its connection was held go to ``replies``."""
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(every_s)
+            continue
+        opened = time.monotonic()
+        reply = b""
+        try:
+            writer.write(head)
+            while not stop.is_set():
+                try:
+                    data = await asyncio.wait_for(reader.read(65536), timeout=every_s)
+                except TimeoutError:
+                    if reply:  # answered, not closed
+                        break
+                    writer.write(b" ")  # before the answer only: after it, a reset loses it
+                    continue
+                if not data:
+                    break
+                reply += data
+        except OSError:
+            pass
+        finally:
+            writer.close()
+            if reply:
+                replies.append((reply, time.monotonic() - opened))
+
+
 def raw_connection(port: int, first_bytes: bytes) -> socket.socket:
     """A connection that has sent ``first_bytes`` and then goes quiet."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
