@@ -1,5 +1,5 @@
 """uvicorn's httptools protocol with the service's edges: a header read timeout, a cap on open
-connections with a reserve, connections closed rather than read on past an unread body, and each
+connections with a reserve, a bounded time for the rest of a body the app did not read, and each
 response's head written with its body.
 
 uvicorn times out idle keep-alive connections only (``timeout_keep_alive``, armed after a
