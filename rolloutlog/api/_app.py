@@ -27,8 +27,9 @@ from rolloutlog.api import (
     _ui,
 )
 from rolloutlog.api._auth import Role, public
+from rolloutlog.api._bodies import BODY_METER, BodyMeter
 from rolloutlog.api._exports import router as exports_router
-from rolloutlog.api._http import dumps, json_response
+from rolloutlog.api._http import json_response, send_error
 from rolloutlog.api._metrics import CONTENT_TYPE_LATEST
 from rolloutlog.api._models import Health
 from rolloutlog.api._observe import Observe
@@ -74,23 +75,37 @@ class _BodyTooLarge(HTTPException):
 
 
 class _BodyTimeout(HTTPException):
-    """Raised from ``receive`` when a body stalls (an ``HTTPException``, as ``_BodyTooLarge``)."""
+    """Raised from ``receive`` when a body stalls or trickles (an ``HTTPException``, as
+    ``_BodyTooLarge``)."""
 
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(408, f"no part of the request body arrived for {timeout_s:g} s")
+    def __init__(self, message: str, timeout_s: float, **details: Any) -> None:
+        super().__init__(408, message)
         self.timeout_s = timeout_s
+        self.details = details
 
 
 class BodyTimeout:
-    """Refuses a request whose body stalls: every ``receive`` of a body not yet complete must
-    return within ``timeout_s``, or the request is answered ``408 request_timeout`` and its
-    connection closed. (uvicorn times out idle keep-alive connections only; headers are timed by
-    ``_protocol``.) Once the body is complete, ``receive`` is left alone: a streaming response
-    waits on it for the disconnect."""
+    """Refuses a request whose body stalls or trickles, answering ``408 request_timeout`` and
+    closing its connection (uvicorn times out idle keep-alive connections only; headers are
+    timed by ``_protocol``):
 
-    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+    - every ``receive`` of a body not yet complete must return within ``timeout_s``;
+    - with ``min_rate`` (bytes a second; 0: none), the time spent waiting for the body may not
+      pass ``timeout_s`` plus one second per ``min_rate`` bytes received: past a grace of
+      ``timeout_s``, the body must average ``min_rate``. A body sent a byte every few seconds
+      never stalls, and without this held its append slot for good. Only the time ``receive``
+      waits counts: a slow app does not make its client slow;
+    - the body's ``BodyMeter`` (in the scope) lets an append that finds every slot taken take
+      this one's when it is slowest and below ``min_rate`` (``_bodies``): its wait is then
+      refused the same way, at once.
+
+    Once the body is complete, ``receive`` is left alone: a streaming response waits on it for
+    the disconnect."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float, min_rate: int = 0) -> None:
         self.app = app
         self.timeout_s = timeout_s
+        self.min_rate = min_rate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -98,18 +113,50 @@ class BodyTimeout:
             return
         complete = False
         timeout_s = self.timeout_s
+        min_rate = self.min_rate
+        meter = scope[BODY_METER] = BodyMeter()
+        loop = asyncio.get_running_loop()
 
         async def timed() -> Message:
             nonlocal complete
             if complete:
                 return await receive()
+            wait_s = timeout_s
+            if min_rate:
+                wait_s = min(wait_s, timeout_s + meter.received / min_rate - meter.waited)
+            task = asyncio.current_task()
+            meter.start(loop.time(), task)
             try:
-                async with asyncio.timeout(timeout_s):
+                async with asyncio.timeout(max(wait_s, 0.0)):
                     message = await receive()
-            except TimeoutError:
-                raise _BodyTimeout(timeout_s) from None
-            if message["type"] != "http.request" or not message.get("more_body", False):
+            except (TimeoutError, asyncio.CancelledError) as e:
+                meter.stop(loop.time())
+                if not meter.evicted:
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    if wait_s >= timeout_s:
+                        text = f"no part of the request body arrived for {timeout_s:g} s"
+                        raise _BodyTimeout(text, timeout_s) from None
+                elif task is not None and task.cancelling():
+                    task.uncancel()  # its slot went to another append: refused, not cancelled
+                raise _BodyTimeout(
+                    f"the request body arrived at {meter.received / meter.waited:.0f} bytes/s "
+                    f"over {meter.waited:.1f} s, below the minimum of {min_rate} bytes/s"
+                    + (
+                        "; its append slot went to another append"
+                        if meter.evicted
+                        else f" (after the first {timeout_s:g} s)"
+                    ),
+                    timeout_s,
+                    min_body_rate=min_rate,
+                    received_bytes=meter.received,
+                ) from None
+            meter.stop(loop.time())
+            if message["type"] != "http.request":
                 complete = True
+            else:
+                meter.received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
             return message
 
         await self.app(scope, timed, send)
@@ -145,7 +192,7 @@ class BodyLimit:
                     service = getattr(getattr(scope.get("app"), "state", None), "service", None)
                     if service is not None:
                         service.metrics.refusals.labels(error.code).inc()
-                    await _send_error(send, error, close=True)
+                    await send_error(send, error, close=True)
                     return
                 break
         received = 0
@@ -160,18 +207,6 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited, send)
-
-
-async def _send_error(send: Send, error: RolloutlogError, close: bool) -> None:
-    body = dumps(error.to_dict())
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    if close:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": error.http_status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _error_response(request: Request, error: RolloutlogError) -> Response:
@@ -223,7 +258,7 @@ def _install_error_handlers(app: FastAPI) -> None:
                 f"the request body exceeds {exc.limit} bytes", max_bytes=exc.limit
             )
         elif isinstance(exc, _BodyTimeout):
-            error = RequestTimeout(str(exc.detail), timeout_s=exc.timeout_s)
+            error = RequestTimeout(str(exc.detail), timeout_s=exc.timeout_s, **exc.details)
         else:
             code = _HTTP_CODES.get(exc.status_code, "invalid_request")
             message = str(exc.detail) if exc.detail else code
@@ -363,7 +398,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         events_limit=settings.max_events_bytes,
         other_limit=settings.max_request_bytes,
     )
-    app.add_middleware(BodyTimeout, timeout_s=settings.body_timeout_s)
+    app.add_middleware(
+        BodyTimeout, timeout_s=settings.body_timeout_s, min_rate=settings.min_body_rate
+    )
     # Outermost of ours: it times and logs every request, refused ones included.
     app.add_middleware(Observe, observe=_observe_request)
     return app

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from rolloutlog._telemetry import set_attributes, span
 from rolloutlog.api._auth import Role, authorize, require
+from rolloutlog.api._bodies import BODY_METER, BodyMeter
 from rolloutlog.api._http import NDJSON
 from rolloutlog.api._models import RUN_PATTERN, AppendOut, ErrorOut, RunPath
 from rolloutlog.api._prepare import Batch, records, records_sliced, release
@@ -237,7 +238,8 @@ async def _append(request: Request, run: str) -> bytes:
     """Append the request's batch; the reply's body."""
     service: Service = request.app.state.service
     started = time.perf_counter()
-    service.begin_append()
+    meter: BodyMeter | None = request.scope.get(BODY_METER)
+    service.begin_append(meter)
     try:
         fencing = await service.run_fencing(run)
         chunks = []
@@ -266,7 +268,7 @@ async def _append(request: Request, run: str) -> bytes:
         if big:
             await release(prepared, batch.values, batch.episodes, batch.partitions, positions)
     finally:
-        service.end_append()
+        service.end_append(meter)
     set_attributes({"rolloutlog.run": run, "rolloutlog.events": count, "rolloutlog.bytes": size})
     metrics = service.metrics
     metrics.appends.inc()

@@ -83,6 +83,9 @@ class ServeConfig(BaseSettings):
     shutdown_timeout: NonNegativeFloat = Settings.drain_timeout_s
     header_timeout: PositiveFloat = Settings.header_timeout_s
     body_timeout: PositiveFloat = Settings.body_timeout_s
+    min_body_rate: NonNegativeInt = Settings.min_body_rate
+    max_connections: PositiveInt | None = Settings.max_connections
+    reserved_connections: NonNegativeInt = Settings.reserved_connections
     max_inflight_appends: PositiveInt = Settings.max_inflight_appends
     replica_id: str | None = Field(None, min_length=1, max_length=200)
     lease_s: PositiveFloat = DEFAULT_LEASE_S
@@ -138,6 +141,9 @@ class ServeConfig(BaseSettings):
             validation_workers=self.validation_workers,
             header_timeout_s=self.header_timeout,
             body_timeout_s=self.body_timeout,
+            min_body_rate=self.min_body_rate,
+            max_connections=self.max_connections,
+            reserved_connections=self.reserved_connections,
             max_inflight_appends=self.max_inflight_appends,
             # An embedded log has one process at a time (its lock), whatever its port: one
             # replica name, so a restart on another port takes its partitions back at once.

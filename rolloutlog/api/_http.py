@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+)
 from typing import Any
 
 import orjson
@@ -18,7 +25,9 @@ __all__ = [
     "JSON",
     "NDJSON",
     "dumps",
+    "error_reply",
     "json_response",
+    "send_error",
     "stream_json_object",
     "stream_ndjson",
     "stream_ndjson_lines",
@@ -45,6 +54,29 @@ def json_response(
     content: Any, status_code: int = 200, headers: Mapping[str, str] | None = None
 ) -> Response:
     return Response(dumps(content), status_code, headers=headers, media_type=JSON)
+
+
+def error_reply(error: RolloutlogError, close: bool) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """The headers and body of a reply carrying ``error``'s envelope, for the layers below the
+    app's error handler (the body limit, the HTTP protocol): ``Retry-After`` when the error
+    names one, ``Connection: close`` when asked."""
+    body = dumps(error.to_dict())
+    headers = [(b"content-type", JSON.encode()), (b"content-length", b"%d" % len(body))]
+    retry_after = error.details.get("retry_after_s")
+    if isinstance(retry_after, int):
+        headers.append((b"retry-after", b"%d" % retry_after))
+    if close:
+        headers.append((b"connection", b"close"))
+    return headers, body
+
+
+async def send_error(
+    send: Callable[[dict[str, Any]], Awaitable[None]], error: RolloutlogError, close: bool
+) -> None:
+    """Answer ``error`` through an ASGI ``send`` (``error_reply``'s headers and body)."""
+    headers, body = error_reply(error, close)
+    await send({"type": "http.response.start", "status": error.http_status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def wants_ndjson(request: Request) -> bool:

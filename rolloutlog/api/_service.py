@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rolloutlog.api._bodies import BodyMeter, slowest
 from rolloutlog.api._metrics import Metrics
 from rolloutlog.api._prepare import Preparer
 from rolloutlog.api._settings import Settings
@@ -85,6 +86,8 @@ class Service:
         self._new_epochs: dict[str, set[tuple[str, int]]] = {}
         self._fencing_locks: dict[str, asyncio.Lock] = {}
         self.inflight = 0
+        #: The bodies of the appends in flight, oldest first.
+        self._slots: dict[BodyMeter, None] = {}
         self.draining = False
         self._drained = asyncio.Event()
         self._drained.set()
@@ -131,10 +134,22 @@ class Service:
 
     # -- in-flight appends -------------------------------------------------------------------
 
-    def begin_append(self) -> None:
+    def begin_append(self, meter: BodyMeter | None = None) -> None:
+        """Take an append slot for the request whose body ``meter`` measures; when every slot is
+        taken, the slot of the slowest body below the minimum rate (``_bodies``), else
+        ``503``."""
         if self.draining:
             raise BackendUnavailable("the service is shutting down; retry against another one")
         limit = self.settings.max_inflight_appends
+        min_rate = self.settings.min_body_rate
+        if self.inflight >= limit and meter is not None and min_rate:
+            now = asyncio.get_running_loop().time()
+            victim = slowest(self._slots, min_rate, now)
+            if victim is not None:
+                del self._slots[victim]
+                victim.released = True
+                victim.evict()
+                self.inflight -= 1
         if self.inflight >= limit:
             # Refused at once rather than queued: a queue would hold the bodies' memory anyway,
             # and the client (the SDK) backs off and retries a 503.
@@ -147,8 +162,14 @@ class Service:
             )
         self.inflight += 1
         self._drained.clear()
+        if meter is not None:
+            self._slots[meter] = None
 
-    def end_append(self) -> None:
+    def end_append(self, meter: BodyMeter | None = None) -> None:
+        if meter is not None:
+            if meter.released:  # its slot went to another append, which counts it
+                return
+            self._slots.pop(meter, None)
         self.inflight -= 1
         if self.inflight == 0:
             self._drained.set()

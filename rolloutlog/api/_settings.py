@@ -42,6 +42,19 @@ class Settings:
     #: A request body may go this long without a new chunk before it is refused (``408``) and its
     #: connection closed.
     body_timeout_s: float = 30.0
+    #: A request body must also arrive at this many bytes a second on average, past a grace of
+    #: ``body_timeout_s``: the time the service waits for it may not pass ``body_timeout_s`` plus
+    #: one second per this many bytes received, or it is refused (``408``) and its connection
+    #: closed (a body trickled a byte at a time holds no append slot for long); and an append
+    #: that finds every slot taken takes the slot of the slowest body below it (``_bodies``).
+    #: 0: no minimum.
+    min_body_rate: int = 4096
+    #: Open connections the service keeps at most; None: half the open-file limit (which
+    #: ``serve`` raises to its hard limit at start). See ``_protocol``.
+    max_connections: int | None = None
+    #: Of ``max_connections``, kept for ``/healthz``, ``/readyz`` and the trainer's routes
+    #: (checkpoints, restores, the controller); at most a quarter of the cap.
+    reserved_connections: int = 32
     #: Appends processed at once (body read included); one more is refused at once with
     #: ``503 unavailable`` (retriable): a bound on the memory that bodies in flight can take.
     max_inflight_appends: int = 64

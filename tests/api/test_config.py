@@ -71,6 +71,9 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
         "SHUTDOWN_TIMEOUT": "12.5",
         "HEADER_TIMEOUT": "4",
         "BODY_TIMEOUT": "6",
+        "MIN_BODY_RATE": "512",
+        "MAX_CONNECTIONS": "900",
+        "RESERVED_CONNECTIONS": "16",
         "MAX_INFLIGHT_APPENDS": "8",
         "REPLICA_ID": "replica-a",
         "LEASE_S": "2.5",
@@ -92,6 +95,8 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
     assert (settings.validation_workers, settings.drain_timeout_s) == (2, 12.5)
     assert (settings.header_timeout_s, settings.body_timeout_s) == (4, 6)
     assert settings.max_inflight_appends == 8
+    assert (settings.min_body_rate, settings.max_connections) == (512, 900)
+    assert settings.reserved_connections == 16
     assert (settings.replica_id, settings.lease_s) == ("replica-a", 2.5)
     assert settings.address == "0.0.0.0:9000"
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,22 +39,42 @@ class Served:
         return self.proc.poll() is None
 
 
-def _spawn(args: list[str], output: Path) -> subprocess.Popen[bytes]:
+def with_limits(limits: Mapping[int, tuple[int, int]]) -> Callable[[], None]:
+    """A ``preexec_fn`` that sets these resource limits (``{RLIMIT_X: (soft, hard)}``) in the
+    child before it runs."""
+
+    def apply() -> None:
+        for which, (soft, hard) in limits.items():
+            resource.setrlimit(which, (soft, hard))
+
+    return apply
+
+
+def _spawn(
+    args: list[str], output: Path, preexec_fn: Callable[[], None] | None = None
+) -> subprocess.Popen[bytes]:
     with open(output, "ab") as out:
         return subprocess.Popen(
-            args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            args,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
         )
 
 
 @contextlib.asynccontextmanager
-async def serve(workdir: Path, *flags: str) -> AsyncIterator[Served]:
-    """Start ``rolloutlog serve`` on a free port and wait for ``/readyz``; stop it (by its PID)
-    afterwards."""
+async def serve(
+    workdir: Path, *flags: str, limits: Mapping[int, tuple[int, int]] | None = None
+) -> AsyncIterator[Served]:
+    """Start ``rolloutlog serve`` on a free port (under ``limits``, see ``with_limits``) and wait
+    for ``/readyz``; stop it (by its PID) afterwards."""
     port = free_port()
     output = workdir / f"serve-{port}.log"
     args = [sys.executable, "-m", "rolloutlog.api.cli", "serve", "--port", str(port)]
     args += ["--data-dir", str(workdir / "data"), "--log-level", "warning", *flags]
-    proc = _spawn(args, output)
+    proc = _spawn(args, output, with_limits(limits) if limits else None)
     served = Served(f"http://127.0.0.1:{port}", port, proc, output)
     try:
         deadline = time.monotonic() + START_S
@@ -131,6 +152,65 @@ async def append(
     client: httpx.AsyncClient, run: str, events: Sequence[dict[str, Any]]
 ) -> httpx.Response:
     return await client.post(f"/v1/runs/{run}/events", json=list(events))
+
+
+async def append_when_served(
+    client: httpx.AsyncClient,
+    served: Served,
+    run: str,
+    events: Sequence[dict[str, Any]],
+    since: float,
+    within_s: float,
+) -> float:
+    """Append, retrying each ``503`` every 0.1 s (as the SDK backs off) until it is served,
+    which must be within ``within_s`` of ``since`` (a ``time.monotonic()``); the seconds it
+    took from ``since``."""
+    while True:
+        response = await append(client, run, events)
+        if response.status_code == 200:
+            return time.monotonic() - since
+        assert response.status_code == 503, response.text
+        assert time.monotonic() - since < within_s, served.tail()
+        await asyncio.sleep(0.1)
+
+
+async def trickle(
+    port: int,
+    head: bytes,
+    every_s: float,
+    stop: asyncio.Event,
+    replies: list[tuple[bytes, float]],
+) -> None:
+    """A slow client, as slow-loris tools are: ``head`` (a request's headers), then a byte every
+    ``every_s`` until the service answers and closes; then the same on a new connection, until
+    ``stop``. Each answer and how long its connection was held go to ``replies``."""
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(every_s)
+            continue
+        opened = time.monotonic()
+        reply = b""
+        try:
+            writer.write(head)
+            while not stop.is_set():
+                try:
+                    data = await asyncio.wait_for(reader.read(65536), timeout=every_s)
+                except TimeoutError:
+                    if reply:  # answered, not closed
+                        break
+                    writer.write(b" ")  # before the answer only: after it, a reset loses it
+                    continue
+                if not data:
+                    break
+                reply += data
+        except OSError:
+            pass
+        finally:
+            writer.close()
+            if reply:
+                replies.append((reply, time.monotonic() - opened))
 
 
 def raw_connection(port: int, first_bytes: bytes) -> socket.socket:

@@ -17,25 +17,20 @@ import orjson
 from rolloutlog.log import Event, Log, encode_event, encode_record, open_log
 from tests.api.conftest import TOKENS
 from tests.e2e._harness import Deployment, Service
+from tests.faults._api import with_limits
 
 
 class LimitedService(Service):
-    """``Service`` whose process starts with the given soft resource limits (``{RLIMIT_X: n}``);
-    ``set_limit`` changes one of them while it runs (``prlimit`` on its pid)."""
+    """``Service`` whose process starts with the given resource limits (``{RLIMIT_X: n}``, soft
+    and hard: ``serve`` raises its soft open-file limit to the hard one); ``set_limit`` changes
+    one of them while it runs (``prlimit`` on its pid)."""
 
     def __init__(self, data_dir: Path, workdir: Path, limits: dict[int, int] | None = None) -> None:
         super().__init__(Deployment("embedded", data_dir), workdir)
         self.limits = dict(limits or {})
 
     def _spawn(self, preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
-        limits = self.limits
-
-        def apply_limits() -> None:  # in the child, before exec
-            for which, soft in limits.items():
-                _, hard = resource.getrlimit(which)
-                resource.setrlimit(which, (soft, hard))
-
-        return super()._spawn(apply_limits)
+        return super()._spawn(with_limits({which: (n, n) for which, n in self.limits.items()}))
 
     @property
     def pid(self) -> int:

@@ -1,7 +1,8 @@
 """Slow clients against a real ``rolloutlog serve`` (timeouts set short): a connection that sends
 nothing, half its headers, or a body that never finishes is answered ``408`` and closed within
-the timeout while other requests are served; a body that keeps coming is not cut off; appends
-beyond ``--max-inflight-appends`` are refused with ``503 unavailable`` and the service recovers."""
+the timeout while other requests are served; a body that keeps coming is not cut off, but one
+trickled below ``--min-body-rate`` is, and frees its append slot; appends beyond
+``--max-inflight-appends`` are refused with ``503 unavailable`` and the service recovers."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import orjson
 
 from tests.faults._api import (
     append,
+    append_when_served,
     closed_within,
     create_run,
     envelope,
     raw_connection,
     register,
     serve,
+    trickle,
 )
 
 RUN = "slow"
@@ -38,7 +41,9 @@ def _post_head(port: int, length: int) -> bytes:
 async def test_stalled_headers_and_bodies_are_cut_off_while_others_are_served(
     tmp_path: Path,
 ) -> None:
+    # The steady body below sends ~33 bytes/s: above this minimum rate.
     flags = ("--header-timeout", str(TIMEOUT_S), "--body-timeout", str(TIMEOUT_S))
+    flags += ("--min-body-rate", "10")
     async with serve(tmp_path, *flags) as served, httpx.AsyncClient(base_url=served.url) as client:
         await create_run(client, RUN)
         await register(client, RUN)
@@ -91,7 +96,8 @@ async def _inflight(client: httpx.AsyncClient) -> float:
 async def test_appends_beyond_the_in_flight_bound_get_503_and_the_service_recovers(
     tmp_path: Path,
 ) -> None:
-    flags = ("--max-inflight-appends", "2", "--body-timeout", "30")
+    # No minimum body rate: the stalled holders keep their slots (else a newcomer takes one).
+    flags = ("--max-inflight-appends", "2", "--body-timeout", "30", "--min-body-rate", "0")
     async with serve(tmp_path, *flags) as served, httpx.AsyncClient(base_url=served.url) as client:
         await create_run(client, RUN)
         await register(client, RUN)
@@ -115,11 +121,86 @@ async def test_appends_beyond_the_in_flight_bound_get_503_and_the_service_recove
 
         for sock in holders:  # the stalled clients go away: their slots are released
             sock.close()
-        deadline = time.monotonic() + 10
-        while True:
-            response = await append(client, RUN, [envelope("e1", 2)])
-            if response.status_code == 200 or time.monotonic() > deadline:
-                break
+        await append_when_served(client, served, RUN, [envelope("e1", 2)], time.monotonic(), 10)
+        assert served.alive()
+
+
+#: Slow-loris clients: more than ``--max-inflight-appends`` (64) of them, each opening a new
+#: connection as soon as the service closes its last.
+TRICKLERS = 70
+TRICKLE_EVERY_S = 1.0
+#: The grace (``--body-timeout``): above the trickle's interval, so a trickle never stalls.
+GRACE_S = 3.0
+#: Appends from a normal client among them.
+APPENDS = 5
+#: Each is served within this of its first attempt (a trickle's slot is taken once it has been
+#: waited for 1 s; then scheduling 70 clients on a loaded machine; measured ~1 s on a quiet one).
+APPEND_WITHIN_S = 15.0
+
+
+async def test_trickled_bodies_are_cut_off_and_appends_get_their_slots(tmp_path: Path) -> None:
+    # A byte every second never stalls (--body-timeout is 3 s): before the minimum rate, 64 such
+    # bodies held every append slot for good and every other append was refused.
+    flags = ("--body-timeout", str(GRACE_S), "--min-body-rate", "1000")
+    async with serve(tmp_path, *flags) as served, httpx.AsyncClient(base_url=served.url) as client:
+        await create_run(client, RUN)
+        await register(client, RUN)
+        assert (await append(client, RUN, [envelope("e1", 1, type_="episode.started")])).is_success
+        # A body the app answers without reading is read on for the header timeout at most.
+        unread = raw_connection(
+            served.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n "
+        )
+        head = _post_head(served.port, 10_000)
+        # One slow client alone: refused at the end of its grace.
+        stop = asyncio.Event()
+        replies: list[tuple[bytes, float]] = []
+        alone = asyncio.create_task(trickle(served.port, head, TRICKLE_EVERY_S, stop, replies))
+        deadline = time.monotonic() + GRACE_S + CLOSED_WITHIN_S
+        while not replies:
+            assert time.monotonic() < deadline, served.tail()
             await asyncio.sleep(0.1)
-        assert response.status_code == 200, response.text
+        stop.set()
+        await alone
+        [(reply, held_s)] = replies
+        assert reply.startswith(b"HTTP/1.1 408") and b"(after the first 3 s)" in reply, reply
+        assert GRACE_S * 0.9 <= held_s < GRACE_S + CLOSED_WITHIN_S
+
+        # Seventy, each opening a new connection as soon as its last is closed.
+        stop = asyncio.Event()
+        replies = []
+        tricklers = [
+            asyncio.create_task(trickle(served.port, head, TRICKLE_EVERY_S, stop, replies))
+            for _ in range(TRICKLERS)
+        ]
+        try:
+            deadline = time.monotonic() + 10
+            while await _inflight(client) < 64:
+                assert time.monotonic() < deadline, served.tail()
+                await asyncio.sleep(0.05)
+            # A normal client retries its refused appends (as the SDK does): each is served.
+            for seq in range(2, 2 + APPENDS):
+                events = [envelope("e1", seq)]
+                began = time.monotonic()
+                took = await append_when_served(client, served, RUN, events, began, APPEND_WITHIN_S)
+                print(f"append {seq} served {took:.2f} s after its first attempt")
+                assert (await client.get("/healthz")).status_code == 200
+        finally:
+            stop.set()
+            await asyncio.gather(*tricklers)
+        closed, answered = await asyncio.to_thread(closed_within, unread, CLOSED_WITHIN_S + 10)
+        unread.close()
+        assert closed and answered.startswith(b"HTTP/1.1 200"), answered
+
+        statuses = {reply[:12] for reply, _ in replies}
+        assert statuses <= {b"HTTP/1.1 408", b"HTTP/1.1 503"}, statuses
+        timed_out = [reply for reply, _ in replies if reply.startswith(b"HTTP/1.1 408")]
+        assert all(b'"code":"request_timeout"' in reply for reply in timed_out)
+        # Past the grace, or sooner: their slots taken by other appends (theirs and the client's).
+        assert any(b"went to another append" in reply for reply in timed_out), replies[:3]
+        held = max(seconds for _, seconds in replies)
+        assert held < GRACE_S + CLOSED_WITHIN_S, held  # none held a slot for good
+        deadline = time.monotonic() + 10
+        while await _inflight(client) > 0:  # every slot back
+            assert time.monotonic() < deadline, served.tail()
+            await asyncio.sleep(0.1)
         assert served.alive()

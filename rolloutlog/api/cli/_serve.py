@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
+    from rolloutlog.api._protocol import ConnectionCap
+    from rolloutlog.api._service import Service
+
 __all__ = ["GC_THRESHOLDS", "serve", "start_failure"]
 
 #: The garbage collector's thresholds while serving (see ``run_service``).
@@ -43,6 +46,10 @@ GC_THRESHOLDS = (50_000, 50, 1_000)
 
 #: ``details["backend"]`` of the catalog's errors: a start-up failure names the catalog's URL.
 CATALOG_BACKENDS = frozenset({"postgresql", "sqlite"})
+
+#: The soft open-file limit ``serve`` asks for under an unlimited hard one (Linux's default
+#: ``fs.nr_open``, above which the kernel refuses).
+NOFILE_CEILING = 1 << 20
 
 
 def no_tokens_message(host: str) -> str:
@@ -156,7 +163,33 @@ def _option(*decls: str, field: str, **kw: Any) -> Callable[[Any], Any]:
     field="body_timeout",
     type=float,
     default=Settings.body_timeout_s,
-    help="Seconds a request body may stall (then 408).",
+    help="Seconds a request body may stall (then 408); also the grace of --min-body-rate.",
+)
+@_option(
+    "--min-body-rate",
+    field="min_body_rate",
+    type=int,
+    metavar="BYTES",
+    default=Settings.min_body_rate,
+    help="Bytes a second a request body must average once --body-timeout has passed (then "
+    "408); 0: no minimum.",
+)
+@_option(
+    "--max-connections",
+    field="max_connections",
+    type=int,
+    metavar="N",
+    help="Open connections kept at most [default: half the open-file limit, which is raised "
+    "to its hard limit at start]",
+)
+@_option(
+    "--reserved-connections",
+    field="reserved_connections",
+    type=int,
+    metavar="N",
+    default=Settings.reserved_connections,
+    help="Connections of the cap kept for /healthz, /readyz and the trainer's routes "
+    "(checkpoints, restores, controller); at most a quarter of the cap.",
 )
 @_option(
     "--max-inflight-appends",
@@ -266,10 +299,20 @@ def _serve(
 
     limit_arenas()  # before any thread of the service starts (rolloutlog/_malloc.py)
     configure_logging(log_level)
+    # Before the log sizes its reader pool by the limit; said once the service is up (a failed
+    # start is one line).
+    cap, limits_line = _open_file_limit(settings)
     app = create_app(settings)
+
+    def refused(code: str) -> None:
+        service: Service | None = getattr(app.state, "service", None)
+        if service is not None:
+            service.metrics.refusals.labels(code).inc()
+
     config = uvicorn.Config(
         app,
-        http=http_protocol(settings.header_timeout_s),
+        http=http_protocol(settings.header_timeout_s, cap, refused),
+        backlog=cap.backlog,
         log_config=uvicorn_log_config(log_level, access_log),
         access_log=access_log,
         timeout_graceful_shutdown=math.ceil(shutdown_timeout),
@@ -290,7 +333,9 @@ def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, frame: stopped_by.append(number))
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        failed = runner.run(_start_then_serve(app, server, settings, listener, stopped_by))
+        failed = runner.run(
+            _start_then_serve(app, server, settings, listener, stopped_by, limits_line)
+        )
     if failed is not None:
         return failed
     return EXIT_OK if server.started or stopped_by else EXIT_REFUSED
@@ -302,6 +347,7 @@ async def _start_then_serve(
     settings: Settings,
     listener: socket.socket,
     stopped_by: list[int],
+    started: Callable[[], None],
 ) -> int | None:
     """Open the service (the app's lifespan), then serve until a signal; the exit code when it
     could not start, after printing why."""
@@ -312,9 +358,54 @@ async def _start_then_serve(
             await stack.enter_async_context(app.router.lifespan_context(app))
         except Exception as e:  # whatever stopped the start, the operator needs its cause
             return start_failure(*_failure(e, settings))
+        started()
         if not stopped_by:  # a SIGTERM during start-up: stop as soon as it is up
             await server.serve(sockets=[listener])
     return None
+
+
+def _open_file_limit(settings: Settings) -> tuple[ConnectionCap, Callable[[], None]]:
+    """Raise the soft open-file limit to the hard one (connections, the log's files and the
+    catalog's all hold descriptors; the common soft limit of 1,024 is a default, not a
+    choice), and the connection cap under it; and the log line that says both."""
+    import functools
+    import logging
+    import resource
+
+    from rolloutlog.api._protocol import connection_cap
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit is not a soft one Linux takes: its own ceiling (nr_open) is 2^20.
+    wanted = hard if hard != resource.RLIM_INFINITY else NOFILE_CEILING
+    raised = soft
+    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    done = f"open-file limit {soft} kept (the hard limit is {hard_text})"
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as e:
+            done = f"open-file limit {soft} kept: raising it to {wanted} failed ({e})"
+        else:
+            raised = wanted
+            done = f"open-file limit raised from {soft} to {raised} (hard limit {hard_text})"
+    nofile = raised if raised != resource.RLIM_INFINITY else NOFILE_CEILING
+    cap = connection_cap(nofile, settings.max_connections, settings.reserved_connections)
+    line = functools.partial(
+        logging.getLogger("rolloutlog.api").info,
+        "%s; at most %d connections, %d of them kept for health checks and trainers",
+        done,
+        cap.max_connections,
+        cap.reserved,
+        extra={
+            "nofile_before": soft,
+            "nofile": raised,
+            "nofile_hard": hard,
+            "max_connections": cap.max_connections,
+            "reserved_connections": cap.reserved,
+            "backlog": cap.backlog,
+        },
+    )
+    return cap, line
 
 
 def _failure(error: BaseException, settings: Settings) -> tuple[str, str, int]:
