@@ -170,7 +170,9 @@ class GymCollector:
 
     ``agents``: agent server name -> its URL (``http://host:port``). ``transport``: the
     environment participant's (``HttpTransport``/``KafkaTransport``), ``trainer``: the trainer
-    client (checkpoints, restores, results), ``restores``: projections of continued rows.
+    client (checkpoints, restores, results), ``restores``: projections of continued rows;
+    ``http``: the client ``/run`` is posted with (default: one of its own, no read timeout);
+    ``signals``: bind SIGUSR1/SIGTERM while ``run`` runs.
     """
 
     def __init__(
@@ -188,6 +190,7 @@ class GymCollector:
         deadline_s: float | None = None,
         partitions: int | None = None,
         signals: bool = True,
+        http: httpx.AsyncClient | None = None,
     ) -> None:
         self.run_name = run
         self.agents = dict(agents)
@@ -201,11 +204,13 @@ class GymCollector:
         self.deadline_s = deadline_s
         self.partitions = partitions
         self.signals = signals
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+        self._owns_http = http is None
+        self.http = http or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
         self._unacknowledged: set[str] = set()
 
     async def close(self) -> None:
-        await self.http.aclose()
+        if self._owns_http:
+            await self.http.aclose()
 
     async def run(self, rows: list[dict[str, Any]]) -> CollectionReport:
         """Collect every row not in the output yet (resuming the run's latest checkpoint)."""
@@ -248,9 +253,11 @@ class GymCollector:
         report: CollectionReport,
     ) -> list[_Rollout]:
         by_episode = {episode_id(row): row for row in rows}
+        recovered: set[str] = set()
         for result in plan.results:  # finished, reply lost: the kept result is the rollout row
             if result.episode in by_episode and result.episode not in done:
                 output.write(result.result, failed=result.reward is None)
+                recovered.add(result.episode)
                 done.add(result.episode)
                 report.recovered += 1
             self._unacknowledged.add(result.episode)
@@ -258,7 +265,7 @@ class GymCollector:
         pending: list[_Rollout] = []
         for episode, row in by_episode.items():
             if episode in done:
-                report.already_done += 1
+                report.already_done += episode not in recovered
                 continue
             entry = dispatch.get(episode)
             if entry is None:
@@ -307,16 +314,16 @@ class GymCollector:
         try:
             await asyncio.wait([all_done, stopping], return_when=asyncio.FIRST_COMPLETED)
             if report.stopped:  # SIGTERM: its checkpoint holds the rows in flight
-                for running in workers:
-                    running.cancel()
-            await all_done  # after an interruption: the rows in flight end
+                all_done.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await all_done  # after an interruption: the rows in flight end
             for worker_task in workers:
                 if not worker_task.cancelled() and worker_task.exception() is not None:
                     raise worker_task.exception()  # type: ignore[misc]
-        finally:
-            for helper in (*helpers, stopping):
-                helper.cancel()
-            await asyncio.gather(*helpers, stopping, return_exceptions=True)
+        finally:  # also when the collection itself is cancelled: nothing outlives it
+            for task in (*workers, *helpers, stopping):
+                task.cancel()
+            await asyncio.gather(*workers, *helpers, stopping, return_exceptions=True)
 
     async def _collect(
         self,

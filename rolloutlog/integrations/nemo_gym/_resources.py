@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rolloutlog.integrations.nemo_gym._config import GymSettings, load_object
 from rolloutlog.integrations.nemo_gym._context import GymContextMiddleware
-from rolloutlog.participants import CAPTURE_KEY_HEADER, Resources, ResourcesMiddleware
+from rolloutlog.participants import CAPTURE_KEY_HEADER, Resources, ResourcesMiddleware, Transport
 
 __all__ = ["MODES", "attach_resources", "on_lifespan"]
 
@@ -80,13 +80,17 @@ class _Registered:
         await self.app(scope, receive, send)
 
 
-def attach_resources(server: Any, app: Any, settings: GymSettings) -> ASGIApp:
+def attach_resources(
+    server: Any, app: Any, settings: GymSettings, *, transport: Transport | None = None
+) -> ASGIApp:
     """The ASGI app to serve for NeMo Gym resources server ``server`` (its ``app`` from
     ``setup_webserver()``), recording its sessions as participant ``settings.participant_id``.
 
     Options (``settings.options``): ``mode``, ``verify`` (``replay``/``wait``, default ``wait``:
     a verify in flight is never run twice), ``state`` (exported), ``rollout_id_required``
-    (refuse rollout routes without a context: work no checkpoint accounts for)."""
+    (refuse rollout routes without a context: work no checkpoint accounts for).
+    ``transport``: the participant's (default ``settings.transport()``, started and stopped with
+    the app's lifespan; a given one is the caller's to start and stop)."""
     options = settings.options
     mode = str(options.get("mode", "restart_only"))
     if mode not in MODES:
@@ -101,7 +105,8 @@ def attach_resources(server: Any, app: Any, settings: GymSettings) -> ASGIApp:
                 "rolloutlog.state ('module:factory' returning the state hook)"
             )
         hook = load_object(str(options["state"]))(server)
-    transport = settings.transport()
+    owned = transport is None
+    transport = settings.transport() if transport is None else transport
     resources = Resources(
         transport,
         settings.run,
@@ -109,7 +114,8 @@ def attach_resources(server: Any, app: Any, settings: GymSettings) -> ASGIApp:
         mode=mode,  # type: ignore[arg-type]
         verify=str(options.get("verify", "wait")),  # type: ignore[arg-type]
     )
-    on_lifespan(app, transport.start, transport.stop)
+    if owned:
+        on_lifespan(app, transport.start, transport.stop)
     recorded = ResourcesMiddleware(
         app,
         resources,
