@@ -1,5 +1,5 @@
-"""``python -m rolloutlog.integrations.nemo_gym`` (``rolloutlog-nemo-gym``): launch, serve,
-collect, venv. ``--help`` on each says more."""
+"""``python -m rolloutlog.integrations.nemo_gym``: launch, overlay, serve, collect, venv.
+``--help`` on each says more."""
 
 from __future__ import annotations
 
@@ -34,6 +34,21 @@ def _launch(args: argparse.Namespace) -> int:
     names = ", ".join(f"{n} {s.url}" for n, s in launcher.servers.items())
     print(f"NeMo Gym servers ready: {names}; head server {launcher.head_url}", flush=True)
     return launcher.run_forever()
+
+
+def _overlay(args: argparse.Namespace) -> int:
+    from rolloutlog.integrations.nemo_gym._launcher import plain_config, resolve_config
+    from rolloutlog.integrations.nemo_gym._ng_run import write_overlay
+
+    directory = Path(args.dir).resolve()
+    written = write_overlay(plain_config(resolve_config(args.config, args.override)), directory)
+    print("\n".join(str(path) for path in written))
+    configs = ",".join(str(Path(c).resolve()) for c in args.config)
+    print(
+        f'then: cd {directory} && ng_run "+config_paths=[{configs}]" '
+        f"+skip_venv_if_present=true +uv_venv_dir={directory}"
+    )
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -138,7 +153,9 @@ def _venv(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="rolloutlog-nemo-gym", description=__doc__)
+    top = argparse.ArgumentParser(
+        prog="python -m rolloutlog.integrations.nemo_gym", description=__doc__
+    )
     commands = top.add_subparsers(dest="command", required=True)
 
     launch = commands.add_parser(
@@ -152,6 +169,14 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--resolved", help="write the resolved config here (ports included)")
     launch.add_argument("--no-head", action="store_true", help="no NeMo Gym head server")
     launch.set_defaults(func=_launch)
+
+    overlay = commands.add_parser(
+        "overlay", help="write the server shims that make stock ng_run attach rolloutlog"
+    )
+    overlay.add_argument("config", nargs="+", help="NeMo Gym config YAML files (config_paths)")
+    overlay.add_argument("--override", action="append", default=[], help="key=value")
+    overlay.add_argument("--dir", required=True, help="the directory to run ng_run from")
+    overlay.set_defaults(func=_overlay)
 
     serve = commands.add_parser("serve", help="run one server (config from NEMO_GYM_CONFIG_DICT)")
     serve.add_argument("name", nargs="?", help="server instance (else NEMO_GYM_CONFIG_PATH)")

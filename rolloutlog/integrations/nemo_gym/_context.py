@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextvars import ContextVar
 from http.cookies import SimpleCookie
-from typing import Any
-
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from typing import TYPE_CHECKING, Any
 
 from rolloutlog.participants import CAPTURE_KEY_HEADER, RolloutContext, context_headers
+
+if TYPE_CHECKING:  # plain ASGI: starlette is not needed to run it
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = [
     "CAPTURE_KEY_COOKIE",

@@ -51,6 +51,7 @@ __all__ = [
     "Launcher",
     "ServerProcess",
     "build_app",
+    "plain_config",
     "resolve_config",
     "serve",
     "server_class",
@@ -74,7 +75,8 @@ def resolve_config(config_paths: Sequence[str], overrides: Sequence[str] = ()) -
     return GlobalConfigDictParser().parse_no_environment(initial_global_config_dict=initial)
 
 
-def _plain(config: Any) -> dict[str, Any]:
+def plain_config(config: Any) -> dict[str, Any]:
+    """A resolved config as plain dicts and lists."""
     from omegaconf import DictConfig, OmegaConf  # type: ignore[import-not-found,unused-ignore]
 
     if isinstance(config, DictConfig):
@@ -136,7 +138,7 @@ def build_app(global_config: Any, name: str) -> tuple[Any, str, int]:
     ``get_global_config_dict()`` returns in this process (``serve`` sets it up)."""
     from nemo_gym.server_utils import ServerClient  # type: ignore[import-not-found,unused-ignore]
 
-    plain = _plain(global_config)
+    plain = plain_config(global_config)
     cls: Any = server_class(plain, name)
     server_config = cls.load_config_from_global_config()
     client = ServerClient(
@@ -225,7 +227,7 @@ class Launcher:
 
         self.global_config = global_config
         self.config_yaml: str = OmegaConf.to_yaml(global_config)
-        self.plain = _plain(global_config)
+        self.plain = plain_config(global_config)
         names = server_instances(self.plain)
         chosen = list(names) if only is None else list(only)
         self.servers: dict[str, ServerProcess] = {}

@@ -24,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
-
-from starlette.types import ASGIApp, Receive, Scope, Send
+from typing import TYPE_CHECKING, Any
 
 from rolloutlog.integrations.nemo_gym._config import GymSettings, load_object
 from rolloutlog.integrations.nemo_gym._context import GymContextMiddleware
 from rolloutlog.participants import CAPTURE_KEY_HEADER, Resources, ResourcesMiddleware, Transport
+
+if TYPE_CHECKING:  # plain ASGI: starlette is not needed to run it
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 __all__ = ["MODES", "attach_resources", "on_lifespan"]
 

@@ -137,7 +137,16 @@ def rolloutlog_requirements(root: Path = ROOT) -> list[str]:
     """rolloutlog's own requirements in a Gym venv: its base and its ``nemo-gym`` extra."""
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     extra = project.get("optional-dependencies", {}).get("nemo-gym", [])
-    return [*project["dependencies"], *extra]
+    # NeMo Gym itself is installed without its dependencies (above): naming it again would
+    # make pip install them all
+    return [r for r in (*project["dependencies"], *extra) if not _names_nemo_gym(r)]
+
+
+def _names_nemo_gym(requirement: str) -> bool:
+    name = requirement.split(";")[0].split("[")[0]
+    for mark in "<>=!~ ":
+        name = name.split(mark)[0]
+    return name.strip().lower().replace("_", "-") == "nemo-gym"
 
 
 def _cache_dir() -> Path:
