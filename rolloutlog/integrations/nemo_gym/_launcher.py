@@ -43,7 +43,7 @@ from rolloutlog.integrations.nemo_gym._config import (
     server_instances,
 )
 from rolloutlog.integrations.nemo_gym._resources import attach_resources
-from rolloutlog.participants.sim._gym import die_with_parent
+from rolloutlog.participants.sim import die_with_parent
 
 __all__ = [
     "CONFIG_DICT_ENV",

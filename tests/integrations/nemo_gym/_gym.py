@@ -32,7 +32,7 @@ import httpx
 import orjson
 
 from rolloutlog.integrations.nemo_gym._venv import find_python, gym_env, venv_path
-from rolloutlog.participants.sim._gym import die_with_parent
+from rolloutlog.participants.sim import die_with_parent
 from tests._services import ROOT, free_port, unavailable
 from tests.api.conftest import TOKENS
 

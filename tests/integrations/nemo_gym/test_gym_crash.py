@@ -28,7 +28,7 @@ import orjson
 import pytest
 
 from rolloutlog.integrations.nemo_gym import episode_id
-from rolloutlog.participants.sim._gym import die_with_parent
+from rolloutlog.participants.sim import die_with_parent
 from tests._services import ROOT
 from tests.api.conftest import TOKENS
 from tests.e2e._harness import Deployment, Service
