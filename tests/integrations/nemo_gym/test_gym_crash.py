@@ -7,7 +7,9 @@ Rows are held mid-rollout at the backend (after their first tool round), the col
 checkpoint on SIGUSR1, then every NeMo Gym process group and the collector are SIGKILLed; the
 Gym is launched again and the same collector command resumes: every row is written exactly once
 with the reward of an uninterrupted reference run. SIGTERM checkpoints and stops instead.
-Embedded deployment (the crash suite runs the distributed one).
+Embedded deployment (the crash suite runs the distributed one). The Gym's servers record into one
+rolloutlog run, so each scenario collects the same rows under task indices of its own
+(``_ng_task_index`` from 0, 100, 200: distinct episodes).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import pytest_asyncio
 
 from rolloutlog.integrations.nemo_gym import episode_id
 from rolloutlog.participants.sim import die_with_parent
@@ -42,7 +45,8 @@ from tests.integrations.nemo_gym._gym import (
     steps_row,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# one Gym for the module: its tests share the module's event loop
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.asyncio(loop_scope="module")]
 RUN = "gym"
 #: (row, held mid-rollout at turn 1 in the crash run)
 ROWS = [
@@ -58,17 +62,23 @@ class World:
         self.backend = backend
         self.gym = gym
         self.workdir = workdir
-        self.dataset = workdir / "dataset.jsonl"
-        self.dataset.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in ROWS))
 
-    def collector(self, run: str, output: Path) -> subprocess.Popen[bytes]:
-        """``python -m rolloutlog.integrations.nemo_gym collect`` in its own session."""
+    def collector(self, scenario: int, output: Path) -> subprocess.Popen[bytes]:
+        """``python -m rolloutlog.integrations.nemo_gym collect`` in its own session, over the
+        rows with task indices from ``scenario``."""
+        dataset = self.workdir / f"dataset-{scenario}.jsonl"
+        dataset.write_bytes(
+            b"".join(
+                orjson.dumps({**row, "_ng_task_index": scenario + i}) + b"\n"
+                for i, row in enumerate(ROWS)
+            )
+        )
         command = [sys.executable, "-m", "rolloutlog.integrations.nemo_gym", "collect"]
-        command += ["--input", str(self.dataset), "--output", str(output), "--run", run]
+        command += ["--input", str(dataset), "--output", str(output), "--run", RUN]
         command += ["--url", self.service.url, "--token", TOKENS["admin"], "--concurrency", "8"]
         for agent in ("counter_agent", "steps_agent"):
             command += ["--agent-url", f"{agent}={self.gym.url(agent)}"]
-        with open(self.workdir / f"collector-{run}.log", "ab") as log:
+        with open(self.workdir / f"collector-{scenario}.log", "ab") as log:
             return subprocess.Popen(
                 command,
                 cwd=ROOT,
@@ -79,16 +89,17 @@ class World:
                 preexec_fn=die_with_parent,
             )
 
-    def log(self, run: str) -> str:
-        return (self.workdir / f"collector-{run}.log").read_text(errors="replace")
+    def log(self, scenario: int) -> str:
+        return (self.workdir / f"collector-{scenario}.log").read_text(errors="replace")
 
-    async def finish(self, proc: subprocess.Popen[bytes], run: str) -> str:
+    async def finish(self, proc: subprocess.Popen[bytes], scenario: int) -> str:
         code = await asyncio.to_thread(proc.wait, 600)
-        assert code == 0, f"collector exit {code}: {self.log(run)[-3000:]}\n{self.gym.tail()}"
-        return self.log(run)
+        log = self.log(scenario)
+        assert code == 0, f"collector exit {code}: {log[-3000:]}\n{self.gym.tail()}"
+        return log
 
 
-@pytest.fixture(scope="module")
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World]:
     gym_python()
     workdir = tmp_path_factory.mktemp("nemo_gym")
@@ -108,64 +119,69 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World
         service.stop()
 
 
-def rewards(path: Path) -> dict[str, float]:
+def rewards(path: Path) -> dict[int, float]:
+    """Row (its task index within its scenario) -> reward; each row written exactly once."""
     rows = [orjson.loads(line) for line in path.read_bytes().splitlines()]
     counts = Counter(episode_id(row) for row in rows)
     assert set(counts.values()) == {1}, f"rows written twice: {counts}"
-    return {episode_id(row): float(row["reward"]) for row in rows}
+    return {row["_ng_task_index"] % 100: float(row["reward"]) for row in rows}
 
 
-async def reference(world: World) -> dict[str, float]:
+async def reference(world: World) -> dict[int, float]:
     output = world.workdir / "reference.jsonl"
     if not output.exists():
-        await world.finish(world.collector("reference", output), "reference")
+        await world.finish(world.collector(0, output), 0)
     return rewards(output)
 
 
 async def test_an_uninterrupted_run_gets_the_expected_rewards(world: World) -> None:
-    expected = {f"t{i}-r0": 0.0 if i in (2, 5) else 1.0 for i in range(len(ROWS))}
+    expected = {i: 0.0 if i in (2, 5) else 1.0 for i in range(len(ROWS))}
     assert await reference(world) == expected
 
 
-async def checkpoints(world: World, run: str) -> list[dict[str, Any]]:
+async def checkpoints(world: World) -> list[dict[str, Any]]:
+    """The run's committed checkpoints."""
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKENS['admin']}"}) as http:
-        reply = await http.get(f"{world.service.url}/v1/runs/{run}/checkpoints")
+        reply = await http.get(f"{world.service.url}/v1/runs/{RUN}/checkpoints")
         reply.raise_for_status()
         body = reply.json()
     found: list[dict[str, Any]] = body["checkpoints"] if isinstance(body, dict) else body
-    return found
+    return [c for c in found if c["status"] == "committed"]
 
 
-async def wait_checkpoints(world: World, run: str, count: int, timeout_s: float = 120) -> None:
+async def latest(world: World) -> int:
+    """The newest committed checkpoint's id (the service keeps the newest two)."""
+    return max((c["checkpoint_id"] for c in await checkpoints(world)), default=0)
+
+
+async def wait_checkpoint(world: World, after: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    while True:
-        committed = [c for c in await checkpoints(world, run) if c["status"] == "committed"]
-        if len(committed) >= count:
-            return
-        assert time.monotonic() < deadline, f"{len(committed)} of {count} checkpoints"
+    while await latest(world) <= after:
+        assert time.monotonic() < deadline, f"no checkpoint after {after}"
         await asyncio.sleep(0.1)
 
 
 async def test_sigkill_of_every_process_group_then_resume(world: World) -> None:
     expected = await reference(world)
-    run, output = "crash", world.workdir / "crash.jsonl"
+    scenario, output = 100, world.workdir / "crash.jsonl"
     for prompt in HELD:
         await world.backend.hold(prompt, turn=1)  # after the first tool round
-    collector = world.collector(run, output)
+    collector = world.collector(scenario, output)
     await world.backend.wait_parked(len(HELD))
     deadline = time.monotonic() + 120
     while not output.exists() or len(output.read_bytes().splitlines()) < len(ROWS) - len(HELD):
-        assert time.monotonic() < deadline, world.log(run)
+        assert time.monotonic() < deadline, world.log(scenario)
         await asyncio.sleep(0.1)
+    before = await latest(world)
     collector.send_signal(signal.SIGUSR1)  # checkpoint, and go on
-    await wait_checkpoints(world, run, 2)  # the one before dispatch, and this one
+    await wait_checkpoint(world, before)
     kill_group(collector.pid)
     world.gym.kill()
     collector.wait()
     await world.backend.release()  # the parked calls answer dead sockets
     calls_before = len(world.backend.calls())
     await world.gym.launch()
-    log = await world.finish(world.collector(run, output), run)
+    log = await world.finish(world.collector(scenario, output), scenario)
     assert rewards(output) == expected
     assert f"already done {len(ROWS) - len(HELD)}" in log
     # a stock SimpleAgent has no session hooks: each held row replays its /run from its input
@@ -178,14 +194,15 @@ async def test_sigkill_of_every_process_group_then_resume(world: World) -> None:
 
 async def test_sigterm_checkpoints_and_stops_then_resumes(world: World) -> None:
     expected = await reference(world)
-    run, output = "stop", world.workdir / "stop.jsonl"
+    scenario, output = 200, world.workdir / "stop.jsonl"
     await world.backend.hold("counter task 1:", turn=1)
-    collector = world.collector(run, output)
+    collector = world.collector(scenario, output)
     await world.backend.wait_parked(1)
+    before = await latest(world)
     collector.send_signal(signal.SIGTERM)
-    log = await world.finish(collector, run)
+    log = await world.finish(collector, scenario)
     assert "stopped on SIGTERM" in log
     await world.backend.release()
-    assert len(await checkpoints(world, run)) == 2
-    await world.finish(world.collector(run, output), run)
+    assert await latest(world) > before
+    await world.finish(world.collector(scenario, output), scenario)
     assert rewards(output) == expected
