@@ -141,6 +141,11 @@ def build_app(global_config: Any, name: str) -> tuple[Any, str, int]:
     plain = plain_config(global_config)
     cls: Any = server_class(plain, name)
     server_config = cls.load_config_from_global_config()
+    if (server_config.num_workers or 1) > 1:
+        print(
+            f"{name}: num_workers={server_config.num_workers}: the launcher serves one worker",
+            file=sys.stderr,
+        )
     client = ServerClient(
         head_server_config=ServerClient.load_head_server_config(),
         global_config_dict=global_config,
