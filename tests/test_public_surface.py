@@ -240,6 +240,27 @@ SURFACES: dict[str, list[str]] = {
         "error_from_wire",
     ],
     "rolloutlog.wire": ["DEFAULT_URL", "NDJSON", "NdjsonSplitter"],
+    "rolloutlog.integrations.nemo_gym": [
+        "CAPTURE_KEY_COOKIE",
+        "RESTORE_COOKIE",
+        "RESTORE_HEADER",
+        "CollectionReport",
+        "GymCollector",
+        "GymContextMiddleware",
+        "GymSettings",
+        "Launcher",
+        "attach_resources",
+        "build_app",
+        "current_gym_session",
+        "episode_id",
+        "materialize_rows",
+        "resolve_config",
+        "restore_id_of",
+        "rollout_cookies",
+        "rollout_headers",
+        "serve",
+        # -- the agent and policy names --
+    ],
 }
 
 

@@ -1,0 +1,50 @@
+"""rolloutlog for unmodified NeMo Gym servers: subclasses, ASGI middleware and config.
+
+Importing this package imports no NeMo Gym module: the collector and the middleware run in any
+venv, the launcher imports NeMo Gym when it starts servers. ``python -m
+rolloutlog.integrations.nemo_gym`` runs ``launch``, ``serve``, ``collect`` and ``venv``.
+"""
+
+from rolloutlog.integrations.nemo_gym._collector import (
+    CollectionReport,
+    GymCollector,
+    episode_id,
+    materialize_rows,
+)
+from rolloutlog.integrations.nemo_gym._config import GymSettings
+from rolloutlog.integrations.nemo_gym._context import (
+    CAPTURE_KEY_COOKIE,
+    RESTORE_COOKIE,
+    RESTORE_HEADER,
+    GymContextMiddleware,
+    current_gym_session,
+    restore_id_of,
+    rollout_cookies,
+    rollout_headers,
+)
+from rolloutlog.integrations.nemo_gym._launcher import Launcher, build_app, resolve_config, serve
+from rolloutlog.integrations.nemo_gym._resources import attach_resources
+
+# -- the agent and policy subclasses (_agent.py, _policy.py) are named here --
+
+__all__ = [
+    "CAPTURE_KEY_COOKIE",
+    "RESTORE_COOKIE",
+    "RESTORE_HEADER",
+    "CollectionReport",
+    "GymCollector",
+    "GymContextMiddleware",
+    "GymSettings",
+    "Launcher",
+    "attach_resources",
+    "build_app",
+    "current_gym_session",
+    "episode_id",
+    "materialize_rows",
+    "resolve_config",
+    "restore_id_of",
+    "rollout_cookies",
+    "rollout_headers",
+    "serve",
+    # -- the agent and policy names --
+]
