@@ -148,7 +148,7 @@ class RolloutlogSimpleAgent(SimpleAgent):
         def make(transport: Transport, participant_id: str) -> Agent:
             return Agent(transport, settings.run, participant_id, deltas=deltas)
 
-        self._attachment = Attachment(settings, make)
+        self._attachment = Attachment(settings, make, workers=self.config.num_workers)
         self._attachment.attach(app, exempt=("/aggregate_metrics",))
         return app
 

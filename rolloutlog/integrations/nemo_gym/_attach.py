@@ -49,9 +49,18 @@ def restore_headers() -> dict[str, str]:
 class Attachment(Generic[P]):
     """A participant of kind ``P`` inside a NeMo Gym app (module docstring). Options read from
     the server's ``rolloutlog:`` dict: ``deadline_s`` (how long a projection fetch rides through
-    an unreachable service) and ``rollout_id_required``."""
+    an unreachable service) and ``rollout_id_required``. ``workers``: the server's
+    ``num_workers``; more than one is refused (each worker would register the same id)."""
 
-    def __init__(self, settings: GymSettings, make: Callable[[Transport, str], P]) -> None:
+    def __init__(
+        self, settings: GymSettings, make: Callable[[Transport, str], P], *, workers: int | None
+    ) -> None:
+        if workers is not None and workers > 1:
+            # each uvicorn worker would register the same participant id and fence the others
+            raise ValueError(
+                f"{settings.participant_id}: rolloutlog attaches to one worker process "
+                f"(num_workers is {workers}): run one server per participant id"
+            )
         self.settings = settings
         self.transport = settings.transport()
         self.participant: P = make(self.transport, settings.participant_id)

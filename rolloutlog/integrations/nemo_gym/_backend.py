@@ -96,12 +96,15 @@ class CallClient:
         if constrained_request(body):
             call.generation.constrained = True
         cut = call.cut
-        if cut is not None and not call.generation.constrained:
+        if cut is not None:
+            key = call.generation.context.capture_key
             try:
+                if call.generation.constrained:
+                    raise _Unusable("constrained")
                 return await self._continued(body, cut)
             except (_Unusable, httpx.HTTPError) as e:
                 reason = str(e) if isinstance(e, _Unusable) else "backend_error"
-                call.policy.refuse_cut(cut.call_id, call.generation.context.capture_key, reason)
+                call.policy.refuse_cut(cut.call_id, key, reason)
                 call.regenerate()
         if call.stream and not call.generation.constrained:
             streamed = await self._streamed(body, [], [])

@@ -164,7 +164,7 @@ class RolloutlogVLLMModel(VLLMModel):
                 chunk_tokens=int(options["chunk_tokens"]),
             )
 
-        self._attachment = Attachment(settings, make)
+        self._attachment = Attachment(settings, make, workers=self.config.num_workers)
         self._attachment.on_start.append(self._bulk_install)
         self._attachment.on_stop.append(self._close)
         self._attachment.attach(app)

@@ -154,14 +154,18 @@ async def test_a_cut_inside_tool_call_markup_regenerates(
     assert [c["continued"] for c in read_call_log(log)] == [0, 0]  # nothing was continued
 
 
-async def test_constrained_decoding_is_never_streamed(
+async def test_constrained_decoding_is_never_streamed_nor_continued(
     backend: tuple[httpx.AsyncClient, Path],
 ) -> None:
     http, log = backend
     body = request(tool_choice="required")
     _, call, events = await one_call(http, body, stream=True, cut=None)
     assert call.generation.constrained and events == []
-    assert [c["stream"] for c in read_call_log(log)] == [False]
+    cut = GenerationPrefix("p1.c0-old", None, "d", tuple(call.token_ids[:8]), False, 0, None)
+    _, again, events = await one_call(http, body, stream=True, cut=cut)
+    assert again.policy.cuts_refused == 1 and again.generation.call_id == "p1.c0"
+    assert again.token_ids == call.token_ids and events == []
+    assert [(c["stream"], c["continued"]) for c in read_call_log(log)] == [(False, 0)] * 2
 
 
 async def test_the_fake_backend_refuses_a_prefix_it_did_not_generate(
