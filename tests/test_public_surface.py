@@ -259,7 +259,9 @@ SURFACES: dict[str, list[str]] = {
         "rollout_cookies",
         "rollout_headers",
         "serve",
-        # -- the agent and policy names --
+        "RolloutServerClient",
+        "RolloutlogSimpleAgent",
+        "RolloutlogVLLMModel",
     ],
 }
 
@@ -269,6 +271,8 @@ def test_surface(package: str) -> None:
     module = importlib.import_module(package)
     assert sorted(module.__all__) == sorted(SURFACES[package])
     for name in module.__all__:
+        if name in getattr(module, "_GYM_NAMES", {}):  # imported on first use: needs NeMo Gym
+            continue
         assert hasattr(module, name), name
 
 

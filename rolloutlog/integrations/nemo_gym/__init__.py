@@ -5,6 +5,9 @@ venv, the launcher imports NeMo Gym when it starts servers. ``python -m
 rolloutlog.integrations.nemo_gym`` runs ``launch``, ``serve``, ``collect`` and ``venv``.
 """
 
+import importlib
+from typing import Any
+
 from rolloutlog.integrations.nemo_gym._collector import (
     CollectionReport,
     GymCollector,
@@ -25,7 +28,21 @@ from rolloutlog.integrations.nemo_gym._context import (
 from rolloutlog.integrations.nemo_gym._launcher import Launcher, build_app, resolve_config, serve
 from rolloutlog.integrations.nemo_gym._resources import attach_resources
 
-# -- the agent and policy subclasses (_agent.py, _policy.py) are named here --
+#: Names whose modules import NeMo Gym: imported when first used (``load_object`` resolves
+#: ``rolloutlog.integrations.nemo_gym:RolloutlogSimpleAgent`` through ``__getattr__``).
+_GYM_NAMES = {
+    "RolloutServerClient": "rolloutlog.integrations.nemo_gym._agent",
+    "RolloutlogSimpleAgent": "rolloutlog.integrations.nemo_gym._agent",
+    "RolloutlogVLLMModel": "rolloutlog.integrations.nemo_gym._policy",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _GYM_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "CAPTURE_KEY_COOKIE",
@@ -46,5 +63,7 @@ __all__ = [
     "rollout_cookies",
     "rollout_headers",
     "serve",
-    # -- the agent and policy names --
+    "RolloutServerClient",
+    "RolloutlogSimpleAgent",
+    "RolloutlogVLLMModel",
 ]
