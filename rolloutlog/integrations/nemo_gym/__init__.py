@@ -2,7 +2,7 @@
 
 Importing this package imports no NeMo Gym module: the collector and the middleware run in any
 venv, the launcher imports NeMo Gym when it starts servers. ``python -m
-rolloutlog.integrations.nemo_gym`` runs ``launch``, ``serve``, ``collect`` and ``venv``.
+rolloutlog.integrations.nemo_gym`` runs ``launch``, ``overlay``, ``serve``, ``collect`` and ``venv``.
 """
 
 import importlib
