@@ -5,7 +5,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY rolloutlog ./rolloutlog
-RUN pip install . && useradd --system --uid 10001 rolloutlog && mkdir /data && chown rolloutlog /data
+RUN pip install '.[server]' && useradd --system --uid 10001 rolloutlog && mkdir /data && chown rolloutlog /data
 USER rolloutlog
 # Configured by ROLLOUTLOG_* variables (docs/api.md, "Configuration"): these defaults for a
 # container, the rest (log and catalog URLs, tokens, *_FILE secrets) from the deployment. Flags

@@ -299,9 +299,7 @@ def _exporter(name: str, env: Mapping[str, str]) -> Any:
             module = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
         exporter = importlib.import_module(module).OTLPSpanExporter
     except ImportError as e:
-        raise ConfigurationError(
-            f"OTLP trace export ({protocol}) needs the otlp extra: pip install 'rolloutlog[otlp]'"
-        ) from e
+        raise ConfigurationError.missing_extra(f"OTLP trace export ({protocol})", "otlp", e) from e
     return exporter()  # endpoint, headers, timeout: from the OTEL_EXPORTER_OTLP_* vars
 
 

@@ -88,6 +88,16 @@ class ConfigurationError(InvalidRequest):
     code = "invalid_configuration"
     http_status = 500
 
+    @classmethod
+    def missing_extra(cls, needed_by: str, extra: str, error: ImportError) -> ConfigurationError:
+        """``needed_by`` needs rolloutlog's ``extra`` extra: ``error`` says a package of it is
+        not installed; the message names what to install."""
+        return cls(
+            f"{needed_by} needs the {extra} extra ({error.name or error} is not installed): "
+            f"pip install 'rolloutlog[{extra}]'",
+            extra=extra,
+        )
+
 
 class PayloadTooLarge(RolloutlogError):
     code = "payload_too_large"

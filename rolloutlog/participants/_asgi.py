@@ -14,23 +14,31 @@ client that is not a rollout). With ``rollout_id_required=True`` they refuse it 
 ``invalid_request``, field ``x-rolloutlog-capture-key``), except under the path prefixes in
 ``exempt`` (e.g. ``("/health",)``): work done outside any rollout is work no checkpoint can
 account for.
+
+Plain ASGI: the middlewares need no web framework (the participant SDK installs none). Only
+``rollout_context``, a FastAPI dependency, names starlette's ``Request``, when it is installed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from starlette.requests import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rolloutlog.errors import InvalidRequest
 from rolloutlog.participants._participant import RolloutContext
 
 if TYPE_CHECKING:
+    from starlette.requests import Request
+
     from rolloutlog.participants._sessions import Resources
+else:
+    try:  # FastAPI reads ``rollout_context``'s annotation from this module's globals
+        from starlette.requests import Request
+    except ModuleNotFoundError:  # the base install: no FastAPI app to depend on it
+        Request = None
 
 __all__ = [
     "CAPTURE_KEY_HEADER",
@@ -44,6 +52,13 @@ __all__ = [
 
 CAPTURE_KEY_HEADER = "x-rolloutlog-capture-key"
 STEP_HEADER = "x-rolloutlog-step"
+
+# The ASGI interface's types, as the ASGI specification (and ``starlette.types``) spell them.
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _CURRENT: ContextVar[RolloutContext | None] = ContextVar("rolloutlog_context", default=None)
 
 

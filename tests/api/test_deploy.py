@@ -70,6 +70,7 @@ def test_compose_file_is_valid_and_complete() -> None:
         assert mounted <= volumes, name
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert '"rolloutlog", "serve"' in dockerfile
+    assert "pip install '.[server]'" in dockerfile  # the service's packages are an extra
     assert _dockerfile_env()["ROLLOUTLOG_HOST"] == "0.0.0.0"
 
 

@@ -3,8 +3,8 @@ what can be checked before anything opens, then run the service on uvicorn.
 
 A start-up failure is one line on stderr naming its cause and the exit code, and nothing else:
 ``rolloutlog serve: cannot start: CODE: message (exit N)`` — exit 2 for a configuration mistake
-(fix the flags or variables), 1 for anything the environment refused (a database, a broker, a
-data directory in use, a port taken).
+(fix the flags or variables, or install the ``server`` extra), 1 for anything the environment
+refused (a database, a broker, a data directory in use, a port taken).
 """
 
 from __future__ import annotations
@@ -199,7 +199,23 @@ def serve(ctx: click.Context, /, **flags: Any) -> int:
         if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
     }
     flag_names = {p.name: p.opts[0] for p in ctx.command.params if p.name}
-    return run_service(given, flag_names)
+    try:
+        return run_service(given, flag_names)
+    except ModuleNotFoundError as e:
+        missing = missing_server_package(e)
+        if missing is None:
+            raise
+        return start_failure(missing.code, missing.message, EXIT_USAGE)
+
+
+def missing_server_package(error: BaseException) -> ConfigurationError | None:
+    """The start-up failure of a service whose packages (the ``server`` extra) are not
+    installed: ``pip install rolloutlog`` is the participant SDK and the clients only."""
+    if not isinstance(error, ModuleNotFoundError) or error.name is None:
+        return None
+    if error.name.partition(".")[0] == "rolloutlog":
+        return None  # a module of rolloutlog's own is missing: a broken checkout, not an extra
+    return ConfigurationError.missing_extra("the service", "server", error)
 
 
 def run_service(given: Mapping[str, Any], flag_names: Mapping[str, str]) -> int:
@@ -303,6 +319,7 @@ async def _start_then_serve(
 
 def _failure(error: BaseException, settings: Settings) -> tuple[str, str, int]:
     """Code, cause (naming the catalog, when it was that) and exit code of a failed start."""
+    error = missing_server_package(error) or error
     if not isinstance(error, RolloutlogError):
         return "internal", f"{type(error).__name__}: {error}", EXIT_REFUSED
     cause = error.message
