@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 SESSION_COOKIE = "CounterServer___counter"
@@ -73,8 +74,8 @@ def resources_app() -> tuple[FastAPI, dict[str, int]]:
 
 class FakeAgent:
     """``POST /run``: the row back with ``reward`` = its ``expected`` and a ``response``; the
-    rows whose ``expected`` is in ``blocked`` wait until ``release()``; every request's rollout
-    headers are kept (``seen``)."""
+    rows whose ``expected`` is in ``blocked`` wait until ``release()``, those in ``failing`` get
+    a 503; every request's rollout headers are kept (``seen``)."""
 
     def __init__(self) -> None:
         self.app = FastAPI()
@@ -82,10 +83,14 @@ class FakeAgent:
         self.waiting: dict[str, asyncio.Event] = {}
         self.released = asyncio.Event()
         self.seen: list[dict[str, str]] = []
+        #: rows (by ``expected``) answered 503, as an agent whose resources server died
+        self.failing: set[float] = set()
         self.app.post("/run")(self.run)
 
-    async def run(self, request: Request) -> dict[str, Any]:
+    async def run(self, request: Request) -> Any:
         row = await request.json()
+        if row["expected"] in self.failing:
+            return JSONResponse("Hit an exception calling an inner server", status_code=503)
         self.seen.append({k: v for k, v in request.headers.items() if "rolloutlog" in k})
         self.seen[-1]["cookie"] = request.headers.get("cookie", "")
         if row["expected"] in self.blocked:

@@ -54,10 +54,9 @@ def collector(world: World, agent: FakeAgent, output: Path, **options: Any) -> G
         transport=world.transport,
         trainer=world.trainer,
         restores=world.restores,
-        concurrency=4,
         signals=False,
         http=http,
-        **options,
+        **{"concurrency": 4, **options},
     )
 
 
@@ -131,3 +130,20 @@ async def test_a_crash_resumes_from_the_checkpoint(world: World, tmp_path: Path)
     assert sorted(s["x-rolloutlog-capture-key"] for s in continued) == ["t1-r0-a1", "t2-r0-a1"]
     assert all(s["x-rolloutlog-restore-id"] == str(report.restore_id) for s in continued)
     assert await world.trainer.results(RUN, unacknowledged=True) == []
+
+
+async def test_a_gym_that_fails_interrupts_the_collection(world: World, tmp_path: Path) -> None:
+    """A ``/run`` answered 5xx (or not at all) is a Gym that died: no failure row, the episode
+    stays open, the collection stops; run again once the Gym is back, it finishes the rows."""
+    agent = FakeAgent()
+    agent.failing = {1.0}
+    output = tmp_path / "rollouts.jsonl"
+    rows = materialize_rows(dataset(3), agent=AGENT)
+    report = await collector(world, agent, output, concurrency=1).run(rows)
+    assert not report.complete and report.interrupted[0].startswith("t1-r0: 503")
+    assert report.failed == 0 and not (tmp_path / "rollouts_failures.jsonl").read_bytes()
+    assert {episode_id(r) for r in written(output)} == {"t0-r0"}  # dispatch stopped at t1-r0
+    agent.failing = set()
+    again = await collector(world, agent, output).run(rows)
+    assert again.complete and (again.already_done, again.written) == (1, 2)
+    assert sorted(r["reward"] for r in written(output)) == [0.0, 1.0, 2.0]
