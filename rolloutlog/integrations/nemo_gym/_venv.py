@@ -5,7 +5,7 @@ run in a venv apart from rolloutlog's. ``ensure_venv()`` builds it once per mach
 ``~/.cache/rolloutlog/nemo-gym/<key>`` (``ROLLOUTLOG_CACHE_DIR`` moves it), keyed by the Python
 version and the pinned requirements (NeMo Gym's, and rolloutlog's own as ``pyproject.toml``
 declares them), so later runs and CI on the machine reuse it and a change of any of them
-builds a new one. The venv holds rolloutlog's dependencies, not rolloutlog: run the checkout's
+builds a new one (the three newest are kept). The venv holds rolloutlog's dependencies, not rolloutlog: run the checkout's
 code in it with ``PYTHONPATH`` (``gym_env()``), so a cached venv never runs stale code.
 
 Python is found as ``ROLLOUTLOG_NEMO_GYM_PYTHON``, else pyenv's 3.12/3.13 versions, else
@@ -77,6 +77,8 @@ CHECK_IMPORTS = (
 #: Bumped when the way the venv is built changes (it is part of the key).
 BUILD_VERSION = 1
 MIN_PYTHON = (3, 12)
+#: Built venvs kept in the cache (the newest).
+KEEP = 3
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -204,7 +206,21 @@ def ensure_venv(python: str | None = None, root: Path = ROOT, *, quiet: bool = F
         done.write_text(json.dumps({"built_s": round(time.monotonic() - began, 1)}))
         if not quiet:
             print(f"built in {time.monotonic() - began:.0f} s", file=sys.stderr)
+    _prune(venv.parent, KEEP)
     return venv
+
+
+def _prune(cache: Path, keep: int) -> None:
+    """Remove all but the ``keep`` most recently built venvs (checkouts of other revisions on
+    the machine may still use those); one being built (no ``.complete``) is left alone."""
+    built = sorted(
+        (p for p in cache.iterdir() if (p / ".complete").exists()),
+        key=lambda p: (p / ".complete").stat().st_mtime,
+        reverse=True,
+    )
+    for old in built[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+        (cache / f"{old.name}.lock").unlink(missing_ok=True)
 
 
 def gym_env(venv: Path, root: Path = ROOT, base: Mapping[str, str] | None = None) -> dict[str, str]:

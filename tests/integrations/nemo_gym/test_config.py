@@ -3,6 +3,7 @@ ng_run shims, and the venv's key and Python."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from rolloutlog.integrations.nemo_gym._config import server_dict, server_instanc
 from rolloutlog.integrations.nemo_gym._launcher import _entrypoint_class
 from rolloutlog.integrations.nemo_gym._ng_run import SHIM, write_overlay
 from rolloutlog.integrations.nemo_gym._venv import (
+    _prune,
     find_python,
     rolloutlog_requirements,
     venv_path,
@@ -112,3 +114,19 @@ def test_python_below_3_12_is_not_taken(monkeypatch: pytest.MonkeyPatch) -> None
     assert find_python() == expected
     monkeypatch.setenv("ROLLOUTLOG_NEMO_GYM_PYTHON", "/nonexistent/python3.12")
     assert find_python() is None
+
+
+def test_the_cache_keeps_the_newest_venvs(tmp_path: Path) -> None:
+    for age, name in enumerate(["py3.12-d", "py3.12-c", "py3.12-b", "py3.12-a"]):
+        (tmp_path / name).mkdir()
+        done = tmp_path / name / ".complete"
+        done.write_text("{}")
+        os.utime(done, (1000.0 - age, 1000.0 - age))
+    (tmp_path / "py3.12-building").mkdir()  # no .complete: being built
+    _prune(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "py3.12-b",
+        "py3.12-building",
+        "py3.12-c",
+        "py3.12-d",
+    ]
