@@ -63,7 +63,13 @@ def _agent_urls(args: argparse.Namespace, names: set[str]) -> dict[str, str]:
     missing = names - set(urls)
     if not missing:
         return urls
-    import yaml  # type: ignore[import-untyped,unused-ignore]
+    try:
+        import yaml  # type: ignore[import-untyped,unused-ignore]
+    except ImportError as e:  # NeMo Gym's venv has it (OmegaConf's); a trainer's may not
+        raise SystemExit(
+            f"collect: no URL for agent(s) {sorted(missing)}: give --agent-url NAME=URL "
+            "(finding them through the head server needs PyYAML)"
+        ) from e
 
     from rolloutlog.integrations.nemo_gym._config import server_dict
 
