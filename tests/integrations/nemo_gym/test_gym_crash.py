@@ -100,7 +100,7 @@ class World:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World]:
+async def nemo(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World]:
     gym_python()
     workdir = tmp_path_factory.mktemp("nemo_gym")
     service = Service(Deployment("embedded", workdir / "data"), workdir)
@@ -127,82 +127,82 @@ def rewards(path: Path) -> dict[int, float]:
     return {row["_ng_task_index"] % 100: float(row["reward"]) for row in rows}
 
 
-async def reference(world: World) -> dict[int, float]:
-    output = world.workdir / "reference.jsonl"
+async def reference(nemo: World) -> dict[int, float]:
+    output = nemo.workdir / "reference.jsonl"
     if not output.exists():
-        await world.finish(world.collector(0, output), 0)
+        await nemo.finish(nemo.collector(0, output), 0)
     return rewards(output)
 
 
-async def test_an_uninterrupted_run_gets_the_expected_rewards(world: World) -> None:
+async def test_an_uninterrupted_run_gets_the_expected_rewards(nemo: World) -> None:
     expected = {i: 0.0 if i in (2, 5) else 1.0 for i in range(len(ROWS))}
-    assert await reference(world) == expected
+    assert await reference(nemo) == expected
 
 
-async def checkpoints(world: World) -> list[dict[str, Any]]:
+async def checkpoints(nemo: World) -> list[dict[str, Any]]:
     """The run's committed checkpoints."""
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKENS['admin']}"}) as http:
-        reply = await http.get(f"{world.service.url}/v1/runs/{RUN}/checkpoints")
+        reply = await http.get(f"{nemo.service.url}/v1/runs/{RUN}/checkpoints")
         reply.raise_for_status()
         body = reply.json()
     found: list[dict[str, Any]] = body["checkpoints"] if isinstance(body, dict) else body
     return [c for c in found if c["status"] == "committed"]
 
 
-async def latest(world: World) -> int:
+async def latest(nemo: World) -> int:
     """The newest committed checkpoint's id (the service keeps the newest two)."""
-    return max((c["checkpoint_id"] for c in await checkpoints(world)), default=0)
+    return max((c["checkpoint_id"] for c in await checkpoints(nemo)), default=0)
 
 
-async def wait_checkpoint(world: World, after: int, timeout_s: float = 120) -> None:
+async def wait_checkpoint(nemo: World, after: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    while await latest(world) <= after:
+    while await latest(nemo) <= after:
         assert time.monotonic() < deadline, f"no checkpoint after {after}"
         await asyncio.sleep(0.1)
 
 
-async def test_sigkill_of_every_process_group_then_resume(world: World) -> None:
-    expected = await reference(world)
-    scenario, output = 100, world.workdir / "crash.jsonl"
+async def test_sigkill_of_every_process_group_then_resume(nemo: World) -> None:
+    expected = await reference(nemo)
+    scenario, output = 100, nemo.workdir / "crash.jsonl"
     for prompt in HELD:
-        await world.backend.hold(prompt, turn=1)  # after the first tool round
-    collector = world.collector(scenario, output)
-    await world.backend.wait_parked(len(HELD))
+        await nemo.backend.hold(prompt, turn=1)  # after the first tool round
+    collector = nemo.collector(scenario, output)
+    await nemo.backend.wait_parked(len(HELD))
     deadline = time.monotonic() + 120
     while not output.exists() or len(output.read_bytes().splitlines()) < len(ROWS) - len(HELD):
-        assert time.monotonic() < deadline, world.log(scenario)
+        assert time.monotonic() < deadline, nemo.log(scenario)
         await asyncio.sleep(0.1)
-    before = await latest(world)
+    before = await latest(nemo)
     collector.send_signal(signal.SIGUSR1)  # checkpoint, and go on
-    await wait_checkpoint(world, before)
+    await wait_checkpoint(nemo, before)
     kill_group(collector.pid)
-    world.gym.kill()
+    nemo.gym.kill()
     collector.wait()
-    await world.backend.release()  # the parked calls answer dead sockets
-    calls_before = len(world.backend.calls())
-    await world.gym.launch()
-    log = await world.finish(world.collector(scenario, output), scenario)
+    await nemo.backend.release()  # the parked calls answer dead sockets
+    calls_before = len(nemo.backend.calls())
+    await nemo.gym.launch()
+    log = await nemo.finish(nemo.collector(scenario, output), scenario)
     assert rewards(output) == expected
     assert f"already done {len(ROWS) - len(HELD)}" in log
     # a stock SimpleAgent has no session hooks: each held row replays its /run from its input
     assert "continued 4" in log, log
-    replayed = world.backend.calls()[calls_before:]
+    replayed = nemo.backend.calls()[calls_before:]
     assert sorted(c["prompt"].split(":")[0] for c in replayed if c["turn"] == 0) == sorted(
         p.rstrip(":") for p in HELD
     )
 
 
-async def test_sigterm_checkpoints_and_stops_then_resumes(world: World) -> None:
-    expected = await reference(world)
-    scenario, output = 200, world.workdir / "stop.jsonl"
-    await world.backend.hold("counter task 1:", turn=1)
-    collector = world.collector(scenario, output)
-    await world.backend.wait_parked(1)
-    before = await latest(world)
+async def test_sigterm_checkpoints_and_stops_then_resumes(nemo: World) -> None:
+    expected = await reference(nemo)
+    scenario, output = 200, nemo.workdir / "stop.jsonl"
+    await nemo.backend.hold("counter task 1:", turn=1)
+    collector = nemo.collector(scenario, output)
+    await nemo.backend.wait_parked(1)
+    before = await latest(nemo)
     collector.send_signal(signal.SIGTERM)
-    log = await world.finish(collector, scenario)
+    log = await nemo.finish(collector, scenario)
     assert "stopped on SIGTERM" in log
-    await world.backend.release()
-    assert await latest(world) > before
-    await world.finish(world.collector(scenario, output), scenario)
+    await nemo.backend.release()
+    assert await latest(nemo) > before
+    await nemo.finish(nemo.collector(scenario, output), scenario)
     assert rewards(output) == expected
