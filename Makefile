@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv check test demo bench bench-quick bench-components clean
+.PHONY: venv check test demo bench bench-quick bench-components clean nemo-gym-venv
 
 # An editable install of `.[test]`: the test tools and, through them, the server extra.
 venv: $(STAMP)
@@ -25,8 +25,16 @@ check: venv
 # on one worker (tests/conftest.py).
 PYTEST_WORKERS ?= 2
 
-test: check
+test: check nemo-gym-venv
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The NeMo Gym venv (Python >= 3.12, nemo-gym 0.4.0 and rolloutlog's dependencies; the checkout's
+# code runs in it from PYTHONPATH): built once per machine under ~/.cache/rolloutlog/nemo-gym/,
+# keyed by the Python version and the pinned requirements, reused after. Without a Python >= 3.12
+# it says so and the NeMo Gym tests skip (in CI, .ci/run requires it).
+nemo-gym-venv: venv
+	@$(BIN)/python -m rolloutlog.integrations.nemo_gym venv || \
+		{ [ "$$ROLLOUTLOG_REQUIRE_SERVICES" != 1 ] && echo "NeMo Gym tests will be skipped"; }
 
 # The README's first command: 300 simulated rollouts, a checkpoint, SIGKILL, restore.
 demo: venv

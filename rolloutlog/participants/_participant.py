@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, ClassVar, get_args
 
+from rolloutlog.errors import BackendUnavailable, UnknownRun
 from rolloutlog.log import (
     Opaque,
     ParticipantKind,
@@ -75,11 +76,25 @@ class Participant:
         self.seq = 0
         self._who: dict[str, Any] = {}
 
-    async def register(self) -> int:
-        """Register with the service; a new epoch fences every earlier incarnation of this id."""
+    async def register(self, *, wait_s: float = 0.0) -> int:
+        """Register with the service; a new epoch fences every earlier incarnation of this id.
+
+        ``wait_s``: how long to keep trying while the service is unreachable or the run does not
+        exist yet (a participant started beside the service, or before the trainer made the run).
+        """
         if self.kind not in _KINDS:
             raise ValueError(f"unknown participant kind {self.kind!r}")
-        self.epoch = await self.transport.register(self.run, self.id, self.kind)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            try:
+                epoch = await self.transport.register(self.run, self.id, self.kind)
+                break
+            except (BackendUnavailable, UnknownRun):
+                if loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        self.epoch = epoch
         self.seq = 0
         self._who = {"id": self.id, "kind": self.kind, "epoch": self.epoch}
         return self.epoch

@@ -374,6 +374,20 @@ class Policy(Participant):
         ``capture_key``: the attempt's first call to reach the policy."""
         return self.ledger.claim(f"cut:{capture_key}")
 
+    def refuse_cut(self, call_id: str, capture_key: str | None, reason: str) -> None:
+        """Count (``cuts_refused``, the metric by ``reason``) and log a restored cut that will
+        not be continued: the call regenerates. ``validate_cut`` calls it; so does a server
+        whose backend cannot continue a cut that validated."""
+        self.cuts_refused += 1
+        CUTS_REFUSED.labels(self.id, reason).inc()
+        _log.warning(
+            "%s: refused the generation cut of call %s for %s (%s): the call regenerates",
+            self.id,
+            call_id,
+            capture_key,
+            reason,
+        )
+
     def validate_cut(
         self,
         projection: Mapping[str, Any],
@@ -402,15 +416,7 @@ class Policy(Participant):
         elif int(cut.get("policy_version", 0)) > self.policy_version:
             reason = "policy_newer"
         if reason is not None:
-            self.cuts_refused += 1
-            CUTS_REFUSED.labels(self.id, reason).inc()
-            _log.warning(
-                "%s: refused the generation cut of call %s for %s (%s): the call regenerates",
-                self.id,
-                cut["call_id"],
-                projection.get("capture_key"),
-                reason,
-            )
+            self.refuse_cut(cut["call_id"], projection.get("capture_key"), reason)
             return None
         return GenerationPrefix(
             call_id=cut["call_id"],

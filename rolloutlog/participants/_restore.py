@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, Self
@@ -10,7 +11,12 @@ import httpx
 import orjson
 
 from rolloutlog._telemetry import client_span
-from rolloutlog.errors import BackendUnavailable, error_from_body, error_from_wire
+from rolloutlog.errors import (
+    BackendUnavailable,
+    UnknownEpisode,
+    error_from_body,
+    error_from_wire,
+)
 from rolloutlog.participants._transport import _Rest
 from rolloutlog.wire import NDJSON, NdjsonSplitter
 
@@ -116,3 +122,23 @@ class Restores:
         )
         result: dict[str, Any] = orjson.loads(response.content)
         return result
+
+    async def continued(
+        self, run: str, episode: str, restore: int | str = "latest", *, deadline_s: float = 120.0
+    ) -> dict[str, Any] | None:
+        """``fetch``, or None when the restore did not continue the episode (restarted or
+        excluded it); rides through a service restart for up to ``deadline_s``, as the
+        transports' appends do."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_s
+        failures = 0
+        while True:
+            try:
+                return await self.fetch(run, episode, restore)
+            except UnknownEpisode:
+                return None
+            except BackendUnavailable:
+                failures += 1
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(min(2.0, 0.05 * 2**failures))

@@ -120,6 +120,7 @@ def test_the_sim_surface_and_a_side_effect_free_import() -> None:
                 "CollectorReport",
                 "Gym",
                 "Rollout",
+                "die_with_parent",
                 "expected_answer",
                 "expected_reward",
                 "free_port",

@@ -18,7 +18,7 @@ and checks every reward. Importing this package starts nothing.
 """
 
 from rolloutlog.participants.sim._collector import Collector, CollectorReport, Rollout
-from rolloutlog.participants.sim._gym import PARTICIPANTS, Gym, free_port
+from rolloutlog.participants.sim._gym import PARTICIPANTS, Gym, die_with_parent, free_port
 from rolloutlog.participants.sim._model import (
     RESOURCES_KINDS,
     expected_answer,
@@ -36,6 +36,7 @@ __all__ = [
     "CollectorReport",
     "Gym",
     "Rollout",
+    "die_with_parent",
     "expected_answer",
     "free_port",
     "expected_reward",

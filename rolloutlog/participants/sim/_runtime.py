@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp
 
-from rolloutlog.errors import BackendUnavailable, RolloutlogError, UnknownEpisode, UnknownRun
+from rolloutlog.errors import RolloutlogError
 from rolloutlog.participants._asgi import (
     CAPTURE_KEY_HEADER,
     RolloutContextMiddleware,
@@ -236,15 +236,7 @@ class SimServer:
     async def _register(self, timeout_s: float = 120.0) -> None:
         # The launcher starts participants beside the service (their imports overlap its
         # start): wait for the service and the run to exist.
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while True:
-            try:
-                await self.participant.register()
-                return
-            except (BackendUnavailable, UnknownRun):
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
-                await asyncio.sleep(0.05)
+        await self.participant.register(wait_s=timeout_s)
 
     def restore_id(self, request: Request | None = None, body: Any = None) -> int | None:
         """The restore a replacement attempt continues from: the request's (body or header),
@@ -259,20 +251,9 @@ class SimServer:
         """One episode's projection of a restore (None when the restore did not continue it)."""
         if restore_id is None:
             return None
-        # Rides through a service restart like the transport's appends do.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.transport.deadline_s
-        failures = 0
-        while True:
-            try:
-                return await self.restores.fetch(self.settings.run, episode, restore_id)
-            except UnknownEpisode:
-                return None
-            except BackendUnavailable:
-                failures += 1
-                if loop.time() > deadline:
-                    raise
-                await asyncio.sleep(min(2.0, 0.05 * 2**failures))
+        return await self.restores.continued(
+            self.settings.run, episode, restore_id, deadline_s=self.transport.deadline_s
+        )
 
     async def post(
         self, url: str, path: str, context: RolloutContext, body: Any, restore_id: int | None
