@@ -249,6 +249,7 @@ SURFACES: dict[str, list[str]] = {
         "GymContextMiddleware",
         "GymSettings",
         "Launcher",
+        "SessionState",
         "attach_resources",
         "build_app",
         "current_gym_session",

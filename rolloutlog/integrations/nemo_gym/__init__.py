@@ -25,6 +25,7 @@ from rolloutlog.integrations.nemo_gym._context import (
     rollout_cookies,
     rollout_headers,
 )
+from rolloutlog.integrations.nemo_gym._exported import SessionState
 from rolloutlog.integrations.nemo_gym._launcher import Launcher, build_app, resolve_config, serve
 from rolloutlog.integrations.nemo_gym._resources import attach_resources
 
@@ -53,6 +54,7 @@ __all__ = [
     "GymContextMiddleware",
     "GymSettings",
     "Launcher",
+    "SessionState",
     "attach_resources",
     "build_app",
     "current_gym_session",

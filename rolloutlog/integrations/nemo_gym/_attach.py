@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 from rolloutlog.integrations.nemo_gym._config import GymSettings
 from rolloutlog.integrations.nemo_gym._context import RESTORE_HEADER, restore_id_of
+from rolloutlog.integrations.nemo_gym._exported import continued_projection
 from rolloutlog.integrations.nemo_gym._resources import _Registered, on_lifespan
 from rolloutlog.participants import (
     DEFAULT_DEADLINE_S,
@@ -105,13 +106,10 @@ class Attachment(Generic[P]):
     async def projection(self, context: RolloutContext) -> dict[str, Any] | None:
         """The projection a replacement attempt continues from (``current_restore_id()``, else
         the latest restore); None for attempt 0, or when the restore did not continue it."""
-        if context.attempt == 0:
-            return None
-        restore_id = current_restore_id()
-        restore: int | str = "latest" if restore_id is None else restore_id
-        projection = await self.restores.continued(
-            self.settings.run, context.episode, restore, deadline_s=self.deadline_s
+        return await continued_projection(
+            self.restores,
+            self.settings.run,
+            context,
+            current_restore_id(),
+            deadline_s=self.deadline_s,
         )
-        if projection is None or projection.get("capture_key") != context.capture_key:
-            return None
-        return projection

@@ -14,9 +14,8 @@ per server) behind ``GymContextMiddleware`` (the rollout context from headers or
 
 Modes (the server's ``rolloutlog.mode``): ``restart_only`` (default; fails closed: an episode
 with a live session restarts), ``stateless`` (nothing to restore: its episodes continue),
-``exported`` (``rolloutlog.state``: ``"module:factory"``, ``factory(server)`` returns the SDK's
-``StateHook``, the state recorded before each reply; a replacement attempt gets it back from
-its projection).
+``exported`` (``rolloutlog.state``: ``"module:factory"``, ``factory(server)`` returns the
+server's ``SessionState``: export, restore and retire over its own state, ``_exported``).
 """
 
 from __future__ import annotations
@@ -28,7 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 from rolloutlog.integrations.nemo_gym._config import GymSettings, load_object
 from rolloutlog.integrations.nemo_gym._context import GymContextMiddleware
-from rolloutlog.participants import CAPTURE_KEY_HEADER, Resources, ResourcesMiddleware, Transport
+from rolloutlog.integrations.nemo_gym._exported import ExportedState
+from rolloutlog.participants import (
+    CAPTURE_KEY_HEADER,
+    Resources,
+    ResourcesMiddleware,
+    Restores,
+    Transport,
+)
 
 if TYPE_CHECKING:  # plain ASGI: starlette is not needed to run it
     from starlette.types import ASGIApp, Receive, Scope, Send
@@ -81,31 +87,40 @@ class _Registered:
         await self.app(scope, receive, send)
 
 
+async def _nothing() -> None:
+    pass
+
+
 def attach_resources(
-    server: Any, app: Any, settings: GymSettings, *, transport: Transport | None = None
+    server: Any,
+    app: Any,
+    settings: GymSettings,
+    *,
+    transport: Transport | None = None,
+    restores: Restores | None = None,
 ) -> ASGIApp:
     """The ASGI app to serve for NeMo Gym resources server ``server`` (its ``app`` from
     ``setup_webserver()``), recording its sessions as participant ``settings.participant_id``.
 
     Options (``settings.options``): ``mode``, ``verify`` (``replay``/``wait``, default ``wait``:
-    a verify in flight is never run twice), ``state`` (exported), ``rollout_id_required``
-    (refuse rollout routes without a context: work no checkpoint accounts for).
+    a verify in flight is never run twice), ``state`` (exported: ``"module:factory"`` of its
+    ``SessionState``; ``deadline_s``, how long a restore rides through an unreachable service),
+    ``rollout_id_required`` (refuse rollout routes without a context: work no checkpoint
+    accounts for).
     ``transport``: the participant's (default ``settings.transport()``, started and stopped with
-    the app's lifespan; a given one is the caller's to start and stop)."""
+    the app's lifespan; a given one is the caller's to start and stop); ``restores``: where an
+    exported server's replacement attempts fetch their projections (default: the service's)."""
     options = settings.options
     mode = str(options.get("mode", "restart_only"))
     if mode not in MODES:
         raise ValueError(
             f"resources server {settings.participant_id}: mode {mode!r} not in {MODES}"
         )
-    hook = None
-    if mode == "exported":
-        if not options.get("state"):
-            raise ValueError(
-                f"resources server {settings.participant_id}: mode exported needs "
-                "rolloutlog.state ('module:factory' returning the state hook)"
-            )
-        hook = load_object(str(options["state"]))(server)
+    if mode == "exported" and not options.get("state"):
+        raise ValueError(
+            f"resources server {settings.participant_id}: mode exported needs rolloutlog.state "
+            "('module:factory' returning its export, restore and retire)"
+        )
     owned = transport is None
     transport = settings.transport() if transport is None else transport
     resources = Resources(
@@ -117,10 +132,16 @@ def attach_resources(
     )
     if owned:
         on_lifespan(app, transport.start, transport.stop)
+    exported = None
+    if mode == "exported":
+        user = load_object(str(options["state"]))(server)
+        exported = ExportedState(user, settings, resources, restores)
+        exported.install(app)
+        on_lifespan(app, _nothing, exported.close)
     recorded = ResourcesMiddleware(
         app,
         resources,
-        state=hook,
+        state=None if exported is None else exported.record,
         rollout_id_required=bool(options.get("rollout_id_required", False)),
         exempt=EXEMPT,
     )

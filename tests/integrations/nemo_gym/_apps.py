@@ -52,7 +52,7 @@ def resources_app() -> tuple[FastAPI, dict[str, int]]:
 
     @app.post("/seed_session")
     async def seed(request: Request) -> dict[str, str]:
-        counters[request.session["session_id"]] = 0
+        counters.setdefault(request.session["session_id"], 0)  # as NeMo Gym's counter does
         return {}
 
     @app.post("/increment_counter")

@@ -3,6 +3,7 @@ rollout context from headers or from the cookies a stock ``SimpleAgent`` forward
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -13,10 +14,10 @@ from rolloutlog.integrations.nemo_gym import (
     GymContextMiddleware,
     GymSettings,
     attach_resources,
-    current_gym_session,
     rollout_cookies,
     rollout_headers,
 )
+from rolloutlog.integrations.nemo_gym.examples.session_counter import CounterState
 from rolloutlog.participants import Environment, RolloutContext
 from tests.integrations.nemo_gym._apps import SESSION_COOKIE, resources_app
 from tests.participants.conftest import RUN, World
@@ -41,9 +42,11 @@ def client(app: Any) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://res.test")
 
 
-async def agent_chain(http: httpx.AsyncClient, key: str, increments: int) -> httpx.Response:
+async def agent_chain(
+    http: httpx.AsyncClient, key: str, increments: int, restore_id: int | None = None
+) -> httpx.Response:
     """What SimpleAgent does: /run's cookies to /seed_session, then each reply's cookies only."""
-    cookies = rollout_cookies(RolloutContext.of(key))
+    cookies = rollout_cookies(RolloutContext.of(key), restore_id)
     reply = await http.post("/seed_session", headers=_cookie(cookies))
     for _ in range(increments):
         reply = await http.post("/increment_counter", headers=_cookie(dict(reply.cookies)))
@@ -107,34 +110,45 @@ async def test_a_restart_only_session_open_at_the_cut_restarts_its_episode(world
     assert plan["r-tail"].action == "continue"
 
 
-async def test_an_exported_server_records_its_state_before_each_reply(world: World) -> None:
+async def test_an_exported_server_records_its_state_and_a_replacement_gets_it_back(
+    world: World,
+) -> None:
     app, counters = resources_app()
-
-    def factory(server: object) -> Any:
-        async def state(context: RolloutContext, session_id: str) -> dict[str, int]:
-            gym_session = current_gym_session()
-            assert gym_session is not None
-            return {"count": counters.get(gym_session["session_id"], 0)}
-
-        return state
-
     global FACTORY
-    FACTORY = factory
+    FACTORY = lambda server: CounterState(SimpleNamespace(session_id_to_counter=counters))  # noqa: E731
     served = attach_resources(
-        None, app, settings("exported", state=f"{__name__}:FACTORY"), transport=world.transport
+        None,
+        app,
+        settings("exported", state=f"{__name__}:FACTORY"),
+        transport=world.transport,
+        restores=world.restores,
     )
     env = Environment(world.transport, RUN, "collector")
     await env.register()
     episode = await env.start_episode("t2-r0", {"row": 2})
     async with client(served) as http:
-        await agent_chain(http, "t2-r0", 2)
-    await episode.boundary("invoke_agent", {"reply": None})
+        verified = await agent_chain(http, "t2-r0", 2)
+        await episode.boundary("invoke_agent", {"reply": None})
+        # past the boundary: in the tail of the cut, so the restore leaves it out
+        await http.post("/increment_counter", headers=_cookie(dict(verified.cookies)))
+    (first,) = counters
+    assert counters == {first: 3}
     kinds = [kind for kind, _, _ in await events(world, "t2-r0")]
-    assert kinds.count("session.state") == 4  # seed, two increments, verify: before each reply
+    assert kinds.count("session.state") == 5  # seed, two increments, verify, one more
     await world.trainer.checkpoint(RUN)
     restore = await world.trainer.restore(RUN)
     projection = await world.restores.fetch(RUN, "t2-r0", restore.restore_id)
-    assert projection["sessions"]["counter-exported:t2-r0"]["state"] == {"count": 2}
+    recorded = projection["sessions"]["counter-exported:t2-r0"]["state"]
+    assert recorded == {"gym_session": first, "state": 2}
+
+    # The replacement attempt seeds again (a stock SimpleAgent's /run does): a new NeMo Gym
+    # session, which gets the restored count before the server sees the request; the session
+    # it supersedes (this server lived through the restore, with the tail's count) is retired.
+    async with client(served) as http:
+        verified = await agent_chain(http, "t2-r0-a1", 1, restore.restore_id)
+    assert verified.json() == {"reward": 3.0}
+    (second,) = counters
+    assert second != first and counters == {second: 3}
 
 
 FACTORY: Any = None
