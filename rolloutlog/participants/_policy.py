@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -11,7 +12,7 @@ from typing import Any
 import orjson
 from prometheus_client import Counter
 
-from rolloutlog.log import ledger_digest
+from rolloutlog.log import Position, ledger_digest
 from rolloutlog.participants._ledger import LedgerRowInfo, LedgerStore, MemoryLedger
 from rolloutlog.participants._participant import Participant, RolloutContext, check_name
 from rolloutlog.participants._transport import Transport
@@ -116,6 +117,7 @@ class Generation:
         staging_key: str | None,
         prefix: Sequence[int] = (),
         policy_version: int | None = None,
+        done: bool = False,
     ) -> None:
         self.policy = policy
         self.context = context
@@ -127,10 +129,12 @@ class Generation:
         self.policy_version = policy.policy_version if policy_version is None else policy_version
         self.token_ids: list[int] = list(prefix)
         self.durable = len(self.token_ids)
+        #: the call's last chunk (``done``) is written, or it continues a terminal cut
+        self.done = done
         self.chunks = 0
         self.skipped = 0
 
-    async def _chunk(self, end: int, done: bool) -> None:
+    def _chunk_data(self, end: int, done: bool) -> dict[str, Any]:
         piece = self.token_ids[self.durable : end]
         data = {
             "call_id": self.call_id,
@@ -142,9 +146,13 @@ class Generation:
             "staging_key": self.staging_key,
             "done": done,
         }
-        await self.policy.emit("generation.chunk", self.context, data)
         self.durable = end
+        self.done = done
         self.chunks += 1
+        return data
+
+    async def _chunk(self, end: int, done: bool) -> None:
+        await self.policy.emit("generation.chunk", self.context, self._chunk_data(end, done))
 
     async def feed(self, token_ids: Iterable[int]) -> None:
         """Add generated tokens; every ``chunk_tokens`` of them become durable in one chunk."""
@@ -160,9 +168,27 @@ class Generation:
     async def complete(self) -> None:
         """The call finished generating: a long call's last chunk says ``done`` (a terminal cut
         if the response is never delivered). Short calls write nothing."""
-        if self.constrained or (self.chunks == 0 and self.durable == 0):
+        if self.constrained or self.done or (self.chunks == 0 and self.durable == 0):
             return
         await self._chunk(len(self.token_ids), True)
+
+    async def deliver(self, token_ids: Sequence[int]) -> asyncio.Future[Position] | None:
+        """The call is about to be delivered with these tokens (all of them, the durable prefix
+        first): submits its last chunk (``done``) unless it has one, even for a call short
+        enough, or not streamed, to have written none, so that a call delivered after its
+        episode's last boundary leaves a terminal cut (a replacement serves it from its tokens
+        instead of generating it again). Not awaited: submit the call's ledger row next (one
+        append carries both), then await the returned future before delivering. None for a
+        constrained call (never cut) or one whose last chunk is written."""
+        if self.constrained or self.done:
+            return None
+        tokens = list(token_ids)
+        if tokens[: self.durable] != self.token_ids[: self.durable]:
+            raise ValueError(f"call {self.call_id}: the tokens delivered do not extend its chunks")
+        self.token_ids = tokens
+        return await self.policy.emit_nowait(
+            "generation.chunk", self.context, self._chunk_data(len(tokens), True)
+        )
 
 
 class Policy(Participant):
@@ -287,6 +313,7 @@ class Policy(Participant):
             staging_key,
             cut.token_ids if cut is not None else (),
             version,
+            done=cut is not None and cut.terminal,
         )
 
     async def record_call(

@@ -164,6 +164,36 @@ async def test_constrained_calls_are_never_chunked_and_each_skip_is_counted(worl
     assert world.transport.stats.events == 0
 
 
+async def test_a_call_delivered_after_the_last_boundary_is_a_terminal_cut(world: World) -> None:
+    env = Environment(world.transport, RUN, "env-0")
+    policy = Policy(world.transport, RUN, "policy-0", chunk_tokens=64)
+    await env.register()
+    await policy.register()
+    episode = await env.start_episode("e1", TASK)
+    await episode.step_started("invoke_agent")
+    generation = policy.generation("e1", "c1", request_digest="r")
+    await generation.feed([1, 2, 3])
+    await generation.complete()  # shorter than a chunk: nothing written
+    assert generation.chunks == 0
+    done = await generation.deliver([1, 2, 3])
+    await policy.record_call(
+        "e1", "c1", [1, 2, 3], fingerprint=fingerprint(["m1"]), context_digest="ctx"
+    )
+    assert done is not None
+    await done
+    assert await generation.deliver([1, 2, 3]) is None  # its last chunk is written
+    await world.trainer.checkpoint(RUN)
+    restore = await world.trainer.restore(RUN)
+    projection = await world.restores.fetch(RUN, "e1", restore.restore_id)
+    assert projection["ledger"] == []  # the row is in the tail: dropped
+    cut = policy.validate_cut(projection, request_digest="r")
+    assert cut is not None and (cut.call_id, cut.token_ids, cut.terminal) == ("c1", (1, 2, 3), True)
+    served = policy.generation("e1-a1", "c1", request_digest="r", cut=cut)
+    assert served.done and await served.deliver([1, 2, 3]) is None
+    constrained = policy.generation("e1", "c2", request_digest="r", constrained=True)
+    assert await constrained.deliver([4]) is None
+
+
 async def test_the_export_hook_records_many_sessions_at_once(world: World) -> None:
     exported: list[list[tuple[str, str]]] = []
 

@@ -15,7 +15,14 @@ answers with the same Chat Completion dict after doing what the call needs:
   prefix's log probabilities come back as ``prompt_logprobs``, and the reply is the prefix plus
   what was generated. A cut that cannot be continued regenerates (``Policy.refuse_cut``): its
   text holds markup a tool or reasoning parser must see whole (``cut_unsafe_markers``), or the
-  backend could not detokenize it or did not give its tokens back unchanged.
+  backend could not detokenize it or did not give its tokens back unchanged;
+- **serving a terminal cut** (a call that completed, and was maybe delivered, after its
+  episode's last boundary): nothing is generated. Its text comes from ``/detokenize``, its tool
+  calls from the policy's ``tool_parser`` (the backend's own format: the backend parses tool
+  calls out of the text, so a request with tools needs one), its log probabilities from a
+  prefill of the prompt (``/tokenize``) and its tokens (``/v1/completions`` with ``echo`` and
+  ``max_tokens: 0``, vLLM's scoring form). A text the parser cannot read, or that holds other
+  unsafe markup (``<think>``), regenerates.
 
 A backend error on a streamed or continued call is answered by the stock client with the
 original request, so vllm_model's own error handling (context length → empty reply) applies.
@@ -25,13 +32,14 @@ from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import orjson
 
+from rolloutlog.integrations.nemo_gym._parsers import ToolParser, UnparsedMarkup, parsed_message
 from rolloutlog.participants import Generation, GenerationPrefix, Policy, constrained_request
 
 __all__ = ["CALL", "CallClient", "CallState"]
@@ -52,8 +60,12 @@ class CallState:
     fresh_call_id: str
     stream: bool
     unsafe_markers: Sequence[str]
+    #: the backend's tool-call format, for serving terminal cuts of requests with tools
+    tool_parser: ToolParser | None = None
     token_ids: list[int] = field(default_factory=list)
     continued: int = 0
+    #: a terminal cut served from its tokens: nothing generated
+    served: bool = False
 
     def regenerate(self) -> None:
         """Give up the cut: the call generates from its start under ``fresh_call_id``."""
@@ -101,6 +113,8 @@ class CallClient:
             try:
                 if call.generation.constrained:
                     raise _Unusable("constrained")
+                if cut.terminal:
+                    return await self._served(body, cut)
                 return await self._continued(body, cut)
             except (_Unusable, httpx.HTTPError) as e:
                 reason = str(e) if isinstance(e, _Unusable) else "backend_error"
@@ -123,14 +137,75 @@ class CallClient:
 
     async def _detokenize(self, model: Any, token_ids: Sequence[int]) -> str:
         base = str(self._inner.base_url).removesuffix("/v1")
+        body = {"model": model, "tokens": list(token_ids)}
+        return str((await self._post(f"{base}/detokenize", body, "detokenize_failed"))["prompt"])
+
+    async def _post(self, url: str, body: Mapping[str, Any], refused: str) -> Any:
         response = await self._http.post(
-            f"{base}/detokenize",
-            content=orjson.dumps({"model": model, "tokens": list(token_ids)}),
+            url,
+            content=orjson.dumps(body),
             headers={**self._headers(), "Content-Type": "application/json"},
         )
         if response.status_code >= 400:
-            raise _Unusable("detokenize_failed")
-        return str(orjson.loads(response.content)["prompt"])
+            raise _Unusable(refused)
+        return orjson.loads(response.content)
+
+    async def _served(self, body: dict[str, Any], cut: GenerationPrefix) -> dict[str, Any]:
+        """The reply of a terminal cut, from its tokens, with no token generated."""
+        call = self._call
+        text = await self._detokenize(body.get("model"), cut.token_ids)
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if body.get("tools"):
+            if call.tool_parser is None:
+                raise _Unusable("no_tool_parser")
+            try:
+                message = parsed_message(call.tool_parser, text, cut.call_id)
+            except UnparsedMarkup as e:
+                raise _Unusable("unparsed_markup") from e
+        content = message.get("content") or ""
+        if any(marker in content for marker in call.unsafe_markers):
+            raise _Unusable("unsafe_prefix")
+        base = str(self._inner.base_url).removesuffix("/v1")
+        # what vllm_model tokenizes a prompt with (its own prompt_token_ids come the same way)
+        fields = ("model", "messages", "tools", "chat_template_kwargs")
+        template: dict[str, Any] = {k: body[k] for k in fields if k in body}
+        prompt = (await self._post(f"{base}/tokenize", template, "tokenize_failed"))["tokens"]
+        logprobs = None
+        if body.get("logprobs"):
+            scoring = {
+                "model": body.get("model"),
+                "prompt": [*prompt, *cut.token_ids],
+                "echo": True,
+                "max_tokens": 0,
+                "prompt_logprobs": 0,
+            }
+            scored = await self._post(
+                f"{self._inner.base_url}/completions", scoring, "scoring_refused"
+            )
+            choice = (scored.get("choices") or [{}])[0]
+            found = choice.get("prompt_logprobs", scored.get("prompt_logprobs"))
+            logprobs = {"content": _prefix_entries(found, cut.token_ids)}
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        if finish == "stop" and limit is not None and len(cut.token_ids) >= int(limit):
+            finish = "length"
+        call.token_ids = list(cut.token_ids)
+        call.continued = len(cut.token_ids)
+        call.served = True
+        return {
+            "id": f"chatcmpl-{cut.call_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+            "choices": [
+                {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(cut.token_ids),
+                "total_tokens": len(prompt) + len(cut.token_ids),
+            },
+        }
 
     async def _streamed(
         self, body: dict[str, Any], prefix: list[dict[str, Any]], extra: list[dict[str, Any]]

@@ -12,13 +12,16 @@ from a prefix of its tokens, yields the same tokens and log probabilities.
   text, so long turns stream many tokens before their action.
 - **Tokens.** One token per UTF-8 byte (``encode``/``decode``: exact both ways, so a token prefix
   decodes to a text prefix and encodes back to the same tokens). A tool call is generated as
-  ``<tool_call>{"name": …, "arguments": …}</tool_call>`` and parsed out of the text, as a tool
-  parser does.
+  ``<tool_call>{"name": …, "arguments": …}</tool_call>`` and parsed out of the text, as vLLM's
+  ``hermes`` tool parser does (its arguments re-encoded by ``json.dumps``).
+- **Log probabilities.** Each token's is a function of the token sequence up to it (the prompt
+  under a toy chat template, ``prompt_tokens``, then the generated tokens).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +35,9 @@ __all__ = [
     "Turn",
     "decode",
     "encode",
-    "logprob",
     "parse_output",
     "prompt_tokens",
+    "sequence_logprobs",
     "turn_of",
 ]
 
@@ -65,10 +68,17 @@ def _digest(*parts: Any) -> bytes:
     return hashlib.sha256(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)).digest()
 
 
-def logprob(conversation: str, turn: int, position: int) -> float:
-    """The log probability of the token generated at ``position`` of a turn."""
-    value = int.from_bytes(_digest(conversation, turn, position)[:2], "big")
-    return -round((value % 2000 + 1) / 1000, 3)
+def sequence_logprobs(tokens: Sequence[int], start: int = 0) -> list[float]:
+    """The log probability of each token of a sequence (prompt, then generation) from position
+    ``start`` on: a function of the tokens up to and including it, as a model's is, so a call
+    generated, continued from a prefix of its tokens, or scored gives each token one value."""
+    chain = b""
+    values = []
+    for position, token in enumerate(tokens):
+        chain = hashlib.sha256(chain + int(token).to_bytes(4, "big")).digest()
+        if position >= start:
+            values.append(-round((int.from_bytes(chain[:2], "big") % 2000 + 1) / 1000, 3))
+    return values
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +156,7 @@ def parse_output(turn: Turn, text: str) -> tuple[str | None, list[dict[str, Any]
         body, _, rest = rest.partition(TOOL_CLOSE)
         call = orjson.loads(body)
         call_id = "call_" + _digest(turn.conversation, turn.turn, len(calls)).hex()[:16]
-        arguments = orjson.dumps(call.get("arguments", {})).decode()
+        arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
         calls.append(
             {
                 "id": call_id,

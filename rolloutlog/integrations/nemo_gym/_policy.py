@@ -8,10 +8,12 @@
   ids) are fingerprinted and resolved to exactly one parent row of the attempt, or none; the
   context the parent was called with (the input before its output) must match;
 - **ledger row**: once vllm_model has the reply, a ``ledger.row`` with the call's generated token
-  ids is appended and acknowledged before the reply leaves (``Policy.record_call``);
+  ids is appended and acknowledged before the reply leaves (``Policy.record_call``), with the
+  call's last generation chunk (``done``: ``Generation.deliver``) in the same append;
 - **restores**: a replacement attempt's first call installs the rows the restore kept under the
   new capture key (or all of them at start, with ``restore_id``), so its parents resolve; its
-  restored generation cut is validated (``Policy.validate_cut``) and continued;
+  restored generation cut is validated (``Policy.validate_cut``) and continued, or served from
+  its tokens when the call had completed (a terminal cut);
 - **backend calls**: streamed with generation chunks, continued from a cut, or plain
   (``_backend.CallClient``).
 
@@ -38,6 +40,7 @@ from rolloutlog.integrations.nemo_gym._attach import Attachment
 from rolloutlog.integrations.nemo_gym._backend import CALL, CallClient, CallState
 from rolloutlog.integrations.nemo_gym._config import GymSettings
 from rolloutlog.integrations.nemo_gym._context import GymContextMiddleware
+from rolloutlog.integrations.nemo_gym._parsers import tool_parser
 from rolloutlog.participants import (
     GenerationPrefix,
     Policy,
@@ -63,6 +66,9 @@ POLICY_OPTIONS: dict[str, Any] = {
     # a cut whose text holds (or ends with the start of) one of these regenerates instead of
     # being continued: a tool-call or reasoning parser must see that markup whole
     "cut_unsafe_markers": ["<tool_call>", "<think>"],
+    # the backend's tool-call format (vLLM's --tool-call-parser: "hermes", or "module:function"):
+    # a terminal cut of a request with tools is served from its tokens only with one
+    "tool_parser": None,
     # how many recent calls ``GET /rolloutlog/stats`` lists
     "stats_calls": 1024,
 }
@@ -189,7 +195,8 @@ class RolloutlogVLLMModel(VLLMModel):
 
     async def rolloutlog_stats(self) -> dict[str, Any]:
         """This participant's counters and its recent calls (``call_id``, ``parent_call_id``,
-        ``capture_key``, ``continued``, ``tokens``, ``constrained``, ``chunks``)."""
+        ``capture_key``, ``continued``, ``served`` (a terminal cut, nothing generated),
+        ``tokens``, ``constrained``, ``chunks``)."""
         policy = self.policy
         return {
             "participant": policy.id,
@@ -304,6 +311,7 @@ class RolloutlogVLLMModel(VLLMModel):
             fresh_id,
             bool(options["stream"]),
             list(options["cut_unsafe_markers"]),
+            tool_parser(options["tool_parser"]),
         )
         token = CALL.set(call)
         try:
@@ -312,6 +320,9 @@ class RolloutlogVLLMModel(VLLMModel):
             CALL.reset(token)
         generation = call.generation  # a new one if the cut had to regenerate
         out = model_turns(normalized_items(response.output))
+        # its last chunk rides with its row: delivered after the episode's last boundary, the
+        # call is a terminal cut that a replacement serves instead of generating it again
+        done = await generation.deliver(call.token_ids) if call.token_ids else None
         row = await policy.record_call(
             context,
             generation.call_id,
@@ -322,12 +333,15 @@ class RolloutlogVLLMModel(VLLMModel):
             constrained=generation.constrained,
             policy_version=generation.policy_version,
         )
+        if done is not None:
+            await done
         self._calls.append(
             {
                 "capture_key": context.capture_key,
                 "call_id": row.call_id,
                 "parent_call_id": row.parent_call_id,
                 "continued": call.continued,
+                "served": call.served,
                 "tokens": len(call.token_ids),
                 "constrained": row.constrained,
                 "chunks": generation.chunks,

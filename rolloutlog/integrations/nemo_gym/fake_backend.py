@@ -10,6 +10,8 @@ the request's ``metadata.fake_script``, one token per byte):
   ``continue_final_message: true`` continues the final assistant message's text (vLLM's
   semantics: only the new text comes back, tool calls parsed from it), and ``prompt_logprobs``
   returns each prompt token's log probability (vLLM's top-level ``prompt_logprobs``);
+- ``POST /v1/completions``: only vLLM's scoring form (``prompt`` token ids, ``echo: true``,
+  ``max_tokens: 0``): the sequence's ``prompt_logprobs``, no token generated;
 - ``POST /tokenize`` (``{"tokens": [...]}``) and ``POST /detokenize`` (``{"prompt": text}``),
   as vLLM serves them beside ``/v1``; ``GET /v1/models``, ``GET /health``.
 
@@ -17,7 +19,9 @@ the request's ``metadata.fake_script``, one token per byte):
 model call when it starts (``{"event": "start", "n", "conversation", "turn", "continued",
 "stream", "prompt"}``) and one when it ends (``{"event": "end", "n", "generated",
 "finish_reason", "aborted"}``), each written with one ``write`` on an ``O_APPEND`` file.
-``read_call_log`` pairs them.
+``read_call_log`` pairs them. A scoring request appends one ``{"event": "score", "tokens",
+"turn", "prompt"}`` line (``read_scores``): a prefill, not a model call. Tokenizer routes
+(``/tokenize``, ``/detokenize``) run no model and are not logged.
 
 **Holds** park a call deterministically: ``POST /fake/holds {"match": text, "turn": k,
 "after_tokens": n}`` parks the next call whose first user message contains ``match`` (at turn
@@ -49,13 +53,13 @@ from rolloutlog.integrations.nemo_gym._fake_model import (
     Turn,
     decode,
     encode,
-    logprob,
     parse_output,
     prompt_tokens,
+    sequence_logprobs,
     turn_of,
 )
 
-__all__ = ["CallLog", "FakeBackend", "read_call_log"]
+__all__ = ["CallLog", "FakeBackend", "read_call_log", "read_scores"]
 
 
 #: Tokens per streamed event (a hold after n tokens parks at the first multiple of it >= n).
@@ -81,11 +85,19 @@ def read_call_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     calls: dict[int, dict[str, Any]] = {}
     for line in Path(path).read_bytes().splitlines():
         record = orjson.loads(line)
-        if record.pop("event") == "start":
+        event = record.pop("event")
+        if event == "start":
             calls[record["n"]] = record
-        elif record["n"] in calls:
+        elif event == "end" and record["n"] in calls:
             calls[record["n"]].update(record)
     return list(calls.values())
+
+
+def read_scores(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The scoring requests of a call log (``{"tokens", "turn", "prompt"}``, in order): a
+    prefill of a sequence for its log probabilities, no token generated."""
+    records = (orjson.loads(line) for line in Path(path).read_bytes().splitlines())
+    return [r for r in records if r.pop("event") == "score"]
 
 
 @dataclass
@@ -161,8 +173,11 @@ class FakeBackend:
     async def _pace(self, count: int) -> None:
         await asyncio.sleep(count / self.token_rate)
 
-    def completion(self, request: Mapping[str, Any]) -> tuple[Turn, str, list[int], str]:
-        """The turn, the prefix continued, the new tokens (after ``max_tokens``), finish reason."""
+    def completion(
+        self, request: Mapping[str, Any]
+    ) -> tuple[Turn, str, list[int], str, list[float]]:
+        """The turn, the prefix continued, the new tokens (after ``max_tokens``), the finish
+        reason and the new tokens' log probabilities."""
         turn, prefix = turn_of(request)
         if not turn.text.startswith(prefix):
             raise ValueError(
@@ -175,33 +190,35 @@ class FakeBackend:
             new, finish = new[: int(limit)], "length"
         elif TOOL_OPEN in decode(new):
             finish = "tool_calls"
-        return turn, prefix, new, finish
+        prompt = prompt_tokens(request)
+        return turn, prefix, new, finish, sequence_logprobs([*prompt, *new], len(prompt))
 
-    def token_logprobs(self, turn: Turn, start: int, tokens: list[int]) -> list[dict[str, Any]]:
+    @staticmethod
+    def token_logprobs(values: list[float], start: int, tokens: list[int]) -> list[dict[str, Any]]:
+        """Entries of the new tokens from index ``start`` (``values``: theirs, from 0)."""
         return [
             {
                 "token": f"token_id:{token}",
-                "logprob": logprob(turn.conversation, turn.turn, start + i),
+                "logprob": values[start + i],
                 "bytes": [token - 1000],
                 "top_logprobs": [],
             }
             for i, token in enumerate(tokens)
         ]
 
-    def prompt_logprobs(self, request: Mapping[str, Any], turn: Turn, prefix: str) -> list[Any]:
-        """vLLM's ``prompt_logprobs``: None for the first token, then ``{id: {"logprob", "rank",
-        "decoded_token"}}``; the continued prefix's tokens get the log probabilities they were
-        generated with."""
-        tokens = prompt_tokens(request)
-        own = len(encode(prefix))
-        result: list[Any] = [None]
-        for position, token in enumerate(tokens[1:], start=1):
-            in_prefix = position - (len(tokens) - own)
-            value = logprob(turn.conversation, turn.turn, in_prefix) if in_prefix >= 0 else -1.0
-            result.append(
-                {str(token): {"logprob": value, "rank": 1, "decoded_token": f"token_id:{token}"}}
-            )
-        return result
+    @staticmethod
+    def prompt_logprobs(tokens: list[int]) -> list[Any]:
+        """vLLM's ``prompt_logprobs`` of a prompt's tokens: None for the first token, then
+        ``{id: {"logprob", "rank", "decoded_token"}}`` (a continued prefix's tokens get the log
+        probabilities they were generated with: one function of the sequence)."""
+        values = sequence_logprobs(tokens, 1)
+        return [
+            None,
+            *(
+                {str(t): {"logprob": v, "rank": 1, "decoded_token": f"token_id:{t}"}}
+                for t, v in zip(tokens[1:], values, strict=True)
+            ),
+        ]
 
     def _message(self, turn: Turn, new: list[int]) -> dict[str, Any]:
         content, calls = parse_output(turn, decode(new))
@@ -219,9 +236,8 @@ class FakeBackend:
         }
 
     async def complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
-        turn, prefix, new, finish = self.completion(request)
+        turn, prefix, new, finish, values = self.completion(request)
         n = self._begin(request, turn, prefix, False)
-        start = len(encode(prefix))
         await self.park(turn, 0)
         await self._pace(len(new))
         await self.park(turn, len(new))
@@ -232,7 +248,7 @@ class FakeBackend:
             "logprobs": None,
         }
         if request.get("logprobs"):
-            choice["logprobs"] = {"content": self.token_logprobs(turn, start, new)}
+            choice["logprobs"] = {"content": self.token_logprobs(values, 0, new)}
         reply: dict[str, Any] = {
             "id": f"chatcmpl-{n}",
             "object": "chat.completion",
@@ -242,7 +258,7 @@ class FakeBackend:
             "usage": self._usage(request, new),
         }
         if request.get("prompt_logprobs") is not None:
-            reply["prompt_logprobs"] = self.prompt_logprobs(request, turn, prefix)
+            reply["prompt_logprobs"] = self.prompt_logprobs(prompt_tokens(request))
         self.log.write(
             {
                 "event": "end",
@@ -254,10 +270,41 @@ class FakeBackend:
         )
         return reply
 
+    def score(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """vLLM's scoring form of ``/v1/completions`` (``prompt`` token ids, ``echo``,
+        ``max_tokens: 0``): the sequence's ``prompt_logprobs``, nothing generated; logged as a
+        ``score`` line (not a model call: no token is generated)."""
+        tokens = request.get("prompt")
+        if not (
+            request.get("echo") and request.get("max_tokens") == 0 and isinstance(tokens, list)
+        ):
+            raise ValueError(
+                "this backend's /v1/completions only scores token ids (echo, max_tokens 0)"
+            )
+        ids = [int(t) for t in tokens]
+        text = decode(ids)
+        user = text.partition("<|user|>")[2].partition("<|end|>")[0]
+        turn = text.count("<|assistant|>") - 1
+        self.log.write({"event": "score", "tokens": len(ids), "turn": turn, "prompt": user[:120]})
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": "length",
+            "prompt_logprobs": self.prompt_logprobs(ids),
+        }
+        return {
+            "id": f"cmpl-score-{self.calls}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)},
+        }
+
     async def stream(self, request: Mapping[str, Any]) -> AsyncIterator[bytes]:
-        turn, prefix, new, finish = self.completion(request)
+        turn, prefix, new, finish, values = self.completion(request)
         n = self._begin(request, turn, prefix, True)
-        start = len(encode(prefix))
         sent, aborted = 0, True
         base = {"id": f"chatcmpl-{n}", "object": "chat.completion.chunk", "model": self.model}
 
@@ -270,7 +317,7 @@ class FakeBackend:
             await self.park(turn, 0)
             first = None  # vLLM sends the prompt's log probabilities with the first chunk
             if request.get("prompt_logprobs") is not None:
-                first = {"prompt_logprobs": self.prompt_logprobs(request, turn, prefix)}
+                first = {"prompt_logprobs": self.prompt_logprobs(prompt_tokens(request))}
             yield event({"role": "assistant", "content": ""}, first)
             text = decode(new)
             # the content is what precedes the first tool call's markup (``_fake_model``)
@@ -291,7 +338,7 @@ class FakeBackend:
                     calls_sent = closed
                 logprobs = None
                 if request.get("logprobs"):
-                    logprobs = {"content": self.token_logprobs(turn, start + sent, piece)}
+                    logprobs = {"content": self.token_logprobs(values, sent, piece)}
                 yield event(delta, logprobs=logprobs)
                 sent += len(piece)
                 await self.park(turn, sent)
@@ -322,6 +369,12 @@ def backend_app(backend: FakeBackend) -> Starlette:
                 backend.completion(body)  # refuse a bad request before the stream starts
                 return StreamingResponse(backend.stream(body), media_type="text/event-stream")
             return _json(await backend.complete(body))
+        except ValueError as e:
+            return _json({"object": "error", "message": str(e), "code": 400}, 400)
+
+    async def completions(request: Request) -> Response:
+        try:
+            return _json(backend.score(orjson.loads(await request.body())))
         except ValueError as e:
             return _json({"object": "error", "message": str(e), "code": 400}, 400)
 
@@ -358,6 +411,7 @@ def backend_app(backend: FakeBackend) -> Starlette:
     return Starlette(
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),

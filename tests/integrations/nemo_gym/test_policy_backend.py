@@ -16,11 +16,13 @@ import pytest
 
 from rolloutlog.integrations.nemo_gym._backend import CallClient, CallState
 from rolloutlog.integrations.nemo_gym._fake_model import decode, encode, turn_of
+from rolloutlog.integrations.nemo_gym._parsers import ToolParser, hermes
 from rolloutlog.integrations.nemo_gym.fake_backend import (
     CallLog,
     FakeBackend,
     backend_app,
     read_call_log,
+    read_scores,
 )
 from rolloutlog.participants import GenerationPrefix, Policy
 from tests.participants.test_encoding import Capture
@@ -67,7 +69,12 @@ async def backend(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Path
 
 
 async def one_call(
-    http: httpx.AsyncClient, body: dict[str, Any], *, stream: bool, cut: GenerationPrefix | None
+    http: httpx.AsyncClient,
+    body: dict[str, Any],
+    *,
+    stream: bool,
+    cut: GenerationPrefix | None,
+    parser: ToolParser | None = None,
 ) -> tuple[Any, CallState, list[dict[str, Any]]]:
     """One call through a CallClient; returns the reply, the call and the envelopes written."""
     async with Capture() as transport:
@@ -77,7 +84,7 @@ async def one_call(
         generation = policy.generation(
             "p1", call_id, request_digest="d", parent_call_id=None, cut=cut
         )
-        call = CallState(policy, generation, cut, "p1.c0", stream, ["<tool_call>"])
+        call = CallState(policy, generation, cut, "p1.c0", stream, ["<tool_call>"], parser)
         reply = await CallClient(Inner(http), call, http).create_chat_completion(**body)
         return reply, call, transport.events
 
@@ -152,6 +159,57 @@ async def test_a_cut_inside_tool_call_markup_regenerates(
         reply["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "increment_counter"
     )
     assert [c["continued"] for c in read_call_log(log)] == [0, 0]  # nothing was continued
+
+
+TOOLS = [{"type": "function", "function": {"name": "increment_counter", "parameters": {}}}]
+
+
+async def test_a_terminal_cut_is_served_from_its_tokens_with_no_token_generated(
+    backend: tuple[httpx.AsyncClient, Path],
+) -> None:
+    http, log = backend
+    body = request(tools=TOOLS)
+    whole, whole_call, _ = await one_call(http, body, stream=False, cut=None)
+    cut = GenerationPrefix("p1.c0", None, "d", tuple(whole_call.token_ids), True, 0, None)
+    reply, call, events = await one_call(http, body, stream=True, cut=cut, parser=hermes)
+    assert call.served and call.token_ids == whole_call.token_ids and events == []
+    got, want = reply["choices"][0], whole["choices"][0]
+    assert got["finish_reason"] == want["finish_reason"] == "tool_calls"
+    assert got["message"]["content"] == want["message"]["content"]
+    # the tool calls as the backend parsed them, under the policy's own ids
+    functions = [c["function"] for c in got["message"]["tool_calls"]]
+    assert functions == [c["function"] for c in want["message"]["tool_calls"]]
+    assert got["message"]["tool_calls"][0]["id"].startswith("call_")
+    entries = [(e["token"], e["logprob"]) for e in got["logprobs"]["content"]]
+    assert entries == [(e["token"], e["logprob"]) for e in want["logprobs"]["content"]]
+    assert reply["usage"] == whole["usage"]
+    # a second serve answers the same, tool call ids included
+    again, _, _ = await one_call(http, body, stream=True, cut=cut, parser=hermes)
+    assert again["choices"][0]["message"] == got["message"]
+    assert len(read_call_log(log)) == 1  # the one call that generated
+    scores = read_scores(log)
+    assert [(s["turn"], s["prompt"]) for s in scores] == [(0, "[p1] add 1")] * 2
+
+    # a text turn needs no parser; a request with tools and no parser regenerates
+    text_turn = {**request(), "messages": [*request()["messages"], *turn_messages(whole)]}
+    plain, plain_call, _ = await one_call(http, text_turn, stream=False, cut=None)
+    cut = GenerationPrefix("p1.c1", "p1.c0", "d", tuple(plain_call.token_ids), True, 0, None)
+    served, call, _ = await one_call(http, text_turn, stream=False, cut=cut)
+    assert call.served and served["choices"][0]["message"] == plain["choices"][0]["message"]
+    cut = GenerationPrefix("p1.c0", None, "d", tuple(whole_call.token_ids), True, 0, None)
+    _, refused, _ = await one_call(http, body, stream=False, cut=cut)
+    assert refused.policy.cuts_refused == 1 and not refused.served
+    assert len(read_call_log(log)) == 3  # the text turn's call, and the regenerated one
+
+
+def turn_messages(reply: dict[str, Any]) -> list[dict[str, Any]]:
+    """A reply's assistant message and a tool result for each of its calls."""
+    message = reply["choices"][0]["message"]
+    results = [
+        {"role": "tool", "tool_call_id": c["id"], "content": '{"success": true}'}
+        for c in message.get("tool_calls") or ()
+    ]
+    return [{"role": "assistant", **message}, *results]
 
 
 async def test_constrained_decoding_is_never_streamed_nor_continued(
