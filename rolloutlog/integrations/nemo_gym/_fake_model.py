@@ -115,7 +115,7 @@ def _filler(conversation: str, turn: int, length: int) -> str:
     words: list[str] = []
     seed = _digest(conversation, turn)
     i = 0
-    while sum(len(w) + 1 for w in words) < length:
+    while sum(len(w) + 1 for w in words) <= length:  # joined, at least ``length`` characters
         words.append(_WORDS[seed[i % len(seed)] % len(_WORDS)])
         i += 1
     return " ".join(words)[:length]

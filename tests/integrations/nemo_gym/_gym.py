@@ -117,10 +117,10 @@ class Backend:
         kill_group(self.proc.pid)
         self.proc.wait()
 
-    async def hold(self, match: str, turn: int) -> None:
+    async def hold(self, match: str, turn: int, after_tokens: int = 0) -> None:
+        body = {"match": match, "turn": turn, "after_tokens": after_tokens}
         async with httpx.AsyncClient() as client:
-            reply = await client.post(self.url + "/fake/holds", json={"match": match, "turn": turn})
-            reply.raise_for_status()
+            (await client.post(self.url + "/fake/holds", json=body)).raise_for_status()
 
     async def wait_parked(self, count: int, timeout_s: float = 120.0) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout_s
@@ -142,6 +142,13 @@ class Backend:
 
         calls: list[dict[str, Any]] = read_call_log(self.call_log)
         return calls
+
+    def scores(self) -> list[dict[str, Any]]:
+        """The scoring requests (prefills, nothing generated)."""
+        from rolloutlog.integrations.nemo_gym.fake_backend import read_scores
+
+        scores: list[dict[str, Any]] = read_scores(self.call_log)
+        return scores
 
 
 def gym_config(service_url: str, run: str, backend: Backend) -> dict[str, Any]:
