@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -39,18 +37,20 @@ import orjson
 import pytest
 
 from rolloutlog.integrations.nemo_gym import episode_id
-from rolloutlog.participants.sim import die_with_parent
 from rolloutlog.trainer import AsyncTrainerClient
-from tests._services import ROOT, free_port
+from tests._services import free_port
 from tests.api.conftest import TOKENS
 from tests.e2e._harness import Deployment, Service
 from tests.integrations.nemo_gym._gym import (
     Backend,
     GymProcesses,
+    chunk_durable,
     counter_row,
+    finish_collector,
     gym_config,
     gym_python,
     kill_group,
+    start_collector,
     steps_row,
 )
 
@@ -146,29 +146,20 @@ class Collection:
         )
 
     def start(self) -> subprocess.Popen[bytes]:
-        command = [sys.executable, "-m", "rolloutlog.integrations.nemo_gym", "collect"]
-        command += ["--input", str(self.dataset), "--output", str(self.output), "--run", RUN]
-        command += ["--url", self.service.url, "--token", TOKENS["admin"], "--concurrency", "8"]
-        if self.service.deployment.distributed:
-            command += ["--kafka", str(self.service.deployment.log_url)]
-        for agent in ("counter_agent", "plain_agent", "steps_agent"):
-            command += ["--agent-url", f"{agent}={self.gym.url(agent)}"]
-        with open(self.log_path, "ab") as log:
-            return subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
+        agents = ("counter_agent", "plain_agent", "steps_agent")
+        deployment = self.service.deployment
+        return start_collector(
+            self.dataset,
+            self.output,
+            self.log_path,
+            service_url=self.service.url,
+            run=RUN,
+            agents={name: self.gym.url(name) for name in agents},
+            kafka=deployment.log_url if deployment.distributed else None,
+        )
 
     async def finish(self, proc: subprocess.Popen[bytes]) -> str:
-        code = await asyncio.to_thread(proc.wait, 600)
-        log = self.log_path.read_text(errors="replace")
-        assert code == 0, f"collector exit {code}: {log[-3000:]}\n{self.gym.tail()}"
-        return log
+        return await finish_collector(proc, self.log_path, self.gym)
 
     def rewards(self) -> dict[str, float]:
         """Row name -> reward; each row written exactly once."""
@@ -187,23 +178,6 @@ async def committed(service: Service) -> int:
     async with AsyncTrainerClient(service.url, token=TOKENS["admin"]) as trainer:
         checkpoints = await trainer.list_checkpoints(RUN)
     return max((c.checkpoint_id for c in checkpoints if c.status == "committed"), default=0)
-
-
-async def chunk_durable(service: Service, episode: str, start: int) -> None:
-    """Wait until the episode's generation chunk starting at ``start`` is in the log."""
-    async with AsyncTrainerClient(service.url, token=TOKENS["admin"]) as trainer:
-        for _ in range(600):
-            history = await trainer.episode_history(RUN, episode)
-            events = history.get("events") or history.get("timeline") or []
-            starts = {
-                (e.get("data") or {}).get("start")
-                for e in events
-                if e["type"] == "generation.chunk"
-            }
-            if start in starts:
-                return
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"no chunk of {episode} starting at {start}")
 
 
 async def wait_for(what: str, ready: Any, timeout_s: float = 120.0) -> None:
@@ -259,7 +233,9 @@ async def test_nemo_gym_rollouts_in_flight_survive_sigkill_of_every_process_grou
         "tool calls parked", lambda: len(list(holds.glob("parked-*"))) == len(TOOL_HOLDS)
     )
     await wait_for("the other rows written", lambda: crash.written() == len(ROWS) - len(IN_FLIGHT))
-    await chunk_durable(service, key("steps-cut"), 32)  # 48 tokens durable: chunks at 0, 16, 32
+    async with AsyncTrainerClient(service.url, token=TOKENS["admin"]) as trainer:
+        # 48 tokens durable: chunks at 0, 16, 32
+        await chunk_durable(trainer, RUN, key("steps-cut"), 32)
     checkpoint = await committed(service)
     collector.send_signal(signal.SIGUSR1)  # checkpoint, and go on
     await wait_for_checkpoint(service, checkpoint)

@@ -356,3 +356,48 @@ class GymProcesses:
         if launcher.exists():
             text += f"== launcher\n{launcher.read_text(errors='replace')[-chars:]}"
         return text
+
+
+def start_collector(
+    dataset: Path,
+    output: Path,
+    log: Path,
+    *,
+    service_url: str,
+    run: str,
+    agents: dict[str, str],
+    kafka: str | None = None,
+) -> subprocess.Popen[bytes]:
+    """``python -m rolloutlog.integrations.nemo_gym collect`` in its own session (the test's
+    venv, the checkout's code), over ``dataset`` into ``output``; ``agents``: name -> URL."""
+    command = [sys.executable, "-m", "rolloutlog.integrations.nemo_gym", "collect"]
+    command += ["--input", str(dataset), "--output", str(output), "--run", run]
+    command += ["--url", service_url, "--token", TOKENS["admin"], "--concurrency", "8"]
+    if kafka is not None:
+        command += ["--kafka", kafka]
+    for name, url in agents.items():
+        command += ["--agent-url", f"{name}={url}"]
+    return _spawn(command, log, {**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+async def finish_collector(proc: subprocess.Popen[bytes], log: Path, gym: GymProcesses) -> str:
+    """Wait for a collector to exit 0; its log."""
+    code = await asyncio.to_thread(proc.wait, 600)
+    text = await asyncio.to_thread(log.read_text, errors="replace")
+    assert code == 0, f"collector exit {code}: {text[-3000:]}\n{gym.tail()}"
+    return text
+
+
+async def chunk_durable(trainer: Any, run: str, episode: str, start: int) -> None:
+    """Wait until the episode's generation chunk starting at ``start`` is in the log
+    (``trainer``: an ``AsyncTrainerClient``)."""
+    for _ in range(600):
+        history = await trainer.episode_history(run, episode)
+        events = history.get("events") or history.get("timeline") or []
+        starts = {
+            (e.get("data") or {}).get("start") for e in events if e["type"] == "generation.chunk"
+        }
+        if start in starts:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no chunk of {episode} starting at {start}")

@@ -21,7 +21,13 @@ from rolloutlog import participants as sdk
 from rolloutlog.trainer import AsyncTrainerClient
 from tests.api.conftest import TOKENS
 from tests.e2e._harness import Deployment, Service
-from tests.integrations.nemo_gym._gym import Backend, GymProcesses, gym_config, steps_row
+from tests.integrations.nemo_gym._gym import (
+    Backend,
+    GymProcesses,
+    chunk_durable,
+    gym_config,
+    steps_row,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -143,22 +149,6 @@ def outputs(response: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v for k, v in item.items() if k != "id"} for item in response["output"]]
 
 
-async def chunks_durable(trainer: AsyncTrainerClient, episode: str, start: int) -> None:
-    """Wait until the episode's generation chunk starting at ``start`` is in the log."""
-    for _ in range(600):
-        history = await trainer.episode_history(RUN, episode)
-        timeline = history.get("timeline") or history.get("events") or []
-        starts = {
-            (e.get("data") or {}).get("start")
-            for e in timeline
-            if e.get("type") == "generation.chunk"
-        }
-        if start in starts:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no chunk of {episode} starting at {start}")
-
-
 @pytest.fixture
 async def world(tmp_path: Path) -> AsyncIterator[tuple[Service, ScriptedBackend, GymProcesses]]:
     service = Service(Deployment("embedded", tmp_path / "data"), tmp_path)
@@ -214,8 +204,8 @@ async def test_rollouts_parked_mid_loop_continue_after_the_gym_dies(
                 await env.seed(name, data)
         loops = [asyncio.create_task(env.rollout(name, data)) for name, data in ROWS.items()]
         await backend.wait_parked(len(HOLDS))
-        await chunks_durable(trainer, "e2", 32)  # 48 tokens durable: chunks at 0, 16, 32
-        await chunks_durable(trainer, "e3", 16)
+        await chunk_durable(trainer, RUN, "e2", 32)  # 48 tokens durable: chunks at 0, 16, 32
+        await chunk_durable(trainer, RUN, "e3", 16)
         checkpoint = await trainer.checkpoint(RUN)
         # nothing finishes an episode here (no collector): the reference rollouts are live
         # too, and the restore excludes them (their results are held)

@@ -15,10 +15,8 @@ rolloutlog run, so each scenario collects the same rows under task indices of it
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -31,17 +29,17 @@ import pytest
 import pytest_asyncio
 
 from rolloutlog.integrations.nemo_gym import episode_id
-from rolloutlog.participants.sim import die_with_parent
-from tests._services import ROOT
 from tests.api.conftest import TOKENS
 from tests.e2e._harness import Deployment, Service
 from tests.integrations.nemo_gym._gym import (
     Backend,
     GymProcesses,
     counter_row,
+    finish_collector,
     gym_config,
     gym_python,
     kill_group,
+    start_collector,
     steps_row,
 )
 
@@ -73,30 +71,20 @@ class World:
                 for i, row in enumerate(ROWS)
             )
         )
-        command = [sys.executable, "-m", "rolloutlog.integrations.nemo_gym", "collect"]
-        command += ["--input", str(dataset), "--output", str(output), "--run", RUN]
-        command += ["--url", self.service.url, "--token", TOKENS["admin"], "--concurrency", "8"]
-        for agent in ("counter_agent", "steps_agent"):
-            command += ["--agent-url", f"{agent}={self.gym.url(agent)}"]
-        with open(self.workdir / f"collector-{scenario}.log", "ab") as log:
-            return subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
+        return start_collector(
+            dataset,
+            output,
+            self.workdir / f"collector-{scenario}.log",
+            service_url=self.service.url,
+            run=RUN,
+            agents={agent: self.gym.url(agent) for agent in ("counter_agent", "steps_agent")},
+        )
 
     def log(self, scenario: int) -> str:
         return (self.workdir / f"collector-{scenario}.log").read_text(errors="replace")
 
     async def finish(self, proc: subprocess.Popen[bytes], scenario: int) -> str:
-        code = await asyncio.to_thread(proc.wait, 600)
-        log = self.log(scenario)
-        assert code == 0, f"collector exit {code}: {log[-3000:]}\n{self.gym.tail()}"
-        return log
+        return await finish_collector(proc, self.workdir / f"collector-{scenario}.log", self.gym)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
