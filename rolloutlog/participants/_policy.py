@@ -146,13 +146,16 @@ class Generation:
             "staging_key": self.staging_key,
             "done": done,
         }
+        return data
+
+    def _written(self, end: int, done: bool) -> None:
         self.durable = end
         self.done = done
         self.chunks += 1
-        return data
 
     async def _chunk(self, end: int, done: bool) -> None:
         await self.policy.emit("generation.chunk", self.context, self._chunk_data(end, done))
+        self._written(end, done)
 
     async def feed(self, token_ids: Iterable[int]) -> None:
         """Add generated tokens; every ``chunk_tokens`` of them become durable in one chunk."""
@@ -186,9 +189,11 @@ class Generation:
         if tokens[: self.durable] != self.token_ids[: self.durable]:
             raise ValueError(f"call {self.call_id}: the tokens delivered do not extend its chunks")
         self.token_ids = tokens
-        return await self.policy.emit_nowait(
+        submitted = await self.policy.emit_nowait(
             "generation.chunk", self.context, self._chunk_data(len(tokens), True)
         )
+        self._written(len(tokens), True)
+        return submitted
 
 
 class Policy(Participant):
