@@ -180,7 +180,7 @@ async def committed(service: Service) -> int:
     return max((c.checkpoint_id for c in checkpoints if c.status == "committed"), default=0)
 
 
-async def wait_for(what: str, ready: Any, timeout_s: float = 120.0) -> None:
+async def wait_for(what: str, ready: Any, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
         assert time.monotonic() < deadline, what
@@ -188,8 +188,15 @@ async def wait_for(what: str, ready: Any, timeout_s: float = 120.0) -> None:
 
 
 @pytest.fixture
-async def gym(service: Service, tmp_path: Path) -> AsyncIterator[tuple[Backend, GymProcesses]]:
-    gym_python()
+def venv() -> Path:
+    """The NeMo Gym venv (asked for first: without one, no service is started)."""
+    return gym_python()
+
+
+@pytest.fixture
+async def gym(
+    venv: Path, service: Service, tmp_path: Path
+) -> AsyncIterator[tuple[Backend, GymProcesses]]:
     backend = Backend(tmp_path)
     processes: GymProcesses | None = None
     try:
@@ -207,6 +214,7 @@ async def gym(service: Service, tmp_path: Path) -> AsyncIterator[tuple[Backend, 
 
 
 async def test_nemo_gym_rollouts_in_flight_survive_sigkill_of_every_process_group(
+    venv: Path,
     deployment: Deployment,
     service: Service,
     gym: tuple[Backend, GymProcesses],
@@ -227,7 +235,7 @@ async def test_nemo_gym_rollouts_in_flight_survive_sigkill_of_every_process_grou
     await backend.hold(prompt("steps-cut"), turn=1, after_tokens=48)
     crash = Collection(service, processes, tmp_path, CRASH)
     collector = crash.start()
-    await backend.wait_parked(1)
+    await backend.wait_parked(1, timeout_s=300)
     holds = tmp_path / "holds"
     await wait_for(
         "tool calls parked", lambda: len(list(holds.glob("parked-*"))) == len(TOOL_HOLDS)
@@ -305,7 +313,7 @@ async def test_nemo_gym_rollouts_in_flight_survive_sigkill_of_every_process_grou
     assert stats["cuts_refused"] == 0
 
 
-async def wait_for_checkpoint(service: Service, after: int, timeout_s: float = 120.0) -> None:
+async def wait_for_checkpoint(service: Service, after: int, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while await committed(service) <= after:
         assert time.monotonic() < deadline, f"no checkpoint after {after}"
