@@ -56,7 +56,7 @@ from tests.integrations.nemo_gym._gym import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-RUN = "nemo-crash"
+RUN = "gym-restore"
 AGENT = "rolloutlog.integrations.nemo_gym:RolloutlogSimpleAgent"
 POLICY = "rolloutlog.integrations.nemo_gym:RolloutlogVLLMModel"
 HELD = "tests.integrations.nemo_gym._held:HeldCounter"
