@@ -7,37 +7,24 @@ environment alone, keep passwords out of ``argv`` and ``docker inspect``, and st
 setting by hand. Tokens keep their own variables (``ROLLOUTLOG_TOKEN_<ROLE>`` and
 ``…_FILE``, see ``_tokens.py``), added to those of ``--tokens FILE``.
 
-Loaded only by ``serve`` (pydantic-settings is not imported by the client commands).
+``ServeConfig``'s fields are generated from ``_settings.SETTINGS`` (each setting is declared
+once, there). Loaded only by ``serve`` (pydantic-settings is not imported by the client
+commands).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Self
 
-from pydantic import (
-    Field,
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-    ValidationError,
-    field_validator,
-)
+from pydantic import AfterValidator, Field, ValidationError, create_model
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from rolloutlog.api._env import FILE_SUFFIX, PREFIX, SECRET_SETTINGS, env_name, file_value
-from rolloutlog.api._settings import (
-    DEFAULT_DATA_DIR,
-    DEFAULT_HOST,
-    DEFAULT_PORT,
-    LOG_LEVELS,
-    MIB,
-    Settings,
-)
+from rolloutlog.api._settings import SETTINGS, Setting, Settings
 from rolloutlog.api._tokens import Tokens
 from rolloutlog.errors import ConfigurationError
 from rolloutlog.projections import DEFAULT_LEASE_S, default_replica_id
@@ -62,40 +49,13 @@ class _FileVariants(PydanticBaseSettingsSource):
         return values
 
 
-class ServeConfig(BaseSettings):
-    """Everything ``serve`` is configured with; ``settings()`` is what the app gets."""
+class _ServeConfig(BaseSettings):
+    """Everything ``serve`` is configured with, by setting name (``_settings.SETTINGS``);
+    ``settings()`` is what the app gets."""
 
     model_config = SettingsConfigDict(
         env_prefix=PREFIX, env_ignore_empty=True, frozen=True, extra="ignore"
     )
-
-    data_dir: Path = DEFAULT_DATA_DIR
-    host: str = DEFAULT_HOST
-    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
-    log_url: str | None = None
-    catalog_url: str | None = None
-    tokens: Path | None = None
-    keep_committed: PositiveInt = Settings.keep_committed
-    max_body_mb: PositiveInt = Settings.max_events_bytes // MIB
-    validation_workers: NonNegativeInt = Settings.validation_workers
-    log_level: str = "info"
-    access_log: bool = False
-    shutdown_timeout: NonNegativeFloat = Settings.drain_timeout_s
-    header_timeout: PositiveFloat = Settings.header_timeout_s
-    body_timeout: PositiveFloat = Settings.body_timeout_s
-    min_body_rate: NonNegativeInt = Settings.min_body_rate
-    max_connections: PositiveInt | None = Settings.max_connections
-    reserved_connections: NonNegativeInt = Settings.reserved_connections
-    max_inflight_appends: PositiveInt = Settings.max_inflight_appends
-    replica_id: str | None = Field(None, min_length=1, max_length=200)
-    lease_s: PositiveFloat = DEFAULT_LEASE_S
-
-    @field_validator("log_level")
-    @classmethod
-    def _known_level(cls, value: str) -> str:
-        if value.lower() not in LOG_LEVELS:
-            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
-        return value.lower()
 
     @classmethod
     def settings_customise_sources(
@@ -110,8 +70,8 @@ class ServeConfig(BaseSettings):
         return init_settings, env_settings, _FileVariants(settings_cls)
 
     @classmethod
-    def load(cls, flags: Mapping[str, Any], flag_names: Mapping[str, str]) -> ServeConfig:
-        """The configuration from the flags given (``field: value``) and the environment.
+    def load(cls, flags: Mapping[str, Any], flag_names: Mapping[str, str]) -> Self:
+        """The configuration from the flags given (``setting: value``) and the environment.
 
         A bad value is a ``ConfigurationError`` naming where it came from (``--port``,
         ``ROLLOUTLOG_PORT`` or ``ROLLOUTLOG_CATALOG_URL_FILE``) — never a secret's value.
@@ -127,30 +87,55 @@ class ServeConfig(BaseSettings):
                 problems.append(f"{where}: {error['msg']}{got}")
             raise ConfigurationError("; ".join(problems)) from None
 
-    def settings(self, tokens: Tokens) -> Settings:
-        log_url = self.log_url or ""
-        embedded = "://" not in log_url or log_url.startswith("embedded://")  # as ``open_log``
-        return Settings(
-            data_dir=self.data_dir,
-            log_url=self.log_url,
-            catalog_url=self.catalog_url,
-            tokens=tokens,
-            keep_committed=self.keep_committed,
-            max_events_bytes=self.max_body_mb * MIB,
-            drain_timeout_s=self.shutdown_timeout,
-            validation_workers=self.validation_workers,
-            header_timeout_s=self.header_timeout,
-            body_timeout_s=self.body_timeout,
-            min_body_rate=self.min_body_rate,
-            max_connections=self.max_connections,
-            reserved_connections=self.reserved_connections,
-            max_inflight_appends=self.max_inflight_appends,
-            # An embedded log has one process at a time (its lock), whatever its port: one
-            # replica name, so a restart on another port takes its partitions back at once.
-            replica_id=self.replica_id or default_replica_id(None if embedded else self.port),
-            address=f"{self.host}:{self.port}",
-            lease_s=self.lease_s,
+    def settings(self, tokens: Tokens | None = None) -> Settings:
+        """The app's settings, with ``tokens`` (default: ``--tokens FILE``'s and the
+        variables', ``Tokens.load``) and the defaults computed at start (the replica's name,
+        its lease) filled in."""
+        values = self.model_dump()
+        given = Settings.from_settings(values)
+        # An embedded log has one process at a time (its lock), whatever its port: one
+        # replica name, so a restart on another port takes its partitions back at once.
+        port = None if given.embedded_log else given.port
+        return dataclasses.replace(
+            given,
+            tokens=Tokens.load(given.tokens_file) if tokens is None else tokens,
+            replica_id=given.replica_id or default_replica_id(port),
+            address=f"{given.host}:{given.port}",
+            lease_s=given.lease_s or DEFAULT_LEASE_S,
         )
+
+
+def _field(setting: Setting) -> tuple[Any, Any]:
+    kind: Any = setting.kind
+    if setting.default is None:
+        kind = kind | None
+    bounds = {
+        key: getattr(setting, key)
+        for key in ("ge", "gt", "le", "min_length", "max_length")
+        if getattr(setting, key) is not None
+    }
+    if setting.choices is not None:
+        kind = Annotated[kind, AfterValidator(_one_of(setting.choices))]
+    return kind, Field(setting.flag_default, **bounds)
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        if value.lower() not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return value.lower()
+
+    return check
+
+
+#: The generated model: one field per setting, named as its flag and variable are.
+ServeConfig: type[_ServeConfig] = create_model(  # type: ignore[call-overload]  # the fields' dict
+    "ServeConfig",
+    __base__=_ServeConfig,
+    __module__=__name__,
+    __doc__=_ServeConfig.__doc__,
+    **{setting.name: _field(setting) for setting in SETTINGS},
+)
 
 
 def _source(field: str, flags: Mapping[str, Any], flag_names: Mapping[str, str]) -> str:

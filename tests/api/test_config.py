@@ -17,8 +17,10 @@ from sqlalchemy.engine import make_url
 
 from rolloutlog.api import Role, Tokens
 from rolloutlog.api._config import ServeConfig
+from rolloutlog.api._settings import SETTINGS
 from rolloutlog.catalog import open_catalog
 from rolloutlog.errors import ConfigurationError
+from rolloutlog.projections import DEFAULT_LEASE_S
 from tests._services import free_port
 from tests.api.conftest import TOKENS
 
@@ -77,6 +79,8 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
         "MAX_INFLIGHT_APPENDS": "8",
         "REPLICA_ID": "replica-a",
         "LEASE_S": "2.5",
+        "MAX_REQUEST_MB": "3",
+        "MAX_SEQ_GAP": "4096",
     }
     assert {name.lower() for name in values} == set(ServeConfig.model_fields)
     for name, value in values.items():
@@ -99,6 +103,35 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
     assert settings.reserved_connections == 16
     assert (settings.replica_id, settings.lease_s) == ("replica-a", 2.5)
     assert settings.address == "0.0.0.0:9000"
+    assert (settings.max_request_bytes, settings.max_seq_gap) == (3 * 1024 * 1024, 4096)
+
+
+def test_each_setting_is_declared_once_with_its_flag_and_variable() -> None:
+    """``serve``'s flags and ``ServeConfig``'s fields are generated from ``SETTINGS``: one
+    name per setting (the flag's and the variable's), its default in the flag's unit."""
+    names = [setting.name for setting in SETTINGS]
+    assert len(names) == len(set(names))
+    assert set(ServeConfig.model_fields) == set(names)
+    defaults = ServeConfig.load({}, {}).settings(Tokens())
+    for setting in SETTINGS:
+        if setting.default is not None:
+            assert getattr(defaults, setting.field) == setting.default, setting.name
+    lease = next(setting for setting in SETTINGS if setting.name == "lease_s")
+    assert lease.shown_default == f"{DEFAULT_LEASE_S:g}"  # --help's default is the loop's
+    assert defaults.lease_s == DEFAULT_LEASE_S
+
+
+def test_the_configuration_table_lists_every_setting() -> None:
+    docs = Path(__file__).parents[2] / "docs" / "api.md"
+    table = docs.read_text(encoding="utf-8").split("### Configuration", 1)[1].split("\n\n|", 1)[1]
+    rows = {
+        line.split("|")[1].split()[0].strip("`"): line
+        for line in table.split("\n")
+        if line.startswith("| `--")
+    }
+    for setting in SETTINGS:
+        assert setting.option in rows, setting.option
+        assert setting.variable in rows[setting.option], setting.option
 
 
 def test_a_replica_is_named_after_its_host_and_port(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,15 +17,8 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 
-from rolloutlog.api._env import FILE_SUFFIX, SECRET_SETTINGS, env_name
-from rolloutlog.api._settings import (
-    DEFAULT_DATA_DIR,
-    DEFAULT_HOST,
-    DEFAULT_PORT,
-    LOG_LEVELS,
-    MIB,
-    Settings,
-)
+from rolloutlog.api._env import FILE_SUFFIX
+from rolloutlog.api._settings import DEFAULT_HOST, SETTINGS, Setting, Settings
 from rolloutlog.api._tokens import ENV_PREFIX, MIN_TOKEN_LENGTH, Role
 from rolloutlog.api.cli._main import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
 from rolloutlog.errors import ConfigurationError, RolloutlogError
@@ -69,151 +62,42 @@ def start_failure(code: str, message: str, exit_code: int) -> int:
     return exit_code
 
 
-def _option(*decls: str, field: str, **kw: Any) -> Callable[[Any], Any]:
-    """A ``serve`` flag; its variable is read by ``ServeConfig``, named here for ``--help``."""
-    name = env_name(field)
-    names = f"{name}, {name}{FILE_SUFFIX}" if field in SECRET_SETTINGS else name
-    help_text = f"{kw.pop('help')} [env var: {names}]"
-    return click.option(*decls, field, help=help_text, show_default=True, **kw)
+def _option(setting: Setting) -> Callable[[Any], Any]:
+    """``setting``'s flag; its variable is read by ``ServeConfig``, named here for ``--help``."""
+    names = setting.variable
+    if setting.secret:
+        names += f", {setting.variable}{FILE_SUFFIX}"
+    kw: dict[str, Any] = {"metavar": setting.metavar}
+    if setting.kind is bool:
+        kw["is_flag"] = True
+    elif setting.choices is not None:
+        kw["type"] = click.Choice(setting.choices)
+    elif setting.kind is Path:
+        kw["type"] = click.Path(path_type=Path)
+    else:
+        kw["type"] = setting.kind
+    help_text = setting.help
+    if setting.shown_default is not None:
+        help_text += f" [default: {setting.shown_default}]"
+    return click.option(
+        setting.option,
+        setting.name,
+        default=setting.flag_default,
+        show_default=setting.shown_default is None and setting.default is not None,
+        help=f"{help_text} [env var: {names}]",
+        **kw,
+    )
+
+
+def _options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Every setting's flag (``_settings.SETTINGS``), in its order."""
+    for setting in reversed(SETTINGS):
+        command = _option(setting)(command)
+    return command
 
 
 @click.command()
-@_option(
-    "--data-dir",
-    field="data_dir",
-    type=click.Path(path_type=Path),
-    default=DEFAULT_DATA_DIR,
-    help="Directory of the embedded log and the SQLite catalog.",
-)
-@_option(
-    "--host",
-    field="host",
-    default=DEFAULT_HOST,
-    help="Address to listen on; a non-loopback one needs tokens.",
-)
-@_option("--port", field="port", type=int, default=DEFAULT_PORT, help="Port to listen on.")
-@_option(
-    "--log",
-    field="log_url",
-    metavar="URL",
-    help="Log URL: kafka://HOST:PORT[,HOST:PORT…] or embedded:///DIR [default: embedded "
-    "under the data directory]",
-)
-@_option(
-    "--catalog",
-    field="catalog_url",
-    metavar="URL",
-    help="Catalog URL: postgresql://USER:PASSWORD@HOST/DB (also postgres://, "
-    "postgresql+asyncpg://) or sqlite+aiosqlite:///PATH [default: SQLite under the data "
-    "directory]",
-)
-@_option(
-    "--tokens",
-    field="tokens",
-    type=click.Path(path_type=Path),
-    metavar="FILE",
-    help="JSON (.json) or TOML file of bearer tokens per role; ROLLOUTLOG_TOKEN_<ROLE> "
-    "variables add to it.",
-)
-@_option(
-    "--keep-committed",
-    field="keep_committed",
-    type=int,
-    default=Settings.keep_committed,
-    help="Committed checkpoints kept per run.",
-)
-@_option(
-    "--max-body-mb",
-    field="max_body_mb",
-    type=int,
-    default=Settings.max_events_bytes // MIB,
-    help="Largest append body, in MiB.",
-)
-@_option(
-    "--validation-workers",
-    field="validation_workers",
-    type=int,
-    default=Settings.validation_workers,
-    help="Processes that validate and encode appends (0: the service's own).",
-)
-@_option(
-    "--log-level",
-    field="log_level",
-    type=click.Choice(LOG_LEVELS),
-    default="info",
-    help="Least severe log record written (JSON lines on stderr).",
-)
-@_option("--access-log", field="access_log", is_flag=True, default=False, help="Log every request.")
-@_option(
-    "--shutdown-timeout",
-    field="shutdown_timeout",
-    type=float,
-    default=Settings.drain_timeout_s,
-    help="Seconds a graceful stop waits for in-flight requests.",
-)
-@_option(
-    "--header-timeout",
-    field="header_timeout",
-    type=float,
-    default=Settings.header_timeout_s,
-    help="Seconds a request's headers may take (then 408).",
-)
-@_option(
-    "--body-timeout",
-    field="body_timeout",
-    type=float,
-    default=Settings.body_timeout_s,
-    help="Seconds a request body may stall (then 408); also the grace of --min-body-rate.",
-)
-@_option(
-    "--min-body-rate",
-    field="min_body_rate",
-    type=int,
-    metavar="BYTES",
-    default=Settings.min_body_rate,
-    help="Bytes a second a request body must average once --body-timeout has passed (then "
-    "408); 0: no minimum.",
-)
-@_option(
-    "--max-connections",
-    field="max_connections",
-    type=int,
-    metavar="N",
-    help="Open connections kept at most [default: half the open-file limit, which is raised "
-    "to its hard limit at start]",
-)
-@_option(
-    "--reserved-connections",
-    field="reserved_connections",
-    type=int,
-    metavar="N",
-    default=Settings.reserved_connections,
-    help="Connections of the cap kept for /healthz, /readyz and the trainer's routes "
-    "(checkpoints, restores, controller); at most a quarter of the cap.",
-)
-@_option(
-    "--max-inflight-appends",
-    field="max_inflight_appends",
-    type=int,
-    default=Settings.max_inflight_appends,
-    help="Appends processed at once; one more is refused with 503.",
-)
-@_option(
-    "--replica-id",
-    field="replica_id",
-    metavar="NAME",
-    help="This replica's name in the catalog's partition leases; replicas of one service "
-    "(one log and catalog) need distinct names, and a restart under the same name takes its "
-    "partitions back at once [default: HOST:PORT; with the embedded log, HOST]",
-)
-@_option(
-    "--lease-s",
-    field="lease_s",
-    type=float,
-    metavar="SECONDS",
-    help="How long a replica's partitions outlive its last heartbeat (sent every quarter of "
-    "it): a dead replica's partitions move to the others within this [default: 6]",
-)
+@_options
 @click.pass_context
 def serve(ctx: click.Context, /, **flags: Any) -> int:
     """Run the service (REST API, projector, checkpoints and restores).
@@ -254,37 +138,27 @@ def missing_server_package(error: BaseException) -> ConfigurationError | None:
 def run_service(given: Mapping[str, Any], flag_names: Mapping[str, str]) -> int:
     """Configure, check and run the service; its exit code."""
     from rolloutlog.api._config import ServeConfig
-    from rolloutlog.api._tokens import Tokens, is_loopback_host
+    from rolloutlog.api._tokens import is_loopback_host
 
     try:
-        config = ServeConfig.load(given, flag_names)
-        tokens = Tokens.load(config.tokens)
+        settings = ServeConfig.load(given, flag_names).settings()
     except ConfigurationError as e:
         return start_failure(e.code, e.message, EXIT_USAGE)
-    if not tokens.enabled and not is_loopback_host(config.host):
-        return start_failure(ConfigurationError.code, no_tokens_message(config.host), EXIT_USAGE)
-    settings = config.settings(tokens)
+    if not settings.tokens.enabled and not is_loopback_host(settings.host):
+        return start_failure(ConfigurationError.code, no_tokens_message(settings.host), EXIT_USAGE)
     locked = _data_dir_in_use(settings)
     if locked is not None:
         return start_failure(locked.code, locked.message, EXIT_REFUSED)
     try:
-        listener = _listen(config.host, config.port)
+        listener = _listen(settings.host, settings.port)
     except OSError as e:
-        where = f"{config.host}:{config.port}"
+        where = f"{settings.host}:{settings.port}"
         return start_failure("cannot_listen", f"{where}: {e.strerror or e}", EXIT_REFUSED)
     with listener:
-        return _serve(
-            config.log_level, config.access_log, config.shutdown_timeout, settings, listener
-        )
+        return _serve(settings, listener)
 
 
-def _serve(
-    log_level: str,
-    access_log: bool,
-    shutdown_timeout: float,
-    settings: Settings,
-    listener: socket.socket,
-) -> int:
+def _serve(settings: Settings, listener: socket.socket) -> int:
     import asyncio
     import gc
     import math
@@ -298,7 +172,7 @@ def _serve(
     from rolloutlog.api._protocol import http_protocol
 
     limit_arenas()  # before any thread of the service starts (rolloutlog/_malloc.py)
-    configure_logging(log_level)
+    configure_logging(settings.log_level)
     # Before the log sizes its reader pool by the limit; said once the service is up (a failed
     # start is one line).
     cap, limits_line = _open_file_limit(settings)
@@ -313,9 +187,9 @@ def _serve(
         app,
         http=http_protocol(settings.header_timeout_s, cap, refused),
         backlog=cap.backlog,
-        log_config=uvicorn_log_config(log_level, access_log),
-        access_log=access_log,
-        timeout_graceful_shutdown=math.ceil(shutdown_timeout),
+        log_config=uvicorn_log_config(settings.log_level, settings.access_log),
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s),
         # The lifespan (opening the log and the catalog) runs in ``_start_then_serve`` before
         # uvicorn starts: a start-up failure is then one line on stderr, not a logged traceback.
         lifespan="off",
