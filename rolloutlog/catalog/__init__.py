@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._catalog import Catalog
 from rolloutlog.catalog._leases import PartitionOwner
 from rolloutlog.catalog._migrate import head_revision
+from rolloutlog.catalog._registry import backend_for
 from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
 from rolloutlog.catalog._values import (
     DEFAULT_KEEP_COMMITTED,

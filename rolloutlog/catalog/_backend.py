@@ -1,7 +1,7 @@
 """What differs between the catalog's databases, behind one small interface.
 
-``open_catalog`` picks the subclass by URL and imports its module lazily; everything else in the
-catalog is shared SQL. A backend creates the engines, bulk-inserts rows through the raw driver
+``open_catalog`` picks the subclass by URL (``_registry.backend_for``, which imports the chosen
+module only); everything else in the catalog is shared SQL. A backend creates the engines, bulk-inserts rows through the raw driver
 (the one hot path: a 16,000-entry manifest is one ``executemany``/``COPY``, not 16,000 round
 trips), serializes migrations and classifies driver errors into rolloutlog's error tree.
 """
@@ -16,6 +16,7 @@ from sqlalchemy import Table
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from rolloutlog.catalog._turns import WriteTurns
 from rolloutlog.errors import (
     BackendUnavailable,
     CatalogError,
@@ -62,6 +63,11 @@ class Backend:
         event loop instead of one per statement (under load, each waits for the loop's turn).
         ``fn`` may await only ``conn``'s calls."""
         raise NotImplementedError
+
+    def write_turns(self) -> WriteTurns | None:
+        """Turns the catalog's writers take in this process, or None where the database
+        queues writers itself."""
+        return None
 
     def after_bulk_commit(self, engine: AsyncEngine) -> None:
         """Called after a large write committed: room for maintenance kept off its latency."""
@@ -135,26 +141,3 @@ def _causes(error: BaseException) -> list[BaseException]:
 def _first_line(error: BaseException) -> str:
     text = str(getattr(error, "orig", None) or error)
     return text.splitlines()[0] if text else type(error).__name__
-
-
-#: PostgreSQL URLs as operators write them (libpq's ``postgresql://``, the shorter
-#: ``postgres://`` of many hosting providers): all of them go through asyncpg.
-POSTGRES_SCHEMES = ("postgresql+asyncpg://", "postgresql://", "postgres://")
-
-
-def backend_for(url: str) -> Backend:
-    """The backend for a catalog URL, its module imported only when chosen."""
-    if url.startswith("sqlite+aiosqlite://"):
-        from rolloutlog.catalog._sqlite import SQLiteBackend
-
-        return SQLiteBackend(url)
-    scheme = next((s for s in POSTGRES_SCHEMES if url.startswith(s)), None)
-    if scheme is not None:
-        from rolloutlog.catalog._postgres import PostgresBackend
-
-        return PostgresBackend(POSTGRES_SCHEMES[0] + url.removeprefix(scheme))
-    raise CatalogError(
-        f"unsupported catalog URL {url!r}: use sqlite+aiosqlite:///PATH or "
-        "postgresql://USER@HOST/DB (also postgres://, postgresql+asyncpg://)",
-        url=url,
-    )

@@ -26,7 +26,6 @@ from rolloutlog.catalog._schema import (
     checkpoints,
     runs,
 )
-from rolloutlog.catalog._turns import WriteTurns
 from rolloutlog.catalog._validate import (
     check_count,
     check_episode,
@@ -135,7 +134,7 @@ class Catalog:
         self._engine: AsyncEngine | None = None
         self._reader: AsyncEngine | None = None
         #: SQLite: writers take turns in the process, not by polling the database's lock.
-        self._turns = WriteTurns() if backend.name == "sqlite" else None
+        self._turns = backend.write_turns()
         self._translated: tuple[type[BaseException], ...] = (
             sa_exc.SQLAlchemyError,
             OSError,

@@ -35,6 +35,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from rolloutlog.catalog._backend import Backend, integrity_error
+from rolloutlog.catalog._turns import WriteTurns
 from rolloutlog.errors import BackendUnavailable, CatalogError, RolloutlogError
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,12 @@ _UNAVAILABLE = (
 
 class SQLiteBackend(Backend):
     name: ClassVar[str] = "sqlite"
+
+    def write_turns(self) -> WriteTurns:
+        """SQLite has one writer at a time and makes the others poll its lock: the catalog's
+        writers take turns in the process instead (``_turns``)."""
+        return WriteTurns()
+
     one_hop_writes: ClassVar[bool] = True
 
     def __init__(self, url: str) -> None:

@@ -19,8 +19,8 @@ from rolloutlog.catalog import (
     RestoreEntry,
     open_catalog,
 )
-from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._postgres import PostgresBackend
+from rolloutlog.catalog._registry import backend_for
 from rolloutlog.catalog._validate import check_episode
 from rolloutlog.errors import (
     BackendUnavailable,

@@ -29,8 +29,8 @@ from rolloutlog.catalog import (
     head_revision,
     open_catalog,
 )
-from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._migrate import alembic_config
+from rolloutlog.catalog._registry import backend_for
 from rolloutlog.catalog._schema import VERSION_TABLE, metadata
 from rolloutlog.errors import (
     CatalogVersionError,

@@ -12,7 +12,7 @@ import asyncio
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from rolloutlog.catalog._backend import backend_for
+from rolloutlog.catalog._registry import backend_for
 from rolloutlog.catalog._schema import VERSION_TABLE, metadata
 
 
