@@ -138,6 +138,7 @@ SURFACES: dict[str, list[str]] = {
         "RestoreAction",
         "RestoreEntry",
         "RestorePart",
+        "RestorePlanning",
         "RestoreRequest",
         "Run",
         "RunStats",
@@ -250,6 +251,7 @@ SURFACES: dict[str, list[str]] = {
         "GymSettings",
         "Launcher",
         "SessionState",
+        "StateHooks",
         "attach_resources",
         "build_app",
         "current_gym_session",
@@ -327,3 +329,16 @@ def test_the_api_asks_the_coordinator() -> None:
             ):
                 reaching.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
     assert reaching == []
+
+
+def test_no_two_public_classes_share_a_name() -> None:
+    """One name per concept (docs/design.md, "Glossary"): a public class's name is defined once
+    in the package. An alias kept for a renamed class is not a second definition."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        if "migrations" in path.parts:
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}

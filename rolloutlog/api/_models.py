@@ -155,13 +155,13 @@ class ParticipantList(_Response):
     participants: list[ParticipantOut]
 
 
-class Position(_Response):
+class PositionOut(_Response):
     partition: int
     offset: int
 
 
 class AppendOut(_Response):
-    offsets: list[Position]
+    offsets: list[PositionOut]
 
 
 class ControllerOut(_Response):

@@ -14,7 +14,7 @@ from rolloutlog.catalog._catalog import Catalog
 from rolloutlog.catalog._leases import PartitionOwner
 from rolloutlog.catalog._migrate import head_revision
 from rolloutlog.catalog._registry import backend_for
-from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
+from rolloutlog.catalog._restore_requests import RestorePart, RestorePlanning
 from rolloutlog.catalog._values import (
     DEFAULT_KEEP_COMMITTED,
     DEFAULT_PARTITIONS,
@@ -40,6 +40,9 @@ from rolloutlog.catalog._values import (
     RunSummary,
 )
 
+#: The name ``RestorePlanning`` had before (the REST body of a restore is ``RestoreRequest``).
+RestoreRequest = RestorePlanning
+
 __all__ = [
     "DEFAULT_KEEP_COMMITTED",
     "DEFAULT_PARTITIONS",
@@ -63,6 +66,7 @@ __all__ = [
     "RestoreAction",
     "RestoreEntry",
     "RestorePart",
+    "RestorePlanning",
     "RestoreRequest",
     "Run",
     "RunStats",

@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from rolloutlog.catalog import _leases, _migrate, _reads, _restore_requests, _results, _writes
 from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._leases import PartitionOwner
-from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
+from rolloutlog.catalog._restore_requests import RestorePart, RestorePlanning
 from rolloutlog.catalog._schema import (
     checkpoints,
     runs,
@@ -843,11 +843,11 @@ class Catalog:
         """A request's parts written so far, by partition."""
         return await self._query(lambda conn: _restore_requests.read_parts(conn, run, restore_id))
 
-    async def planning_restores(self, run: str | None = None) -> list[RestoreRequest]:
+    async def planning_restores(self, run: str | None = None) -> list[RestorePlanning]:
         """Requests still planning: of one run, or of every run (one query)."""
         return await self._query(lambda conn: _restore_requests.planning_requests(conn, run))
 
-    async def get_restore_request(self, run: str, restore_id: int) -> RestoreRequest:
+    async def get_restore_request(self, run: str, restore_id: int) -> RestorePlanning:
         return await self._query(lambda conn: _restore_requests.get_request(conn, run, restore_id))
 
     async def abort_restore(self, run: str, restore_id: int, reason: str) -> bool:

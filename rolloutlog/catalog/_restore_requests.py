@@ -19,7 +19,7 @@ from rolloutlog.errors import RestoreConflict, UnknownRestore
 
 __all__ = [
     "RestorePart",
-    "RestoreRequest",
+    "RestorePlanning",
     "abort_expired",
     "abort_request",
     "check_planning",
@@ -34,7 +34,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class RestoreRequest:
+class RestorePlanning:
     """A restore being planned by the partitions' owners (or how it ended)."""
 
     run: str
@@ -64,8 +64,8 @@ class RestorePart:
     body: Any
 
 
-def _request(row: Any) -> RestoreRequest:
-    return RestoreRequest(
+def _request(row: Any) -> RestorePlanning:
+    return RestorePlanning(
         row.run,
         int(row.restore_id),
         int(row.checkpoint_id),
@@ -176,7 +176,7 @@ async def read_parts(conn: AsyncConnection, run: str, restore_id: int) -> list[R
     ]
 
 
-async def planning_requests(conn: AsyncConnection, run: str | None) -> list[RestoreRequest]:
+async def planning_requests(conn: AsyncConnection, run: str | None) -> list[RestorePlanning]:
     """Every request still planning (of one run, or of all)."""
     query = select(restore_requests).where(restore_requests.c.status == "planning")
     if run is not None:
@@ -184,7 +184,7 @@ async def planning_requests(conn: AsyncConnection, run: str | None) -> list[Rest
     return [_request(row) for row in await conn.execute(query)]
 
 
-async def get_request(conn: AsyncConnection, run: str, restore_id: int) -> RestoreRequest:
+async def get_request(conn: AsyncConnection, run: str, restore_id: int) -> RestorePlanning:
     table = restore_requests
     row = (
         await conn.execute(

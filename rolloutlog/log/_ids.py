@@ -9,7 +9,7 @@ from functools import lru_cache
 #: ``$`` match before a trailing newline, so Python code must ``fullmatch`` (``_NAME``), never
 #: ``match``: an id ending in a newline was once accepted and then could never be fetched.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
+_NAME = re.compile(NAME_PATTERN.removeprefix("^").removesuffix("$"))
 _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _ATTEMPT_SUFFIX = re.compile(r"-a\d+\Z")
 _CAPTURE_KEY = re.compile(r"(.+?)(?:-a(\d+))?")

@@ -25,6 +25,7 @@ import orjson
 from rolloutlog.log import (
     DATA_RULES,
     DATA_SHAPES,
+    NAME_PATTERN,
     SERVICE_EVENT_TYPES,
     FieldShape,
     Opaque,
@@ -54,7 +55,7 @@ encode_record_fast = encode_record_dict
 # wrong type may raise TypeError (the regex on a non-string, a set lookup of an unhashable
 # value): ``_fits`` takes that as "not in the SDK's shape".
 
-_name = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}").fullmatch
+_name = re.compile(NAME_PATTERN.removeprefix("^").removesuffix("$")).fullmatch  # as log's ids
 _INTS = {int}
 #: Episode ids seen valid (an episode records many events); bounded, cleared when full.
 _episodes: set[str] = set()

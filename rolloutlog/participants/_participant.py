@@ -52,7 +52,7 @@ def _parse(key: str) -> tuple[str, int]:
     return parse_capture_key(key)
 
 
-def check_name(what: str, name: str) -> str:
+def checked_name(what: str, name: str) -> str:
     problem = name_problem(name)
     if problem is not None:
         raise ValueError(f"invalid {what} {name!r}: {problem}")
@@ -71,7 +71,7 @@ class Participant:
     def __init__(self, transport: Transport, run: str, participant_id: str) -> None:
         self.transport = transport
         self.run = run
-        self.id = check_name("participant id", participant_id)
+        self.id = checked_name("participant id", participant_id)
         self.epoch: int | None = None
         self.seq = 0
         self._who: dict[str, Any] = {}

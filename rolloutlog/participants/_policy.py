@@ -14,7 +14,7 @@ from prometheus_client import Counter
 
 from rolloutlog.log import Position, ledger_digest
 from rolloutlog.participants._ledger import LedgerRowInfo, LedgerStore, MemoryLedger
-from rolloutlog.participants._participant import Participant, RolloutContext, check_name
+from rolloutlog.participants._participant import Participant, RolloutContext, checked_name
 from rolloutlog.participants._transport import Transport
 
 __all__ = [
@@ -311,7 +311,7 @@ class Policy(Participant):
         return Generation(
             self,
             RolloutContext(context.episode, context.attempt),
-            check_name("call id", call_id),
+            checked_name("call id", call_id),
             parent_call_id,
             request_digest,
             self.is_constrained(request, constrained),
@@ -355,7 +355,7 @@ class Policy(Participant):
             version = min(policy_version, version)
         tokens = list(token_ids)
         row = LedgerRowInfo(
-            call_id=check_name("call id", call_id),
+            call_id=checked_name("call id", call_id),
             parent_call_id=parent_call_id,
             fingerprint=fingerprint,
             context_digest=context_digest,

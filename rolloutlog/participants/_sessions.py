@@ -15,7 +15,7 @@ from rolloutlog.participants._environment import VERIFY_HEADER
 from rolloutlog.participants._participant import (
     Participant,
     RolloutContext,
-    check_name,
+    checked_name,
     opaque,
 )
 from rolloutlog.participants._restore import Restores
@@ -107,7 +107,7 @@ class Resources(Participant):
     ) -> Position:
         """``session.started`` (on ``/seed_session``, before replying), and the initial state."""
         context = RolloutContext.of(key)
-        data = {"session_id": check_name("session id", session_id), "mode": self.mode}
+        data = {"session_id": checked_name("session id", session_id), "mode": self.mode}
         data["verify"] = self.verify
         position = await self.emit("session.started", context, data)
         if state is not None:
@@ -299,7 +299,7 @@ class Agent(Participant):
         """``session.started``: mode ``exported`` (the state lives in the session's boundaries),
         or ``restart_only`` for an agent without hooks."""
         context = RolloutContext.of(key)
-        sid = check_name("session id", session_id)
+        sid = checked_name("session id", session_id)
         mode = "exported" if self.hooks else "restart_only"
         data = {"session_id": sid, "mode": mode, "verify": "replay"}
         await self.emit("session.started", context, data)

@@ -27,7 +27,7 @@ from rolloutlog.catalog import (
     ManifestEntry,
     Restore,
     RestoreEntry,
-    RestoreRequest,
+    RestorePlanning,
 )
 from rolloutlog.errors import (
     BackendUnavailable,
@@ -716,7 +716,7 @@ class Restorer:
         for key in [key for key in self._planned if key not in planning]:
             del self._planned[key]
 
-    async def _plan_remote(self, projector: Projector, request: RestoreRequest) -> None:
+    async def _plan_remote(self, projector: Projector, request: RestorePlanning) -> None:
         """Plan and write this replica's part of another replica's request; the verdict comes
         from ``poll_once``. A part that cannot be written leaves the request to abort."""
         run, restore_id = request.run, request.restore_id

@@ -25,7 +25,7 @@ from rolloutlog.integrations.nemo_gym._context import (
     rollout_cookies,
     rollout_headers,
 )
-from rolloutlog.integrations.nemo_gym._exported import SessionState
+from rolloutlog.integrations.nemo_gym._exported import SessionState, StateHooks
 from rolloutlog.integrations.nemo_gym._launcher import Launcher, build_app, resolve_config, serve
 from rolloutlog.integrations.nemo_gym._resources import attach_resources
 
@@ -55,6 +55,7 @@ __all__ = [
     "GymSettings",
     "Launcher",
     "SessionState",
+    "StateHooks",
     "attach_resources",
     "build_app",
     "current_gym_session",

@@ -3,7 +3,7 @@
 A server keeps its state where it keeps it (its own process, keyed by NeMo Gym's session id,
 ``request.session["session_id"]``) and declares it in its ``rolloutlog:`` dict: ``mode:
 exported`` and ``state: "module:factory"``. ``factory(server)`` (the server instance) returns
-a ``SessionState``, three methods over the server's own state, each given NeMo Gym's session id
+a ``StateHooks``, three methods over the server's own state, each given NeMo Gym's session id
 (plain or ``async``):
 
 - ``export(session_id)``: the session's state as JSON (None: it has none), recorded as
@@ -39,13 +39,13 @@ from rolloutlog.participants import (
 if TYPE_CHECKING:  # plain ASGI: starlette is not needed to run it
     from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["ExportedState", "SessionState", "continued_projection"]
+__all__ = ["ExportedState", "SessionState", "StateHooks", "continued_projection"]
 
 #: NeMo Gym's key of its session id in ``request.session`` (``nemo_gym.server_utils``).
 GYM_SESSION_ID = "session_id"
 
 
-class SessionState(Protocol):
+class StateHooks(Protocol):
     """What a user writes for a stateful resources server (module docstring)."""
 
     def export(self, session_id: str) -> Any: ...
@@ -53,6 +53,10 @@ class SessionState(Protocol):
     def restore(self, session_id: str, state: Any) -> Any: ...
 
     def retire(self, session_id: str) -> Any: ...
+
+
+#: The name ``StateHooks`` had before (the ``session.state`` event's class is ``SessionState``).
+SessionState = StateHooks
 
 
 async def _call(result: Any) -> Any:
@@ -79,12 +83,12 @@ async def continued_projection(
 
 
 class ExportedState:
-    """A ``SessionState`` wired into a resources server's app: ``record`` is the SDK's state
+    """A ``StateHooks`` wired into a resources server's app: ``record`` is the SDK's state
     hook (``ResourcesMiddleware``), ``install`` puts the restoring middleware inside the app."""
 
     def __init__(
         self,
-        state: SessionState,
+        state: StateHooks,
         settings: GymSettings,
         resources: Resources,
         restores: Restores | None = None,

@@ -15,7 +15,7 @@ per server) behind ``GymContextMiddleware`` (the rollout context from headers or
 Modes (the server's ``rolloutlog.mode``): ``restart_only`` (default; fails closed: an episode
 with a live session restarts), ``stateless`` (nothing to restore: its episodes continue),
 ``exported`` (``rolloutlog.state``: ``"module:factory"``, ``factory(server)`` returns the
-server's ``SessionState``: export, restore and retire over its own state, ``_exported``).
+server's ``StateHooks``: export, restore and retire over its own state, ``_exported``).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def attach_resources(
 
     Options (``settings.options``): ``mode``, ``verify`` (``replay``/``wait``, default ``wait``:
     a verify in flight is never run twice), ``state`` (exported: ``"module:factory"`` of its
-    ``SessionState``; ``deadline_s``, how long a restore rides through an unreachable service),
+    ``StateHooks``; ``deadline_s``, how long a restore rides through an unreachable service),
     ``rollout_id_required`` (refuse rollout routes without a context: work no checkpoint
     accounts for).
     ``transport``: the participant's (default ``settings.transport()``, started and stopped with
