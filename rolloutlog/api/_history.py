@@ -1,4 +1,4 @@
-"""Analysts' reads (issue 14): one episode's history across attempts, one event's payload, and
+"""Analysts' reads: one episode's history across attempts, one event's payload, and
 how far the projector trails the log. Read-only; every route needs the analyst role."""
 
 from __future__ import annotations

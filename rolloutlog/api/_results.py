@@ -1,4 +1,4 @@
-"""Finished episodes' results for the trainer (issue 18): read them (NDJSON) and acknowledge the
+"""Finished episodes' results for the trainer: read them (NDJSON) and acknowledge the
 ones it holds. Both routes first bring the catalog up to the log (``Coordinator.sync_results``):
 an environment appends ``episode.finished`` before its reply leaves, so any result the trainer
 received, or whose reply was lost, is there by the time it asks."""

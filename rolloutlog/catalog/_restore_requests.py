@@ -1,4 +1,4 @@
-"""Restores planned per partition owner (issue 17, docs/design.md §10 "A restore"): the request a
+"""Restores planned per partition owner (docs/design.md §10 "A restore"): the request a
 replica opens, each owner's part of the plan (fenced by its partition leases), and how the request
 ends (committed with the restore, or aborted). Functions of an open transaction."""
 

@@ -1,4 +1,4 @@
-"""Finished episodes' results and their acknowledgement (issue 18): the statements behind the
+"""Finished episodes' results and their acknowledgement: the statements behind the
 catalog's ``record_episodes`` (results part), ``results_page``, ``acknowledge_results`` and the
 restore commit's bookkeeping.
 

@@ -1,4 +1,4 @@
-"""Turns for an embedded (SQLite) catalog's writers (issue 16, S4).
+"""Turns for an embedded (SQLite) catalog's writers (the S4 workload).
 
 SQLite has one writer at a time, and makes the others poll for its lock: its busy handler sleeps
 up to 100 ms between tries. A checkpoint's transactions behind the projector's batches of

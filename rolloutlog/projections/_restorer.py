@@ -4,7 +4,7 @@ projector, gathers each ``continue`` episode's state at its cut (pinned trackers
 the log), asks the planner, opens the restore's request (its id reserved), writes the
 ``attempt.started`` records and commits the plan in one catalog transaction. A failure anywhere
 commits nothing (the request is aborted): the projector discards the restore and the old attempts
-stay current. With several replicas (issue 17) each plans the partitions it owns: the requester
+stay current. With several replicas each plans the partitions it owns: the requester
 its own in-process, the others theirs through ``poll``, as ``restore_parts`` rows that the
 requester merges before its commit."""
 

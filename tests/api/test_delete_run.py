@@ -1,4 +1,4 @@
-"""``DELETE /v1/runs/{run}`` (issue 11, item 4) on both deployments: the run's log, catalog rows
+"""``DELETE /v1/runs/{run}`` on both deployments: the run's log, catalog rows
 and the service's caches are released, and a fresh run reuses the name."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The catalog contract: every case runs on SQLite and on PostgreSQL (issue 3, docs/design.md §5-§6)."""
+"""The catalog contract: every case runs on SQLite and on PostgreSQL (docs/design.md §5-§6)."""
 
 from __future__ import annotations
 
@@ -1119,7 +1119,7 @@ async def test_quarantined_records_are_kept_once_and_listed_in_order(
         await engine.dispose()
 
 
-# -- finished results and their acknowledgement (issue 18) ---------------------------------------
+# -- finished results and their acknowledgement ---------------------------------------
 
 
 def finish(episode: str, partition: int, offset: int, reward: float | None = 1.0, **kw: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The log contract: every backend must pass every case here (docs/design.md §3, issue 2)."""
+"""The log contract: every backend must pass every case here (docs/design.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``Log.delete_run`` on every backend (issue 11: runs can be deleted; a fresh run reuses the name)."""
+"""``Log.delete_run`` on every backend (runs can be deleted; a fresh run reuses the name)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Restores planned per partition owner (issue 17): a request's parts are fenced by the writer's
+"""Restores planned per partition owner: a request's parts are fenced by the writer's
 partition leases, its commit checks every part's lease in the restore's own transaction, and a
 request that does not commit is aborted (by its requester, or by any replica's sweep past its
 deadline). On SQLite and PostgreSQL."""

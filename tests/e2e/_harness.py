@@ -373,7 +373,7 @@ class CatalogHold:
         return bool(waiting)
 
 
-# -- replicas (issue 17) -------------------------------------------------------------------------
+# -- replicas -------------------------------------------------------------------------
 
 #: The replicas' lease (``--lease-s``): short, so that failover takes seconds in the tests, and
 #: not shorter (2 s flapped on this 2-core machine under a 4,000-rollout restore).

@@ -1,4 +1,4 @@
-"""Issue 17: several ``rolloutlog serve`` replicas on one Kafka (Tansu) log and one PostgreSQL
+"""Several ``rolloutlog serve`` replicas on one Kafka (Tansu) log and one PostgreSQL
 catalog form one service. Real processes, SIGKILL and SIGSTOP/SIGCONT by PID, a short lease
 (``REPLICA_LEASE_S``) so that failover takes seconds.
 

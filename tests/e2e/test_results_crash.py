@@ -1,4 +1,4 @@
-"""Issue 18 on both deployments: results whose replies a crash lost come back from the service,
+"""On both deployments: results whose replies a crash lost come back from the service,
 once, with the right reward, and their rollouts are never dispatched again.
 
 The rollout collector is a real process (``tests.results._dispatch``) SIGKILLed while the

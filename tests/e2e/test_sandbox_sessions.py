@@ -1,4 +1,4 @@
-"""Export-on-checkpoint sessions in the crash suite (issue 13 item 3): the sandbox resources server
+"""Export-on-checkpoint sessions in the crash suite: the sandbox resources server
 keeps its counters in a SQLite file of its own; the checkpoint asks it to export (a snapshot
 reference), waits for the export, and the replacement attempt restores the snapshot. Every
 participant process is SIGKILLed between the checkpoint and the restore; both deployments."""

@@ -1,4 +1,4 @@
-"""Two services on one embedded data directory (issue 11, item 6), with real processes.
+"""Two services on one embedded data directory, with real processes.
 
 Asserts: the second ``rolloutlog serve`` exits non-zero with one clear line on stderr and touches
 nothing (the first one's pending checkpoint stays pending, no file of the data directory changes);

@@ -1,4 +1,4 @@
-"""A full disk under the embedded deployment (issue 11, item 3), caused for real: the service's
+"""A full disk under the embedded deployment, caused for real: the service's
 RLIMIT_FSIZE is lowered from outside while it runs (Python ignores SIGXFSZ, so writes past the
 limit fail with EFBIG, as on a full disk) and raised again.
 

@@ -1,4 +1,4 @@
-"""The PostgreSQL catalog SIGKILLed under a running service, and restarted (issue 11, items 1, 7).
+"""The PostgreSQL catalog SIGKILLed under a running service, and restarted.
 
 A throwaway cluster of this module (``tests/faults/_postgres.py``; never the machine's own) is the
 catalog of a real ``rolloutlog serve``, with the embedded log and with Kafka. While the catalog

@@ -1,4 +1,4 @@
-"""Bounded resources (issue 11, item 4): the embedded service under a low descriptor limit, with
+"""Bounded resources: the embedded service under a low descriptor limit, with
 many runs and one run with the most partitions allowed, and runs deleted to free their files.
 
 Before the fix every partition's follower held a SQLite connection for good and every run a

@@ -4,7 +4,7 @@ commits; at the end every acknowledged event is in the log at its offset and in 
 finished episode was reported finished, a live one is continued at its last acknowledged
 boundary).
 
-On Kafka this is issue 11's load failure: Tansu answers some fetches empty below the high-water
+On Kafka this is the load failure Tansu causes: Tansu answers some fetches empty below the high-water
 mark under this load, which used to kill the run's projector within seconds.
 """
 

@@ -212,7 +212,7 @@ def test_random_floats_and_strings_agree(seed: int) -> None:
 def test_prepare_gives_what_it_gave_before_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """A body mixing envelopes the fast path takes and envelopes only pydantic takes prepares
     into the same batch, and a bad envelope in it is refused with the same error, as with every
-    envelope through pydantic (``prepare`` before issue 16)."""
+    envelope through pydantic (the former ``prepare``)."""
     from rolloutlog.api import _prepare
 
     events = _valid()

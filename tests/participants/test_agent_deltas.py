@@ -1,4 +1,4 @@
-"""Cheap agent boundaries (issue 13 item 4): an agent writes what changed since its last boundary,
+"""Cheap agent boundaries: an agent writes what changed since its last boundary,
 the fold composes it, through a real checkpoint and restore; agents without hooks restart."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Export-on-checkpoint sessions (issue 13 item 3): the checkpoint asks, the resources server
+"""Export-on-checkpoint sessions: the checkpoint asks, the resources server
 exports, the checkpoint waits for the export like an open wait step, bounded by its deadline."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checkpoints over replicas (issue 17), in one process: three coordinators on one log and one
+"""Checkpoints over replicas, in one process: three coordinators on one log and one
 catalog, two folding one of the run's two partitions each (the lease loop's leases, ticked by
 hand), one owning none. A checkpoint asked of any commits once both owners' parts are in, and its manifest is the one a single
 owner of every partition captures; an owner that never writes its part gets the checkpoint

@@ -1,5 +1,5 @@
 """Checkpoints and restores end to end over the embedded log and a SQLite catalog, including the
-seed's hard cases (issue 4)."""
+seed's hard cases."""
 
 from __future__ import annotations
 

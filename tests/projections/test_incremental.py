@@ -1,4 +1,4 @@
-"""Incremental checkpoints (issue 16): a checkpoint after a committed one stores only the entries
+"""Incremental checkpoints: a checkpoint after a committed one stores only the entries
 whose episodes changed, and tombstones for those that went; read back, it is the manifest a
 fresh service would capture; restores of it continue the same episodes."""
 

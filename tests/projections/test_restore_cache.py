@@ -1,4 +1,4 @@
-"""The restore cache (issue 16): NDJSON lines bounded by bytes, a run's newest restore
+"""The restore cache: NDJSON lines bounded by bytes, a run's newest restore
 supersedes its older ones, what was dropped is rebuilt from the log equal to what was served
 before, and a restore's lines are built while it commits."""
 

@@ -1,4 +1,4 @@
-"""Restores planned per partition owner (issue 17): two coordinators in one process, with disjoint
+"""Restores planned per partition owner: two coordinators in one process, with disjoint
 owned partitions of one run over one log and catalog (the lease loop's, ticked by hand), plan a
 restore together: requested at either, it commits the plan one owner of every partition would
 commit, and both projectors apply its resets. A part that never comes aborts the request at its

@@ -1,1 +1,1 @@
-"""Finished results and their acknowledgement (issue 18)."""
+"""Finished results and their acknowledgement."""
