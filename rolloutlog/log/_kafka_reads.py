@@ -63,6 +63,8 @@ _LOSS_CONFIRM_S = 10.0
 _FOREVER = 1 << 62
 #: Between a follower's attempts to reach a broker it lost.
 _RECONNECT_S = 0.25
+#: How long a read that failed to reach a leader looks for new leaders before it gives up.
+_REFRESH_S = 1.0
 
 
 @dataclass(eq=False)
@@ -129,7 +131,8 @@ class KafkaReads:
         start = max(start, 0)
         if end <= start:
             return
-        cursor = _Cursor(partition, start, end, self._fetch_bytes)
+        # A range starts at an offset known to exist: ask as from behind the high-water mark.
+        cursor = _Cursor(partition, start, end, self._fetch_bytes, BEHIND_WAIT_MS)
         client = await self._readers.acquire()
         following: asyncio.Task[int] | None = None
         broken = False
@@ -287,6 +290,9 @@ class KafkaReads:
             async with asyncio.timeout(self._request_timeout_ms / 1000):
                 answers = await fetch(client, topic.name, topic.leaders, offsets, pages, wait_ms)
         except REQUEST_ERRORS as e:
+            # A leader that cannot be reached may be one that is gone (its partitions moved):
+            # without a look at the metadata, every later read would ask it again.
+            await self._refresh_leaders_quietly(topic)
             raise translate(e, where, topic=topic.name) from e
         states = []
         refresh = False
@@ -412,6 +418,13 @@ class KafkaReads:
                 topic=topic.name,
             )
         return described
+
+    async def _refresh_leaders_quietly(self, topic: ReadTopic) -> None:
+        """``_refresh_leaders`` within ``_REFRESH_S``; a broker that does not answer leaves the
+        leaders as they are (``RunLost`` still goes through)."""
+        with contextlib.suppress(BackendUnavailable, TimeoutError):
+            async with asyncio.timeout(_REFRESH_S):
+                await self._refresh_leaders(topic)
 
     async def _refresh_leaders(self, topic: ReadTopic) -> None:
         """New leaders where partitions moved; ``RunLost`` when the topic is gone."""

@@ -514,3 +514,28 @@ async def test_a_fetch_behind_the_high_water_mark_waits_long_and_one_at_the_end_
         assert [value for _, value in await anext(follower)] == [b"after"]
         await follower.aclose()
     assert waits and set(waits) == {FETCH_WAIT_MS}
+
+
+@pytest.mark.kafka
+async def test_reads_find_a_new_leader_when_the_known_one_is_gone(open_kafka: Opener) -> None:
+    """A partition's leader moved and the broker that led it is gone (one broker here: the log
+    is made to believe in a leader that does not exist). The failed round looks at the metadata
+    again: a follower goes on by itself, a read fails once, retriably, and the next one reads."""
+    log = await open_kafka()
+    await log.ensure_run("run", 2)
+    await log.append_records("run", [Record(p, b"k", b"%d" % p) for p in (0, 1)])
+    topic = await log._topic("run")
+    leaders = list(topic.leaders)
+    topic.leaders[:] = [12345, 12345]
+    async with asyncio.timeout(20):
+        seen = {}
+        async for partition, page in log.follow_run("run", [0, 0]):
+            seen[partition] = [value for _, value in page]
+            if len(seen) == 2:
+                break
+        assert seen == {0: [b"0"], 1: [b"1"]}
+        assert topic.leaders == leaders
+        topic.leaders[0] = 12345
+        with pytest.raises(BackendUnavailable):
+            await read_all(log, "run", 0, 0, 1)
+        assert [value for _, value in await read_all(log, "run", 0, 0, 1)] == [b"0"]
