@@ -1,13 +1,23 @@
 """The pure kernel: the event model (envelope, event types, ids, opaque payloads, digests, delta
-states, the event shapes the checks are built from).
+states, the event shapes the checks are built from), the episode fold (``EpisodeFold``) and its
+projection, verification, the cut rules, the restore planner, and the manifest and plan values.
 
 It imports nothing but the standard library, pydantic, orjson and ``rolloutlog.errors``
 (``tests/test_public_surface.py`` pins that), so every other room — the log, the fold, the SDK,
 the service — can build on it, and it can be used and tested without any I/O library.
 """
 
+from rolloutlog.core._cuts import (
+    CUT_DISPOSITIONS,
+    planned_cut_dispositions,
+    served_cut_dispositions,
+)
 from rolloutlog.core._deltas import DELTA_KEY, DELTA_PREFIX, compose_state, is_delta, state_delta
 from rolloutlog.core._digests import ledger_digest, task_digest, token_count
+from rolloutlog.core._episode import (
+    EpisodeFold,
+    EventFilters,
+)
 from rolloutlog.core._events import (
     EVENT_CLASSES,
     MAX_SEQ,
@@ -50,7 +60,28 @@ from rolloutlog.core._ids import (
     partition_for,
     run_name_problem,
 )
+from rolloutlog.core._model import (
+    BoundaryView,
+    EpisodeProjection,
+    GenerationCut,
+    LedgerEntry,
+    ProjectionLine,
+    ProjectionStatus,
+    SessionView,
+)
 from rolloutlog.core._opaque import Opaque, encode_opaque
+from rolloutlog.core._planner import (
+    PlannedEpisode,
+    RestorePlan,
+    RestorePolicy,
+    check_exclusions,
+    not_exported_reason,
+    plan_restore,
+    replay_start,
+    restart_only_reason,
+    to_continue,
+    wait_expired_reason,
+)
 from rolloutlog.core._shapes import (
     DATA_RULES,
     DATA_SHAPES,
@@ -59,8 +90,50 @@ from rolloutlog.core._shapes import (
     REQUIRED,
     FieldShape,
 )
+from rolloutlog.core._values import (
+    ManifestAction,
+    ManifestEntry,
+    PartitionOffset,
+    RestoreAction,
+    RestoreEntry,
+)
+from rolloutlog.core._verify import (
+    Lineage,
+    apply_policy,
+    verify_projection,
+)
 
 __all__ = [
+    "BoundaryView",
+    "CUT_DISPOSITIONS",
+    "EpisodeFold",
+    "EpisodeProjection",
+    "EventFilters",
+    "GenerationCut",
+    "LedgerEntry",
+    "Lineage",
+    "ManifestAction",
+    "ManifestEntry",
+    "PartitionOffset",
+    "PlannedEpisode",
+    "ProjectionLine",
+    "ProjectionStatus",
+    "RestoreAction",
+    "RestoreEntry",
+    "RestorePlan",
+    "RestorePolicy",
+    "SessionView",
+    "apply_policy",
+    "check_exclusions",
+    "not_exported_reason",
+    "plan_restore",
+    "planned_cut_dispositions",
+    "replay_start",
+    "restart_only_reason",
+    "served_cut_dispositions",
+    "to_continue",
+    "verify_projection",
+    "wait_expired_reason",
     "DATA_RULES",
     "DATA_SHAPES",
     "DELTA_KEY",

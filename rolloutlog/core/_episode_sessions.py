@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rolloutlog.log import Opaque, compose_state
-from rolloutlog.projections._model import BoundaryView, SessionView
+from rolloutlog.core._deltas import compose_state
+from rolloutlog.core._model import BoundaryView, SessionView
+from rolloutlog.core._opaque import Opaque
 
 __all__ = ["SessionRules"]
 
