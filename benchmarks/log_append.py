@@ -25,8 +25,8 @@ from typing import Any
 
 from _common import kafka_broker, percentile, save, summary
 
+from rolloutlog.core import partition_for
 from rolloutlog.log import Log, Record, encode_record, open_log, record_meta, validate_event
-from rolloutlog.log._ids import partition_for
 
 PARTITIONS = 16
 

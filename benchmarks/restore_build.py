@@ -28,9 +28,9 @@ import workloads
 from _common import save, summary
 
 from rolloutlog.catalog import ManifestEntry
+from rolloutlog.core._model import ProjectionLine
 from rolloutlog.log import open_log, partition_for
 from rolloutlog.participants import KafkaTransport
-from rolloutlog.projections._model import ProjectionLine
 from rolloutlog.projections._replay import replay_stream
 
 PARTITIONS = 16

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,92 @@ EVENT_TYPES = [
 ]
 
 SURFACES: dict[str, list[str]] = {
+    "rolloutlog.core": [
+        "BoundaryView",
+        "CUT_DISPOSITIONS",
+        "EpisodeFold",
+        "EpisodeProjection",
+        "EventFilters",
+        "GenerationCut",
+        "LedgerEntry",
+        "Lineage",
+        "ManifestAction",
+        "ManifestEntry",
+        "PartitionOffset",
+        "PlannedEpisode",
+        "ProjectionLine",
+        "ProjectionStatus",
+        "RestoreAction",
+        "RestoreEntry",
+        "RestorePlan",
+        "RestorePolicy",
+        "SessionView",
+        "apply_policy",
+        "check_exclusions",
+        "not_exported_reason",
+        "plan_restore",
+        "planned_cut_dispositions",
+        "replay_start",
+        "restart_only_reason",
+        "served_cut_dispositions",
+        "to_continue",
+        "verify_projection",
+        "wait_expired_reason",
+        "DATA_RULES",
+        "DATA_SHAPES",
+        "DELTA_KEY",
+        "DELTA_PREFIX",
+        "EVENT_CLASSES",
+        "MAX_SEQ",
+        "NAME_PATTERN",
+        "OPAQUE_FIELD",
+        "PAYLOAD_FIELD",
+        "REQUIRED",
+        "SERVICE_EVENT_TYPES",
+        "SERVICE_PARTICIPANT_ID",
+        "AttemptStarted",
+        "AttemptStartedData",
+        "CheckpointMarker",
+        "CheckpointMarkerData",
+        "DataRule",
+        "Envelope",
+        "EpisodeFinished",
+        "EpisodeFinishedData",
+        "EpisodeStarted",
+        "EpisodeStartedData",
+        "Event",
+        "FieldShape",
+        "GenerationChunk",
+        "GenerationChunkData",
+        "LedgerRow",
+        "LedgerRowData",
+        "Opaque",
+        "ParticipantIdentity",
+        "ParticipantKind",
+        "SessionEnded",
+        "SessionEndedData",
+        "SessionStarted",
+        "SessionStartedData",
+        "SessionState",
+        "SessionStateData",
+        "StepBoundary",
+        "StepBoundaryData",
+        "StepStarted",
+        "StepStartedData",
+        "capture_key",
+        "compose_state",
+        "encode_opaque",
+        "episode_id_problem",
+        "is_delta",
+        "ledger_digest",
+        "name_problem",
+        "parse_capture_key",
+        "partition_for",
+        "run_name_problem",
+        "state_delta",
+        "task_digest",
+        "token_count",
+    ],
     "rolloutlog.log": [
         *EVENT_TYPES,
         "DEFAULT_MAX_RECORD_BYTES",
@@ -311,6 +398,24 @@ def test_no_private_module_crosses_a_package() -> None:
             if parts[1] != own and any(part.startswith("_") for part in parts[2:]):
                 crossing.append(f"{path.relative_to(ROOT)} imports {name}")
     assert crossing == []
+
+
+#: What ``rolloutlog.core`` may import: the kernel stays free of I/O libraries.
+CORE_IMPORTS = ("pydantic", "pydantic_core", "orjson", "rolloutlog.errors", "rolloutlog.core")
+
+
+def test_the_core_imports_no_io_library() -> None:
+    """``core/`` imports the standard library, pydantic, orjson and ``rolloutlog.errors`` only:
+    no other room of rolloutlog, no driver, no server (docs/design.md §9)."""
+    foreign = []
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top in sys.stdlib_module_names or top == "__future__":
+                continue
+            if not name.startswith(CORE_IMPORTS):
+                foreign.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert foreign == []
 
 
 def test_the_api_asks_the_coordinator() -> None:

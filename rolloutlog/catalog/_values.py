@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal
 
+from rolloutlog.core import ManifestAction as ManifestAction
+from rolloutlog.core import ManifestEntry as ManifestEntry
+from rolloutlog.core import PartitionOffset as PartitionOffset
+from rolloutlog.core import RestoreAction as RestoreAction
+from rolloutlog.core import RestoreEntry as RestoreEntry
 from rolloutlog.log import DEFAULT_PARTITIONS as DEFAULT_PARTITIONS
 from rolloutlog.log import ParticipantKind as ParticipantKind
 from rolloutlog.log import capture_key as capture_key
 
 CheckpointStatus = Literal["pending", "committed", "aborted", "expired"]
-ManifestAction = Literal["continue", "restart", "finished"]
-RestoreAction = Literal["continue", "restart", "excluded"]
 EpisodeStatus = Literal["running", "finished", "excluded"]
 
 PARTICIPANT_KINDS: frozenset[str] = frozenset({"environment", "policy", "agent", "resources"})
@@ -68,35 +71,6 @@ class RegisteredParticipant:
 
 
 @dataclass(frozen=True, slots=True)
-class PartitionOffset:
-    """One partition of a checkpoint: its marker offset and where a restore replays it from."""
-
-    partition: int
-    marker: int
-    replay_from: int | None = None
-
-
-class ManifestEntry(NamedTuple):
-    """One episode of a checkpoint's manifest."""
-
-    episode: str
-    attempt: int
-    action: ManifestAction
-    cut_partition: int
-    cut_offset: int
-    last_stage: str | None = None
-    staging_keys: tuple[str, ...] = ()
-    size_bytes: int = 0
-    #: Why the episode restarts (``restart`` entries; None otherwise, and in manifests written
-    #: before catalog revision 0006).
-    reason: str | None = None
-
-    @property
-    def capture_key(self) -> str:
-        return capture_key(self.episode, self.attempt)
-
-
-@dataclass(frozen=True, slots=True)
 class Checkpoint:
     """A checkpoint's catalog row with its per-partition offsets."""
 
@@ -127,20 +101,6 @@ class Checkpoint:
             "restart": self.restart_count,
             "finished": self.finished_count,
         }
-
-
-class RestoreEntry(NamedTuple):
-    """One episode of a restore plan: its previous and new attempt and what happens to it."""
-
-    episode: str
-    previous_attempt: int
-    attempt: int
-    action: RestoreAction
-    reason: str | None = None
-
-    @property
-    def capture_key(self) -> str:
-        return capture_key(self.episode, self.attempt)
 
 
 @dataclass(frozen=True, slots=True)

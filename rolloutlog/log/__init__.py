@@ -1,15 +1,13 @@
 """The event log: envelope and event types, codec, the ``Log`` interface and its backends."""
 
-from rolloutlog.log._codec import (
-    decode_event,
-    decode_record,
-    encode_event,
-    validate_event,
-    validate_events,
-)
-from rolloutlog.log._deltas import DELTA_KEY, compose_state, is_delta, state_delta
-from rolloutlog.log._digests import ledger_digest, task_digest, token_count
-from rolloutlog.log._events import (
+from rolloutlog.core import (
+    DATA_RULES,
+    DATA_SHAPES,
+    DELTA_KEY,
+    NAME_PATTERN,
+    OPAQUE_FIELD,
+    PAYLOAD_FIELD,
+    REQUIRED,
     SERVICE_EVENT_TYPES,
     SERVICE_PARTICIPANT_ID,
     AttemptStarted,
@@ -21,10 +19,12 @@ from rolloutlog.log._events import (
     EpisodeStarted,
     EpisodeStartedData,
     Event,
+    FieldShape,
     GenerationChunk,
     GenerationChunkData,
     LedgerRow,
     LedgerRowData,
+    Opaque,
     ParticipantIdentity,
     ParticipantKind,
     SessionEnded,
@@ -37,17 +37,28 @@ from rolloutlog.log._events import (
     StepBoundaryData,
     StepStarted,
     StepStartedData,
-)
-from rolloutlog.log._fastpath import fast_record
-from rolloutlog.log._ids import (
-    NAME_PATTERN,
     capture_key,
+    compose_state,
+    encode_opaque,
     episode_id_problem,
+    is_delta,
+    ledger_digest,
     name_problem,
     parse_capture_key,
     partition_for,
     run_name_problem,
+    state_delta,
+    task_digest,
+    token_count,
 )
+from rolloutlog.log._codec import (
+    decode_event,
+    decode_record,
+    encode_event,
+    validate_event,
+    validate_events,
+)
+from rolloutlog.log._fastpath import fast_record
 from rolloutlog.log._interface import (
     DEFAULT_MAX_RECORD_BYTES,
     DEFAULT_PARTITIONS,
@@ -60,7 +71,6 @@ from rolloutlog.log._interface import (
     open_log,
 )
 from rolloutlog.log._lock import DataDirLock
-from rolloutlog.log._opaque import Opaque, encode_opaque
 from rolloutlog.log._record import (
     attempt_started_record,
     encode_record,
@@ -74,14 +84,6 @@ from rolloutlog.log._record import (
     record_payload_start,
     record_restore_id,
     split_record,
-)
-from rolloutlog.log._shapes import (
-    DATA_RULES,
-    DATA_SHAPES,
-    OPAQUE_FIELD,
-    PAYLOAD_FIELD,
-    REQUIRED,
-    FieldShape,
 )
 
 __all__ = [

@@ -12,9 +12,8 @@ from typing import Any
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
+from rolloutlog.core import EVENT_CLASSES, Envelope, Event, encode_opaque
 from rolloutlog.errors import InvalidEvent
-from rolloutlog.log._events import EVENT_CLASSES, Event, _Envelope
-from rolloutlog.log._opaque import encode_opaque
 from rolloutlog.log._record import record_envelope
 
 __all__ = [
@@ -40,7 +39,7 @@ def _problem_field(error: ValidationError) -> tuple[str, str]:
 def validate_event(value: Any, index: int | None = None) -> Event:
     """Validate one envelope (a dict, or an event already built); raise ``InvalidEvent`` naming the
     field and, in a batch, the event's index."""
-    if isinstance(value, _Envelope):
+    if isinstance(value, Envelope):
         return value  # type: ignore[return-value]
     try:
         return _EVENT_ADAPTER.validate_python(value)

@@ -26,9 +26,17 @@ from typing import Any
 
 import orjson
 
-from rolloutlog.log._events import MAX_SEQ, SERVICE_EVENT_TYPES
-from rolloutlog.log._ids import episode_id_problem, name_problem
-from rolloutlog.log._shapes import DATA_RULES, DATA_SHAPES, PAYLOAD_FIELD, REQUIRED, FieldShape
+from rolloutlog.core import (
+    DATA_RULES,
+    DATA_SHAPES,
+    MAX_SEQ,
+    PAYLOAD_FIELD,
+    REQUIRED,
+    SERVICE_EVENT_TYPES,
+    FieldShape,
+    episode_id_problem,
+    name_problem,
+)
 
 __all__ = ["FastRecord", "fast_record"]
 

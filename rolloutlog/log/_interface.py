@@ -12,10 +12,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, Self
 
+from rolloutlog.core import Event, partition_for, run_name_problem
 from rolloutlog.errors import ConfigurationError, InvalidRequest, PayloadTooLarge
 from rolloutlog.log._codec import decode_record, validate_events
-from rolloutlog.log._events import Event
-from rolloutlog.log._ids import partition_for, run_name_problem
 from rolloutlog.log._record import encode_record, marker_record
 
 #: Largest record (metadata plus payload) a backend accepts by default: 16 MiB.

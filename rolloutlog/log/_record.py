@@ -28,12 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from rolloutlog.log._events import SERVICE_PARTICIPANT_ID
-from rolloutlog.log._opaque import Opaque, encode_opaque
-from rolloutlog.log._shapes import OPAQUE_FIELD, PAYLOAD_FIELD
+from rolloutlog.core import (
+    OPAQUE_FIELD,
+    PAYLOAD_FIELD,
+    SERVICE_PARTICIPANT_ID,
+    Opaque,
+    encode_opaque,
+)
 
 if TYPE_CHECKING:
-    from rolloutlog.log._events import Event
+    from rolloutlog.core import Event
 
 __all__ = [
     "PAYLOAD_FIELD",

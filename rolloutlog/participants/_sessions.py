@@ -206,7 +206,7 @@ class AgentSession:
 
     With ``Agent(deltas=True)`` (the default) a JSON-object state is written whole once, then each
     boundary carries only what changed since the previous one (keys set, new list items, keys
-    removed: ``rolloutlog.log._deltas``), which the fold composes; a list's items already written
+    removed: ``rolloutlog.core._deltas``), which the fold composes; a list's items already written
     must not change in place. Other states are written whole each time.
     """
 

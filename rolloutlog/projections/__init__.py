@@ -1,8 +1,18 @@
 """Projections: the pure fold of an episode's events, the projector, checkpoints and restores."""
 
+from rolloutlog.core import (
+    CUT_DISPOSITIONS,
+    BoundaryView,
+    EpisodeProjection,
+    GenerationCut,
+    LedgerEntry,
+    ProjectionLine,
+    ProjectionStatus,
+    SessionView,
+    served_cut_dispositions,
+)
 from rolloutlog.projections._checkpointer import CheckpointResult
 from rolloutlog.projections._coordinator import Coordinator, TrackedEpisode
-from rolloutlog.projections._cuts import CUT_DISPOSITIONS, served_cut_dispositions
 from rolloutlog.projections._fold import (
     EpisodeFold,
     RecordView,
@@ -11,15 +21,6 @@ from rolloutlog.projections._fold import (
     project_events,
     select_records,
     token_count,
-)
-from rolloutlog.projections._model import (
-    BoundaryView,
-    EpisodeProjection,
-    GenerationCut,
-    LedgerEntry,
-    ProjectionLine,
-    ProjectionStatus,
-    SessionView,
 )
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, default_replica_id
 from rolloutlog.projections._restorer import RestoreResult

@@ -22,10 +22,10 @@ from operator import attrgetter, itemgetter
 from typing import Any, cast
 
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
+from rolloutlog.core import replay_start
 from rolloutlog.errors import BackendUnavailable, RolloutlogError
 from rolloutlog.log import Log
 from rolloutlog.projections._feeders import flush_episodes
-from rolloutlog.projections._planner import replay_start
 from rolloutlog.projections._projector import CheckpointCapture, Projector
 from rolloutlog.projections._timing import StageTimer, backoff_s
 from rolloutlog.projections._waits import ExportRequests, name_expired_waits

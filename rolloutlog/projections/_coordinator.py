@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import Catalog, PartitionOwner
+from rolloutlog.core import EpisodeProjection, RestorePolicy
 from rolloutlog.errors import UnknownRun
 from rolloutlog.log import Log, partition_for, record_episode
 from rolloutlog.projections._checkpointer import (
@@ -27,9 +28,7 @@ from rolloutlog.projections._checkpointer import (
     CheckpointResult,
 )
 from rolloutlog.projections._feeders import flush_episodes, record_episodes, record_quarantine
-from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, Ownership, default_replica_id
-from rolloutlog.projections._planner import RestorePolicy
 from rolloutlog.projections._projector import Projector, RunHealth
 from rolloutlog.projections._restorer import (
     DEFAULT_RESTORE_DEADLINE_S,

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
+from rolloutlog.core import EpisodeFold, EpisodeProjection, EventFilters
 from rolloutlog.log import (
     Event,
     encode_record,
@@ -38,8 +39,6 @@ from rolloutlog.log import (
     split_record,
     token_count,
 )
-from rolloutlog.projections._episode import EpisodeFold, _Filters
-from rolloutlog.projections._model import EpisodeProjection
 
 #: One record as the fold reads it: (offset, metadata, raw payload or None).
 RecordView = tuple[int, dict[str, Any], bytes | None]
@@ -74,7 +73,7 @@ def select_records(
     ``(offset, metadata, …)``: ``project_raw`` selects ``(offset, metadata, record, start)``.
     """
     kept: list[Any] = []
-    filters = _Filters(attempt=_attempt_at_start(records, committed_restores, attempt))
+    filters = EventFilters(attempt=_attempt_at_start(records, committed_restores, attempt))
     for record in records:
         offset, meta = record[0], record[1]
         if offset >= cut:

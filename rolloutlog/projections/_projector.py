@@ -39,6 +39,7 @@ from rolloutlog.catalog import (
     ManifestEntry,
     QuarantinedRecord,
 )
+from rolloutlog.core import EpisodeProjection, EventFilters
 from rolloutlog.errors import BackendUnavailable, RolloutlogError, RunLost, UnknownRun
 from rolloutlog.log import (
     Log,
@@ -47,9 +48,7 @@ from rolloutlog.log import (
     record_payload_start,
     record_restore_id,
 )
-from rolloutlog.projections._episode import _Filters
 from rolloutlog.projections._fold import select_records
-from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._quarantine import metadata_problem
 from rolloutlog.projections._tracker import EpisodeTracker
 
@@ -497,7 +496,7 @@ class Projector:
                 records, math.inf, self.committed_restores, self._refolding[episode]
             )
             tracker = self._tracker(episode, partition_for(episode, self.partitions))
-            tracker.filters = _Filters.after(records, attempt)
+            tracker.filters = EventFilters.after(records, attempt)
             for offset, meta, kept_record in kept:
                 record = cast(bytes, kept_record)  # buffered records are whole
                 finished = tracker.finished

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import ManifestEntry
+from rolloutlog.core import EpisodeProjection
 from rolloutlog.log import Log, record_episode
 from rolloutlog.projections._fold import project_raw
-from rolloutlog.projections._model import EpisodeProjection
 
 logger = logging.getLogger(__name__)
 

@@ -29,6 +29,19 @@ from rolloutlog.catalog import (
     RestoreEntry,
     RestorePlanning,
 )
+from rolloutlog.core import (
+    EpisodeProjection,
+    PlannedEpisode,
+    ProjectionLine,
+    RestorePlan,
+    RestorePolicy,
+    apply_policy,
+    check_exclusions,
+    plan_restore,
+    planned_cut_dispositions,
+    replay_start,
+    to_continue,
+)
 from rolloutlog.errors import (
     BackendUnavailable,
     InvalidRequest,
@@ -39,23 +52,11 @@ from rolloutlog.errors import (
 )
 from rolloutlog.log import Log, Record, attempt_started_record, partition_for
 from rolloutlog.projections._checkpointer import DEFAULT_WAIT_DEADLINE_S
-from rolloutlog.projections._cuts import planned_cut_dispositions
 from rolloutlog.projections._feeders import flush_episodes
-from rolloutlog.projections._model import EpisodeProjection, ProjectionLine
-from rolloutlog.projections._planner import (
-    PlannedEpisode,
-    RestorePlan,
-    RestorePolicy,
-    check_exclusions,
-    plan_restore,
-    replay_start,
-    to_continue,
-)
 from rolloutlog.projections._projector import Projector, RestoreReset, _describe
 from rolloutlog.projections._replay import replay_at_cuts, replay_stream
 from rolloutlog.projections._start_plan import all_restores
 from rolloutlog.projections._timing import StageTimer
-from rolloutlog.projections._verify import apply_policy
 
 logger = logging.getLogger(__name__)
 

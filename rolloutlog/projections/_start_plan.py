@@ -4,9 +4,9 @@ that the log still holds what the catalog names (a run whose log lost records is
 from __future__ import annotations
 
 from rolloutlog.catalog import Catalog, Restore
+from rolloutlog.core import replay_start
 from rolloutlog.errors import RunLost, UnknownRun
 from rolloutlog.log import Log
-from rolloutlog.projections._planner import replay_start
 from rolloutlog.projections._projector import StartPlan
 
 __all__ = ["all_restores", "start_plan"]

@@ -10,7 +10,7 @@ a checkpoint this projector captured takes the verdict of every untouched episod
 
 from __future__ import annotations
 
-from rolloutlog.projections._episode import EpisodeFold
+from rolloutlog.core import EpisodeFold
 
 __all__ = ["EpisodeTracker"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from rolloutlog.core import not_exported_reason, wait_expired_reason
 from rolloutlog.log import capture_key
-from rolloutlog.projections._planner import not_exported_reason, wait_expired_reason
 from rolloutlog.projections._projector import CheckpointCapture, Projector
 
 __all__ = ["ExportRequests", "name_expired_waits"]

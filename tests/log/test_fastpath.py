@@ -12,10 +12,10 @@ from typing import Any
 import orjson
 import pytest
 
+from rolloutlog.core._events import EVENT_CLASSES
 from rolloutlog.errors import InvalidEvent
 from rolloutlog.log import SERVICE_EVENT_TYPES, encode_event, encode_record
 from rolloutlog.log import validate_event as validate
-from rolloutlog.log._events import EVENT_CLASSES
 from rolloutlog.log._fastpath import fast_record
 from tests import factories as f
 

@@ -10,10 +10,8 @@ import textwrap
 
 import pytest
 
-from rolloutlog.log import SERVICE_EVENT_TYPES
-from rolloutlog.log._events import EVENT_CLASSES
-from rolloutlog.log._fastpath import _DATA, _KEYS
-from rolloutlog.log._shapes import (
+from rolloutlog.core._events import EVENT_CLASSES
+from rolloutlog.core._shapes import (
     DATA_RULES,
     DATA_SHAPES,
     OPAQUE_FIELD,
@@ -21,6 +19,8 @@ from rolloutlog.log._shapes import (
     REQUIRED,
     _payload_fields,
 )
+from rolloutlog.log import SERVICE_EVENT_TYPES
+from rolloutlog.log._fastpath import _DATA, _KEYS
 from rolloutlog.projections._quarantine import _ACCEPT, _FIELD_CHECKS
 
 
@@ -61,7 +61,7 @@ def test_a_model_with_two_payload_fields_is_refused(monkeypatch: pytest.MonkeyPa
         **DATA_SHAPES,
         "step.boundary": (*DATA_SHAPES["step.boundary"], DATA_SHAPES["episode.started"][0]),
     }
-    monkeypatch.setattr("rolloutlog.log._shapes.DATA_SHAPES", shapes)
+    monkeypatch.setattr("rolloutlog.core._shapes.DATA_SHAPES", shapes)
     with pytest.raises(TypeError, match=r"step\.boundary: more than one payload field"):
         _payload_fields(None)
 
@@ -103,8 +103,9 @@ def test_both_fast_paths_are_built_from_the_shapes() -> None:
 _NEW_FIELD = textwrap.dedent(
     """
     import orjson
-    from rolloutlog.log import _events, encode_record
-    from rolloutlog.log._events import Name, NonNegative, StepStarted, StepStartedData
+    from rolloutlog.core import _events
+    from rolloutlog.log import encode_record
+    from rolloutlog.core._events import Name, NonNegative, StepStarted, StepStartedData
 
     def _rule(data):
         return "count above 5 needs a note" if data["count"] > 5 and data["note"] is None else None
@@ -122,13 +123,16 @@ _NEW_FIELD = textwrap.dedent(
 
     # The package's import built the append's table already: derive it again.
     import importlib
-    from rolloutlog.log import _fastpath, _shapes
+    from rolloutlog.core import _shapes
+    from rolloutlog.log import _fastpath
 
+    import rolloutlog.core
     import rolloutlog.log
 
     importlib.reload(_shapes)
-    rolloutlog.log.DATA_SHAPES = _shapes.DATA_SHAPES
-    rolloutlog.log.DATA_RULES = _shapes.DATA_RULES
+    for package in (rolloutlog.core, rolloutlog.log):
+        package.DATA_SHAPES = _shapes.DATA_SHAPES
+        package.DATA_RULES = _shapes.DATA_RULES
     importlib.reload(_fastpath)
     from rolloutlog.log._fastpath import fast_record
     from rolloutlog.projections._quarantine import metadata_problem

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from typing import Any
 
+from rolloutlog.core._verify import verify_projection
 from rolloutlog.log import Event, encode_record, peek_record
 from rolloutlog.projections import EpisodeFold, EpisodeProjection, project_events
 from rolloutlog.projections._projector import CheckpointCapture, Projector
 from rolloutlog.projections._tracker import EpisodeTracker
-from rolloutlog.projections._verify import verify_projection
 
 
 class FullState(EpisodeFold):

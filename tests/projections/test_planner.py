@@ -9,11 +9,8 @@ from typing import Any
 import pytest
 
 from rolloutlog.catalog import ManifestEntry, PartitionOffset
-from rolloutlog.errors import UnknownEpisode
-from rolloutlog.log import Event
-from rolloutlog.projections import EpisodeProjection, project_events
-from rolloutlog.projections._model import BoundaryView, SessionView
-from rolloutlog.projections._planner import (
+from rolloutlog.core._model import BoundaryView, SessionView
+from rolloutlog.core._planner import (
     EXCLUDED_BY_TRAINER,
     MANIFEST_SAYS_RESTART,
     NO_EVENTS_BEFORE_CUT,
@@ -27,6 +24,9 @@ from rolloutlog.projections._planner import (
     to_continue,
     wait_expired_reason,
 )
+from rolloutlog.errors import UnknownEpisode
+from rolloutlog.log import Event
+from rolloutlog.projections import EpisodeProjection, project_events
 from tests import factories as f
 
 CHECKPOINT = 7

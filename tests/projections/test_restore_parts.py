@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from rolloutlog.catalog import RestoreEntry
+from rolloutlog.core._planner import RestorePolicy
 from rolloutlog.errors import BackendUnavailable
 from rolloutlog.log import partition_for
 from rolloutlog.projections import Coordinator
-from rolloutlog.projections._planner import RestorePolicy
 from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._restorer import PlanRequest
 from tests import factories as f

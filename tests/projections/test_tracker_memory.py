@@ -7,8 +7,8 @@ import gc
 import tracemalloc
 from typing import Any
 
+from rolloutlog.core._episode import EventFilters
 from rolloutlog.log import encode_record, peek_record
-from rolloutlog.projections._episode import _Filters
 from rolloutlog.projections._tracker import EpisodeTracker
 from tests import factories as f
 
@@ -81,13 +81,13 @@ def test_trackers_share_the_names_every_episode_repeats() -> None:
     assert next(iter(first.lineage.rows)) is next(iter(second.lineage.rows))  # type: ignore[union-attr]
 
 
-def _admits(filters: _Filters, pid: str, epoch: int, seq: int, attempt: int = 0) -> bool:
+def _admits(filters: EventFilters, pid: str, epoch: int, seq: int, attempt: int = 0) -> bool:
     meta = {"participant": {"id": pid, "epoch": epoch}, "seq": seq, "attempt": attempt}
     return filters.admits(meta)
 
 
 def test_one_filter_entry_per_participant_keeps_the_zombie_and_duplicate_rules() -> None:
-    filters = _Filters()
+    filters = EventFilters()
     assert _admits(filters, "env", 1, 5)
     assert not _admits(filters, "env", 1, 5)  # a duplicate
     assert not _admits(filters, "env", 1, 3)  # an older seq of the same epoch

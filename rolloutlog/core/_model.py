@@ -12,7 +12,8 @@ from typing import Any, Literal, NamedTuple
 
 import orjson
 
-from rolloutlog.log import Opaque, capture_key, encode_opaque
+from rolloutlog.core._ids import capture_key
+from rolloutlog.core._opaque import Opaque, encode_opaque
 
 #: A projection's status at its cut (the catalog's episodes say ``running``/``finished``/
 #: ``excluded``: docs/design.md §11).

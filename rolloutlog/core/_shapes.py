@@ -22,9 +22,9 @@ from typing import Any, Literal
 
 from pydantic.fields import FieldInfo
 
-from rolloutlog.log._events import EVENT_CLASSES, DataRule
-from rolloutlog.log._ids import NAME_PATTERN
-from rolloutlog.log._opaque import Opaque
+from rolloutlog.core._events import EVENT_CLASSES, DataRule
+from rolloutlog.core._ids import NAME_PATTERN
+from rolloutlog.core._opaque import Opaque
 
 __all__ = [
     "DATA_RULES",

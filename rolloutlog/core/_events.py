@@ -7,8 +7,8 @@ from typing import Annotated, Any, ClassVar, Literal, Self, TypeAlias
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from rolloutlog.log._ids import NAME_PATTERN, episode_id_problem
-from rolloutlog.log._opaque import Opaque
+from rolloutlog.core._ids import NAME_PATTERN, episode_id_problem
+from rolloutlog.core._opaque import Opaque
 
 ENVELOPE_VERSION: Literal[1] = 1
 
@@ -171,7 +171,7 @@ class AttemptStartedData(_Data):
 # -- envelopes ---------------------------------------------------------------------------------
 
 
-class _Envelope(_Frozen):
+class Envelope(_Frozen):
     v: Literal[1] = ENVELOPE_VERSION
     episode: EpisodeId
     attempt: NonNegative = 0
@@ -181,52 +181,52 @@ class _Envelope(_Frozen):
     ts: float
 
 
-class EpisodeStarted(_Envelope):
+class EpisodeStarted(Envelope):
     type: Literal["episode.started"] = "episode.started"
     data: EpisodeStartedData
 
 
-class StepStarted(_Envelope):
+class StepStarted(Envelope):
     type: Literal["step.started"] = "step.started"
     data: StepStartedData
 
 
-class StepBoundary(_Envelope):
+class StepBoundary(Envelope):
     type: Literal["step.boundary"] = "step.boundary"
     data: StepBoundaryData
 
 
-class LedgerRow(_Envelope):
+class LedgerRow(Envelope):
     type: Literal["ledger.row"] = "ledger.row"
     data: LedgerRowData
 
 
-class GenerationChunk(_Envelope):
+class GenerationChunk(Envelope):
     type: Literal["generation.chunk"] = "generation.chunk"
     data: GenerationChunkData
 
 
-class SessionStarted(_Envelope):
+class SessionStarted(Envelope):
     type: Literal["session.started"] = "session.started"
     data: SessionStartedData
 
 
-class SessionState(_Envelope):
+class SessionState(Envelope):
     type: Literal["session.state"] = "session.state"
     data: SessionStateData
 
 
-class SessionEnded(_Envelope):
+class SessionEnded(Envelope):
     type: Literal["session.ended"] = "session.ended"
     data: SessionEndedData
 
 
-class EpisodeFinished(_Envelope):
+class EpisodeFinished(Envelope):
     type: Literal["episode.finished"] = "episode.finished"
     data: EpisodeFinishedData
 
 
-class CheckpointMarker(_Envelope):
+class CheckpointMarker(Envelope):
     """Written by the service into every partition; it belongs to no episode."""
 
     type: Literal["checkpoint.marker"] = "checkpoint.marker"
@@ -234,7 +234,7 @@ class CheckpointMarker(_Envelope):
     data: CheckpointMarkerData
 
 
-class AttemptStarted(_Envelope):
+class AttemptStarted(Envelope):
     type: Literal["attempt.started"] = "attempt.started"
     data: AttemptStartedData
 
@@ -254,7 +254,7 @@ Event = Annotated[
     Field(discriminator="type"),
 ]
 
-EVENT_CLASSES: dict[str, type[_Envelope]] = {
+EVENT_CLASSES: dict[str, type[Envelope]] = {
     cls.model_fields["type"].default: cls
     for cls in (
         EpisodeStarted,

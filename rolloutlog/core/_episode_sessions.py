@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rolloutlog.log import Opaque, compose_state
-from rolloutlog.projections._model import BoundaryView, SessionView
+from rolloutlog.core._deltas import compose_state
+from rolloutlog.core._model import BoundaryView, SessionView
+from rolloutlog.core._opaque import Opaque
 
 __all__ = ["SessionRules"]
 
@@ -14,7 +15,7 @@ _new = tuple.__new__
 
 
 class SessionRules:
-    """Delta boundaries (``rolloutlog.log._deltas``) and ``checkpoint`` sessions' exports."""
+    """Delta boundaries (``rolloutlog.core._deltas``) and ``checkpoint`` sessions' exports."""
 
     # Set by ``EpisodeFold._clear``; here as they are replaced here (None until the first).
     __slots__ = ("boundary_deltas", "exports")
@@ -36,7 +37,7 @@ class SessionRules:
         delta: Opaque | None,
         size: int,
     ) -> None:
-        """A boundary whose state is a delta (``rolloutlog.log._deltas``): the owner's view keeps
+        """A boundary whose state is a delta (``rolloutlog.core._deltas``): the owner's view keeps
         its last whole state and the deltas since wait beside it, composed when a projection is
         built (a restore or a read), never on the projector's path."""
         previous = self.boundaries.get(owner)

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-from rolloutlog.projections._model import EpisodeProjection, ProjectionLine
-from rolloutlog.projections._planner import RestorePlan
+from rolloutlog.core._model import EpisodeProjection, ProjectionLine
+from rolloutlog.core._planner import RestorePlan
 
 __all__ = ["CUT_DISPOSITIONS", "planned_cut_dispositions", "served_cut_dispositions"]
 

@@ -24,10 +24,10 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from rolloutlog.catalog import ManifestEntry, PartitionOffset, RestoreEntry
+from rolloutlog.core._model import BoundaryView, EpisodeProjection, SessionView
+from rolloutlog.core._values import ManifestEntry, PartitionOffset, RestoreEntry
+from rolloutlog.core._verify import apply_policy, verify_projection
 from rolloutlog.errors import UnknownEpisode
-from rolloutlog.projections._model import BoundaryView, EpisodeProjection, SessionView
-from rolloutlog.projections._verify import apply_policy, verify_projection
 
 __all__ = [
     "EXCLUDED_BY_TRAINER",

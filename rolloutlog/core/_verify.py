@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from rolloutlog.log import ledger_digest, task_digest, token_count
-from rolloutlog.projections._model import EpisodeProjection
+from rolloutlog.core._digests import ledger_digest, task_digest, token_count
+from rolloutlog.core._model import EpisodeProjection
 
 
 class Lineage:

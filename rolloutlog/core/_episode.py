@@ -12,17 +12,19 @@ from typing import Any
 
 import orjson
 
-from rolloutlog.log import Opaque, is_delta, token_count
-from rolloutlog.projections._episode_sessions import SessionRules
-from rolloutlog.projections._model import (
+from rolloutlog.core._deltas import is_delta
+from rolloutlog.core._digests import token_count
+from rolloutlog.core._episode_sessions import SessionRules
+from rolloutlog.core._model import (
     BoundaryView,
     EpisodeProjection,
     GenerationCut,
     LedgerEntry,
     SessionView,
 )
-from rolloutlog.projections._planner import restart_only_reason
-from rolloutlog.projections._verify import Lineage, verify_projection
+from rolloutlog.core._opaque import Opaque
+from rolloutlog.core._planner import restart_only_reason
+from rolloutlog.core._verify import Lineage, verify_projection
 
 __all__ = ["CutDecision", "EpisodeFold"]
 
@@ -31,7 +33,7 @@ intern = sys.intern
 
 
 @dataclass(slots=True)
-class _Filters:
+class EventFilters:
     """Per-episode state of the zombie, duplicate and attempt filters (rules 3-5)."""
 
     attempt: int = 0
@@ -63,7 +65,9 @@ class _Filters:
         return last[1] if last is not None and last[0] == participant[1] else None
 
     @classmethod
-    def after(cls, records: Iterable[tuple[int, dict[str, Any], Any]], attempt: int) -> _Filters:
+    def after(
+        cls, records: Iterable[tuple[int, dict[str, Any], Any]], attempt: int
+    ) -> EventFilters:
         """The filters after a whole history (so that later zombies and duplicates stay
         filtered), with ``attempt`` current."""
         filters = cls()
@@ -160,7 +164,7 @@ class EpisodeFold(SessionRules):
     def __init__(self, episode: str, attempt: int = 0, *, keep_payloads: bool = True) -> None:
         self.episode = episode
         self.keep_payloads = keep_payloads
-        self.filters = _Filters(attempt=attempt)
+        self.filters = EventFilters(attempt=attempt)
         self.version = 0
         self._clear(attempt)
 

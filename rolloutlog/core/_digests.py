@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from rolloutlog.log._opaque import Opaque
+from rolloutlog.core._opaque import Opaque
 
 __all__ = ["ledger_digest", "task_digest", "token_count"]
 
