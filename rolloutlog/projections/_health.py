@@ -1,8 +1,8 @@
 """Health across replicas: which partition and which replica hold a run back, on any replica.
 
 Every replica publishes a report of its projectors (``replica_report``: per run its projector's
-health, and per partition it folds the lease generation, the applied offset and, while it is not
-``ok``, how far it trails the log); its heartbeat writes the report into the catalog's
+health, and per partition it folds the lease generation and, while it is not ``ok``, how far it
+trails the log); its heartbeat writes the report into the catalog's
 ``replicas`` row with the report's age (``Ownership.publish``). Any replica reads every row with
 the leases (``Catalog.cluster_view``) and judges each partition of a run (``run_blockers``):
 
@@ -107,19 +107,17 @@ def replica_report(
     projectors: Iterable[Projector], ends: Mapping[str, list[int]] | None = None
 ) -> dict[str, Any]:
     """This replica's report: per run its projector's health and, per partition it folds, its
-    ``[generation, applied, lag]`` (lag from ``ends``, the log's end offsets, where given)."""
+    ``[generation, lag]`` (lag from ``ends``, the log's end offsets, where given; else null)."""
     runs: dict[str, Any] = {}
     for projector in projectors:
         health = projector.health
         run_ends = (ends or {}).get(projector.run)
         partitions: dict[str, list[int | None]] = {}
         for partition in sorted(projector.owned):
-            applied = projector.applied[partition] if partition < len(projector.applied) else 0
             lag = None
-            if run_ends is not None and partition < len(run_ends):
-                lag = max(0, run_ends[partition] - applied)
-            generation = projector.generations.get(partition, 0)
-            partitions[str(partition)] = [generation, applied, lag]
+            if run_ends is not None and partition < min(len(run_ends), len(projector.applied)):
+                lag = max(0, run_ends[partition] - projector.applied[partition])
+            partitions[str(partition)] = [projector.generations.get(partition, 0), lag]
         runs[projector.run] = {
             "status": health.status,
             "error": health.error,
@@ -201,7 +199,7 @@ def _judge(
         return None
     error = run_report.get("error") or str(status)
     since = run_report.get("since")
-    lag = folded[2] if len(folded) > 2 else None
+    lag = folded[1] if len(folded) > 1 else None
     if status == "stopped":
         state: BlockerState = "stopped"
     elif not run_report.get("caught_up") and error == STARTING:
@@ -228,10 +226,13 @@ def summarize(
         first = blockers[0]
         more = f" (and {len(blockers) - 1} more partitions)" if len(blockers) > 1 else ""
         error = f"partition {first.partition}: {first.reason}{more}"
-    times = [b.since for b in blockers if b.since is not None]
-    if local is not None and local["status"] != "ok":
-        times.append(local["since"])
-    since = min(times) if times else (local["since"] if local is not None else None)
+    if status == "ok":
+        since = local["since"] if local is not None else None
+    else:  # since when the oldest known trouble holds (unknown for a silent replica's)
+        times = [b.since for b in blockers if b.since is not None]
+        if local is not None and local["status"] != "ok":
+            times.append(local["since"])
+        since = min(times) if times else None
     return RunHealthReport(status, error, since, tuple(blockers), local, unknown)
 
 
@@ -257,16 +258,19 @@ class HealthReporter:
         self.lease_s = lease_s
 
     async def report(self) -> dict[str, Any]:
-        """This replica's report now (the log's ends fetched for projectors not ``ok``)."""
+        """This replica's report now (the log's ends fetched, at once, for the projectors that
+        are not ``ok``: their lag)."""
         projectors = list(self._projectors.values())
-        ends: dict[str, list[int]] = {}
-        for projector in projectors:
-            if projector.health.status == "ok":
-                continue
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(_ENDS_WAIT_S):
-                    ends[projector.run] = await self._log.latest_offsets(projector.run)
+        lagging = [p.run for p in projectors if p.health.status != "ok"]
+        found = await asyncio.gather(*(self._ends(run) for run in lagging))
+        ends = {run: end for run, end in zip(lagging, found, strict=True) if end is not None}
         return replica_report(projectors, ends)
+
+    async def _ends(self, run: str) -> list[int] | None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(_ENDS_WAIT_S):
+                return await self._log.latest_offsets(run)
+        return None
 
     async def publish_forever(self) -> None:
         while True:

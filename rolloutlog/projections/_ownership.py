@@ -283,9 +283,14 @@ class Ownership:
             loop = self._service_loop
             if loop is not None:
                 with contextlib.suppress(RuntimeError):  # the service's loop is closed
-                    loop.call_soon_threadsafe(self._take, number, owned)
+                    loop.call_soon_threadsafe(self._take_beat, number, owned)
 
     # -- on the service's loop -------------------------------------------------------------
+
+    def _take_beat(self, number: int, owned: Owned) -> None:
+        """A heartbeat's result, unless the loop was stopped meanwhile (nothing starts anew)."""
+        if self._beat is not None:
+            self._take(number, owned)
 
     def _take(self, number: int, owned: Owned) -> None:
         """Take in tick ``number``'s result (unless a later one was taken already)."""
