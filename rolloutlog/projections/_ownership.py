@@ -133,7 +133,11 @@ class Ownership:
 
     async def start(self) -> None:
         """The first tick (it must succeed: the catalog is reachable at start), then the loop."""
-        await self.tick()
+        try:
+            await self.tick()
+        except BaseException:
+            await self.release()  # the thread and its catalog go with the failed start
+            raise
         assert self._thread is not None
         self._beat = self._thread.submit(self._loop())
 
