@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from rolloutlog.catalog import ClusterView, ReplicaReport
-from rolloutlog.projections._health import run_blockers, summarize
+from rolloutlog.projections._health import own_blockers, run_blockers, summarize
 from rolloutlog.projections._projector import STARTING
 
 RUN = "run"
@@ -111,3 +111,12 @@ def test_a_stopped_projector_stops_the_run() -> None:
     found = run_blockers(RUN, view(leases, {"b": replica("b", lost)}), "a", {"runs": {}}, LEASE_S)
     assert {b.state for b in found} == {"stopped"}
     assert summarize(found, None).status == "stopped"
+
+
+def test_without_the_catalog_a_replica_names_its_own_partitions_only() -> None:
+    mine = report("degraded", "TimeoutError: the log", p1=[2, 12], p3=[2, None])
+    found = own_blockers(RUN, "a", mine, LEASE_S)
+    assert states(found) == {1: ("a", "degraded"), 3: ("a", "degraded")}
+    assert own_blockers(RUN, "a", {"runs": {}}, LEASE_S) == []
+    health = summarize(found, {"status": "degraded", "error": "x", "since": 1.0}, "no catalog")
+    assert health.unknown == "no catalog" and health.status == "degraded"
