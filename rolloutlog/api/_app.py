@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,6 +38,7 @@ from rolloutlog.api._observe import Observe
 from rolloutlog.api._service import Service
 from rolloutlog.api._settings import Settings
 from rolloutlog.errors import PayloadTooLarge, RequestTimeout, RolloutlogError
+from rolloutlog.projections import RunHealthReport
 
 __all__ = ["PUBLIC_PATHS", "create_app", "route_roles"]
 
@@ -50,6 +53,9 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: The variable that installs the fault tests' routes (``_test_hooks``).
+TEST_HOOKS_VARIABLE = "ROLLOUTLOG_TEST_HOOKS"
 
 #: How long /readyz waits for the log's and the catalog's probe each: a stalled backend answers
 #: nothing (the catalog's own statement bound is 30 s by default), and a probe must answer sooner.
@@ -303,38 +309,56 @@ def _ops_routes(app: FastAPI) -> None:
     )
     async def readyz(request: Request) -> Response:
         service: Service = request.app.state.service
-        checks: dict[str, str] = {}
+        coordinator = service.coordinator
         probes: dict[str, Callable[[], Awaitable[object]]] = {
             "log": service.log.ping,
             "catalog": lambda: service.catalog.list_runs(limit=1),
+            # What holds each run back on any replica (for the body only: see below).
+            "cluster": coordinator.runs_health,
         }
-        for name, probe in probes.items():
+
+        async def probe(name: str) -> tuple[object, str]:
+            """The probe's answer and ``ok``, or None and what went wrong."""
             try:
                 async with asyncio.timeout(READY_PROBE_S):
-                    await probe()
-                checks[name] = "ok"
+                    return await probes[name](), "ok"
             except TimeoutError:
-                checks[name] = f"no answer within {READY_PROBE_S:g} s"
+                return None, f"no answer within {READY_PROBE_S:g} s"
             except Exception as e:  # any failure means "not ready"; the reason is reported
-                checks[name] = f"{type(e).__name__}: {e}"
+                return None, f"{type(e).__name__}: {e}"
+
+        found = dict(zip(probes, await asyncio.gather(*map(probe, probes)), strict=True))
+        checks = {name: found[name][1] for name in ("log", "catalog")}
+        cluster, cluster_check = found["cluster"]
+        if cluster_check != "ok":  # reported, but this replica's readiness is its own
+            checks["cluster"] = cluster_check
         if service.draining:
             checks["service"] = "shutting down"
-        # A run whose projector cannot make progress makes the service unready (its checkpoints
-        # cannot commit), with the reason per run.
-        runs = {run: health.view() for run, health in sorted(service.coordinator.health().items())}
-        ready = all(value == "ok" for value in checks.values()) and all(
-            health["status"] == "ok" for health in runs.values()
+        # A run whose projector here cannot make progress makes this service unready (its
+        # checkpoints cannot commit); the body says, per run, what holds it back on any replica
+        # (the status code stays this replica's own: load balancers route by it).
+        local = coordinator.health()
+        reports = cast("dict[str, RunHealthReport] | None", cluster) or {}
+        runs = {run: report.view(coordinator.replica_id) for run, report in reports.items()}
+        for run, health in local.items():
+            runs.setdefault(run, {**health.view(), "local": health.view(), "held_back": []})
+        ready = all(value == "ok" for name, value in checks.items() if name != "cluster") and all(
+            health.status == "ok" for health in local.values()
         )
         return json_response(
             {
                 "status": "ready" if ready else "unready",
+                "replica": coordinator.replica_id,
                 "log": checks["log"],
                 "catalog": checks["catalog"],
-                "runs": runs,
+                "runs": dict(sorted(runs.items())),
                 "checks": checks,
             },
             200 if ready else 503,
         )
+
+    if os.environ.get(TEST_HOOKS_VARIABLE) == "1":
+        _test_hooks(app)
 
     @app.get(
         "/metrics",
@@ -347,6 +371,20 @@ def _ops_routes(app: FastAPI) -> None:
         service: Service = request.app.state.service
         await service.metrics.refresh()
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _test_hooks(app: FastAPI) -> None:
+    """Routes for fault tests only, installed when ``ROLLOUTLOG_TEST_HOOKS=1`` (never in a
+    deployment): ``POST /_test/block-loop?seconds=S`` keeps the service's event loop busy for S
+    seconds (a blocking call on the loop, as a long fold would), so a test can show that the
+    lease heartbeat goes on and that the other replicas name the busy one."""
+
+    @app.post("/_test/block-loop", include_in_schema=False, dependencies=[Depends(public)])
+    async def block_loop(seconds: float = 1.0) -> Response:
+        until = time.monotonic() + min(max(seconds, 0.0), 600.0)
+        while time.monotonic() < until:  # busy on purpose: nothing else runs on this loop
+            time.sleep(0.01)  # noqa: ASYNC251
+        return json_response({"blocked_s": seconds})
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from rolloutlog.catalog._catalog import Catalog
-from rolloutlog.catalog._leases import PartitionOwner
+from rolloutlog.catalog._leases import ClusterView, PartitionOwner, ReplicaReport
 from rolloutlog.catalog._migrate import head_revision
 from rolloutlog.catalog._registry import backend_for
 from rolloutlog.catalog._restore_requests import RestorePart, RestorePlanning
@@ -49,6 +49,7 @@ __all__ = [
     "Catalog",
     "Checkpoint",
     "CheckpointStatus",
+    "ClusterView",
     "Episode",
     "EpisodeFinish",
     "EpisodeStart",
@@ -62,6 +63,7 @@ __all__ = [
     "QUARANTINE_FIRST_BYTES",
     "QuarantinedRecord",
     "RegisteredParticipant",
+    "ReplicaReport",
     "Restore",
     "RestoreAction",
     "RestoreEntry",
