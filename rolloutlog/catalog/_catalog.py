@@ -18,7 +18,15 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rolloutlog.catalog import _leases, _migrate, _reads, _restore_requests, _results, _writes
+from rolloutlog.catalog import (
+    _leases,
+    _migrate,
+    _reads,
+    _requesters,
+    _restore_requests,
+    _results,
+    _writes,
+)
 from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._leases import PartitionOwner
 from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
@@ -408,27 +416,42 @@ class Catalog:
         *,
         trigger: str = "request",
         deadline_s: float | None = None,
+        requested_by: str | None = None,
     ) -> int:
-        """Create the run's one ``pending`` checkpoint; return its id (strictly increasing)."""
+        """Create the run's one ``pending`` checkpoint; return its id (strictly increasing).
+        ``requested_by``: the replica that asks (``_requesters.py``): a pending checkpoint whose
+        requester is gone is aborted here, superseded, instead of refusing the request."""
         check_name(trigger, "trigger", length=64)
         check_positive_seconds(deadline_s, "deadline_s")
 
         async def begin(conn: AsyncConnection) -> int:
             row = await lock_run(conn, run, controller_epoch)
+            checkpoint_id = int(row.last_checkpoint_id) + 1
             pending = (
                 await conn.execute(
-                    select(checkpoints.c.checkpoint_id).where(
-                        checkpoints.c.run == run, checkpoints.c.status == "pending"
-                    )
+                    select(
+                        checkpoints.c.checkpoint_id,
+                        checkpoints.c.requested_by,
+                        checkpoints.c.requester_started_at,
+                    ).where(checkpoints.c.run == run, checkpoints.c.status == "pending")
                 )
-            ).scalar_one_or_none()
+            ).one_or_none()
             if pending is not None:
-                raise CheckpointInProgress(
-                    f"checkpoint {pending} of run {run!r} is still pending",
-                    run=run,
-                    checkpoint_id=pending,
+                gone = await _requesters.requester_gone(conn, self._clock, pending)
+                if gone is None:
+                    raise CheckpointInProgress(
+                        f"checkpoint {pending.checkpoint_id} of run {run!r} is still pending",
+                        run=run,
+                        checkpoint_id=pending.checkpoint_id,
+                    )
+                await _requesters.supersede_orphan(
+                    conn,
+                    run,
+                    pending.checkpoint_id,
+                    f"superseded by checkpoint {checkpoint_id}: {gone}",
+                    self._clock(),
                 )
-            checkpoint_id = int(row.last_checkpoint_id) + 1
+            started_at = await _requesters.requester_incarnation(conn, requested_by)
             await conn.execute(
                 update(runs).where(runs.c.run == run).values(last_checkpoint_id=checkpoint_id)
             )
@@ -441,6 +464,8 @@ class Catalog:
                     controller_epoch=controller_epoch,
                     deadline_s=deadline_s,
                     requested_at=self._clock(),
+                    requested_by=requested_by or None,
+                    requester_started_at=started_at,
                 )
             )
             return checkpoint_id

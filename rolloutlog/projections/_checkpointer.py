@@ -134,7 +134,11 @@ class Checkpointer:
         projector.check_running()
         timer = StageTimer()
         checkpoint_id = await self.catalog.begin_checkpoint(
-            run, controller_epoch, trigger=trigger, deadline_s=deadline_s
+            run,
+            controller_epoch,
+            trigger=trigger,
+            deadline_s=deadline_s,
+            requested_by=self.replica_id,
         )
         await projector.capture_outcome()  # of a checkpoint another replica committed just now
         timer.stage("begin")
