@@ -608,6 +608,10 @@ class Catalog:
         self._after_bulk_commit()
         return committed
 
+    async def written_parts(self, run: str, checkpoint_id: int) -> frozenset[int]:
+        """The partitions a pending checkpoint has a part of already (by any writer)."""
+        return await self._query(lambda conn: _reads.written_parts(conn, run, checkpoint_id))
+
     async def abort_checkpoint(
         self, run: str, checkpoint_id: int, controller_epoch: int, reason: str
     ) -> None:
