@@ -636,23 +636,21 @@ class Catalog:
             )
             await drop_checkpoint_parts(conn, run, checkpoint_id)
 
-    async def abort_pending_checkpoints(self, reason: str) -> list[tuple[str, int]]:
-        """Abort every pending checkpoint of every run; return their (run, checkpoint id).
+    async def abort_pending_checkpoints(
+        self, reason: str, *, requested_by: str | None = None
+    ) -> list[tuple[str, int]]:
+        """Abort the pending checkpoints no live replica will finish; return their (run,
+        checkpoint id): with ``requested_by``, that replica's (a process starting under its id:
+        any earlier one is dead), else every one but those of a live requester (another replica's,
+        ``_requesters.py``).
 
         ``start()`` calls this (unless ``abort_pending_on_start=False``): a checkpoint pending when
         the service died can never be committed, and it would block the run's next checkpoint.
         """
         async with self._write() as conn:
-            result = await conn.execute(
-                update(checkpoints)
-                .where(checkpoints.c.status == "pending")
-                .values(status="aborted", ended_at=self._clock(), reason=reason)
-                .returning(checkpoints.c.run, checkpoints.c.checkpoint_id)
+            return await _requesters.abort_orphans(
+                conn, self._clock, reason, requested_by=requested_by
             )
-            aborted = sorted((str(run), int(cid)) for run, cid in result)
-            for run, checkpoint_id in aborted:
-                await drop_checkpoint_parts(conn, run, checkpoint_id)
-            return aborted
 
     async def abort_overdue_checkpoints(
         self, default_deadline_s: float, grace_s: float

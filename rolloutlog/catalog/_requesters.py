@@ -18,9 +18,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog.catalog._leases import catalog_now
 from rolloutlog.catalog._schema import checkpoints, replicas
-from rolloutlog.catalog._writes import drop_checkpoint_parts
+from rolloutlog.catalog._writes import drop_checkpoint_parts, lock_run
 
-__all__ = ["requester_incarnation", "requester_gone", "supersede_orphan"]
+__all__ = ["abort_orphans", "requester_gone", "requester_incarnation", "supersede_orphan"]
 
 
 async def requester_incarnation(conn: AsyncConnection, replica_id: str | None) -> float | None:
@@ -61,10 +61,11 @@ async def requester_gone(
 
 async def supersede_orphan(
     conn: AsyncConnection, run: str, checkpoint_id: int, reason: str, now: float
-) -> None:
-    """Abort an orphaned pending checkpoint (the caller holds the run's lock) and drop the
-    parts its owners wrote: a part written after this is refused (not pending)."""
-    await conn.execute(
+) -> bool:
+    """Abort an orphaned pending checkpoint (the caller holds the run's lock: a part writer's
+    transaction holds it too, so none is half-way) and drop the parts its owners wrote: a part
+    written after this is refused (not pending). False if it was no longer pending."""
+    found = await conn.execute(
         update(checkpoints)
         .where(
             checkpoints.c.run == run,
@@ -72,5 +73,41 @@ async def supersede_orphan(
             checkpoints.c.status == "pending",
         )
         .values(status="aborted", ended_at=now, reason=reason)
+        .returning(checkpoints.c.checkpoint_id)
     )
+    if found.first() is None:
+        return False
     await drop_checkpoint_parts(conn, run, checkpoint_id)
+    return True
+
+
+async def abort_orphans(
+    conn: AsyncConnection, clock: Callable[[], float], reason: str, *, requested_by: str | None
+) -> list[tuple[str, int]]:
+    """Abort the pending checkpoints of ``requested_by``, or (None) every pending checkpoint
+    whose requester is gone or unnamed: a live replica's is left to it (a replica starting must
+    not abort the checkpoint another one is taking). Returns their (run, checkpoint id)."""
+    rows = (
+        await conn.execute(
+            select(
+                checkpoints.c.run,
+                checkpoints.c.checkpoint_id,
+                checkpoints.c.requested_by,
+                checkpoints.c.requester_started_at,
+            )
+            .where(checkpoints.c.status == "pending")
+            .order_by(checkpoints.c.run)
+        )
+    ).all()
+    now = clock()
+    aborted = []
+    for row in rows:
+        if requested_by is not None:
+            if row.requested_by != requested_by:
+                continue
+        elif row.requested_by and await requester_gone(conn, clock, row) is None:
+            continue
+        await lock_run(conn, row.run)  # not in the middle of a part writer's transaction
+        if await supersede_orphan(conn, row.run, row.checkpoint_id, reason, now):
+            aborted.append((str(row.run), int(row.checkpoint_id)))
+    return aborted

@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -322,6 +323,31 @@ async def test_a_checkpoint_naming_no_requester_is_never_superseded(
     with pytest.raises(CheckpointInProgress):
         await catalog.begin_checkpoint(RUN, epoch, requested_by=A)
     assert (await catalog.get_checkpoint(RUN, first)).status == "pending"
+
+
+async def test_a_start_aborts_only_what_no_live_replica_finishes(
+    catalog_url: str, catalog_factory: Any
+) -> None:
+    """A replica starting (its catalog's start, then its coordinator's for its own id) leaves
+    the checkpoint another live replica is taking alone."""
+    first = await catalog_factory()
+    epoch = await controlled_run(first)
+    await first.create_run("other", partitions=P)
+    other_epoch = await first.take_over_controller("other")
+    for replica in (A, B):
+        await first.lease_tick(replica, lease_s=60.0, held={}, fresh=True)
+    live = await first.begin_checkpoint(RUN, epoch, requested_by=A)
+    mine = await first.begin_checkpoint("other", other_epoch, requested_by=B)
+    await first.stop()
+    restarted = await catalog_factory()  # B's process starting again
+    assert (await restarted.get_checkpoint(RUN, live)).status == "pending"
+    assert (await restarted.get_checkpoint("other", mine)).status == "pending"
+    assert await restarted.abort_pending_checkpoints("restarted", requested_by=B) == [
+        ("other", mine)
+    ]
+    assert (await restarted.get_checkpoint(RUN, live)).status == "pending"
+    await expire_replica(catalog_url, A)
+    assert await restarted.abort_pending_checkpoints("start") == [(RUN, live)]
 
 
 async def mixed_chains(
