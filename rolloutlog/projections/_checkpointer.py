@@ -23,7 +23,13 @@ from operator import attrgetter, itemgetter
 from typing import Any, cast
 
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
-from rolloutlog.errors import BackendUnavailable, LeaseLost, RolloutlogError, StaleController
+from rolloutlog.errors import (
+    BackendUnavailable,
+    CheckpointNotPending,
+    LeaseLost,
+    RolloutlogError,
+    StaleController,
+)
 from rolloutlog.log import Log
 from rolloutlog.projections._feeders import flush_episodes
 from rolloutlog.projections._planner import replay_start
@@ -221,6 +227,8 @@ class Checkpointer:
                 committed, delta, restaged = await self._write_parts(
                     projector, capture, timer, controller_epoch, marked_at
                 )
+            except CheckpointNotPending:  # aborted meanwhile (superseded): say why, below
+                committed, delta, restaged = None, None, None
             except LeaseLost:
                 # Their new owners' projectors, started afresh, capture the markers and write
                 # those parts: the outcome is the catalog's.

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import update
 
 from rolloutlog.catalog._schema import replicas as replicas_table
-from rolloutlog.errors import StaleController
+from rolloutlog.errors import BackendUnavailable, StaleController
 from rolloutlog.projections import CheckpointResult
 from tests import factories as f
 from tests.projections.test_checkpoint_parts import (
@@ -96,8 +96,12 @@ async def test_a_lapsed_requesters_checkpoint_is_superseded_at_once(replicas: Re
     names = episodes_in(range(2), 4, "e")
     await replicas.log.append(RUN, [e for i, n in enumerate(names) for e in history(n, i)])
     requester, other = replicas.owning()
-    pending = await replicas.checkpoint(requester, wait=False, deadline_s=30)
-    assert isinstance(pending, int)
+    waiting = asyncio.create_task(replicas.checkpoint(requester, deadline_s=30))
+    for _ in range(500):
+        if found := await replicas.catalog.list_checkpoints(RUN, status="pending"):
+            break
+        await asyncio.sleep(0.02)
+    pending = found[0].checkpoint_id
     async with replicas.catalog._write() as conn:
         await conn.execute(
             update(replicas_table)
@@ -112,6 +116,9 @@ async def test_a_lapsed_requesters_checkpoint_is_superseded_at_once(replicas: Re
     orphan = await replicas.catalog.get_checkpoint(RUN, pending)
     assert orphan.status == "aborted"
     assert orphan.reason is not None and "superseded" in orphan.reason
+    # Its requester (alive after all: a stall) hears why, retriable, once the next one began.
+    with pytest.raises(BackendUnavailable, match="superseded"):
+        await waiting
 
 
 async def test_a_checkpoint_aborted_by_a_take_over_answers_stale_controller(
