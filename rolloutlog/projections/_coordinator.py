@@ -130,6 +130,10 @@ class Coordinator:
         its supervisor (reported ``degraded`` or ``stopped``) while the others serve. The start
         waits up to ``START_WAIT_S`` for the runs to catch up with their logs.
         """
+        # Checkpoints an earlier process under this id left pending: nobody will finish them.
+        await self.catalog.abort_pending_checkpoints(
+            "aborted on start: left pending by a crash", requested_by=self.replica_id
+        )
         await self._ownership.start()
         try:
             await self._start_projectors()
