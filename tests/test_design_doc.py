@@ -51,7 +51,9 @@ def test_every_module_named_exists_at_about_its_size() -> None:
 
 def test_every_sizeable_module_is_named_in_its_room() -> None:
     named = {
-        f"{room}/{name}" if room else name for room, entries in _rooms().items() for name, _ in entries
+        f"{room}/{name}" if room else name
+        for room, entries in _rooms().items()
+        for name, _ in entries
     }
     missing = []
     for room in _rooms():

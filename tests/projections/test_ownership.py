@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from rolloutlog.catalog import Catalog, open_catalog
-from rolloutlog.catalog._backend import backend_for
+from rolloutlog.catalog._registry import backend_for
 from rolloutlog.errors import BackendUnavailable
 from rolloutlog.log import Log, open_log, partition_for
 from rolloutlog.projections import Coordinator
