@@ -21,6 +21,7 @@ import asyncio
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -273,11 +274,13 @@ async def run_demo(
     log_url: str | None = None,
     catalog_url: str | None = None,
     transport: str = "http",
-    run: str = "demo-nemo-gym",
+    run: str | None = None,
     token_rate: float = 300.0,
     out: TextIO | None = None,
 ) -> DemoReport:
-    """Run the demo in ``data_dir`` (default: a temporary directory, removed); its report."""
+    """Run the demo in ``data_dir`` (default: a temporary directory, removed); its report.
+    ``run``: the rolloutlog run (default: a new name, so a kept catalog never resumes an older
+    demo's run)."""
     out = out or sys.stdout
     began = time.perf_counter()
     python = find_python()
@@ -289,7 +292,7 @@ async def run_demo(
         workdir = Path(data_dir) if data_dir is not None else Path(tmp)
         demo = _Demo(
             workdir,
-            run=run,
+            run=run or f"demo-nemo-gym-{uuid.uuid4().hex[:8]}",
             log_url=log_url,
             catalog_url=catalog_url,
             transport=transport,
@@ -491,6 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="how the Gym's participants append: through the service, or straight to Kafka",
     )
     parser.add_argument("--token-rate", type=float, default=300.0, help="backend tokens/s")
+    parser.add_argument("--run", help="the rolloutlog run (default: a new name)")
     args = parser.parse_args(argv)
     report = asyncio.run(
         run_demo(
@@ -501,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             catalog_url=args.catalog_url,
             transport=args.transport,
             token_rate=args.token_rate,
+            run=args.run,
         )
     )
     return 0 if report.ok else 1

@@ -171,11 +171,13 @@ class FakeBackend:
         )
         return self.calls
 
+    def _rate(self, request: Mapping[str, Any]) -> float:
+        """The request's token rate: its ``metadata.fake_token_rate``, else the backend's."""
+        return float((request.get("metadata") or {}).get("fake_token_rate") or self.token_rate)
+
     async def _pace(self, request: Mapping[str, Any], count: int) -> None:
-        """Generating ``count`` tokens takes their time at the token rate (the request's
-        ``metadata.fake_token_rate``, else the backend's)."""
-        rate = float((request.get("metadata") or {}).get("fake_token_rate") or self.token_rate)
-        await asyncio.sleep(count / rate)
+        """Generating ``count`` tokens takes their time at the request's token rate."""
+        await asyncio.sleep(count / self._rate(request))
 
     def completion(
         self, request: Mapping[str, Any]
@@ -328,9 +330,13 @@ class FakeBackend:
             content_end = text.find(TOOL_OPEN) if TOOL_OPEN in text else len(text)
             calls_sent = 0
             step = STREAM_STEP
+            # paced against a clock, so that the sleeps' overshoots do not add up: a streamed
+            # call takes as long as the same call unstreamed
+            clock = time.monotonic()
             while sent < len(new):
                 piece = new[sent : sent + step]
-                await self._pace(request, len(piece))
+                clock += len(piece) / self._rate(request)
+                await asyncio.sleep(max(0.0, clock - time.monotonic()))
                 visible = text[sent : min(sent + len(piece), content_end)]
                 delta: dict[str, Any] = {"content": visible} if visible else {}
                 closed = text[: sent + len(piece)].count(TOOL_CLOSE)
@@ -345,7 +351,9 @@ class FakeBackend:
                     logprobs = {"content": self.token_logprobs(values, sent, piece)}
                 yield event(delta, logprobs=logprobs)
                 sent += len(piece)
+                parked = time.monotonic()
                 await self.park(turn, sent)
+                clock += time.monotonic() - parked  # a parked call's pace resumes after it
             yield event({}, finish_reason=finish)
             options = request.get("stream_options") or {}
             if options.get("include_usage"):
