@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv check test demo bench bench-quick bench-components clean nemo-gym-venv
+.PHONY: venv check test demo bench bench-quick bench-components clean nemo-gym-venv demo-nemo-gym
 
 # An editable install of `.[test]`: the test tools and, through them, the server extra.
 venv: $(STAMP)
@@ -39,6 +39,12 @@ nemo-gym-venv: venv
 # The README's first command: 300 simulated rollouts, a checkpoint, SIGKILL, restore.
 demo: venv
 	$(BIN)/python -m rolloutlog.participants.sim.demo $(DEMO_ARGS)
+
+# The same with real NeMo Gym 0.4.0 servers (the NeMo Gym venv is built on first use, as
+# nemo-gym-venv builds it): a checkpoint mid-flight, SIGKILL of every NeMo Gym process group,
+# restore, relaunch, the same report.
+demo-nemo-gym: venv
+	$(BIN)/python -m rolloutlog.integrations.nemo_gym.demo $(DEMO_ARGS)
 
 # `bench`: issue 7's suite (S1-S4 through the real service on both deployments, beside the
 # stop-the-world, pyeventsourcing and floor baselines; the projector's fold rate; the HTTP append

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,13 @@ from rolloutlog.errors import RunExists
 from rolloutlog.integrations.nemo_gym._context import rollout_cookies, rollout_headers
 from rolloutlog.participants import Environment, EnvironmentEpisode, Restores, RolloutContext
 from rolloutlog.participants import Transport as _Transport
-from rolloutlog.trainer import AsyncTrainerClient, CheckpointScheduler, ResumePlan, resume_run
+from rolloutlog.trainer import (
+    AsyncTrainerClient,
+    CheckpointInfo,
+    CheckpointScheduler,
+    ResumePlan,
+    resume_run,
+)
 
 __all__ = [
     "AGENT_REF",
@@ -112,6 +119,9 @@ class CollectionReport:
     restore_id: int | None = None
     interrupted: list[str] = field(default_factory=list)
     stopped: bool = False
+    #: the resume this run started from, and how long ``resume_run`` took
+    plan: ResumePlan | None = None
+    resume_s: float = 0.0
 
     @property
     def complete(self) -> bool:
@@ -207,6 +217,14 @@ class GymCollector:
         self._owns_http = http is None
         self.http = http or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
         self._unacknowledged: set[str] = set()
+        self._scheduler: CheckpointScheduler | None = None
+
+    async def checkpoint(self, trigger: str = "request") -> CheckpointInfo | None:
+        """A checkpoint now, while ``run`` runs (as SIGUSR1 takes one); None when one was
+        pending already."""
+        if self._scheduler is None:
+            raise RuntimeError("no collection is running")
+        return await self._scheduler.checkpoint_now(trigger)
 
     async def close(self) -> None:
         if self._owns_http:
@@ -221,7 +239,10 @@ class GymCollector:
         done = _Output.done(self.output_path)
         output = _Output(self.output_path)
         try:
+            began = time.perf_counter()
             plan = await resume_run(self.trainer, self.run_name)
+            report.resume_s = time.perf_counter() - began
+            report.plan = plan
             report.restore_id = plan.restore_id
             pending = self._plan(rows, plan, done, output, report)
             await self._acknowledge(output)
@@ -233,6 +254,7 @@ class GymCollector:
                 controller_epoch=plan.controller_epoch,
                 on_checkpoint=lambda info: report.checkpoints.append(info.checkpoint_id),
             )
+            self._scheduler = scheduler
             async with scheduler:
                 if plan.checkpoint_id is None:  # a crash from now on has a checkpoint to restore
                     await scheduler.checkpoint_now("start")
@@ -241,6 +263,7 @@ class GymCollector:
                 await self._dispatch(pending, plan, output, report, scheduler)
             await self._acknowledge(output)
         finally:
+            self._scheduler = None
             output.close()
         return report
 

@@ -6,7 +6,8 @@ the request's ``metadata.fake_script``, one token per byte):
 
 - ``POST /v1/chat/completions``: with ``logprobs`` and ``return_tokens_as_token_ids`` each token
   as ``token_id:N`` with its log probability (vLLM's form); ``stream: true`` streams Server-Sent
-  Events at ``--token-rate`` tokens/s (``stream_options.include_usage`` adds the usage chunk);
+  Events at ``--token-rate`` tokens/s (a request's ``metadata.fake_token_rate`` overrides it;
+  ``stream_options.include_usage`` adds the usage chunk);
   ``continue_final_message: true`` continues the final assistant message's text (vLLM's
   semantics: only the new text comes back, tool calls parsed from it), and ``prompt_logprobs``
   returns each prompt token's log probability (vLLM's top-level ``prompt_logprobs``);
@@ -170,8 +171,13 @@ class FakeBackend:
         )
         return self.calls
 
-    async def _pace(self, count: int) -> None:
-        await asyncio.sleep(count / self.token_rate)
+    def _rate(self, request: Mapping[str, Any]) -> float:
+        """The request's token rate: its ``metadata.fake_token_rate``, else the backend's."""
+        return float((request.get("metadata") or {}).get("fake_token_rate") or self.token_rate)
+
+    async def _pace(self, request: Mapping[str, Any], count: int) -> None:
+        """Generating ``count`` tokens takes their time at the request's token rate."""
+        await asyncio.sleep(count / self._rate(request))
 
     def completion(
         self, request: Mapping[str, Any]
@@ -239,7 +245,7 @@ class FakeBackend:
         turn, prefix, new, finish, values = self.completion(request)
         n = self._begin(request, turn, prefix, False)
         await self.park(turn, 0)
-        await self._pace(len(new))
+        await self._pace(request, len(new))
         await self.park(turn, len(new))
         choice: dict[str, Any] = {
             "index": 0,
@@ -324,9 +330,13 @@ class FakeBackend:
             content_end = text.find(TOOL_OPEN) if TOOL_OPEN in text else len(text)
             calls_sent = 0
             step = STREAM_STEP
+            # paced against a clock, so that the sleeps' overshoots do not add up: a streamed
+            # call takes as long as the same call unstreamed
+            clock = time.monotonic()
             while sent < len(new):
                 piece = new[sent : sent + step]
-                await self._pace(len(piece))
+                clock += len(piece) / self._rate(request)
+                await asyncio.sleep(max(0.0, clock - time.monotonic()))
                 visible = text[sent : min(sent + len(piece), content_end)]
                 delta: dict[str, Any] = {"content": visible} if visible else {}
                 closed = text[: sent + len(piece)].count(TOOL_CLOSE)
@@ -341,7 +351,9 @@ class FakeBackend:
                     logprobs = {"content": self.token_logprobs(values, sent, piece)}
                 yield event(delta, logprobs=logprobs)
                 sent += len(piece)
+                parked = time.monotonic()
                 await self.park(turn, sent)
+                clock += time.monotonic() - parked  # a parked call's pace resumes after it
             yield event({}, finish_reason=finish)
             options = request.get("stream_options") or {}
             if options.get("include_usage"):

@@ -18,7 +18,7 @@ import asyncio
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -27,7 +27,7 @@ from rolloutlog.participants.sim._collector import Collector, CollectorReport
 from rolloutlog.participants.sim._gym import PARTICIPANTS, Gym
 from rolloutlog.participants.sim._model import make_tasks
 
-__all__ = ["DemoResult", "main", "run_demo"]
+__all__ = ["DemoReport", "DemoResult", "main", "run_demo"]
 
 
 @dataclass
@@ -183,6 +183,115 @@ async def run_demo(
     return result
 
 
+@dataclass
+class DemoReport:
+    """What the demo report prints (``lines()``): ``make demo`` fills it from the simulated Gym,
+    ``make demo-nemo-gym`` from real NeMo Gym servers. A figure that is None has no line
+    (a Gym without that participant); ``extra`` lines follow the policy's."""
+
+    rollouts: int
+    finished: int
+    continued: int
+    restarted: int
+    #: resumed episodes by the stage they resumed at
+    resumed_at: Mapping[str, int]
+    #: calls continued or served from a generation cut, and the tokens not generated again
+    cut_calls: int
+    cut_tokens: int
+    right: int
+    recovered: int
+    lost: Sequence[str]
+    failed: Sequence[str]
+    wrong: Sequence[str]
+    checkpoint_s: float
+    checkpoint_service_ms: Mapping[str, Any]
+    restore_s: float
+    restore_service_ms: Mapping[str, Any]
+    participants_restart_s: float
+    total_s: float
+    sandbox_restored: int | None = None
+    counter_restored: int | None = None
+    policy_workers: int = 1
+    parents_other_worker: int = 0
+    extra: Sequence[tuple[str, str]] = ()
+    service_down_s: float | None = None
+    appends_retried: int = 0
+    title: str = "rolloutlog demo report"
+
+    @property
+    def ok(self) -> bool:
+        """Every rollout finished with its expected reward."""
+        return self.finished == self.rollouts == self.right
+
+    def lines(self) -> list[str]:
+        def line(label: str, value: str) -> str:
+            return f"  {label:<22} {value}"
+
+        resumed = ", ".join(f"{stage} {n}" for stage, n in self.resumed_at.items()) or "-"
+        optional = [
+            (
+                "sandbox sessions",
+                self.sandbox_restored,
+                "restored (exported when the checkpoint asked)",
+            ),
+            ("counter states", self.counter_restored, "restored"),
+        ]
+        return [
+            "",
+            self.title,
+            line("rollouts finished", f"{self.finished}/{self.rollouts}"),
+            line("  continued", f"{self.continued} (from their last boundary)"),
+            line("  restarted", f"{self.restarted} (from their input, one attempt later)"),
+            line("resumed at", resumed),
+            line(
+                "generation cuts",
+                f"{self.cut_calls} calls continued, {self.cut_tokens} tokens not generated again",
+            ),
+            *(line(label, f"{n} {what}") for label, n, what in optional if n is not None),
+            line(
+                "policy workers",
+                f"{self.policy_workers}: {self.parents_other_worker} calls' parents resolved on "
+                "another worker",
+            ),
+            *(line(label, value) for label, value in self.extra),
+            line("rewards right", f"{self.right}/{self.rollouts}"),
+            line("results recovered", f"{self.recovered} (after the crash)"),
+            line("lost", str(len(self.lost))),
+            line("failed", str(len(self.failed))),
+            line(
+                "checkpoint",
+                f"{self.checkpoint_s * 1000:.0f} ms round trip "
+                f"(service: {_ms(self.checkpoint_service_ms)})",
+            ),
+            line(
+                "restore",
+                f"{self.restore_s * 1000:.0f} ms round trip "
+                f"(service: {_ms(self.restore_service_ms)})",
+            ),
+            line("participants restart", f"{self.participants_restart_s:.1f} s"),
+            *(
+                [
+                    line(
+                        "service killed",
+                        f"back after {self.service_down_s:.1f} s; participants retried "
+                        f"{self.appends_retried} appends and rode through",
+                    )
+                ]
+                if self.service_down_s is not None
+                else []
+            ),
+            line("total", f"{self.total_s:.1f} s"),
+            "  OK"
+            if self.ok
+            else f"  FAILED: wrong {list(self.wrong)[:10]} lost {list(self.lost)[:10]} "
+            f"failed {list(self.failed)[:10]}",
+        ]
+
+    def write(self, out: TextIO) -> None:
+        out.write("\n".join(self.lines()) + "\n")
+        out.flush()
+
+
 def _print_report(out: TextIO, result: DemoResult) -> None:
     report, timings = result.report, result.timings
     checkpoint = report.checkpoints[0]
@@ -194,53 +303,39 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
     policy = result.stats.get("policy", {})
     retried = sum(stats.get("appends_retried", 0) for stats in result.stats.values())
     resumed = [r for r in result.stats.get("environment", {}).get("runs", []) if r["resumed_stage"]]
-    lines = [
-        "",
-        "rolloutlog demo report",
-        f"  rollouts finished      {report.finished}/{report.rollouts}",
-        f"    continued            {report.continued} (from their last boundary)",
-        f"    restarted            {report.restarted} (from their input, one attempt later)",
-        f"  resumed at             {_stages(resumed)}",
-        f"  generation cuts        {len(cuts)} calls continued, "
-        f"{sum(c['continued'] for c in cuts)} tokens not generated again",
-        f"  sandbox sessions       {sum(v is not None for v in sandbox.values())} restored "
-        "(exported when the checkpoint asked)",
-        f"  counter states         {sum(v is not None for v in restored.values())} restored",
-        f"  policy workers         {len(policy.get('workers', [])) or 1}: "
-        f"{policy.get('parents', {}).get('other_worker', 0)} calls' parents resolved on another "
-        "worker",
-        f"  rewards right          {report.right}/{report.rollouts}",
-        f"  results recovered      {len(report.recovered)} (after the crash)",
-        f"  lost                   {len(report.lost)}",
-        f"  failed                 {len(report.failed)}",
-        f"  checkpoint             {timings['checkpoint_s'] * 1000:.0f} ms round trip "
-        f"(service: {_ms(checkpoint.timings_ms)})",
-        f"  restore                {timings['restore_s'] * 1000:.0f} ms round trip "
-        f"(service: {_ms(restore.timings_ms if restore else {})})",
-        f"  participants restart   {timings['participants_restart_s']:.1f} s",
-        *(
-            [
-                f"  service killed         back after {timings['service_down_s']:.1f} s; "
-                f"participants retried {retried} appends and rode through"
-            ]
-            if "service_down_s" in timings
-            else []
-        ),
-        f"  total                  {timings['total_s']:.1f} s",
-        "  OK"
-        if result.ok
-        else f"  FAILED: wrong {report.wrong[:10]} lost {report.lost[:10]} "
-        f"failed {report.failed[:10]}",
-    ]
-    out.write("\n".join(lines) + "\n")
-    out.flush()
+    DemoReport(
+        rollouts=report.rollouts,
+        finished=report.finished,
+        continued=report.continued,
+        restarted=report.restarted,
+        resumed_at=_stages(resumed),
+        cut_calls=len(cuts),
+        cut_tokens=sum(c["continued"] for c in cuts),
+        right=report.right,
+        recovered=len(report.recovered),
+        lost=report.lost,
+        failed=report.failed,
+        wrong=report.wrong,
+        checkpoint_s=timings["checkpoint_s"],
+        checkpoint_service_ms=checkpoint.timings_ms,
+        restore_s=timings["restore_s"],
+        restore_service_ms=restore.timings_ms if restore else {},
+        participants_restart_s=timings["participants_restart_s"],
+        total_s=timings["total_s"],
+        sandbox_restored=sum(v is not None for v in sandbox.values()),
+        counter_restored=sum(v is not None for v in restored.values()),
+        policy_workers=len(policy.get("workers", [])) or 1,
+        parents_other_worker=policy.get("parents", {}).get("other_worker", 0),
+        service_down_s=timings.get("service_down_s"),
+        appends_retried=retried,
+    ).write(out)
 
 
-def _stages(runs: list[dict[str, Any]]) -> str:
+def _stages(runs: list[dict[str, Any]]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for run in runs:
         counts[run["resumed_stage"]] = counts.get(run["resumed_stage"], 0) + 1
-    return ", ".join(f"{stage} {n}" for stage, n in counts.items()) or "-"
+    return counts
 
 
 def _ms(timings: Any) -> str:

@@ -1,42 +1,48 @@
-"""Real NeMo Gym 0.4.0 server processes for the tests: the cached venv, the launcher, the fake
-inference backend, datasets with scripted model turns, and SIGKILL by process group.
+"""Real NeMo Gym 0.4.0 server processes for the tests, on the package's own harness
+(``rolloutlog.integrations.nemo_gym._processes``: the fake backend, the launcher in the venv,
+SIGKILL by process group; ``_rows``: dataset rows with scripted model turns).
 
 - ``gym_python()``: the one way tests find the NeMo Gym venv (``rolloutlog.integrations.
   nemo_gym._venv``); no Python >= 3.12, or a venv not built yet (``make nemo-gym-venv``): the
   test is ``unavailable`` (skipped locally, failed in CI, whose ``.ci/run`` builds it).
-- ``Backend``: the fake OpenAI-compatible backend (``rolloutlog.integrations.nemo_gym.
-  fake_backend``) in its own session: it logs every call and outlives the Gym's crashes.
-- ``GymProcesses``: ``launch()`` runs ``python -m rolloutlog.integrations.nemo_gym launch`` in
-  the venv (the checkout's code on ``PYTHONPATH``) and reads its state file; ``kill()`` SIGKILLs
-  the launcher's group and every server's; ``launch()`` again starts them on the same ports.
-- ``counter_row`` / ``steps_row``: dataset rows for ``example_session_state_mgmt`` and
-  ``example_multi_step`` whose model turns are scripted (``metadata.fake_script``).
+- ``Backend``: the fake backend in the test's directory; ``GymProcesses(workdir, config)``: the
+  config's servers from the venv ``gym_python()`` finds.
+- ``gym_config``: the counter (restart-only) and ``example_multi_step`` (stateless) behind
+  stock SimpleAgents on one vllm_model; ``start_collector``/``finish_collector``: the collector
+  command; ``chunk_durable``: wait for a generation chunk in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import importlib.util
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-import orjson
-
-from rolloutlog.integrations.nemo_gym._venv import find_python, gym_env, venv_path
-from rolloutlog.participants.sim import die_with_parent
+from rolloutlog.integrations.nemo_gym._processes import Backend as _Backend
+from rolloutlog.integrations.nemo_gym._processes import GymProcesses as _GymProcesses
+from rolloutlog.integrations.nemo_gym._processes import kill_group, spawn, wait_http
+from rolloutlog.integrations.nemo_gym._rows import counter_row, steps_row
+from rolloutlog.integrations.nemo_gym._venv import find_python, venv_path
 from tests._services import ROOT, free_port, unavailable
 from tests.api.conftest import TOKENS
 
-GYM_START_S = 300.0
+__all__ = [
+    "Backend",
+    "GymProcesses",
+    "chunk_durable",
+    "counter_row",
+    "finish_collector",
+    "gym_config",
+    "gym_python",
+    "kill_group",
+    "start_collector",
+    "steps_row",
+    "wait_http",
+]
 
 
 @functools.cache
@@ -59,96 +65,8 @@ def gym_python() -> Path:
     return venv / "bin" / "python"
 
 
-def require_fake_backend() -> None:
-    if importlib.util.find_spec("rolloutlog.integrations.nemo_gym.fake_backend") is None:
-        unavailable("rolloutlog.integrations.nemo_gym.fake_backend is not in this checkout")
-
-
-def _spawn(
-    command: list[str], log: Path, env: dict[str, str] | None = None
-) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            command,
-            cwd=log.parent,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
-
-
-def kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-async def wait_http(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=2) as client:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(url)).status_code == 200:
-                    return
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"{url} did not answer")
-
-
-class Backend:
-    """The fake inference backend (one per test module); its call log survives the Gym."""
-
-    def __init__(self, workdir: Path) -> None:
-        require_fake_backend()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.call_log = workdir / "calls.jsonl"
-        command = [sys.executable, "-m", "rolloutlog.integrations.nemo_gym.fake_backend"]
-        command += ["--port", str(self.port), "--call-log", str(self.call_log)]
-        self.proc = _spawn(
-            command, workdir / "backend.log", {**os.environ, "PYTHONPATH": str(ROOT)}
-        )
-
-    async def start(self) -> None:
-        await wait_http(self.url + "/health")
-
-    def stop(self) -> None:
-        kill_group(self.proc.pid)
-        self.proc.wait()
-
-    async def hold(self, match: str, turn: int, after_tokens: int = 0) -> None:
-        body = {"match": match, "turn": turn, "after_tokens": after_tokens}
-        async with httpx.AsyncClient() as client:
-            (await client.post(self.url + "/fake/holds", json=body)).raise_for_status()
-
-    async def wait_parked(self, count: int, timeout_s: float = 120.0) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=60) as client:
-            while True:
-                parked: list[dict[str, Any]] = (
-                    await client.get(self.url + "/fake/held", params={"wait_s": 5})
-                ).json()["parked"]
-                if len(parked) >= count:
-                    return parked
-                assert time.monotonic() < deadline, f"{len(parked)} of {count} calls parked"
-
-    async def release(self) -> None:
-        async with httpx.AsyncClient() as client:
-            (await client.post(self.url + "/fake/release")).raise_for_status()
-
-    def calls(self) -> list[dict[str, Any]]:
-        from rolloutlog.integrations.nemo_gym.fake_backend import read_call_log
-
-        calls: list[dict[str, Any]] = read_call_log(self.call_log)
-        return calls
-
-    def scores(self) -> list[dict[str, Any]]:
-        """The scoring requests (prefills, nothing generated)."""
-        from rolloutlog.integrations.nemo_gym.fake_backend import read_scores
-
-        scores: list[dict[str, Any]] = read_scores(self.call_log)
-        return scores
+class Backend(_Backend):
+    """The fake backend, logging into the test's directory."""
 
 
 def gym_config(service_url: str, run: str, backend: Backend) -> dict[str, Any]:
@@ -208,154 +126,11 @@ def gym_config(service_url: str, run: str, backend: Backend) -> dict[str, Any]:
     }
 
 
-def _tool(name: str, properties: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "function",
-        "name": name,
-        "description": "",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": properties,
-            "required": list(properties),
-            "additionalProperties": False,
-        },
-    }
-
-
-def _params(prompt: str, tools: list[dict[str, Any]], script: list[Any]) -> dict[str, Any]:
-    return {
-        "input": [{"role": "user", "content": prompt}],
-        "tools": tools,
-        "metadata": {"fake_script": json.dumps(script)},
-    }
-
-
-def counter_row(index: int, *, right: bool = True) -> dict[str, Any]:
-    """Add two numbers to a counter seeded at ``index`` and read it; the reward is 1.0 when the
-    counter ends at the expected count (``right=False``: the script adds one too few)."""
-    a, b = index + 1, index + 2
-    script = [
-        {
-            "calls": [
-                {"call": "increment_counter", "arguments": {"count": a}},
-                {"call": "increment_counter", "arguments": {"count": b if right else b - 1}},
-            ]
-        },
-        {"call": "get_counter_value", "arguments": {}},
-        {"say": f"the count is {index + a + b}"},
-    ]
-    tools = [
-        _tool("increment_counter", {"count": {"type": "integer", "description": ""}}),
-        _tool("get_counter_value", {}),
-    ]
-    prompt = f"counter task {index}: add {a} then add {b} then get the count"
-    return {
-        "responses_create_params": _params(prompt, tools, script),
-        "expected_count": index + a + b,
-        "initial_count": index,
-        "agent_ref": {"name": "counter_agent"},
-    }
-
-
-def steps_row(index: int, *, right: bool = True) -> dict[str, Any]:
-    """Look up two synonyms' values, then extract them; the reward is 1.0 when the extracted
-    values are the expected ones (``right=False``: the script swaps them)."""
-    synonyms = [f"Word{index}a", f"Word{index}b"]
-    values = [sum(map(ord, s)) for s in synonyms]
-    extracted = values if right else values[::-1]
-    script = [
-        {"calls": [{"call": "get_synonym_value", "arguments": {"synonym": s}} for s in synonyms]},
-        {"call": "extract_synonym_values", "arguments": {"synonym_values": extracted}},
-        {"say": "done"},
-    ]
-    tools = [
-        _tool("get_synonym_value", {"synonym": {"type": "string", "description": ""}}),
-        _tool(
-            "extract_synonym_values",
-            {"synonym_values": {"type": "array", "items": {"type": "integer"}, "description": ""}},
-        ),
-    ]
-    prompt = f"steps task {index}: get the values of {synonyms[0]} and {synonyms[1]}"
-    return {
-        "id": index,
-        "responses_create_params": _params(prompt, tools, script),
-        "expected_synonym_values": values,
-        "expected_synonyms": synonyms,
-        "minefield_label": "Mine",
-        "minefield_label_value": 0,
-        "agent_ref": {"name": "steps_agent"},
-    }
-
-
-class GymProcesses:
-    """A NeMo Gym config's servers started by the launcher in the venv (module docstring)."""
+class GymProcesses(_GymProcesses):
+    """The config's servers from the venv ``gym_python()`` finds."""
 
     def __init__(self, workdir: Path, config: dict[str, Any]) -> None:
-        self.python = gym_python()
-        self.workdir = workdir
-        self.config_path = workdir / "gym.yaml"
-        self.config_path.write_text(json.dumps(config))  # YAML is a superset of JSON
-        self.resolved = workdir / "gym-resolved.yaml"
-        self.state_path = workdir / "gym-state.json"
-        self.logs = workdir / "gym-logs"
-        self.launcher: subprocess.Popen[bytes] | None = None
-        self.state: dict[str, Any] = {}
-        self.launches = 0
-
-    async def launch(self) -> dict[str, Any]:
-        """Start every server (from the resolved config after the first launch: same ports)."""
-        self.state_path.unlink(missing_ok=True)
-        config = self.resolved if self.resolved.exists() else self.config_path
-        command = [str(self.python), "-m", "rolloutlog.integrations.nemo_gym", "launch"]
-        command += [str(config), "--log-dir", str(self.logs), "--state", str(self.state_path)]
-        command += ["--resolved", str(self.resolved)]
-        self.launches += 1
-        self.launcher = _spawn(
-            command, self.workdir / "launcher.log", gym_env(self.python.parents[1], ROOT)
-        )
-        deadline = time.monotonic() + GYM_START_S
-        while not self.state_path.exists():
-            if self.launcher.poll() is not None:
-                raise AssertionError(f"the launcher exited: {self.tail()}")
-            assert time.monotonic() < deadline, f"the Gym did not start: {self.tail()}"
-            await asyncio.sleep(0.2)
-        self.state = orjson.loads(self.state_path.read_bytes())
-        return self.state
-
-    def url(self, name: str) -> str:
-        url: str = self.state["servers"][name]["url"]
-        return url
-
-    def groups(self) -> list[int]:
-        """Every NeMo Gym process group: the launcher's (head server) and each server's."""
-        pids = [s["pid"] for s in self.state.get("servers", {}).values()]
-        return [self.launcher.pid, *pids] if self.launcher is not None else pids
-
-    def kill(self) -> None:
-        """SIGKILL every NeMo Gym process group."""
-        for pid in self.groups():
-            kill_group(pid)
-        if self.launcher is not None:
-            self.launcher.wait()
-
-    def stop(self) -> None:
-        if self.launcher is not None and self.launcher.poll() is None:
-            self.launcher.send_signal(signal.SIGTERM)
-            try:
-                self.launcher.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        for pid in self.groups():
-            kill_group(pid)
-
-    def tail(self, chars: int = 3000) -> str:
-        logs = sorted(self.logs.glob("*.log")) if self.logs.exists() else []
-        text = "".join(f"== {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in logs)
-        launcher = self.workdir / "launcher.log"
-        if launcher.exists():
-            text += f"== launcher\n{launcher.read_text(errors='replace')[-chars:]}"
-        return text
+        super().__init__(gym_python(), workdir, config)
 
 
 def start_collector(
@@ -377,7 +152,7 @@ def start_collector(
         command += ["--kafka", kafka]
     for name, url in agents.items():
         command += ["--agent-url", f"{name}={url}"]
-    return _spawn(command, log, {**os.environ, "PYTHONPATH": str(ROOT)})
+    return spawn(command, log, {**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 async def finish_collector(proc: subprocess.Popen[bytes], log: Path, gym: GymProcesses) -> str:
