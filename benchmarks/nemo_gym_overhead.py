@@ -57,7 +57,7 @@ from _common import DEPLOYMENTS, kafka_broker, percentile, save
 from suite import Deployment, Service, service
 
 from rolloutlog.integrations.nemo_gym import rollout_cookies, rollout_headers
-from rolloutlog.integrations.nemo_gym._processes import Backend, GymProcesses
+from rolloutlog.integrations.nemo_gym._processes import FakeBackendProcess, GymProcesses
 from rolloutlog.integrations.nemo_gym._venv import ensure_venv
 from rolloutlog.integrations.nemo_gym.demo import demo_config, demo_rows
 from rolloutlog.participants import (
@@ -230,7 +230,7 @@ async def one_deployment(
     deployment: Deployment, svc: Service, python: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
     with workdir() as tmp:
-        backend = Backend(tmp, token_rate=args.token_rate)
+        backend = FakeBackendProcess(tmp, token_rate=args.token_rate)
         kafka = deployment.log_url
         configs = {
             "baseline": demo_config(svc.url, RUN, backend.url, instrumented=False),

@@ -1,7 +1,7 @@
 """Real NeMo Gym processes for the demo, the benchmark and the tests: the fake inference backend
 and a config's servers started by the launcher in the NeMo Gym venv, each killable by group.
 
-- ``Backend``: ``python -m rolloutlog.integrations.nemo_gym.fake_backend`` in its own session
+- ``FakeBackendProcess``: ``python -m rolloutlog.integrations.nemo_gym.fake_backend`` in its own session
   (this interpreter, the checkout's code): it logs every call and outlives the Gym's crashes.
 - ``GymProcesses``: ``launch()`` runs ``python -m rolloutlog.integrations.nemo_gym launch`` in
   the venv (the checkout's code on ``PYTHONPATH``, ``gym_env``) and reads its state file;
@@ -28,7 +28,7 @@ import orjson
 from rolloutlog.integrations.nemo_gym._venv import ROOT, gym_env
 from rolloutlog.participants.sim import die_with_parent, free_port
 
-__all__ = ["Backend", "GymProcesses", "kill_group", "spawn", "wait_http"]
+__all__ = ["FakeBackendProcess", "GymProcesses", "kill_group", "spawn", "wait_http"]
 
 GYM_START_S = 300.0
 
@@ -68,7 +68,7 @@ async def wait_http(url: str, timeout_s: float = 60.0) -> None:
     raise TimeoutError(f"{url} did not answer")
 
 
-class Backend:
+class FakeBackendProcess:
     """The fake inference backend; its call log survives the Gym (module docstring)."""
 
     def __init__(self, workdir: Path, *, token_rate: float | None = None) -> None:

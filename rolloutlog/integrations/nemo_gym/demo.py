@@ -37,7 +37,7 @@ from rolloutlog.integrations.nemo_gym._collector import (
     materialize_rows,
 )
 from rolloutlog.integrations.nemo_gym._processes import (
-    Backend,
+    FakeBackendProcess,
     GymProcesses,
     kill_group,
     spawn,
@@ -188,7 +188,7 @@ class _Demo:
         self.run = run
         self.kafka = log_url if transport == "kafka" else None
         self.service = _Service(workdir, log_url, catalog_url)
-        self.backend = Backend(workdir, token_rate=token_rate)
+        self.backend = FakeBackendProcess(workdir, token_rate=token_rate)
         self.output = workdir / "rollouts.jsonl"
         self.gym: GymProcesses | None = None
 

@@ -22,9 +22,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rolloutlog.integrations.nemo_gym._processes import Backend as _Backend
+from rolloutlog.integrations.nemo_gym._processes import (
+    FakeBackendProcess,
+    kill_group,
+    spawn,
+    wait_http,
+)
 from rolloutlog.integrations.nemo_gym._processes import GymProcesses as _GymProcesses
-from rolloutlog.integrations.nemo_gym._processes import kill_group, spawn, wait_http
 from rolloutlog.integrations.nemo_gym._rows import counter_row, steps_row
 from rolloutlog.integrations.nemo_gym._venv import find_python, venv_path
 from tests._services import ROOT, free_port, unavailable
@@ -65,7 +69,7 @@ def gym_python() -> Path:
     return venv / "bin" / "python"
 
 
-class Backend(_Backend):
+class Backend(FakeBackendProcess):
     """The fake backend, logging into the test's directory."""
 
 
