@@ -112,12 +112,27 @@ class Checkpointer:
         self._staged: dict[str, int] = {}
         #: Per run and partition, the offset this service last trimmed the log below.
         self._trimmed: dict[str, dict[int, int]] = {}
+        #: Per run, its trims under way (``forget_run`` ends them).
+        self._trims: dict[str, set[asyncio.Task[None]]] = {}
 
-    def forget_run(self, run: str) -> None:
+    async def forget_run(self, run: str) -> None:
         """A deleted run: a run created again under its name starts its offsets and checkpoints
-        afresh (a stale trim floor would hold its trims off until its offsets passed it)."""
+        afresh (a stale trim floor would hold its trims off until its offsets passed it). A
+        trim under way ends first: it would put its floor back, or trim the new run's log by
+        the deleted run's checkpoints."""
+        trims = self._trims.pop(run, set())
+        for task in trims:
+            task.cancel()
+        await asyncio.gather(*trims, return_exceptions=True)
         self._staged.pop(run, None)
         self._trimmed.pop(run, None)
+
+    def _spawn_trim(self, run: str) -> None:
+        task = self._spawn(self._trim(run))
+        if isinstance(task, asyncio.Task):
+            trims = self._trims.setdefault(run, set())
+            trims.add(task)
+            task.add_done_callback(trims.discard)
 
     def attach(self, projector: Projector) -> None:
         """Write the projector's parts of checkpoints other replicas requested."""
@@ -268,7 +283,7 @@ class Checkpointer:
         _end(projector, capture, delta)
         if whole:
             self._staged[run] = checkpoint_id
-        self._spawn(self._trim(run))
+        self._spawn_trim(run)
         return CheckpointResult(
             committed, staging, timer.total(), restaged if staging is None else None
         )
@@ -380,7 +395,7 @@ class Checkpointer:
             raise
         timer.stage("commit")
         self._staged.pop(run, None)
-        self._spawn(self._trim(run))
+        self._spawn_trim(run)
         staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, manifest))))
         return CheckpointResult(committed, staging, timer.total())
 
