@@ -147,13 +147,20 @@ class Checkpointer:
         wait: bool = True,
         trigger: str = "request",
         staging_since: int | None = None,
+        request_id: str | None = None,
     ) -> CheckpointResult | int:
         """Take a checkpoint. Returns the committed result, or (``wait=False`` while wait steps
         are still open) the id of the checkpoint that stays ``pending`` and commits later.
         ``staging_since``: the requester holds that checkpoint's staging keys; the result says
-        what changed from them when this replica can (``staging_delta``), else lists them all."""
+        what changed from them when this replica can (``staging_delta``), else lists them all.
+        ``request_id``: the client's id of the request; sent again, it is answered with the
+        checkpoint begun for it (``_answered``) instead of beginning another."""
         projector = await self._projector(run)
         projector.check_running()
+        if request_id is not None:
+            answered = await self._answered(run, request_id, wait)
+            if answered is not None:
+                return answered
         timer = StageTimer()
         checkpoint_id = await self.catalog.begin_checkpoint(
             run,
@@ -161,6 +168,7 @@ class Checkpointer:
             trigger=trigger,
             deadline_s=deadline_s,
             requested_by=self.replica_id,
+            request_id=request_id,
         )
         await projector.capture_outcome()  # of a checkpoint another replica committed just now
         timer.stage("begin")
@@ -219,6 +227,24 @@ class Checkpointer:
         return await self._finish(
             projector, controller_epoch, capture, timer, deadline, marked_at, staging_since
         )
+
+    async def _answered(
+        self, run: str, request_id: str, wait: bool
+    ) -> CheckpointResult | int | None:
+        """Request ``request_id`` sent again: its committed (or since expired) checkpoint, its
+        pending one's id when ``wait=False``; None to begin one (none was begun for it, or it
+        was aborted), or (pending, ``wait=True``) to be refused while its requester lives and
+        superseded once it is gone, as any pending checkpoint."""
+        found = await self.catalog.checkpoint_of_request(run, request_id)
+        if found is None or found.status == "aborted":
+            return None
+        if found.status == "pending":
+            return None if wait else found.checkpoint_id
+        staging: tuple[str, ...] | None = None
+        if found.status == "committed":
+            manifest = await self.catalog.load_manifest(run, found.checkpoint_id)
+            staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, manifest))))
+        return CheckpointResult(found, staging, {})
 
     async def _finish(
         self,
