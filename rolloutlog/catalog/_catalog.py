@@ -424,7 +424,7 @@ class Catalog:
         requester is gone is aborted here, superseded, instead of refusing the request.
         ``request_id``: the client's id of the request, kept on the row
         (``checkpoint_of_request``); a request whose checkpoint committed is not begun again
-        (``checkpoint_in_progress``: ask again, and ``checkpoint_of_request`` answers it)."""
+        (``checkpoint_in_progress``: ``checkpoint_of_request`` answers it)."""
         check_name(trigger, "trigger", length=64)
         check_positive_seconds(deadline_s, "deadline_s")
         if request_id is not None:
@@ -1172,10 +1172,9 @@ async def _checkpoint_status(conn: AsyncConnection, run: str, checkpoint_id: int
 
 
 async def _refuse_answered(conn: AsyncConnection, run: str, request_id: str) -> None:
-    """``checkpoint_in_progress`` when request ``request_id``'s checkpoint committed (while
-    this request was on its way, sent again): it is the answer, not a new one. Its pending
-    checkpoint is the run's one pending (refused, or superseded, as any); an aborted one
-    begins again."""
+    """``checkpoint_in_progress`` when request ``request_id``'s checkpoint committed (the
+    request was sent again): that is the answer, not a new one. Its pending checkpoint is the
+    run's one pending (refused, or superseded, as any); an aborted one begins again."""
     found = (
         await conn.execute(
             select(checkpoints.c.checkpoint_id, checkpoints.c.status)
@@ -1187,7 +1186,7 @@ async def _refuse_answered(conn: AsyncConnection, run: str, request_id: str) -> 
     if found is not None and found.status in ("committed", "expired"):
         raise CheckpointInProgress(
             f"checkpoint {found.checkpoint_id} of run {run!r} answers request {request_id!r}: "
-            "it committed; ask again",
+            f"it is {found.status}",
             run=run,
             checkpoint_id=found.checkpoint_id,
             request_id=request_id,

@@ -26,6 +26,7 @@ from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffs
 from rolloutlog.core import replay_start
 from rolloutlog.errors import (
     BackendUnavailable,
+    CheckpointInProgress,
     CheckpointNotPending,
     LeaseLost,
     RolloutlogError,
@@ -154,22 +155,24 @@ class Checkpointer:
         ``staging_since``: the requester holds that checkpoint's staging keys; the result says
         what changed from them when this replica can (``staging_delta``), else lists them all.
         ``request_id``: the client's id of the request; sent again, it is answered with the
-        checkpoint begun for it (``_answered``) instead of beginning another."""
+        checkpoint begun for it (``_answered``: the catalog refuses to begin another)."""
         projector = await self._projector(run)
         projector.check_running()
-        if request_id is not None:
-            answered = await self._answered(run, request_id, wait)
-            if answered is not None:
-                return answered
         timer = StageTimer()
-        checkpoint_id = await self.catalog.begin_checkpoint(
-            run,
-            controller_epoch,
-            trigger=trigger,
-            deadline_s=deadline_s,
-            requested_by=self.replica_id,
-            request_id=request_id,
-        )
+        try:
+            checkpoint_id = await self.catalog.begin_checkpoint(
+                run,
+                controller_epoch,
+                trigger=trigger,
+                deadline_s=deadline_s,
+                requested_by=self.replica_id,
+                request_id=request_id,
+            )
+        except CheckpointInProgress:
+            answered = None if request_id is None else await self._answered(run, request_id, wait)
+            if answered is None:
+                raise
+            return answered
         await projector.capture_outcome()  # of a checkpoint another replica committed just now
         timer.stage("begin")
         deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
@@ -231,10 +234,10 @@ class Checkpointer:
     async def _answered(
         self, run: str, request_id: str, wait: bool
     ) -> CheckpointResult | int | None:
-        """Request ``request_id`` sent again: its committed (or since expired) checkpoint, its
-        pending one's id when ``wait=False``; None to begin one (none was begun for it, or it
-        was aborted), or (pending, ``wait=True``) to be refused while its requester lives and
-        superseded once it is gone, as any pending checkpoint."""
+        """Request ``request_id`` sent again, refused (``checkpoint_in_progress``): its
+        committed (or since expired) checkpoint, or its pending one's id when ``wait=False``;
+        None to refuse it (another request's checkpoint is pending, or, ``wait=True``, its own:
+        superseded once its requester is gone, as any pending checkpoint)."""
         found = await self.catalog.checkpoint_of_request(run, request_id)
         if found is None or found.status == "aborted":
             return None

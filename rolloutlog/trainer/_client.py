@@ -763,7 +763,7 @@ class TrainerClient(_Calls):
             try:
                 if attempt.unanswered:  # was it taken? the catalog knows
                     requested = self._requested_call(run, attempt.request_id)
-                    found = attempt.taken((self._send_once(requested))["checkpoints"], wait)
+                    found = attempt.taken(self._send_once(requested)["checkpoints"], wait)
                     if found is not None:
                         return self._staging.info(run, found)
                 call = self._checkpoint_call(

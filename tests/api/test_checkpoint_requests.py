@@ -29,3 +29,18 @@ async def test_a_request_sent_again_is_answered_with_its_checkpoint(api: Api) ->
     assert plain["checkpoint_id"] == first["checkpoint_id"] + 1 and plain["request_id"] is None
     bad = await api.checkpoint(400, request_id="no spaces")
     assert bad["error"]["code"] == "invalid_request"
+
+
+async def test_a_request_whose_checkpoint_is_pending_is_told_so(api: Api) -> None:
+    """Its checkpoint still pending (begun here by the catalog, as by a replica that has not
+    answered yet): ``wait=false`` is answered with it (202), ``wait=true`` with
+    ``checkpoint_in_progress``; another request id too, as before."""
+    await api.seed(["a"])
+    pending = await api.service.catalog.begin_checkpoint(api.run, api.epoch, request_id="p-1")
+    found = await api.checkpoint(202, wait=False, request_id="p-1")
+    assert (found["checkpoint_id"], found["status"]) == (pending, "pending")
+    assert found["request_id"] == "p-1"
+    for body in ({"wait": True, "request_id": "p-1"}, {"wait": False, "request_id": "p-2"}):
+        refused = await api.checkpoint(409, **body)
+        assert refused["error"]["code"] == "checkpoint_in_progress"
+        assert refused["error"]["details"]["checkpoint_id"] == pending
