@@ -19,6 +19,7 @@ from rolloutlog.api._http import (
     wants_ndjson,
 )
 from rolloutlog.api._models import (
+    REQUEST_ID_PATTERN,
     CheckpointList,
     CheckpointOut,
     CheckpointRequest,
@@ -64,6 +65,13 @@ RESTORE_UNKNOWN: Responses = {
 }
 Limit = Annotated[int, Query(ge=1, le=10_000)]
 Before = Annotated[int | None, Query(ge=0, le=2**62)]
+RequestIdQuery = Annotated[
+    str | None,
+    Query(
+        pattern=REQUEST_ID_PATTERN,
+        description="Only checkpoints begun for this request (the newest answers it).",
+    ),
+]
 KindQuery = Annotated[
     Literal["environment", "policy", "agent", "resources"] | None,
     Query(description="Only projections with something this participant kind restores."),
@@ -110,6 +118,7 @@ async def take_checkpoint(request: Request, run: RunPath, body: CheckpointReques
             wait=body.wait,
             trigger=body.trigger,
             staging_since=body.staging_keys_since,
+            request_id=body.request_id,
         )
         if not isinstance(result, CheckpointResult):
             audited.done("pending", checkpoint_id=result)
@@ -140,10 +149,13 @@ async def list_checkpoints(
     status: Literal["pending", "committed", "aborted", "expired"] | None = None,
     before: Before = None,
     limit: Limit = 100,
+    request_id: RequestIdQuery = None,
 ) -> Response:
     catalog = _service(request).catalog
     await catalog.get_run(run)
-    found = await catalog.list_checkpoints(run, status=status, before=before, limit=limit)
+    found = await catalog.list_checkpoints(
+        run, status=status, before=before, limit=limit, request_id=request_id
+    )
     return json_response({"checkpoints": [checkpoint_view(c) for c in found]})
 
 

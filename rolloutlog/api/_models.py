@@ -47,6 +47,8 @@ RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 RunName = Annotated[str, Field(pattern=RUN_PATTERN, examples=["run-1"])]
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 Count = Annotated[int, Field(ge=0, le=2**62)]
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
+RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
 ParticipantKind = Literal["environment", "policy", "agent", "resources"]
 #: The ``responses=`` of a route decorator (documented error replies).
 Responses = dict[int | str, dict[str, Any]]
@@ -90,6 +92,11 @@ class CheckpointRequest(_Request):
     #: The requester holds this checkpoint's ``staging_keys``: the reply may say what changed
     #: from them (``staging_keys_added``/``_removed``) instead of listing them all.
     staging_keys_since: Count | None = None
+    #: The client's id of this request (sending it again after no answer came is safe): kept
+    #: on the checkpoint it begins; a request naming one that committed is answered with it
+    #: (201), pending with it when ``wait`` is false (202), else ``checkpoint_in_progress``
+    #: while its requester lives. ``GET …/checkpoints?request_id=`` finds it. None: none.
+    request_id: RequestId | None = None
 
 
 class RestoreRequest(_Request):
@@ -236,6 +243,7 @@ class CheckpointOut(_Response):
     requested_at: float | None = None
     committed_at: float | None = None
     reason: str | None = None
+    request_id: str | None = None
 
 
 class CheckpointList(_Response):

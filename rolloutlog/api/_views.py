@@ -81,6 +81,7 @@ def checkpoint_view(
         "entry_count": checkpoint.entry_count,
         "size_bytes": checkpoint.size_bytes,
         "reason": checkpoint.reason,
+        "request_id": checkpoint.request_id,
     }
     if staging_keys is not None:
         view["staging_keys"] = staging_keys  # encoded as a JSON array: no copy of ~48,000

@@ -417,16 +417,24 @@ class Catalog:
         trigger: str = "request",
         deadline_s: float | None = None,
         requested_by: str | None = None,
+        request_id: str | None = None,
     ) -> int:
         """Create the run's one ``pending`` checkpoint; return its id (strictly increasing).
         ``requested_by``: the replica that asks (``_requesters.py``): a pending checkpoint whose
-        requester is gone is aborted here, superseded, instead of refusing the request."""
+        requester is gone is aborted here, superseded, instead of refusing the request.
+        ``request_id``: the client's id of the request, kept on the row
+        (``checkpoint_of_request``); a request whose checkpoint committed is not begun again
+        (``checkpoint_in_progress``: ``checkpoint_of_request`` answers it)."""
         check_name(trigger, "trigger", length=64)
         check_positive_seconds(deadline_s, "deadline_s")
+        if request_id is not None:
+            check_name(request_id, "request_id", length=64)
 
         async def begin(conn: AsyncConnection) -> int:
             row = await lock_run(conn, run, controller_epoch)
             checkpoint_id = int(row.last_checkpoint_id) + 1
+            if request_id is not None:
+                await _refuse_answered(conn, run, request_id)
             pending = (
                 await conn.execute(
                     select(
@@ -466,6 +474,7 @@ class Catalog:
                     requested_at=self._clock(),
                     requested_by=requested_by or None,
                     requester_started_at=started_at,
+                    request_id=request_id,
                 )
             )
             return checkpoint_id
@@ -701,12 +710,20 @@ class Catalog:
         status: CheckpointStatus | None = None,
         before: int | None = None,
         limit: int = 100,
+        request_id: str | None = None,
     ) -> list[Checkpoint]:
-        """Checkpoints newest first; page with ``before=<last checkpoint id>``."""
+        """Checkpoints newest first; page with ``before=<last checkpoint id>``. ``request_id``:
+        only those begun for that request (the newest answers it: the others were aborted)."""
         check_count(limit, "limit", minimum=1)
         return await self._query(
-            lambda conn: _reads.list_checkpoints(conn, run, status, before, limit)
+            lambda conn: _reads.list_checkpoints(conn, run, status, before, limit, request_id)
         )
+
+    async def checkpoint_of_request(self, run: str, request_id: str) -> Checkpoint | None:
+        """The checkpoint that answers the client's request ``request_id`` (the newest begun
+        for it), or None when none was begun for it."""
+        found = await self.list_checkpoints(run, limit=1, request_id=request_id)
+        return found[0] if found else None
 
     async def manifest_page(
         self,
@@ -1152,3 +1169,25 @@ async def _checkpoint_status(conn: AsyncConnection, run: str, checkpoint_id: int
             f"run {run!r} has no checkpoint {checkpoint_id}", run=run, checkpoint_id=checkpoint_id
         )
     return str(status)
+
+
+async def _refuse_answered(conn: AsyncConnection, run: str, request_id: str) -> None:
+    """``checkpoint_in_progress`` when request ``request_id``'s checkpoint committed (the
+    request was sent again): that is the answer, not a new one. Its pending checkpoint is the
+    run's one pending (refused, or superseded, as any); an aborted one begins again."""
+    found = (
+        await conn.execute(
+            select(checkpoints.c.checkpoint_id, checkpoints.c.status)
+            .where(checkpoints.c.run == run, checkpoints.c.request_id == request_id)
+            .order_by(checkpoints.c.checkpoint_id.desc())
+            .limit(1)
+        )
+    ).one_or_none()
+    if found is not None and found.status in ("committed", "expired"):
+        raise CheckpointInProgress(
+            f"checkpoint {found.checkpoint_id} of run {run!r} answers request {request_id!r}: "
+            f"it is {found.status}",
+            run=run,
+            checkpoint_id=found.checkpoint_id,
+            request_id=request_id,
+        )

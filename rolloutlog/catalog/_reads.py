@@ -83,6 +83,7 @@ def checkpoint_from_row(row: Row[Any], offsets: Sequence[PartitionOffset]) -> Ch
         reason=row.reason,
         timings_ms=decode_json_map(row.timings_ms),
         offsets=tuple(offsets),
+        request_id=row.request_id,
     )
 
 
@@ -245,6 +246,7 @@ async def list_checkpoints(
     status: CheckpointStatus | None,
     before: int | None,
     limit: int,
+    request_id: str | None = None,
 ) -> list[Checkpoint]:
     await get_run(conn, run)
     query = (
@@ -257,6 +259,8 @@ async def list_checkpoints(
         query = query.where(checkpoints.c.status == status)
     if before is not None:
         query = query.where(checkpoints.c.checkpoint_id < before)
+    if request_id is not None:
+        query = query.where(checkpoints.c.request_id == request_id)
     rows = (await conn.execute(query)).all()
     offsets = await offsets_of(conn, run, [row.checkpoint_id for row in rows])
     return [checkpoint_from_row(row, offsets[row.checkpoint_id]) for row in rows]

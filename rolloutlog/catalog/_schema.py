@@ -98,6 +98,9 @@ checkpoints = Table(
     # a pending checkpoint whose requester is gone is superseded by the next request.
     Column("requested_by", Name, nullable=True),
     Column("requester_started_at", Double, nullable=True),
+    # The client's id of the request it answers (migration 0010): a request sent again after it
+    # went unanswered finds its own checkpoint (``ix_checkpoints_request``).
+    Column("request_id", String(64), nullable=True),
     CheckConstraint(
         "status IN ('pending', 'committed', 'aborted', 'expired')", name="status_known"
     ),
@@ -110,6 +113,7 @@ checkpoints = Table(
         sqlite_where=text("status = 'pending'"),
         postgresql_where=text("status = 'pending'"),
     ),
+    Index("ix_checkpoints_request", "run", "request_id"),
 )
 
 checkpoint_offsets = Table(

@@ -92,6 +92,8 @@ class Checkpoint:
     reason: str | None
     timings_ms: Mapping[str, float] = field(default_factory=dict)
     offsets: tuple[PartitionOffset, ...] = ()
+    #: The client's id of the request this checkpoint answers (None: it named none).
+    request_id: str | None = None
 
     @property
     def counts(self) -> dict[str, int]:

@@ -487,6 +487,7 @@ async def write_checkpoint_parts_rows(
         reason=None,
         timings_ms=timings_ms,
         offsets=tuple(sorted(offsets, key=attrgetter("partition"))),
+        request_id=pending.request_id,
     )
 
 

@@ -26,6 +26,7 @@ from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffs
 from rolloutlog.core import replay_start
 from rolloutlog.errors import (
     BackendUnavailable,
+    CheckpointInProgress,
     CheckpointNotPending,
     LeaseLost,
     RolloutlogError,
@@ -112,12 +113,27 @@ class Checkpointer:
         self._staged: dict[str, int] = {}
         #: Per run and partition, the offset this service last trimmed the log below.
         self._trimmed: dict[str, dict[int, int]] = {}
+        #: Per run, its trims under way (``forget_run`` ends them).
+        self._trims: dict[str, set[asyncio.Task[None]]] = {}
 
-    def forget_run(self, run: str) -> None:
+    async def forget_run(self, run: str) -> None:
         """A deleted run: a run created again under its name starts its offsets and checkpoints
-        afresh (a stale trim floor would hold its trims off until its offsets passed it)."""
+        afresh (a stale trim floor would hold its trims off until its offsets passed it). A
+        trim under way ends first: it would put its floor back, or trim the new run's log by
+        the deleted run's checkpoints."""
+        trims = self._trims.pop(run, set())
+        for task in trims:
+            task.cancel()
+        await asyncio.gather(*trims, return_exceptions=True)
         self._staged.pop(run, None)
         self._trimmed.pop(run, None)
+
+    def _spawn_trim(self, run: str) -> None:
+        task = self._spawn(self._trim(run))
+        if isinstance(task, asyncio.Task):
+            trims = self._trims.setdefault(run, set())
+            trims.add(task)
+            task.add_done_callback(trims.discard)
 
     def attach(self, projector: Projector) -> None:
         """Write the projector's parts of checkpoints other replicas requested."""
@@ -132,21 +148,31 @@ class Checkpointer:
         wait: bool = True,
         trigger: str = "request",
         staging_since: int | None = None,
+        request_id: str | None = None,
     ) -> CheckpointResult | int:
         """Take a checkpoint. Returns the committed result, or (``wait=False`` while wait steps
         are still open) the id of the checkpoint that stays ``pending`` and commits later.
         ``staging_since``: the requester holds that checkpoint's staging keys; the result says
-        what changed from them when this replica can (``staging_delta``), else lists them all."""
+        what changed from them when this replica can (``staging_delta``), else lists them all.
+        ``request_id``: the client's id of the request; sent again, it is answered with the
+        checkpoint begun for it (``_answered``: the catalog refuses to begin another)."""
         projector = await self._projector(run)
         projector.check_running()
         timer = StageTimer()
-        checkpoint_id = await self.catalog.begin_checkpoint(
-            run,
-            controller_epoch,
-            trigger=trigger,
-            deadline_s=deadline_s,
-            requested_by=self.replica_id,
-        )
+        try:
+            checkpoint_id = await self.catalog.begin_checkpoint(
+                run,
+                controller_epoch,
+                trigger=trigger,
+                deadline_s=deadline_s,
+                requested_by=self.replica_id,
+                request_id=request_id,
+            )
+        except CheckpointInProgress:
+            answered = None if request_id is None else await self._answered(run, request_id, wait)
+            if answered is None:
+                raise
+            return answered
         await projector.capture_outcome()  # of a checkpoint another replica committed just now
         timer.stage("begin")
         deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
@@ -204,6 +230,24 @@ class Checkpointer:
         return await self._finish(
             projector, controller_epoch, capture, timer, deadline, marked_at, staging_since
         )
+
+    async def _answered(
+        self, run: str, request_id: str, wait: bool
+    ) -> CheckpointResult | int | None:
+        """Request ``request_id`` sent again, refused (``checkpoint_in_progress``): its
+        committed (or since expired) checkpoint, or its pending one's id when ``wait=False``;
+        None to refuse it (another request's checkpoint is pending, or, ``wait=True``, its own:
+        superseded once its requester is gone, as any pending checkpoint)."""
+        found = await self.catalog.checkpoint_of_request(run, request_id)
+        if found is None or found.status == "aborted":
+            return None
+        if found.status == "pending":
+            return None if wait else found.checkpoint_id
+        staging: tuple[str, ...] | None = None
+        if found.status == "committed":
+            manifest = await self.catalog.load_manifest(run, found.checkpoint_id)
+            staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, manifest))))
+        return CheckpointResult(found, staging, {})
 
     async def _finish(
         self,
@@ -268,7 +312,7 @@ class Checkpointer:
         _end(projector, capture, delta)
         if whole:
             self._staged[run] = checkpoint_id
-        self._spawn(self._trim(run))
+        self._spawn_trim(run)
         return CheckpointResult(
             committed, staging, timer.total(), restaged if staging is None else None
         )
@@ -380,7 +424,7 @@ class Checkpointer:
             raise
         timer.stage("commit")
         self._staged.pop(run, None)
-        self._spawn(self._trim(run))
+        self._spawn_trim(run)
         staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, manifest))))
         return CheckpointResult(committed, staging, timer.total())
 

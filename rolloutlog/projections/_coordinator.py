@@ -278,9 +278,11 @@ class Coordinator:
         wait: bool = True,
         trigger: str = "request",
         staging_since: int | None = None,
+        request_id: str | None = None,
     ) -> CheckpointResult | int:
         """Take a checkpoint. Returns the committed result, or (``wait=False`` while wait steps
-        are still open) the id of the checkpoint that stays ``pending`` and commits later."""
+        are still open) the id of the checkpoint that stays ``pending`` and commits later.
+        ``request_id``: the client's id of the request (sent again: answered with its own)."""
         return await self._checkpointer.checkpoint(
             run,
             controller_epoch,
@@ -288,6 +290,7 @@ class Coordinator:
             wait=wait,
             trigger=trigger,
             staging_since=staging_since,
+            request_id=request_id,
         )
 
     async def restore(
@@ -366,7 +369,7 @@ class Coordinator:
                 task.cancel()
             await asyncio.gather(*recorders, return_exceptions=True)
             self._restore_cache.forget_run(run)
-            self._checkpointer.forget_run(run)
+            await self._checkpointer.forget_run(run)
             had_log = await self.log.delete_run(run)
         self._run_locks.pop(run, None)
         return had_rows or had_log

@@ -135,9 +135,20 @@ class _Calls:
             ) from None
 
     def _checkpoint_call(
-        self, run: str, epoch: int, deadline_s: float | None, wait: bool, trigger: str
+        self,
+        run: str,
+        epoch: int,
+        deadline_s: float | None,
+        wait: bool,
+        trigger: str,
+        request_id: str,
     ) -> _Call:
-        body: dict[str, Any] = {"controller_epoch": epoch, "wait": wait, "trigger": trigger}
+        body: dict[str, Any] = {
+            "controller_epoch": epoch,
+            "wait": wait,
+            "trigger": trigger,
+            "request_id": request_id,
+        }
         if deadline_s is not None:
             body["deadline_s"] = deadline_s
         since = self._staging.since(run)
@@ -193,8 +204,9 @@ class _Calls:
         return _Call("POST", f"/v1/runs/{run}/results/ack", json={"episodes": names})
 
     @staticmethod
-    def _newest_call(run: str) -> _Call:
-        return _Call("GET", f"/v1/runs/{run}/checkpoints", _params(limit=1))
+    def _requested_call(run: str, request_id: str) -> _Call:
+        """The checkpoint begun for ``request_id`` (the newest: the others were aborted)."""
+        return _Call("GET", f"/v1/runs/{run}/checkpoints", _params(request_id=request_id, limit=1))
 
     @staticmethod
     def _checkpoint_path(run: str, checkpoint_id: CheckpointRef) -> str:
@@ -403,24 +415,29 @@ class AsyncTrainerClient(_Calls):
         deadline_s: float | None = None,
         wait: bool = True,
         trigger: str = "request",
+        request_id: str | None = None,
     ) -> CheckpointInfo:
         """Take a checkpoint; ``status`` is ``pending`` when ``wait=False`` left it open. With
         several URLs, moves to the next on a transport error or a retriable refusal until the
-        deadline (docs/api.md, "Several service URLs")."""
+        deadline (docs/api.md, "Several service URLs"). ``request_id``: the request's id (a
+        random one by default): a call with one whose checkpoint was begun is answered with
+        that checkpoint (to retry a call that failed unanswered, pass its id again)."""
         epoch = self._epoch(run, controller_epoch)
+        attempt = CheckpointAttempt.begin(request_id)
         if self._urls is None:
-            call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger)
+            call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger, attempt.request_id)
             return self._staging.info(run, await self._send(call))
-        attempt = CheckpointAttempt.begin(epoch, self._staging.since(run))
         rounds = Rounds(checkpoint_budget_s(deadline_s))
         while True:
             try:
                 if attempt.unanswered:  # was it taken? the catalog knows
-                    newest = await self._send_once(self._newest_call(run))
-                    found = attempt.taken(newest["checkpoints"], wait)
+                    requested = self._requested_call(run, attempt.request_id)
+                    found = attempt.taken((await self._send_once(requested))["checkpoints"], wait)
                     if found is not None:
                         return self._staging.info(run, found)
-                call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger)
+                call = self._checkpoint_call(
+                    run, epoch, deadline_s, wait, trigger, attempt.request_id
+                )
                 call = replace(call, timeout_s=min(self.timeout_s, checkpoint_answer_s(deadline_s)))
                 return self._staging.info(run, await self._send_once(call))
             except CheckpointInProgress as e:
@@ -733,22 +750,25 @@ class TrainerClient(_Calls):
         deadline_s: float | None = None,
         wait: bool = True,
         trigger: str = "request",
+        request_id: str | None = None,
     ) -> CheckpointInfo:
         """As ``AsyncTrainerClient.checkpoint``."""
         epoch = self._epoch(run, controller_epoch)
+        attempt = CheckpointAttempt.begin(request_id)
         if self._urls is None:
-            call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger)
+            call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger, attempt.request_id)
             return self._staging.info(run, self._send(call))
-        attempt = CheckpointAttempt.begin(epoch, self._staging.since(run))
         rounds = Rounds(checkpoint_budget_s(deadline_s))
         while True:
             try:
                 if attempt.unanswered:  # was it taken? the catalog knows
-                    newest = self._send_once(self._newest_call(run))
-                    found = attempt.taken(newest["checkpoints"], wait)
+                    requested = self._requested_call(run, attempt.request_id)
+                    found = attempt.taken(self._send_once(requested)["checkpoints"], wait)
                     if found is not None:
                         return self._staging.info(run, found)
-                call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger)
+                call = self._checkpoint_call(
+                    run, epoch, deadline_s, wait, trigger, attempt.request_id
+                )
                 call = replace(call, timeout_s=min(self.timeout_s, checkpoint_answer_s(deadline_s)))
                 return self._staging.info(run, self._send_once(call))
             except CheckpointInProgress as e:

@@ -7,10 +7,12 @@ both clients follow to move to the next URL, kept here once (the clients do the 
   for a ``GET``). A write whose request may have been taken (a reset or a timeout after it was
   sent) is not sent again: the error is the caller's, as with one URL.
 - A checkpoint request is the exception: it may be sent again after any transport error, since
-  the catalog tells whether the first one was taken (``CheckpointAttempt``): one of this
-  controller epoch that committed since the call began is the answer; one still pending is
-  asked about again (``checkpoint_in_progress`` while its requester lives; superseded, and a new
-  one begun, once the requester's lease lapsed: never two); otherwise a new one is requested.
+  it carries the call's request id and the catalog tells whether the first one was taken
+  (``CheckpointAttempt``): the checkpoint begun for that request id, once committed, is the
+  answer (never one another request began); one still pending is asked about again
+  (``checkpoint_in_progress`` while its requester lives; superseded, and a new one begun for
+  the same request id, once the requester's lease lapsed: never two); otherwise it is
+  requested again (the service, finding the request id's checkpoint, answers with it).
   ``checkpoint_in_progress`` is asked again until the deadline (a dead replica's checkpoint is
   superseded once its lease lapsed).
 - Every call is bounded: a checkpoint by its deadline (plus the service's grace), others by
@@ -20,6 +22,7 @@ both clients follow to move to the next URL, kept here once (the clients do the 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,28 +107,27 @@ class Rounds:
 
 @dataclass
 class CheckpointAttempt:
-    """One checkpoint call over several URLs: whether a request of it may have been taken, and
-    what the catalog's newest checkpoint says about that."""
+    """One checkpoint call over several URLs: its request id (sent with every request of the
+    call: the service keeps it on the checkpoint it begins), whether a request of it may have
+    been taken, and what the catalog says about that."""
 
-    controller_epoch: int
-    #: The newest checkpoint id this client knows for the run (None: none yet).
-    known_id: int | None
-    #: The call's wall-clock start (a committed checkpoint requested before it is not its own).
-    began_at: float
+    #: The call's request id (``request_id`` of ``POST …/checkpoints``).
+    request_id: str
     #: Set once a request may have been taken (sent, no answer).
     unanswered: bool = False
 
     @classmethod
-    def begin(cls, controller_epoch: int, known_id: int | None) -> CheckpointAttempt:
-        return cls(controller_epoch, known_id, time.time())
+    def begin(cls, request_id: str | None = None) -> CheckpointAttempt:
+        return cls(request_id if request_id is not None else new_request_id())
 
-    def taken(self, newest: Sequence[Mapping[str, Any]], wait: bool) -> Mapping[str, Any] | None:
-        """After an unanswered request, given the run's newest checkpoint (a list of at most
-        one): the checkpoint that request began once it committed (or, ``wait=False``, while it
-        is pending), else None. While it is pending the request is unanswered still: asking
-        again answers ``checkpoint_in_progress`` while its requester lives, and supersedes it
-        once the requester's lease lapsed (only one of them commits)."""
-        for body in newest[:1]:
+    def taken(self, found: Sequence[Mapping[str, Any]], wait: bool) -> Mapping[str, Any] | None:
+        """After an unanswered request, given the checkpoints begun for this call's request id
+        (``GET …/checkpoints?request_id=…&limit=1``: the newest, or none): the one it began
+        once it committed (or, ``wait=False``, while it is pending), else None. While it is
+        pending the request is unanswered still: asking again answers
+        ``checkpoint_in_progress`` while its requester lives, and supersedes it once the
+        requester's lease lapsed (only one of them commits)."""
+        for body in found[:1]:
             verdict = self._verdict(body)
             if verdict == "done" or (verdict == "wait" and not wait):
                 self.unanswered = False
@@ -135,26 +137,22 @@ class CheckpointAttempt:
         self.unanswered = False  # not taken, or it failed: ask again
         return None
 
-    def _verdict(self, newest: Mapping[str, Any]) -> str | None:
-        """``"wait"`` when the newest checkpoint may be the unanswered request's and is
-        pending, ``"done"`` when it is and committed, else None. Only one of this controller
-        epoch, newer than the client knows, requested since the call began (the service's
-        clock; a few seconds' skew is allowed for)."""
-        if int(newest.get("controller_epoch", -1)) != self.controller_epoch:
+    def _verdict(self, body: Mapping[str, Any]) -> str | None:
+        """``"wait"`` when the checkpoint is this call's request's and pending, ``"done"`` when
+        it is and committed (or expired since by retention), else None. Only the request id
+        says whose it is: a checkpoint another request began (another client of the trainer,
+        this client's previous call) is never this call's answer, however recent."""
+        if body.get("request_id") != self.request_id:
             return None
-        checkpoint_id = int(newest["checkpoint_id"])
-        if self.known_id is not None and checkpoint_id <= self.known_id:
-            return None
-        if float(newest.get("requested_at") or 0.0) < self.began_at - _CLOCK_SKEW_S:
-            return None
-        status = newest.get("status")
+        status = body.get("status")
         if status == "pending":
             return "wait"
-        return "done" if status == "committed" else None
+        return "done" if status in ("committed", "expired") else None
 
 
-#: How far the service's clock may be behind the trainer's for ``CheckpointAttempt.adopt``.
-_CLOCK_SKEW_S = 5.0
+def new_request_id() -> str:
+    """A checkpoint request's id: random, so no two calls (of any client) share one."""
+    return uuid.uuid4().hex
 
 
 def checkpoint_answer_s(deadline_s: float | None) -> float:

@@ -3,8 +3,10 @@ and the service's caches are released, and a fresh run reuses the name."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,6 +66,52 @@ async def deleted_and_reused(api: Api) -> None:
     assert checkpoint["counts"]["continue"] == 1
     episodes = await api.call("GET", f"/v1/runs/{api.run}/episodes", "analyst", 200)
     assert [e["episode"] for e in episodes.json()["episodes"]] == ["c"]
+
+
+class HeldCatalog:
+    """The checkpointer's catalog, whose reads for the log trim (the committed checkpoints,
+    then each one's offsets) wait for ``release`` once done."""
+
+    def __init__(self, catalog: Any) -> None:
+        self._catalog = catalog
+        self._trimming = False
+        self.reading = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._catalog, name)
+
+    async def list_checkpoints(self, run: str, **kw: Any) -> Any:
+        self._trimming = kw.get("status") == "committed"
+        return await self._catalog.list_checkpoints(run, **kw)
+
+    async def get_checkpoint(self, run: str, checkpoint_id: int) -> Any:
+        found = await self._catalog.get_checkpoint(run, checkpoint_id)
+        if self._trimming:
+            self.reading.set()
+            await self.release.wait()
+        return found
+
+
+async def test_a_trim_under_way_does_not_outlive_the_deleted_run(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log trim a commit spawns read the catalog when the run is deleted: the deletion
+    ends it, so it neither brings back the run's trim floor nor trims the run created again
+    under the name by the deleted run's checkpoints."""
+    checkpointer = api.service.coordinator._checkpointer
+    held = HeldCatalog(checkpointer.catalog)
+    monkeypatch.setattr(checkpointer, "catalog", held)
+    await api.seed(["a"])
+    await api.checkpoint(wait=True)
+    await asyncio.wait_for(held.reading.wait(), 10)
+
+    await api.call("DELETE", f"/v1/runs/{api.run}", "trainer", 200)
+    held.release.set()
+    for _ in range(10):  # a trim left behind would finish now
+        await asyncio.sleep(0)
+    assert api.run not in checkpointer._trimmed
+    assert not checkpointer._trims.get(api.run)
 
 
 async def test_deleting_an_unknown_run_is_404(api: Api) -> None:

@@ -423,3 +423,41 @@ async def test_a_downgrade_writes_mixed_chains_whole(catalog_url: str) -> None:
         assert catalog.migrated_from == "0008_replicas"
         for checkpoint_id, entries in zip(ids, manifests, strict=True):
             assert await catalog.load_manifest(RUN, checkpoint_id) == sorted(entries)
+
+
+async def test_a_request_id_finds_its_own_checkpoint_only(catalog: Catalog) -> None:
+    """Each checkpoint keeps the request id it was begun for: a request sent again finds its
+    own (the newest begun for it), never another request's however recent; one whose
+    checkpoint committed is not begun again; one whose checkpoint was aborted begins again
+    under the same id. A request naming none is as before."""
+    epoch = await controlled_run(catalog)
+    other = await catalog.begin_checkpoint(RUN, epoch, request_id="other")
+    await catalog.commit_checkpoint(RUN, other, epoch, make_offsets(), make_entries(5))
+    assert await catalog.checkpoint_of_request(RUN, "mine") is None
+    first = await catalog.begin_checkpoint(RUN, epoch, request_id="mine")
+    await catalog.abort_checkpoint(RUN, first, epoch, "its parts did not all come")
+    again = await catalog.begin_checkpoint(RUN, epoch, request_id="mine")
+    found = await catalog.checkpoint_of_request(RUN, "mine")
+    assert found is not None and (found.checkpoint_id, found.status) == (again, "pending")
+    assert found.request_id == "mine"
+    with pytest.raises(CheckpointInProgress):  # its own pending one: as any pending one
+        await catalog.begin_checkpoint(RUN, epoch, request_id="mine")
+    await catalog.commit_checkpoint(RUN, again, epoch, make_offsets(), make_entries(5))
+    with pytest.raises(CheckpointInProgress) as refused:  # committed: that is the answer
+        await catalog.begin_checkpoint(RUN, epoch, request_id="mine")
+    assert refused.value.details == {"run": RUN, "checkpoint_id": again, "request_id": "mine"}
+    listed = await catalog.list_checkpoints(RUN, request_id="mine")
+    assert [(c.checkpoint_id, c.status) for c in listed] == [
+        (again, "committed"),
+        (first, "aborted"),
+    ]
+    theirs = await catalog.checkpoint_of_request(RUN, "other")
+    assert theirs is not None and theirs.checkpoint_id == other
+    plain = await catalog.begin_checkpoint(RUN, epoch)
+    assert (await catalog.get_checkpoint(RUN, plain)).request_id is None
+    assert [c.checkpoint_id for c in await catalog.list_checkpoints(RUN, limit=2)] == [
+        plain,
+        again,
+    ]
+    with pytest.raises(InvalidRequest):
+        await catalog.begin_checkpoint(RUN, epoch, request_id="x" * 65)

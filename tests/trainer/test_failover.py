@@ -26,7 +26,9 @@ def error(status: int, code: str, **details: Any) -> httpx.Response:
     return httpx.Response(status, content=orjson.dumps(body))
 
 
-def checkpoint_body(checkpoint_id: int, status: str, epoch: int = 1) -> dict[str, Any]:
+def checkpoint_body(
+    checkpoint_id: int, status: str, epoch: int = 1, request_id: str | None = None
+) -> dict[str, Any]:
     return {
         "checkpoint_id": checkpoint_id,
         "status": status,
@@ -35,7 +37,16 @@ def checkpoint_body(checkpoint_id: int, status: str, epoch: int = 1) -> dict[str
         "controller_epoch": epoch,
         "requested_at": time.time(),
         "trigger": "request",
+        "request_id": request_id,
     }
+
+
+def request_id_of(request: httpx.Request) -> str | None:
+    """The request id a checkpoint request carries, or a lookup by request id names."""
+    if request.method == "GET":
+        return request.url.params.get("request_id")
+    found: str | None = orjson.loads(request.content).get("request_id")
+    return found
 
 
 class Script:
@@ -135,20 +146,21 @@ async def test_a_write_that_may_have_been_taken_is_not_sent_again(kind: str) -> 
 async def test_an_unanswered_checkpoint_is_found_not_begun_twice(kind: str) -> None:
     """The request reached a replica that died before answering; its checkpoint (7) is pending
     on the next replica's catalog view, then commits: it is the answer, no second one begun."""
-    pending, committed = checkpoint_body(7, "pending"), checkpoint_body(7, "committed")
-    newest = [
-        replies(httpx.Response(200, content=orjson.dumps({"checkpoints": [pending]}))),
-        replies(httpx.Response(200, content=orjson.dumps({"checkpoints": [committed]}))),
-    ]
+    sent: list[str | None] = []
+    statuses = ["pending", "committed"]
 
     def b(request: httpx.Request) -> httpx.Response:
+        sent.append(request_id_of(request))
         if request.method == "GET":
-            return newest.pop(0)(request) if len(newest) > 1 else newest[0](request)
+            status = statuses.pop(0) if len(statuses) > 1 else statuses[0]
+            found = checkpoint_body(7, status, request_id=sent[0])
+            return httpx.Response(200, content=orjson.dumps({"checkpoints": [found]}))
         return error(409, "checkpoint_in_progress", checkpoint_id=7)
 
     timeouts: list[float] = []
 
     def a(request: httpx.Request) -> httpx.Response:
+        sent.append(request_id_of(request))
         timeouts.append(request.extensions["timeout"]["read"])
         raise httpx.ReadTimeout("a paused replica", request=request)
 
@@ -162,6 +174,73 @@ async def test_an_unanswered_checkpoint_is_found_not_begun_twice(kind: str) -> N
     posts = [(host, path) for host, method, path in script.seen if method == "POST"]
     assert posts == [("a", "/v1/runs/run/checkpoints"), ("b", "/v1/runs/run/checkpoints")]
     assert timeouts == [2 + 6]  # the deadline, and the service's grace to answer
+    assert sent[0] is not None and set(sent) == {sent[0]}  # one request id, sent every time
+
+
+class Checkpoints:
+    """The checkpoints of one run as the service keeps them (ids from 44): ``POST`` begins one
+    for its request id, committed at once, or answers with the one begun for it already;
+    ``GET`` lists them newest first (``request_id``: only those begun for it)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        request_id = request_id_of(request)
+        mine = [row for row in self.rows if request_id is None or row["request_id"] == request_id]
+        if request.method == "GET":
+            found = sorted(mine, key=lambda row: -int(row["checkpoint_id"]))
+            limit = int(request.url.params.get("limit", 100))
+            return httpx.Response(200, content=orjson.dumps({"checkpoints": found[:limit]}))
+        if request_id is not None and mine:
+            return httpx.Response(201, content=orjson.dumps(mine[-1]))
+        row = checkpoint_body(44 + len(self.rows), "committed", request_id=request_id)
+        self.rows.append(row)
+        return httpx.Response(201, content=orjson.dumps(row))
+
+
+@pytest.mark.parametrize("taken", [False, True])
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_retry_never_adopts_another_clients_checkpoint(kind: str, taken: bool) -> None:
+    """Two clients of one trainer: one's checkpoint (44) committed just before the other's
+    call, whose request went unanswered (a paused replica, which took it or not). The retry
+    finds that call's own checkpoint by its request id, taken or begun anew: never 44, whose
+    manifest misses what was acknowledged after 44's markers."""
+    checkpoints = Checkpoints()
+
+    def paused(request: httpx.Request) -> httpx.Response:
+        if taken:
+            checkpoints(request)
+        raise httpx.ReadTimeout("a paused replica", request=request)
+
+    script = Script(a=[paused], b=[checkpoints], c=[checkpoints])
+    async_client, sync_client = clients(script)
+    other_async, other_sync = clients(script, URLS[1:])
+    if kind == "async":
+        first = await other_async.checkpoint(RUN, deadline_s=2)
+        info = await async_client.checkpoint(RUN, deadline_s=2)
+    else:
+        first = other_sync.checkpoint(RUN, deadline_s=2)
+        info = sync_client.checkpoint(RUN, deadline_s=2)
+    assert first.checkpoint_id == 44
+    assert info.checkpoint_id == 45 and info.status == "committed"
+    # This client's next call, unanswered where its last one was answered (b) and not taken
+    # there: not 45, its previous call's, either.
+    lost = [True]
+
+    def lost_once(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and lost:
+            lost.clear()
+            raise httpx.ReadTimeout("a paused replica", request=request)
+        return checkpoints(request)
+
+    script.replies["b"] = [lost_once]
+    if kind == "async":
+        again = await async_client.checkpoint(RUN, deadline_s=2)
+    else:
+        again = sync_client.checkpoint(RUN, deadline_s=2)
+    assert again.checkpoint_id == 46 and again.status == "committed"
+    assert [row["checkpoint_id"] for row in checkpoints.rows] == [44, 45, 46]
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])

@@ -4,6 +4,11 @@ checkpoint whose requester is gone (its lease lapsed, or it restarted) is supers
 request at once instead of blocking the run until its deadline. NULL for checkpoints begun
 before, and for callers that are no replica: those are never superseded.
 
+And the request each checkpoint answers: ``checkpoints.request_id`` (the client's id of its
+``POST …/checkpoints``, indexed with the run), so that a request sent again after it went
+unanswered finds its own checkpoint, never one requested before it. NULL for requests that named
+none.
+
 Revision ID: 0010_checkpoint_requesters
 Revises: 0009_partition_chains
 Create Date: 2026-12-01
@@ -30,10 +35,14 @@ def name() -> sa.types.TypeEngine[str]:
 def upgrade() -> None:
     op.add_column("checkpoints", sa.Column("requested_by", name(), nullable=True))
     op.add_column("checkpoints", sa.Column("requester_started_at", sa.Double(), nullable=True))
+    op.add_column("checkpoints", sa.Column("request_id", sa.String(64), nullable=True))
+    op.create_index("ix_checkpoints_request", "checkpoints", ["run", "request_id"])
 
 
 def downgrade() -> None:
     # Plain ALTER TABLE … DROP COLUMN (SQLite 3.35+): a batch copy of ``checkpoints`` would
     # have to rebuild its partial unique index of pending checkpoints.
+    op.drop_index("ix_checkpoints_request", "checkpoints")
+    op.drop_column("checkpoints", "request_id")
     op.drop_column("checkpoints", "requester_started_at")
     op.drop_column("checkpoints", "requested_by")
