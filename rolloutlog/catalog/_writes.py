@@ -449,9 +449,14 @@ async def write_checkpoint_parts_rows(
     await conn.execute(_CHAIN, {"run": run, "checkpoint_id": checkpoint_id})
     marked = pending.marked_at if pending.marked_at is not None else marked_at
     entry_count = sum(own_totals[name] for name in _TOTALS[:3])
-    await conn.execute(
+    committed = await conn.execute(
         update(checkpoints)
-        .where(checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id)
+        .where(
+            checkpoints.c.run == run,
+            checkpoints.c.checkpoint_id == checkpoint_id,
+            # checked above under the run's lock; said again so that no path commits twice
+            checkpoints.c.status == "pending",
+        )
         .values(
             status="committed",
             committed_at=now,
@@ -464,6 +469,10 @@ async def write_checkpoint_parts_rows(
             timings_ms=orjson.dumps(timings_ms).decode() if timings_ms else None,
         )
     )
+    if committed.rowcount != 1:
+        raise CheckpointNotPending(
+            f"checkpoint {checkpoint_id} of run {run!r} is no longer pending", run=run
+        )
     await conn.execute(
         update(runs).where(runs.c.run == run).values(latest_checkpoint_id=checkpoint_id)
     )
