@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv check test demo bench bench-quick bench-components clean nemo-gym-venv
+.PHONY: venv check test demo bench bench-quick bench-components clean nemo-gym-venv soak
 
 # An editable install of `.[test]`: the test tools and, through them, the server extra.
 venv: $(STAMP)
@@ -66,6 +66,14 @@ bench-components: $(BENCH_STAMP)
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/suite.py --quick
 	$(BIN)/python benchmarks/report.py --quick
+
+# The nemesis soak: three replicas on Tansu and a throwaway PostgreSQL under a seeded random
+# schedule of faults for SOAK_MINUTES (tests/e2e/_nemesis.py); prints its figures and saves them
+# to benchmarks/results/soak.json. SOAK_SEED replays a schedule.
+SOAK_MINUTES ?= 10
+soak: venv
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m tests.e2e._nemesis --minutes $(SOAK_MINUTES) \
+		$(if $(SOAK_SEED),--seed $(SOAK_SEED)) --save benchmarks/results/soak.json $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) rolloutlog-data .pytest_cache .mypy_cache .ruff_cache
