@@ -11,7 +11,7 @@ a random replica for a checkpoint (``wait: true``, ``deadline_s: 8``) or, now an
 of the latest. The faults, one at a time (``schedule``):
 
 - ``replica_kill``: SIGKILL a replica, restart it under the same ``--replica-id`` 0.5-7 s later
-  (before or after its lease ran out); ends when the new process is spawned.
+  (before or after its lease ran out); ends when the new process answers ``/healthz``.
 - ``replica_stop``: SIGSTOP a replica past its lease (1.5-3 leases), then SIGCONT; ends at SIGCONT.
 - ``broker_stop``: SIGSTOP the broker 3-8 s; ends at SIGCONT.
 - ``broker_reset``: every connection to the broker reset through the proxy, 1-3 times a second
@@ -59,7 +59,7 @@ import asyncpg
 import httpx
 
 from rolloutlog.errors import RolloutlogError, UnknownRun
-from rolloutlog.log import open_log
+from rolloutlog.log import open_log, partition_for
 from rolloutlog.trainer import AsyncTrainerClient
 from tests import factories as f
 from tests._services import ROOT
@@ -101,6 +101,8 @@ class Fault:
     target: str
     hold_s: float
     resets: int = 0
+    #: A replica restarted: from its spawn until it answered ``/healthz`` (the fault's end).
+    restart_s: float | None = None
     began: float = 0.0
     ended: float = 0.0
     #: From the fault's end to the first checkpoint asked after it that committed (None: not
@@ -212,6 +214,9 @@ class Asked:
     answered: float = 0.0
     outcome: str = ""  # committed, aborted, pending, or the error's code
     ident: int | None = None
+    message: str = ""
+    #: A committed checkpoint's markers: partition -> offset.
+    markers: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -306,11 +311,12 @@ class Workload:
         try:
             info = await client.checkpoint(RUN, deadline_s=deadline_s, wait=True)
         except RolloutlogError as e:
-            asked.outcome = e.code
+            asked.outcome, asked.message = e.code, e.message[:300]
         except httpx.HTTPError as e:
             asked.outcome = type(e).__name__
         else:
             asked.outcome, asked.ident = info.status, info.checkpoint_id
+            asked.markers = {int(o["partition"]): int(o["marker"]) for o in info.offsets}
         asked.answered = time.monotonic()
         if asked.outcome == "committed":
             self.commits.append((asked.sent, asked.answered))
@@ -332,13 +338,31 @@ class Workload:
             self.manifests_read += 1
             missing = acked - named
             if missing:
-                self.violations.append(
-                    f"checkpoint {asked.ident} (via {asked.via}) misses {len(missing)} "
-                    f"acknowledged episodes, e.g. {sorted(missing)[:5]}"
-                )
+                self.violations.append(self._describe_missing(asked, missing))
             return True
         self.manifests_unread += 1
         return False
+
+    def _describe_missing(self, asked: Asked, missing: set[str]) -> str:
+        """Where the acknowledged events of episodes a manifest misses are, against the
+        checkpoint's markers, and what the trainer did before."""
+        where = []
+        for a in self.appends.acked:
+            if a.event["episode"] in missing and a.event["type"] == "episode.started":
+                marker = asked.markers.get(a.partition)
+                where.append(
+                    f"{a.event['episode']} at {a.partition}:{a.offset} (marker {marker}) via "
+                    f"{a.via.rsplit(':', 1)[-1]}"
+                )
+        earlier = [
+            f"{b.what} {b.ident} via {b.via}: {b.outcome}"
+            for b in self.asked
+            if b.sent < asked.sent and b.outcome == "committed"
+        ][-4:]
+        return (
+            f"checkpoint {asked.ident} (via {asked.via}) misses {len(missing)} acknowledged "
+            f"episodes: {sorted(where)[:8]}; before it: {earlier}"
+        )
 
     async def restore(self, replica: Replica) -> Asked:
         asked = Asked("restore", replica.replica_id, time.monotonic())
@@ -346,7 +370,7 @@ class Workload:
         try:
             info = await self.clients[replica.url].restore(RUN)
         except RolloutlogError as e:
-            asked.outcome = e.code
+            asked.outcome, asked.message = e.code, e.message[:300]
         except httpx.HTTPError as e:
             asked.outcome = type(e).__name__
         else:
@@ -544,9 +568,19 @@ async def check_restore_plans(catalog: CatalogView) -> None:
                     f"and {part['partition']}"
                 )
                 seen[name] = part["partition"]
-        assert set(seen) == planned.get(restore_id, set()), (
-            f"restore {restore_id}: its committed plan is not its parts' union"
+        # The requester plans its own partitions in-process (no part row); every other
+        # partition's planned episodes are its owner's part's, and nothing else is.
+        written = {part["partition"] for part in parts}
+        plan = planned.get(restore_id, set())
+        expected = {e for e in plan if partition_for(e, PARTITIONS) in written}
+        assert set(seen) == expected, (
+            f"restore {restore_id}: the parts of partitions {sorted(written)} plan "
+            f"{len(seen)} episodes, the committed plan {len(expected)} of theirs: only in the "
+            f"plan {sorted(expected - set(seen))[:5]}, only in the parts "
+            f"{sorted(set(seen) - expected)[:5]}"
         )
+        for name, partition in seen.items():
+            assert partition == partition_for(name, PARTITIONS), (restore_id, name, partition)
 
 
 # -- the nemesis -----------------------------------------------------------------------------------
@@ -559,6 +593,17 @@ class Nemesis:
         self.world = world
         self.workload = workload
 
+    async def _serving(self, replica: Replica) -> None:
+        """Until a restarted replica answers ``/healthz`` (it serves, maybe not ready yet)."""
+        deadline = time.monotonic() + GIVE_UP_S
+        while True:
+            assert replica.proc is not None and replica.proc.poll() is None, replica.tail()
+            with contextlib.suppress(httpx.HTTPError):
+                if (await self.workload.http.get(f"{replica.url}/healthz")).status_code == 200:
+                    return
+            assert time.monotonic() < deadline, f"{replica.replica_id} did not serve again"
+            await asyncio.sleep(0.05)
+
     async def inflict(self, fault: Fault) -> None:
         """Cause ``fault``; returns when it ended (``fault.ended``)."""
         world = self.world
@@ -569,6 +614,9 @@ class Nemesis:
             await asyncio.sleep(fault.hold_s)
             replica.starts += 1
             replica.proc = replica._spawn()
+            spawned = time.monotonic()
+            await self._serving(replica)
+            fault.restart_s = round(time.monotonic() - spawned, 2)
         elif fault.kind == "replica_stop":
             replica = world.replicas[fault.target]
             replica.pause()
@@ -613,6 +661,7 @@ class Nemesis:
         fault.requests = [
             f"{a.what} via {a.via} at {a.sent - fault.ended:+.1f} s: {a.outcome or 'unanswered'}"
             + (f" in {a.answered - a.sent:.1f} s" if a.answered else "")
+            + (f" ({a.message})" if a.message else "")
             for a in work.asked
             if fault.began <= a.sent <= recovered
         ]
@@ -671,6 +720,12 @@ def fault_figures(faults: list[Fault]) -> dict[str, Any]:
                 "p50": round(statistics.median(values), 2) if values else None,
                 "max": round(max(values), 2) if values else None,
                 "missing": len(mine) - len(values),
+            }
+        restarts = [x.restart_s for x in mine if x.restart_s is not None]
+        if restarts:
+            entry["restart_s"] = {
+                "p50": round(statistics.median(restarts), 2),
+                "max": round(max(restarts), 2),
             }
         by_kind[kind] = entry
     return by_kind

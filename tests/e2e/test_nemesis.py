@@ -46,14 +46,13 @@ async def test_nemesis_schedule(tmp_path: Path) -> None:
             finally:
                 workload.stop.set()
                 await asyncio.gather(*tasks)
-            figures = workload.figures()
-            print(f"nemesis seed {seed}: {figures}")
+            print(f"nemesis seed {seed}: {workload.figures()}")
+            await workload.settle()
+            await workload.verify()
             failures = liveness_failures(faults)
             assert not failures, (
                 f"seed {seed}: liveness (bound {LIVENESS_BOUND_S} s) failed: {failures}"
             )
-            await workload.settle()
-            await workload.verify()
         except BaseException:
             print(f"nemesis seed {seed} failed; replay with {SEED_VARIABLE}={seed}")
             print(world.replicas.tails())
