@@ -88,7 +88,7 @@ LIVENESS_BOUND_S = 2 * REPLICA_LEASE_S + CHECKPOINT_DEADLINE_S
 #: Past this, a fault's recovery is no longer waited for (the figure is reported as missing).
 GIVE_UP_S = 60.0
 QUIET_S = 8.0
-RESTORE_SHARE = 0.06  # of the trainer's requests: one in ~17, about every 15-20 s
+RESTORE_EVERY = 12  # of the trainer's requests, one is a restore of the latest checkpoint
 KINDS = ("replica_kill", "replica_stop", "broker_stop", "broker_reset", "catalog_kill")
 SEED_VARIABLE = "ROLLOUTLOG_NEMESIS_SEED"
 
@@ -296,7 +296,7 @@ class Workload:
                     await self.stop.wait()
                     return
             replica = rng.choice(self.members)
-            if rng.random() < RESTORE_SHARE:
+            if len(self.asked) % RESTORE_EVERY == RESTORE_EVERY - 1:
                 await self.restore(replica)
             else:
                 await self.checkpoint(replica)
