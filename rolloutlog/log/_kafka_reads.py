@@ -12,6 +12,15 @@ an error (``BackendUnavailable``, retriable). Growing the page for it instead, a
 grown page, is what used to kill followers under load: every transient empty answer doubled the
 page until it passed its limit ("no complete record batch in 67371008 bytes").
 
+Tansu also answers with nothing below the high-water mark when a Fetch's ``max_wait`` ran out
+before it found the batches: it lists a partition's batches for as long as the wait lasts. A
+cursor known to be behind the high-water mark therefore asks with a long wait
+(``BEHIND_WAIT_MS``, doubled after each such empty answer up to a third of the request
+timeout), and one at the end with the short one, so that a follower at the end is not held.
+Apache Kafka answers a Fetch below the high-water mark at once, whatever its wait. With the
+short wait everywhere, a projector starting far into a long partition on a busy machine got
+nothing, at every retry, for good.
+
 A run is lost (``RunLost``) when its topic vanished or lost partitions, or a partition's high-water
 mark stays below an offset known to exist there (this instance's acknowledged end, or where a read
 is): a broker that restarted empty, with the topic recreated behind it. Apache Kafka's high-water
@@ -32,7 +41,9 @@ import aiokafka.errors as kafka_errors
 
 from rolloutlog.errors import BackendUnavailable, InvalidRequest, LogError, RunLost
 from rolloutlog.log._kafka_wire import (
+    BEHIND_WAIT_MS,
     EARLIEST,
+    FETCH_WAIT_MS,
     REQUEST_ERRORS,
     Answer,
     ClientPool,
@@ -52,6 +63,8 @@ _LOSS_CONFIRM_S = 10.0
 _FOREVER = 1 << 62
 #: Between a follower's attempts to reach a broker it lost.
 _RECONNECT_S = 0.25
+#: How long a read that failed to reach a leader looks for new leaders before it gives up.
+_REFRESH_S = 1.0
 
 
 @dataclass(eq=False)
@@ -77,6 +90,8 @@ class _Cursor:
     offset: int
     end: int
     page_bytes: int
+    #: How long the broker may spend on the next Fetch (``_kafka_wire.BEHIND_WAIT_MS``).
+    wait_ms: int = FETCH_WAIT_MS
     #: When the current offset first got an empty answer below the high-water mark.
     empty_since: float | None = None
     #: When a high-water mark below a known offset was first seen.
@@ -116,7 +131,8 @@ class KafkaReads:
         start = max(start, 0)
         if end <= start:
             return
-        cursor = _Cursor(partition, start, end, self._fetch_bytes)
+        # A range starts at an offset known to exist: ask as from behind the high-water mark.
+        cursor = _Cursor(partition, start, end, self._fetch_bytes, BEHIND_WAIT_MS)
         client = await self._readers.acquire()
         following: asyncio.Task[int] | None = None
         broken = False
@@ -268,10 +284,15 @@ class KafkaReads:
         where = f"read {topic.name}"
         offsets = {cursor.partition: cursor.offset for cursor in cursors}
         pages = {cursor.partition: cursor.page_bytes for cursor in cursors}
+        # One wait per request: a broker answers as soon as it has records for any partition.
+        wait_ms = max(cursor.wait_ms for cursor in cursors)
         try:
             async with asyncio.timeout(self._request_timeout_ms / 1000):
-                answers = await fetch(client, topic.name, topic.leaders, offsets, pages)
+                answers = await fetch(client, topic.name, topic.leaders, offsets, pages, wait_ms)
         except REQUEST_ERRORS as e:
+            # A leader that cannot be reached may be one that is gone (its partitions moved):
+            # without a look at the metadata, every later read would ask it again.
+            await self._refresh_leaders_quietly(topic)
             raise translate(e, where, topic=topic.name) from e
         states = []
         refresh = False
@@ -327,10 +348,16 @@ class KafkaReads:
             cursor.offset = parsed.following
             cursor.empty_since = None
             cursor.page_bytes = self._fetch_bytes
+            behind = cursor.offset < answer.highwater
+            cursor.wait_ms = max(cursor.wait_ms, BEHIND_WAIT_MS) if behind else FETCH_WAIT_MS
             return _PROGRESS
         if offset >= answer.highwater or offset >= cursor.end:
             cursor.empty_since = None
+            cursor.wait_ms = FETCH_WAIT_MS
             return _AT_END
+        # Records exist from here on, and the broker found none: give it longer (Tansu lists
+        # the partition's batches only for as long as the wait lasts).
+        cursor.wait_ms = min(max(2 * cursor.wait_ms, BEHIND_WAIT_MS), self._request_timeout_ms // 3)
         if parsed.truncated > cursor.page_bytes:
             # The broker cut the next batch at the page size: ask once more with room for it.
             limit = 4 * self._max_message_bytes
@@ -391,6 +418,13 @@ class KafkaReads:
                 topic=topic.name,
             )
         return described
+
+    async def _refresh_leaders_quietly(self, topic: ReadTopic) -> None:
+        """``_refresh_leaders`` within ``_REFRESH_S``; a broker that does not answer leaves the
+        leaders as they are (``RunLost`` still goes through)."""
+        with contextlib.suppress(BackendUnavailable, TimeoutError):
+            async with asyncio.timeout(_REFRESH_S):
+                await self._refresh_leaders(topic)
 
     async def _refresh_leaders(self, topic: ReadTopic) -> None:
         """New leaders where partitions moved; ``RunLost`` when the topic is gone."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -226,6 +227,78 @@ async def test_broker_killed_and_restarted_empty(kafka: FaultyKafka) -> None:
             fresh.topic_prefix = log.topic_prefix
             with pytest.raises(UnknownRun):
                 await fresh.partitions("run")
+
+
+class Starved:
+    """Starves the broker of CPU for real: SIGSTOP, then SIGCONT for ``on_s`` of every
+    ``period_s`` (from a thread: the test's event loop keeps running)."""
+
+    def __init__(self, broker: FaultyKafka, on_s: float = 0.005, period_s: float = 0.010) -> None:
+        self.broker = broker
+        self.on_s = on_s
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._cycle, daemon=True)
+
+    def _cycle(self) -> None:
+        tansu = self.broker.tansu
+        while not self._stop.is_set():
+            tansu.stall()
+            time.sleep(self.period_s - self.on_s)
+            tansu.resume()
+            time.sleep(self.on_s)
+
+    def __enter__(self) -> Starved:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.slow
+async def test_reads_of_a_long_partition_reach_its_end_on_a_starved_broker(
+    kafka: FaultyKafka,
+) -> None:
+    """12,000 record batches of 4 records in one partition (eight writers appending 4 events at
+    a time, as the service's appenders do), then a read and a follow from inside a batch far
+    into it while the broker gets half the CPU: both reach the high-water mark, without an
+    error, within a bound.
+
+    Tansu bounds a Fetch's work by its ``max_wait``: it lists the partition's batches until the
+    wait is over and answers with what it found by then. Listing 12,000 batches takes it more
+    than 10 ms at half speed, so a short wait is answered with nothing below the high-water
+    mark, every time: the read stalled there until its request timeout, and again after every
+    retry."""
+    writers = [from_url(f"kafka://{kafka.bootstrap}") for _ in range(8)]
+    async with kafka_log(kafka) as log, contextlib.AsyncExitStack() as stack:
+        await log.ensure_run("run", 1)
+        for writer in writers:
+            writer.topic_prefix = log.topic_prefix
+            await writer.start()
+            stack.push_async_callback(writer.close)
+
+        async def appender(writer: KafkaLog) -> None:
+            for i in range(1500):
+                batch = [Record(0, b"k", b"%d.%d" % (i, j) + b"." * 100) for j in range(4)]
+                await writer.append_records("run", batch)
+
+        await asyncio.gather(*(appender(writer) for writer in writers))
+        end = 8 * 1500 * 4
+        assert await log.latest_offsets("run") == [end]
+        start = end - 4003  # inside a batch: they start at multiples of 4
+        with Starved(kafka):
+            async with asyncio.timeout(20):
+                got = [offset async for offset, _ in log.read_records("run", 0, start, end)]
+                assert got == list(range(start, end))
+                following = start
+                async for _, page in log.follow_run("run", [start]):
+                    for offset, _ in page:
+                        assert offset == following, "pages skip or repeat offsets"
+                        following = offset + 1
+                    if following == end:
+                        break
 
 
 async def refusal(operation: Callable[[], Awaitable[object]]) -> RunLost:

@@ -477,3 +477,65 @@ async def test_empty_answers_below_the_high_water_mark_are_asked_again(
                 break
         assert seen == {p: [r.value for r in both if r.partition == p] for p in range(2)}
     assert len(emptied) >= 8
+
+
+@pytest.mark.kafka
+async def test_a_fetch_behind_the_high_water_mark_waits_long_and_one_at_the_end_short(
+    open_kafka: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tansu spends at most a Fetch's wait on it, and answers a short one from far into a long
+    partition with nothing, every time (tests/faults: the starved broker). A cursor known to be
+    behind the high-water mark asks with the long wait; one at the end with the short one, so
+    that a follower at the end is not held."""
+    import rolloutlog.log._kafka_reads as reads
+    from rolloutlog.log._kafka_wire import BEHIND_WAIT_MS, FETCH_WAIT_MS, Answer
+
+    real_fetch = reads.fetch
+    waits: list[int] = []
+
+    async def recording(*args: Any) -> dict[int, Answer]:
+        waits.append(args[5])
+        return await real_fetch(*args)
+
+    monkeypatch.setattr(reads, "fetch", recording)
+    log = await open_kafka(fetch_bytes=8 * 1024)  # many pages
+    await log.ensure_run("run", 1)
+    for _ in range(20):  # a batch per page
+        await log.append_records("run", [Record(0, b"k", b"." * 200) for _ in range(50)])
+    follower = log.follow("run", 0, 0)
+    got = 0
+    async with asyncio.timeout(30):
+        while got < 1000:
+            got += len(await anext(follower))
+        assert waits[0] == FETCH_WAIT_MS  # where the partition ends is not known yet
+        assert set(waits[1:]) == {BEHIND_WAIT_MS}
+        waits.clear()
+        await log.append_records("run", [Record(0, b"k", b"after")])
+        assert [value for _, value in await anext(follower)] == [b"after"]
+        await follower.aclose()
+    assert waits and set(waits) == {FETCH_WAIT_MS}
+
+
+@pytest.mark.kafka
+async def test_reads_find_a_new_leader_when_the_known_one_is_gone(open_kafka: Opener) -> None:
+    """A partition's leader moved and the broker that led it is gone (one broker here: the log
+    is made to believe in a leader that does not exist). The failed round looks at the metadata
+    again: a follower goes on by itself, a read fails once, retriably, and the next one reads."""
+    log = await open_kafka()
+    await log.ensure_run("run", 2)
+    await log.append_records("run", [Record(p, b"k", b"%d" % p) for p in (0, 1)])
+    topic = await log._topic("run")
+    leaders = list(topic.leaders)
+    topic.leaders[:] = [12345, 12345]
+    async with asyncio.timeout(20):
+        seen = {}
+        async for partition, page in log.follow_run("run", [0, 0]):
+            seen[partition] = [value for _, value in page]
+            if len(seen) == 2:
+                break
+        assert seen == {0: [b"0"], 1: [b"1"]}
+        assert topic.leaders == leaders
+        topic.leaders[0] = 12345
+        with pytest.raises(BackendUnavailable):
+            await read_all(log, "run", 0, 0, 1)
+        assert [value for _, value in await read_all(log, "run", 0, 0, 1)] == [b"0"]
