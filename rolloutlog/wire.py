@@ -4,12 +4,24 @@ are turned back into their classes by ``rolloutlog.errors.error_from_wire``."""
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_URL", "NDJSON", "NdjsonSplitter"]
+import os
+from collections.abc import Sequence
+
+__all__ = ["DEFAULT_URL", "NDJSON", "NdjsonSplitter", "service_urls"]
 
 #: The service's address when neither the caller nor ``ROLLOUTLOG_URL`` names one.
 DEFAULT_URL = "http://127.0.0.1:8750"
 #: Newline-delimited JSON: event batches in, episode and projection streams out.
 NDJSON = "application/x-ndjson"
+
+
+def service_urls(url: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The service URLs: ``url`` (one, a comma-separated list, or a list), else
+    ``ROLLOUTLOG_URL`` (likewise), else ``DEFAULT_URL``; without trailing slashes."""
+    given: str | Sequence[str] = url or os.environ.get("ROLLOUTLOG_URL") or DEFAULT_URL
+    parts = given.split(",") if isinstance(given, str) else list(given)
+    urls = tuple(part.strip().rstrip("/") for part in parts if part.strip())
+    return urls or (DEFAULT_URL,)
 
 
 class NdjsonSplitter:

@@ -239,7 +239,7 @@ SURFACES: dict[str, list[str]] = {
         "error_from_body",
         "error_from_wire",
     ],
-    "rolloutlog.wire": ["DEFAULT_URL", "NDJSON", "NdjsonSplitter"],
+    "rolloutlog.wire": ["DEFAULT_URL", "NDJSON", "NdjsonSplitter", "service_urls"],
     "rolloutlog.integrations.nemo_gym": [
         "CAPTURE_KEY_COOKIE",
         "RESTORE_COOKIE",

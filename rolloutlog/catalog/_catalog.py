@@ -18,7 +18,15 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rolloutlog.catalog import _leases, _migrate, _reads, _restore_requests, _results, _writes
+from rolloutlog.catalog import (
+    _leases,
+    _migrate,
+    _reads,
+    _requesters,
+    _restore_requests,
+    _results,
+    _writes,
+)
 from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._leases import PartitionOwner
 from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
@@ -408,27 +416,42 @@ class Catalog:
         *,
         trigger: str = "request",
         deadline_s: float | None = None,
+        requested_by: str | None = None,
     ) -> int:
-        """Create the run's one ``pending`` checkpoint; return its id (strictly increasing)."""
+        """Create the run's one ``pending`` checkpoint; return its id (strictly increasing).
+        ``requested_by``: the replica that asks (``_requesters.py``): a pending checkpoint whose
+        requester is gone is aborted here, superseded, instead of refusing the request."""
         check_name(trigger, "trigger", length=64)
         check_positive_seconds(deadline_s, "deadline_s")
 
         async def begin(conn: AsyncConnection) -> int:
             row = await lock_run(conn, run, controller_epoch)
+            checkpoint_id = int(row.last_checkpoint_id) + 1
             pending = (
                 await conn.execute(
-                    select(checkpoints.c.checkpoint_id).where(
-                        checkpoints.c.run == run, checkpoints.c.status == "pending"
-                    )
+                    select(
+                        checkpoints.c.checkpoint_id,
+                        checkpoints.c.requested_by,
+                        checkpoints.c.requester_started_at,
+                    ).where(checkpoints.c.run == run, checkpoints.c.status == "pending")
                 )
-            ).scalar_one_or_none()
+            ).one_or_none()
             if pending is not None:
-                raise CheckpointInProgress(
-                    f"checkpoint {pending} of run {run!r} is still pending",
-                    run=run,
-                    checkpoint_id=pending,
+                gone = await _requesters.requester_gone(conn, self._clock, pending)
+                if gone is None:
+                    raise CheckpointInProgress(
+                        f"checkpoint {pending.checkpoint_id} of run {run!r} is still pending",
+                        run=run,
+                        checkpoint_id=pending.checkpoint_id,
+                    )
+                await _requesters.supersede_orphan(
+                    conn,
+                    run,
+                    pending.checkpoint_id,
+                    f"superseded by checkpoint {checkpoint_id}: {gone}",
+                    self._clock(),
                 )
-            checkpoint_id = int(row.last_checkpoint_id) + 1
+            started_at = await _requesters.requester_incarnation(conn, requested_by)
             await conn.execute(
                 update(runs).where(runs.c.run == run).values(last_checkpoint_id=checkpoint_id)
             )
@@ -441,6 +464,8 @@ class Catalog:
                     controller_epoch=controller_epoch,
                     deadline_s=deadline_s,
                     requested_at=self._clock(),
+                    requested_by=requested_by or None,
+                    requester_started_at=started_at,
                 )
             )
             return checkpoint_id
@@ -583,6 +608,10 @@ class Catalog:
         self._after_bulk_commit()
         return committed
 
+    async def written_parts(self, run: str, checkpoint_id: int) -> frozenset[int]:
+        """The partitions a pending checkpoint has a part of already (by any writer)."""
+        return await self._query(lambda conn: _reads.written_parts(conn, run, checkpoint_id))
+
     async def abort_checkpoint(
         self, run: str, checkpoint_id: int, controller_epoch: int, reason: str
     ) -> None:
@@ -607,23 +636,21 @@ class Catalog:
             )
             await drop_checkpoint_parts(conn, run, checkpoint_id)
 
-    async def abort_pending_checkpoints(self, reason: str) -> list[tuple[str, int]]:
-        """Abort every pending checkpoint of every run; return their (run, checkpoint id).
+    async def abort_pending_checkpoints(
+        self, reason: str, *, requested_by: str | None = None
+    ) -> list[tuple[str, int]]:
+        """Abort the pending checkpoints no live replica will finish; return their (run,
+        checkpoint id): with ``requested_by``, that replica's (a process starting under its id:
+        any earlier one is dead), else every one but those of a live requester (another replica's,
+        ``_requesters.py``).
 
         ``start()`` calls this (unless ``abort_pending_on_start=False``): a checkpoint pending when
         the service died can never be committed, and it would block the run's next checkpoint.
         """
         async with self._write() as conn:
-            result = await conn.execute(
-                update(checkpoints)
-                .where(checkpoints.c.status == "pending")
-                .values(status="aborted", ended_at=self._clock(), reason=reason)
-                .returning(checkpoints.c.run, checkpoints.c.checkpoint_id)
+            return await _requesters.abort_orphans(
+                conn, self._clock, reason, requested_by=requested_by
             )
-            aborted = sorted((str(run), int(cid)) for run, cid in result)
-            for run, checkpoint_id in aborted:
-                await drop_checkpoint_parts(conn, run, checkpoint_id)
-            return aborted
 
     async def abort_overdue_checkpoints(
         self, default_deadline_s: float, grace_s: float

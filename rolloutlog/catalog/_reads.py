@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog._schema import (
     checkpoint_offsets,
+    checkpoint_parts,
     checkpoints,
     episodes,
     manifest_chain,
@@ -220,6 +221,15 @@ async def get_checkpoint(conn: AsyncConnection, run: str, checkpoint_id: int) ->
         )
     offsets = await offsets_of(conn, run, [checkpoint_id])
     return checkpoint_from_row(row, offsets[checkpoint_id])
+
+
+async def written_parts(conn: AsyncConnection, run: str, checkpoint_id: int) -> frozenset[int]:
+    found = await conn.execute(
+        select(checkpoint_parts.c.partition).where(
+            checkpoint_parts.c.run == run, checkpoint_parts.c.checkpoint_id == checkpoint_id
+        )
+    )
+    return frozenset(int(partition) for partition in found.scalars())
 
 
 async def latest_checkpoint(conn: AsyncConnection, run: str) -> Checkpoint:

@@ -94,6 +94,10 @@ checkpoints = Table(
     Column("size_bytes", BigInteger, nullable=False, server_default=text("0")),
     Column("reason", Text, nullable=True),
     Column("timings_ms", Text, nullable=True),
+    # The replica that took the request, and its ``replicas.started_at`` then (migration 0010):
+    # a pending checkpoint whose requester is gone is superseded by the next request.
+    Column("requested_by", Name, nullable=True),
+    Column("requester_started_at", Double, nullable=True),
     CheckConstraint(
         "status IN ('pending', 'committed', 'aborted', 'expired')", name="status_known"
     ),

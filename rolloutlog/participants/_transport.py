@@ -61,7 +61,7 @@ from rolloutlog.log import (
 )
 from rolloutlog.participants._encoding import check_built, encode_record_fast, encode_wire
 from rolloutlog.participants._http1 import Http1Connection, direct_http_url
-from rolloutlog.wire import DEFAULT_URL, NDJSON
+from rolloutlog.wire import NDJSON, service_urls
 
 __all__ = ["DEFAULT_DEADLINE_S", "FailureCallback", "HttpTransport", "KafkaTransport", "Transport"]
 
@@ -401,7 +401,8 @@ class _Rest:
     """The few REST calls participants make (registration, projections)."""
 
     def __init__(self, url: str | None, token: str | None, client: httpx.AsyncClient | None):
-        self.url = (url or os.environ.get("ROLLOUTLOG_URL") or DEFAULT_URL).rstrip("/")
+        # One URL (a balancer, or the first of a ``ROLLOUTLOG_URL`` list the trainer shares).
+        self.url = service_urls(url)[0]
         self.owns_client = client is None
         self.client = client or httpx.AsyncClient(base_url=self.url, timeout=60.0)
         self.prefix = "" if client is None or url is None else self.url

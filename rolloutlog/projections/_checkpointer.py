@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from asyncio import FIRST_COMPLETED
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from operator import attrgetter, itemgetter
 from typing import Any, cast
 
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
-from rolloutlog.errors import BackendUnavailable, RolloutlogError
+from rolloutlog.errors import BackendUnavailable, RolloutlogError, StaleController
 from rolloutlog.log import Log
 from rolloutlog.projections._feeders import flush_episodes
 from rolloutlog.projections._planner import replay_start
@@ -134,33 +135,37 @@ class Checkpointer:
         projector.check_running()
         timer = StageTimer()
         checkpoint_id = await self.catalog.begin_checkpoint(
-            run, controller_epoch, trigger=trigger, deadline_s=deadline_s
+            run,
+            controller_epoch,
+            trigger=trigger,
+            deadline_s=deadline_s,
+            requested_by=self.replica_id,
         )
         await projector.capture_outcome()  # of a checkpoint another replica committed just now
         timer.stage("begin")
         deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
         capture = projector.begin_capture(checkpoint_id)
         try:
-            markers = await self.log.write_markers(run, checkpoint_id, controller_epoch)
+            await self.log.write_markers(run, checkpoint_id, controller_epoch)
             marked_at = time.time()
             timer.stage("markers")
             # A degraded projector may not get there: the checkpoint then fails (``unavailable``)
             # at its deadline instead of hanging, and the next one succeeds once it recovers.
-            await projector.wait_until(
-                {p: o + 1 for p, o in enumerate(markers)}, timeout_s=deadline
-            )
-            if not capture.reached.is_set():  # applied while the projector was catching up
-                raise BackendUnavailable(
-                    f"the projector of run {run!r} was catching up with the log when the "
-                    f"markers of checkpoint {checkpoint_id} arrived; retry",
-                    run=run,
-                    health=projector.health.view(),
-                )
+            reached = await _reach(projector, capture, deadline)
             projector.check_running()
             timer.stage("projector")
         except BaseException:
             await self._abort(projector, controller_epoch, capture, "marking failed")
             raise
+        if not reached:
+            # The partitions changed owner meanwhile (this replica's projector was replaced,
+            # or a newer checkpoint took its place): their owners' projectors, started afresh,
+            # meet the markers caught up and write the parts; or it was aborted.
+            if not wait:
+                return checkpoint_id
+            return await self._handed_over(
+                run, checkpoint_id, controller_epoch, timer, marked_at + deadline
+            )
         if capture.waiting:
             self._exports.open(projector, capture, marked_at + deadline)
         if capture.waiting and not wait:
@@ -214,19 +219,9 @@ class Checkpointer:
             )
             whole = len(capture.owned) == projector.partitions
             if committed is None:  # other replicas' parts are due: the last one commits
-                committed = await self._outcome(run, checkpoint_id, marked_at + deadline)
-                if committed is None or committed.status == "aborted":
-                    raise BackendUnavailable(
-                        f"checkpoint {checkpoint_id} of run {run!r} "
-                        + (
-                            f"was aborted: {committed.reason}"
-                            if committed is not None
-                            else "did not get every partition's part by its deadline"
-                        )
-                        + "; retry",
-                        run=run,
-                        checkpoint_id=checkpoint_id,
-                    )
+                committed = await self._committed(
+                    run, checkpoint_id, controller_epoch, marked_at + deadline
+                )
                 whole = False
             # Each key once: the keys the whole manifest references, counted as entries change;
             # or only what changed, to a requester holding the base's (a list as long as the
@@ -259,19 +254,30 @@ class Checkpointer:
         timer: StageTimer,
         controller_epoch: int | None,
         marked_at: float | None,
+        written: frozenset[int] = frozenset(),
     ) -> tuple[Checkpoint | None, _Delta | None, StagingDelta | None]:
         """Write the capture's parts (one transaction); the checkpoint if that committed it,
-        the delta manifest written (None: whole), how the staging keys changed from the base's."""
+        the delta manifest written (None: whole), how the staging keys changed from the base's.
+        ``written``: partitions that have their part already (their owner before this
+        projector's start wrote it), left out of the write."""
         if not capture.owned:  # a replica that owns none of the run's partitions
             return None, None, None
         projector.check_running()  # a run whose log was lost meanwhile commits nothing
         offsets, entries = _manifest(capture)
         delta, restaged = _delta(capture, entries)
+        keep = capture.owned - written
+        whole = list((capture.whole or {}).values()) if delta is None else []
+        if keep != capture.owned:  # the rest's parts, whole (a delta's totals span them all)
+            if not keep:
+                return None, None, None
+            offsets = [offset for offset in offsets if offset.partition in keep]
+            whole = [e for e in (capture.whole or {}).values() if e.cut_partition in keep]
+            delta = None
         # Every finish below the markers is in the catalog before they commit: a restarted
         # projector reads from the new cut on, and would never record it (issue 18).
         await flush_episodes(self.catalog, projector, finishes_only=True)
         timer.stage("manifest")
-        generations = {p: g for p, g in projector.generations.items() if p in capture.owned}
+        generations = {p: g for p, g in projector.generations.items() if p in keep}
         write = self.catalog.write_checkpoint_parts
         common: dict[str, Any] = {
             "replica_id": self.replica_id,
@@ -282,7 +288,6 @@ class Checkpointer:
         }
         run, checkpoint_id = projector.run, capture.checkpoint_id
         if delta is None:
-            whole = list((capture.whole or {}).values())
             return await write(run, checkpoint_id, offsets, whole, **common), None, restaged
         committed = await write(
             run,
@@ -295,6 +300,63 @@ class Checkpointer:
             **common,
         )
         return committed, delta, restaged
+
+    async def _committed(
+        self, run: str, checkpoint_id: int, controller_epoch: int, deadline_at: float
+    ) -> Checkpoint:
+        """The checkpoint once another writer's part committed it (polled to ``deadline_at``
+        plus the grace); ``StaleController`` when a newer controller aborted it, else
+        ``unavailable`` (retry) when it was aborted or did not get every part in time."""
+        outcome = await self._outcome(run, checkpoint_id, deadline_at)
+        if outcome is not None and outcome.status != "aborted":
+            return outcome
+        if outcome is not None:
+            current = (await self.catalog.get_run(run)).controller_epoch
+            if current != controller_epoch:
+                raise StaleController(
+                    f"checkpoint {checkpoint_id} of run {run!r} was aborted: {outcome.reason}",
+                    run=run,
+                    checkpoint_id=checkpoint_id,
+                    controller_epoch=controller_epoch,
+                    current_epoch=current,
+                )
+        raise BackendUnavailable(
+            f"checkpoint {checkpoint_id} of run {run!r} "
+            + (
+                f"was aborted: {outcome.reason}"
+                if outcome is not None
+                else "did not get every partition's part by its deadline"
+            )
+            + "; retry",
+            run=run,
+            checkpoint_id=checkpoint_id,
+        )
+
+    async def _handed_over(
+        self,
+        run: str,
+        checkpoint_id: int,
+        controller_epoch: int,
+        timer: StageTimer,
+        deadline_at: float,
+    ) -> CheckpointResult:
+        """The answer to a requester whose own projector did not capture the markers: the
+        checkpoint as the partitions' owners commit it (counts from its row, staging keys from
+        its manifest), or why not. Aborted when it is still pending past the grace."""
+        try:
+            committed = await self._committed(run, checkpoint_id, controller_epoch, deadline_at)
+            manifest = await self.catalog.load_manifest(run, checkpoint_id)
+        except BaseException:
+            with contextlib.suppress(RolloutlogError):
+                await self.catalog.abort_checkpoint(
+                    run, checkpoint_id, controller_epoch, "its parts did not all come"
+                )
+            raise
+        timer.stage("commit")
+        self._staged.pop(run, None)
+        self._spawn(self._trim(run))
+        staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, manifest))))
+        return CheckpointResult(committed, staging, timer.total())
 
     async def _outcome(self, run: str, checkpoint_id: int, deadline_at: float) -> Checkpoint | None:
         """The checkpoint once it is no longer pending (polled), or None if it still is
@@ -334,10 +396,20 @@ class Checkpointer:
             if capture.waiting:
                 self._exports.open(projector, capture, deadline_at)
             await _resolve(projector, capture, deadline, deadline_at - time.time())
-            done, delta, _ = await self._write_parts(projector, capture, StageTimer(), None, met_at)
+            # A projector started while the checkpoint was pending (its partitions changed
+            # owner) may own partitions whose former owner wrote their parts already.
+            written = await self.catalog.written_parts(run, checkpoint_id)
+            done, delta, _ = await self._write_parts(
+                projector, capture, StageTimer(), None, met_at, written
+            )
             if done is None:
                 done = await self._outcome(run, checkpoint_id, deadline_at + self.grace_s)
-            committed = done is not None and done.status in ("committed", "expired")
+            # Parts of two projectors' making: the next manifest is written whole, not amended.
+            committed = (
+                done is not None
+                and done.status in ("committed", "expired")
+                and not written & capture.owned
+            )
         except TimeoutError:
             logger.warning(
                 "run %s: checkpoint %d's markers did not all reach this replica's projector by "
@@ -445,16 +517,48 @@ class Checkpointer:
             trimmed[partition] = before
 
 
+async def _reach(projector: Projector, capture: CheckpointCapture, timeout_s: float) -> bool:
+    """Wait until the projector captured the markers in every partition it owns (True), or
+    gave the capture up (False): it was stopped for another one (the run's partitions changed
+    owner), or a newer capture replaced this one. ``unavailable`` past ``timeout_s``."""
+    waits = [
+        asyncio.ensure_future(event.wait())
+        for event in (capture.reached, capture.ended, projector.closed)
+    ]
+    try:
+        done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+    if capture.reached.is_set():
+        return True
+    if done:
+        return False
+    # Not there in time: a degraded projector, or one catching up with a long log.
+    health = projector.health
+    why = f" ({health.status}: {health.error})" if health.status != "ok" else ""
+    raise BackendUnavailable(
+        f"the projector of run {projector.run!r} did not reach the markers of checkpoint "
+        f"{capture.checkpoint_id} within {timeout_s} s{why}; retry",
+        run=projector.run,
+        health=health.view(),
+    )
+
+
 async def _resolve(
     projector: Projector, capture: CheckpointCapture, deadline: float, wait_s: float
 ) -> None:
     """Wait up to ``wait_s`` for the capture's wait steps; then the rest restart (``deadline``
-    names the checkpoint's deadline in their reasons)."""
+    names the checkpoint's deadline in their reasons). A capture a newer checkpoint replaced
+    meanwhile (this one was aborted) waits no more: its parts are refused."""
     if capture.waiting:
+        waits = [asyncio.ensure_future(e.wait()) for e in (capture.resolved, capture.ended)]
         try:
-            async with asyncio.timeout(max(0.0, wait_s)):
-                await capture.resolved.wait()
-        except TimeoutError:
+            await asyncio.wait(waits, timeout=max(0.0, wait_s), return_when=FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+        if not capture.resolved.is_set() and not capture.ended.is_set():
             name_expired_waits(projector, capture, deadline)
             capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
 

@@ -121,6 +121,10 @@ class Coordinator:
         its supervisor (reported ``degraded`` or ``stopped``) while the others serve. The start
         waits up to ``START_WAIT_S`` for the runs to catch up with their logs.
         """
+        # Checkpoints an earlier process under this id left pending: nobody will finish them.
+        await self.catalog.abort_pending_checkpoints(
+            "aborted on start: left pending by a crash", requested_by=self.replica_id
+        )
         await self._ownership.start()
         self._spawn(self._checkpointer.sweep())
         after: str | None = None

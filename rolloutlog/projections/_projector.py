@@ -293,6 +293,10 @@ class StartPlan:
     #: Restores still being planned by the partitions' owners (issue 17): their verdict is
     #: pending, so their ``attempt.started`` records wait for it (``end_restore``).
     planning_restores: Iterable[int] = ()
+    #: The first checkpoint id not over when the plan was made (the pending one's, else the
+    #: next): catching up stops short of such a checkpoint's markers, so that they are met
+    #: caught up and captured (None: catching up reads to the log's end).
+    open_checkpoints_from: int | None = None
 
 
 def _transient(error: BaseException) -> bool:
@@ -378,6 +382,12 @@ class Projector:
         self._refolding: dict[str, int] = {}
         self._buffered: dict[str, list[tuple[int, dict[str, Any], bytes]]] = {}
         self._reported_below: Sequence[int] | None = None
+        #: While catching up: the partitions held at the marker of a checkpoint that was not
+        #: over when the start was planned (``StartPlan.open_checkpoints_from``).
+        self._open_from: int | None = None
+        self._held: set[int] = set()
+        #: Set by ``stop``: this projector folds nothing more (a newer one may take over).
+        self.closed = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -388,6 +398,7 @@ class Projector:
         self._task = asyncio.create_task(self._supervise(prepare))
 
     async def stop(self) -> None:
+        self.closed.set()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -466,6 +477,7 @@ class Projector:
         self._refolding = dict(plan.refold)
         self._reported_below = plan.reported_below
         self.quarantined.update(plan.quarantined)
+        self._open_from = plan.open_checkpoints_from
         for restore_id in plan.planning_restores:
             self.begin_restore(restore_id, None)
 
@@ -475,19 +487,30 @@ class Projector:
         replicas write markers and appends into every partition)."""
         ends = await self.log.latest_offsets(self.run)
         applied = self.applied
+        held = self._held
         for partition in sorted(self.owned):
-            if applied[partition] < ends[partition]:
-                async for page in self.log.read_pages(
+            if applied[partition] < ends[partition] and partition not in held:
+                pages = self.log.read_pages(
                     self.run, partition, applied[partition], ends[partition]
-                ):
+                )
+                async for page in pages:
                     for offset, record in page:
                         if offset < applied[partition]:
                             continue
                         verdict = self._take(partition, offset, record)
                         if verdict is not None:
                             await verdict
+                        if partition in held:  # an open checkpoint's marker: met again later
+                            self.events_applied -= 1
+                            break
                         applied[partition] = offset + 1
-            applied[partition] = max(applied[partition], ends[partition])
+                    if partition in held:
+                        aclose = getattr(pages, "aclose", None)
+                        if aclose is not None:
+                            await aclose()
+                        break
+            if partition not in held:
+                applied[partition] = max(applied[partition], ends[partition])
         async with self._progress:
             self._progress.notify_all()
 
@@ -513,6 +536,7 @@ class Projector:
             self._dirty[tracker.partition].add(episode)
         self._buffered.clear()
         self._refolding.clear()
+        self._held.clear()  # the follower goes on from the held markers, caught up
         reported_below = self._reported_below
         if reported_below is not None:
             for episode, tracker in list(self.trackers.items()):
@@ -778,16 +802,22 @@ class Projector:
         """A marker (of an owned partition: others are not captured here). The first one met
         after catching up of a checkpoint newer than any known, with no capture registered for
         it, begins a capture: another replica's checkpoint. While catching up none is captured
-        (the refold's buffers make trackers inexact there): such a checkpoint gets no part from
-        here and aborts. A capture still registered whose parts are written waits for its
-        outcome first (returned to await): it decides the new capture's base."""
+        (the refold's buffers make trackers inexact there): the marker of a checkpoint that was
+        not over when the start was planned holds its partition there (``_read_to_end`` stops
+        short of it, and the follower meets it again caught up); any other is over already. A
+        capture still registered whose parts are written waits for its outcome first (returned
+        to await): it decides the new capture's base."""
         if partition not in self.owned:
             return None
         capture = self._capture
         newest = self._newest_checkpoint
-        self._newest_checkpoint = max(newest, checkpoint_id)
         if not self.caught_up:
+            if self._open_from is not None and checkpoint_id >= self._open_from:
+                self._held.add(partition)
+            else:
+                self._newest_checkpoint = max(newest, checkpoint_id)
             return None
+        self._newest_checkpoint = max(newest, checkpoint_id)
         if capture is None or capture.checkpoint_id != checkpoint_id:
             if checkpoint_id <= newest or self.on_remote_capture is None:
                 return None  # a marker of a checkpoint that is over (aborted, or stale)

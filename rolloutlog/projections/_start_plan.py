@@ -62,6 +62,10 @@ async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:
                 restored[entry.episode] = entry.attempt
     quarantined = await catalog.quarantined(run, limit=None)
     committed = {r.restore_id for r in restores}
+    newest = await catalog.list_checkpoints(run, limit=1)
+    open_from = (
+        1 if not newest else newest[0].checkpoint_id + (0 if newest[0].status == "pending" else 1)
+    )
     return StartPlan(
         start,
         committed_restores=[r.restore_id for r in restores],
@@ -70,6 +74,7 @@ async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:
         reported_below=markers,
         quarantined=[(q.partition, q.offset) for q in quarantined],
         planning_restores=[r.restore_id for r in planning if r.restore_id not in committed],
+        open_checkpoints_from=open_from,
     )
 
 

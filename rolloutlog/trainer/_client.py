@@ -4,7 +4,8 @@ Both take an optional ``httpx`` client, so tests can run them against the app in
 (``httpx.ASGITransport``) as well as against a real server. The URL and token default to
 ``ROLLOUTLOG_URL`` and ``ROLLOUTLOG_TOKEN``. Error replies are raised as rolloutlog's own errors
 (``StaleController``, ``UnknownCheckpoint``…), so callers catch the same classes in process and
-over HTTP.
+over HTTP. Several URLs (replicas of one service, a list or a comma-separated string): a call
+moves to the next on a transport error or a retriable refusal, by the rules of ``_failover.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -21,7 +22,16 @@ import httpx
 import orjson
 
 from rolloutlog._telemetry import client_span
-from rolloutlog.errors import InvalidRequest
+from rolloutlog.errors import CheckpointInProgress, InvalidRequest, RolloutlogError
+from rolloutlog.trainer._failover import (
+    POLL_S,
+    CheckpointAttempt,
+    Rounds,
+    ServiceUrls,
+    checkpoint_budget_s,
+    movable_error,
+    movable_transport,
+)
 from rolloutlog.trainer._types import (
     CheckpointInfo,
     EpisodeResult,
@@ -31,7 +41,7 @@ from rolloutlog.trainer._types import (
     error_from_body,
     error_from_response,
 )
-from rolloutlog.wire import DEFAULT_URL, NDJSON, NdjsonSplitter
+from rolloutlog.wire import DEFAULT_URL, NDJSON, NdjsonSplitter, service_urls
 
 __all__ = ["DEFAULT_URL", "AsyncTrainerClient", "TrainerClient"]
 
@@ -64,13 +74,47 @@ def _line(raw: bytes | str) -> Any:
 class _Calls:
     """The requests both clients send (built here once)."""
 
-    def __init__(self, url: str | None, token: str | None, given_client: bool) -> None:
-        self.url = (url or os.environ.get("ROLLOUTLOG_URL") or DEFAULT_URL).rstrip("/")
+    def __init__(
+        self,
+        url: str | Sequence[str] | None,
+        token: str | None,
+        given_client: bool,
+        failover_s: float,
+    ) -> None:
+        urls = service_urls(url)
+        #: The first service URL (the only one, unless several were given).
+        self.url = urls[0]
+        #: Several URLs: each call's own (``_base``); one: the client's base URL, as always.
+        self._urls = ServiceUrls(urls) if len(urls) > 1 else None
+        self.failover_s = failover_s
         # An injected client may have no base URL: prefix paths with ``url`` when one is given.
         self._prefix = "" if not given_client or url is None else self.url
         self._headers = _headers(token)
         self.controller_epochs: dict[str, int] = {}
         self._staging = StagingKeys()
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every service URL this client may call."""
+        return self._urls.urls if self._urls is not None else (self.url,)
+
+    def _base(self) -> str:
+        return self._urls.current if self._urls is not None else self._prefix
+
+    def _moved(self, rounds: Rounds, error: BaseException) -> float:
+        """A call failed at the current URL: move on (how long to pause first), or re-raise
+        ``error`` once the call's time is up."""
+        assert self._urls is not None
+        if rounds.expired():
+            raise error
+        return rounds.pause_s(self._urls.advance())
+
+    def _movable(self, error: BaseException, method: str) -> bool:
+        if self._urls is None:
+            return False
+        if isinstance(error, httpx.TransportError):
+            return movable_transport(error, method)
+        return isinstance(error, RolloutlogError) and movable_error(error, method)
 
     def _epoch(self, run: str, controller_epoch: int | None) -> int:
         if controller_epoch is not None:
@@ -142,6 +186,10 @@ class _Calls:
         return _Call("POST", f"/v1/runs/{run}/results/ack", json={"episodes": names})
 
     @staticmethod
+    def _newest_call(run: str) -> _Call:
+        return _Call("GET", f"/v1/runs/{run}/checkpoints", _params(limit=1))
+
+    @staticmethod
     def _checkpoint_path(run: str, checkpoint_id: CheckpointRef) -> str:
         return f"/v1/runs/{run}/checkpoints/{checkpoint_id}"
 
@@ -179,15 +227,17 @@ class AsyncTrainerClient(_Calls):
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str | Sequence[str] | None = None,
         *,
         token: str | None = None,
         client: httpx.AsyncClient | None = None,
         timeout_s: float = 300.0,
+        failover_s: float = 30.0,
     ) -> None:
-        super().__init__(url, token, client is not None)
+        super().__init__(url, token, client is not None, failover_s)
         self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
+        base = self.url if self._urls is None else ""
+        self._client = client or httpx.AsyncClient(base_url=base, timeout=timeout_s)
 
     async def start(self) -> None:
         """Nothing to open (httpx connects lazily); here for the lifecycle's symmetry."""
@@ -208,11 +258,11 @@ class AsyncTrainerClient(_Calls):
     ) -> None:
         await self.stop()
 
-    async def _send(self, call: _Call) -> Any:
+    async def _send_once(self, call: _Call) -> Any:
         with client_span(call.method, call.path, self._headers) as headers:
             response = await self._client.request(
                 call.method,
-                self._prefix + call.path,
+                self._base() + call.path,
                 params=call.params,
                 json=call.json,
                 headers=headers,
@@ -221,23 +271,45 @@ class AsyncTrainerClient(_Calls):
             raise error_from_response(response)
         return orjson.loads(response.content)
 
+    async def _send(self, call: _Call) -> Any:
+        rounds = Rounds(self.failover_s)
+        while True:
+            try:
+                return await self._send_once(call)
+            except (httpx.TransportError, RolloutlogError) as e:
+                if not self._movable(e, call.method):
+                    raise
+                pause = self._moved(rounds, e)
+            await asyncio.sleep(pause)
+
     async def _lines(self, call: _Call) -> AsyncIterator[Any]:
         accept = {**self._headers, "Accept": NDJSON}
-        async with (
-            client_span(call.method, call.path, accept) as headers,
-            self._client.stream(
-                call.method, self._prefix + call.path, params=call.params, headers=headers
-            ) as response,
-        ):
-            if response.is_error:
-                await response.aread()
-                raise error_from_response(response)
-            lines = NdjsonSplitter()
-            async for chunk in response.aiter_bytes():
-                for line in lines.feed(chunk):
-                    yield _line(line)
-            for line in lines.end():
-                yield _line(line)
+        rounds = Rounds(self.failover_s)
+        while True:
+            streaming = False
+            try:
+                async with (
+                    client_span(call.method, call.path, accept) as headers,
+                    self._client.stream(
+                        call.method, self._base() + call.path, params=call.params, headers=headers
+                    ) as response,
+                ):
+                    if response.is_error:
+                        await response.aread()
+                        raise error_from_response(response)
+                    streaming = True  # from here on an error is the caller's
+                    lines = NdjsonSplitter()
+                    async for chunk in response.aiter_bytes():
+                        for line in lines.feed(chunk):
+                            yield _line(line)
+                    for line in lines.end():
+                        yield _line(line)
+                return
+            except (httpx.TransportError, RolloutlogError) as e:
+                if streaming or not self._movable(e, call.method):
+                    raise
+                pause = self._moved(rounds, e)
+            await asyncio.sleep(pause)
 
     # -- runs ------------------------------------------------------------------------------
 
@@ -323,11 +395,36 @@ class AsyncTrainerClient(_Calls):
         wait: bool = True,
         trigger: str = "request",
     ) -> CheckpointInfo:
-        """Take a checkpoint; ``status`` is ``pending`` when ``wait=False`` left it open."""
-        call = self._checkpoint_call(
-            run, self._epoch(run, controller_epoch), deadline_s, wait, trigger
-        )
-        return self._staging.info(run, await self._send(call))
+        """Take a checkpoint; ``status`` is ``pending`` when ``wait=False`` left it open. With
+        several URLs, moves to the next on a transport error or a retriable refusal until the
+        deadline (docs/api.md, "Several service URLs")."""
+        epoch = self._epoch(run, controller_epoch)
+        if self._urls is None:
+            call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger)
+            return self._staging.info(run, await self._send(call))
+        attempt = CheckpointAttempt.begin(epoch, self._staging.since(run))
+        rounds = Rounds(checkpoint_budget_s(deadline_s))
+        while True:
+            try:
+                if attempt.unanswered:  # was it taken? the catalog knows
+                    newest = await self._send_once(self._newest_call(run))
+                    found = attempt.taken(newest["checkpoints"], wait)
+                    if found is not None:
+                        return self._staging.info(run, found)
+                call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger)
+                return self._staging.info(run, await self._send_once(call))
+            except CheckpointInProgress as e:
+                # Another request's (maybe this call's, unanswered; maybe a dead replica's,
+                # superseded once its requester's lease lapsed): ask again soon.
+                pause = self._moved(rounds, e) if rounds.expired() else POLL_S
+            except httpx.TransportError as e:
+                attempt.unanswered |= not movable_transport(e, "POST")
+                pause = self._moved(rounds, e)
+            except RolloutlogError as e:
+                if not movable_error(e, "POST"):
+                    raise
+                pause = self._moved(rounds, e)
+            await asyncio.sleep(pause)
 
     async def get_checkpoint(self, run: str, checkpoint_id: CheckpointRef) -> CheckpointInfo:
         path = self._checkpoint_path(run, checkpoint_id)
@@ -471,15 +568,17 @@ class TrainerClient(_Calls):
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str | Sequence[str] | None = None,
         *,
         token: str | None = None,
         client: httpx.Client | None = None,
         timeout_s: float = 300.0,
+        failover_s: float = 30.0,
     ) -> None:
-        super().__init__(url, token, client is not None)
+        super().__init__(url, token, client is not None, failover_s)
         self._owns_client = client is None
-        self._client = client or httpx.Client(base_url=self.url, timeout=timeout_s)
+        base = self.url if self._urls is None else ""
+        self._client = client or httpx.Client(base_url=base, timeout=timeout_s)
 
     def close(self) -> None:
         if self._owns_client:
@@ -496,11 +595,11 @@ class TrainerClient(_Calls):
     ) -> None:
         self.close()
 
-    def _send(self, call: _Call) -> Any:
+    def _send_once(self, call: _Call) -> Any:
         with client_span(call.method, call.path, self._headers) as headers:
             response = self._client.request(
                 call.method,
-                self._prefix + call.path,
+                self._base() + call.path,
                 params=call.params,
                 json=call.json,
                 headers=headers,
@@ -509,23 +608,45 @@ class TrainerClient(_Calls):
             raise error_from_response(response)
         return orjson.loads(response.content)
 
+    def _send(self, call: _Call) -> Any:
+        rounds = Rounds(self.failover_s)
+        while True:
+            try:
+                return self._send_once(call)
+            except (httpx.TransportError, RolloutlogError) as e:
+                if not self._movable(e, call.method):
+                    raise
+                pause = self._moved(rounds, e)
+            time.sleep(pause)
+
     def _lines(self, call: _Call) -> Iterator[Any]:
         accept = {**self._headers, "Accept": NDJSON}
-        with (
-            client_span(call.method, call.path, accept) as headers,
-            self._client.stream(
-                call.method, self._prefix + call.path, params=call.params, headers=headers
-            ) as response,
-        ):
-            if response.is_error:
-                response.read()
-                raise error_from_response(response)
-            lines = NdjsonSplitter()
-            for chunk in response.iter_bytes():
-                for line in lines.feed(chunk):
-                    yield _line(line)
-            for line in lines.end():
-                yield _line(line)
+        rounds = Rounds(self.failover_s)
+        while True:
+            streaming = False
+            try:
+                with (
+                    client_span(call.method, call.path, accept) as headers,
+                    self._client.stream(
+                        call.method, self._base() + call.path, params=call.params, headers=headers
+                    ) as response,
+                ):
+                    if response.is_error:
+                        response.read()
+                        raise error_from_response(response)
+                    streaming = True  # from here on an error is the caller's
+                    lines = NdjsonSplitter()
+                    for chunk in response.iter_bytes():
+                        for line in lines.feed(chunk):
+                            yield _line(line)
+                    for line in lines.end():
+                        yield _line(line)
+                return
+            except (httpx.TransportError, RolloutlogError) as e:
+                if streaming or not self._movable(e, call.method):
+                    raise
+                pause = self._moved(rounds, e)
+            time.sleep(pause)
 
     def health(self) -> dict[str, Any]:
         result: dict[str, Any] = self._send(_Call("GET", "/readyz"))
@@ -601,10 +722,32 @@ class TrainerClient(_Calls):
         wait: bool = True,
         trigger: str = "request",
     ) -> CheckpointInfo:
-        call = self._checkpoint_call(
-            run, self._epoch(run, controller_epoch), deadline_s, wait, trigger
-        )
-        return self._staging.info(run, self._send(call))
+        """As ``AsyncTrainerClient.checkpoint``."""
+        epoch = self._epoch(run, controller_epoch)
+        if self._urls is None:
+            call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger)
+            return self._staging.info(run, self._send(call))
+        attempt = CheckpointAttempt.begin(epoch, self._staging.since(run))
+        rounds = Rounds(checkpoint_budget_s(deadline_s))
+        while True:
+            try:
+                if attempt.unanswered:  # was it taken? the catalog knows
+                    newest = self._send_once(self._newest_call(run))
+                    found = attempt.taken(newest["checkpoints"], wait)
+                    if found is not None:
+                        return self._staging.info(run, found)
+                call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger)
+                return self._staging.info(run, self._send_once(call))
+            except CheckpointInProgress as e:
+                pause = self._moved(rounds, e) if rounds.expired() else POLL_S
+            except httpx.TransportError as e:
+                attempt.unanswered |= not movable_transport(e, "POST")
+                pause = self._moved(rounds, e)
+            except RolloutlogError as e:
+                if not movable_error(e, "POST"):
+                    raise
+                pause = self._moved(rounds, e)
+            time.sleep(pause)
 
     def get_checkpoint(self, run: str, checkpoint_id: CheckpointRef) -> CheckpointInfo:
         return CheckpointInfo.from_json(

@@ -5,15 +5,23 @@ base, and every read composes each partition's own chain. On SQLite and PostgreS
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pytest
 from sqlalchemy import text
 
 from rolloutlog.catalog import Catalog, ManifestEntry, PartitionOffset, open_catalog
-from rolloutlog.errors import CheckpointNotPending, InvalidRequest, LeaseLost, UnknownCheckpoint
+from rolloutlog.errors import (
+    CheckpointInProgress,
+    CheckpointNotPending,
+    InvalidRequest,
+    LeaseLost,
+    UnknownCheckpoint,
+)
 from tests.contract.test_catalog import (
     RUN,
     P,
@@ -227,6 +235,119 @@ async def test_an_aborted_checkpoint_leaves_no_part(catalog_url: str) -> None:
         await catalog.take_over_controller(RUN)
         assert (await catalog.get_checkpoint(RUN, third)).status == "aborted"
         assert (await count_rows(catalog_url, third))["manifest_parts"] == 0
+
+
+async def expire_replica(url: str, replica: str) -> None:
+    """Let ``replica``'s heartbeat lapse now (as its lease would, killed or paused)."""
+    engine = raw_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text("UPDATE replicas SET expires_at = 0 WHERE replica_id = :r"), {"r": replica}
+            )
+    finally:
+        await engine.dispose()
+
+
+async def test_a_live_requesters_pending_checkpoint_refuses_the_next(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    for replica in (A, B):
+        await catalog.lease_tick(replica, lease_s=60.0, held={}, fresh=True)
+    first = await catalog.begin_checkpoint(RUN, epoch, requested_by=A)
+    with pytest.raises(CheckpointInProgress) as refused:
+        await catalog.begin_checkpoint(RUN, epoch, requested_by=B)
+    assert refused.value.details["checkpoint_id"] == first
+    # A requester's own renewal (the same process) keeps it pending.
+    await catalog.lease_tick(A, lease_s=60.0, held={})
+    with pytest.raises(CheckpointInProgress):
+        await catalog.begin_checkpoint(RUN, epoch, requested_by=B)
+    assert (await catalog.get_checkpoint(RUN, first)).status == "pending"
+
+
+async def test_an_orphaned_checkpoint_is_superseded_and_never_commits(
+    catalog: Catalog, catalog_url: str
+) -> None:
+    """The requester's lease lapsed: the next request aborts its checkpoint in the same
+    transaction that begins the next one; the orphan's parts are gone and a part written for it
+    afterwards is refused; the new checkpoint commits with the same writers."""
+    epoch = await controlled_run(catalog)
+    await lease(catalog_url, LEASES)
+    for replica in (A, B):
+        await catalog.lease_tick(replica, lease_s=60.0, held={}, fresh=True)
+    await lease(catalog_url, LEASES)  # the ticks balanced the run: set the test's leases again
+    entries = make_entries(20)
+    orphan = await catalog.begin_checkpoint(RUN, epoch, requested_by=A)
+    assert await write(catalog, orphan, B, entries) is None
+    await expire_replica(catalog_url, A)
+    second = await catalog.begin_checkpoint(RUN, epoch, requested_by=B)
+    assert second == orphan + 1
+    found = await catalog.get_checkpoint(RUN, orphan)
+    assert found.status == "aborted"
+    assert found.reason == (
+        f"superseded by checkpoint {second}: the lease of its requester {A!r} lapsed"
+    )
+    assert await count_rows(catalog_url, orphan) == dict.fromkeys(
+        ("manifest_parts", "checkpoint_offsets", "checkpoint_parts"), 0
+    )
+    with pytest.raises(CheckpointNotPending):  # the orphan's last part comes too late
+        await write(catalog, orphan, A, entries)
+    assert await write(catalog, second, B, entries) is None
+    committed = await write(catalog, second, A, entries)
+    assert committed is not None and committed.status == "committed"
+    assert (await catalog.get_run(RUN)).latest_checkpoint_id == second
+
+
+async def test_a_requester_restarted_under_its_id_is_gone(catalog_url: str) -> None:
+    clock = [1000.0]
+    async with open_catalog(catalog_url, clock=lambda: clock[0]) as catalog:
+        epoch = await controlled_run(catalog)
+        await catalog.lease_tick(A, lease_s=1e9, held={}, fresh=True)
+        orphan = await catalog.begin_checkpoint(RUN, epoch, requested_by=A)
+        clock[0] += 1.0
+        if catalog.backend == "postgresql":  # the lease clock is the database's
+            await asyncio.sleep(0.01)
+        await catalog.lease_tick(A, lease_s=1e9, held={}, fresh=True)  # a new process
+        second = await catalog.begin_checkpoint(RUN, epoch, requested_by=A)
+        found = await catalog.get_checkpoint(RUN, orphan)
+        assert found.status == "aborted"
+        assert found.reason == f"superseded by checkpoint {second}: its requester {A!r} restarted"
+
+
+async def test_a_checkpoint_naming_no_requester_is_never_superseded(
+    catalog: Catalog, catalog_url: str
+) -> None:
+    epoch = await controlled_run(catalog)
+    await catalog.lease_tick(A, lease_s=60.0, held={}, fresh=True)
+    first = await catalog.begin_checkpoint(RUN, epoch)
+    await expire_replica(catalog_url, A)
+    with pytest.raises(CheckpointInProgress):
+        await catalog.begin_checkpoint(RUN, epoch, requested_by=A)
+    assert (await catalog.get_checkpoint(RUN, first)).status == "pending"
+
+
+async def test_a_start_aborts_only_what_no_live_replica_finishes(
+    catalog_url: str, catalog_factory: Any
+) -> None:
+    """A replica starting (its catalog's start, then its coordinator's for its own id) leaves
+    the checkpoint another live replica is taking alone."""
+    first = await catalog_factory()
+    epoch = await controlled_run(first)
+    await first.create_run("other", partitions=P)
+    other_epoch = await first.take_over_controller("other")
+    for replica in (A, B):
+        await first.lease_tick(replica, lease_s=60.0, held={}, fresh=True)
+    live = await first.begin_checkpoint(RUN, epoch, requested_by=A)
+    mine = await first.begin_checkpoint("other", other_epoch, requested_by=B)
+    await first.stop()
+    restarted = await catalog_factory()  # B's process starting again
+    assert (await restarted.get_checkpoint(RUN, live)).status == "pending"
+    assert (await restarted.get_checkpoint("other", mine)).status == "pending"
+    assert await restarted.abort_pending_checkpoints("restarted", requested_by=B) == [
+        ("other", mine)
+    ]
+    assert (await restarted.get_checkpoint(RUN, live)).status == "pending"
+    await expire_replica(catalog_url, A)
+    assert await restarted.abort_pending_checkpoints("start") == [(RUN, live)]
 
 
 async def mixed_chains(
