@@ -21,7 +21,19 @@ Per replica count (a fresh topic prefix and catalog schema each; ``--lease-s`` a
 S1 is reduced (``--episodes``, default 4,000 live rollouts instead of 16,000: three replicas
 and the load generator share this machine's two cores); the figure says so.
 
+``membership`` (its own cluster of up to three replicas, S1's rollouts appended first, so that
+every change of hands refolds for real): per membership change — a replica joins two, one leaves
+(SIGTERM), one is SIGKILLed, the killed one restarts under its id — ``partitions_moved`` (leases
+whose owner changed) against ``minimal_moves`` (what any balanced assignment must move) and
+``round_robin_moves`` (what the previous rule, round robin over the sorted live ids, moves for
+the same change: the baseline), and the seconds until every partition is owned by the new
+members, until every replica's ``GET /v1/runs/{run}`` says nothing holds the run back
+(``healthy_again_s``), and (after the SIGKILL) until a checkpoint commits. ``busy_replica``: one
+replica's event loop kept busy for four leases (``ROLLOUTLOG_TEST_HOOKS``' block-loop route):
+partitions moved (none: the heartbeat has its own thread) and how long until the others name it.
+
     python benchmarks/replicas.py [--episodes 4000] [--runs 3] [--counts 1,2,3] [--lease-s 6]
+        [--parts scaling,membership]
 
 Saved to ``benchmarks/results/replicas.json``.
 """
@@ -30,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -39,6 +52,7 @@ import sys
 import tempfile
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,12 +188,14 @@ class Cluster:
             await conn.close()
         return {row["partition"]: row["replica_id"] for row in rows}
 
-    async def owned_by(self, live: set[str], timeout_s: float = 120) -> float:
-        """Seconds until every partition is owned by a replica of ``live``."""
+    async def owned_by(self, live: set[str], timeout_s: float = 120, every: bool = False) -> float:
+        """Seconds until every partition is owned by a replica of ``live`` (``every``: and each
+        of them owns some)."""
         t0 = time.perf_counter()
         while True:
             leases = await self.leases()
-            if len(leases) == PARTITIONS and set(leases.values()) <= live:
+            owners = set(leases.values())
+            if len(leases) == PARTITIONS and (owners == live if every else owners <= live):
                 return time.perf_counter() - t0
             if time.perf_counter() - t0 > timeout_s:
                 raise RuntimeError(f"partitions not owned by {sorted(live)}: {leases}")
@@ -341,13 +357,165 @@ async def failover(
     return {"owned_again_s": owned_s, "next_checkpoint_committed_s": committed_s}
 
 
+def round_robin(partitions: int, live: list[str]) -> dict[int, str]:
+    """The previous assignment rule (the baseline): round robin over the sorted live ids, offset
+    per run by a stable hash of its name."""
+    ids = sorted(live)
+    return {p: ids[(zlib.crc32(RUN.encode()) + p) % len(ids)] for p in range(partitions)}
+
+
+def minimal_moves(before: dict[int, str | None], live: list[str]) -> int:
+    """The fewest leases any balanced assignment of ``live`` must move from ``before``."""
+    base, extra = divmod(PARTITIONS, len(live))
+    counts = [sum(1 for owner in before.values() if owner == r) for r in live]
+    orphans = sum(1 for p in range(PARTITIONS) if before.get(p) not in live)
+    above = sorted((c - base for c in counts if c > base), reverse=True)
+    return orphans + sum(above) - min(extra, len(above))
+
+
+async def healthy(cluster: Cluster, members: list[Replica], timeout_s: float = 300) -> float:
+    """Seconds until every member's ``GET /v1/runs/{run}`` says nothing holds the run back."""
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=10) as client:
+        while True:
+            views = []
+            for replica in members:
+                with contextlib.suppress(httpx.HTTPError):
+                    response = await client.get(f"{replica.url}/v1/runs/{RUN}")
+                    views.append(response.json()["health"])
+            if len(views) == len(members) and all(
+                v["status"] == "ok" and not v["held_back"] for v in views
+            ):
+                return time.perf_counter() - t0
+            if time.perf_counter() - t0 > timeout_s:
+                raise RuntimeError(f"the run is still held back: {views}")
+            await asyncio.sleep(0.05)
+
+
+async def membership(kafka: str, lease_s: float, workload: Workload) -> dict[str, Any]:
+    """Membership changes on a loaded run (see the module): moves and seconds per change."""
+    cluster = Cluster(kafka, 3, lease_s)
+    r1, r2, r3 = cluster.replicas
+    changes: dict[str, Any] = {}
+    try:
+        r1.start()
+        cluster._ready([r1])
+        r2.start()
+        cluster._ready([r2])
+        client = AsyncTrainerClient(r1.url, timeout_s=300)
+        try:
+            await client.create_run(RUN, partitions=PARTITIONS)
+            client.controller_epochs[RUN] = await client.take_over(RUN)
+            await cluster.owned_by({"r1", "r2"})
+            await sdk_load(cluster, RUN, workload)
+            await cluster.folded()
+            await healthy(cluster, [r1, r2])
+            retrying = Retries()
+
+            async def change(name: str, act: Any, members: list[Replica]) -> None:
+                before = await cluster.leases()
+                live = [r.replica_id for r in members]
+                t0 = time.perf_counter()
+                ready_s = await act()
+                if ready_s is not None:  # a started process: timed from when it answers
+                    t0 = time.perf_counter()
+                # A join is done once the newcomer took its share (every member owns some).
+                await cluster.owned_by(set(live), every=name == "join")
+                owned_s = time.perf_counter() - t0
+                healthy_s = owned_s + await healthy(cluster, members)
+                after = await cluster.leases()
+                old = {p: str(o) for p, o in before.items() if o is not None}
+                changes[name] = {
+                    "members": live,
+                    "partitions_moved": sum(1 for p in range(PARTITIONS) if after[p] != before[p]),
+                    "minimal_moves": minimal_moves(before, live),
+                    "round_robin_moves": sum(
+                        1
+                        for p, owner in round_robin(PARTITIONS, live).items()
+                        if owner != round_robin(PARTITIONS, sorted(set(old.values())))[p]
+                    ),
+                    "owned_again_s": owned_s,
+                    "healthy_again_s": healthy_s,
+                }
+                if ready_s is not None:
+                    changes[name]["process_ready_s"] = ready_s
+                if name == "sigkill":
+                    info = await retrying(lambda: client.checkpoint(RUN, deadline_s=30))
+                    assert info.status == "committed", info
+                    changes[name]["next_checkpoint_committed_s"] = time.perf_counter() - t0
+
+            async def started(replica: Replica) -> float:
+                t0 = time.perf_counter()
+                replica.start()
+                await asyncio.to_thread(cluster._ready, [replica])
+                return time.perf_counter() - t0
+
+            async def join() -> float:
+                return await started(r3)
+
+            async def leave() -> None:
+                await asyncio.to_thread(r3.stop)
+
+            async def kill() -> None:
+                r2.kill()
+
+            async def restart() -> float:
+                return await started(r2)
+
+            await change("join", join, [r1, r2, r3])
+            await change("sigterm", leave, [r1, r2])
+            await change("sigkill", kill, [r1])
+            await change("restart", restart, [r1, r2])
+            changes["busy_replica"] = await busy(cluster, r2, [r1], lease_s)
+        finally:
+            await client.stop()
+    except BaseException:
+        for replica in cluster.replicas:
+            print(f"--- {replica.replica_id}\n{replica.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        cluster.remove()
+    return changes
+
+
+async def busy(
+    cluster: Cluster, victim: Replica, others: list[Replica], lease_s: float
+) -> dict[str, Any]:
+    """``victim``'s event loop kept busy for four leases: leases moved, and how long until every
+    other replica names it in ``GET /v1/runs/{run}``."""
+    before = await cluster.leases()
+    blocked_s = 4 * lease_s
+    async with httpx.AsyncClient(timeout=60) as client:
+        block = asyncio.create_task(
+            client.post(f"{victim.url}/_test/block-loop", params={"seconds": blocked_s})
+        )
+        t0 = time.perf_counter()
+        named: dict[str, float] = {}
+        while not block.done():
+            for other in others:
+                health = (await client.get(f"{other.url}/v1/runs/{RUN}")).json()["health"]
+                if any(b["replica"] == victim.replica_id for b in health["held_back"]):
+                    named.setdefault(other.replica_id, time.perf_counter() - t0)
+            await asyncio.sleep(0.05)
+        (await block).raise_for_status()
+    after = await cluster.leases()
+    return {
+        "blocked_s": blocked_s,
+        "partitions_moved": sum(1 for p in range(PARTITIONS) if after.get(p) != before.get(p)),
+        "named_by_others_s": named,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=4000, help="S1's live rollouts")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--counts", default="1,2,3", help="replica counts to measure")
     parser.add_argument("--lease-s", type=float, default=6.0, help="the service default")
+    parser.add_argument("--parts", default="scaling,membership", help="what to measure")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    os.environ["ROLLOUTLOG_TEST_HOOKS"] = "1"  # the busy replica's block-loop route
     for name in ("aiokafka", "rolloutlog.log.kafka"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -361,7 +529,11 @@ def main() -> None:
     }
     with kafka_broker() as kafka:
         assert kafka is not None
-        for count in (int(c) for c in args.counts.split(",")):
+        if "membership" in parts:
+            print("membership changes on 3 replicas", file=sys.stderr, flush=True)
+            results["membership"] = asyncio.run(membership(kafka, args.lease_s, workload))
+            save("replicas", results)
+        for count in (int(c) for c in args.counts.split(",") if "scaling" in parts):
             print(f"S1 on {count} replica(s)", file=sys.stderr, flush=True)
             cluster = Cluster(kafka, count, args.lease_s)
             try:

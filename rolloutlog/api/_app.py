@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -50,6 +52,9 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: The variable that installs the fault tests' routes (``_test_hooks``).
+TEST_HOOKS_VARIABLE = "ROLLOUTLOG_TEST_HOOKS"
 
 #: How long /readyz waits for the log's and the catalog's probe each: a stalled backend answers
 #: nothing (the catalog's own statement bound is 30 s by default), and a probe must answer sooner.
@@ -319,22 +324,37 @@ def _ops_routes(app: FastAPI) -> None:
                 checks[name] = f"{type(e).__name__}: {e}"
         if service.draining:
             checks["service"] = "shutting down"
-        # A run whose projector cannot make progress makes the service unready (its checkpoints
-        # cannot commit), with the reason per run.
-        runs = {run: health.view() for run, health in sorted(service.coordinator.health().items())}
-        ready = all(value == "ok" for value in checks.values()) and all(
-            health["status"] == "ok" for health in runs.values()
+        # A run whose projector here cannot make progress makes this service unready (its
+        # checkpoints cannot commit); the body says, per run, what holds it back on any replica
+        # (the status code stays this replica's own: load balancers route by it).
+        coordinator = service.coordinator
+        local = coordinator.health()
+        runs: dict[str, Any] = {}
+        try:
+            async with asyncio.timeout(READY_PROBE_S):
+                reports = await coordinator.runs_health()
+            runs = {run: report.view(coordinator.replica_id) for run, report in reports.items()}
+        except Exception as e:  # this replica's own projectors still decide readiness
+            checks["cluster"] = f"{type(e).__name__}: {e}"
+        for run, health in local.items():
+            runs.setdefault(run, {**health.view(), "local": health.view(), "held_back": []})
+        ready = all(value == "ok" for name, value in checks.items() if name != "cluster") and all(
+            health.status == "ok" for health in local.values()
         )
         return json_response(
             {
                 "status": "ready" if ready else "unready",
+                "replica": coordinator.replica_id,
                 "log": checks["log"],
                 "catalog": checks["catalog"],
-                "runs": runs,
+                "runs": dict(sorted(runs.items())),
                 "checks": checks,
             },
             200 if ready else 503,
         )
+
+    if os.environ.get(TEST_HOOKS_VARIABLE) == "1":
+        _test_hooks(app)
 
     @app.get(
         "/metrics",
@@ -347,6 +367,20 @@ def _ops_routes(app: FastAPI) -> None:
         service: Service = request.app.state.service
         await service.metrics.refresh()
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _test_hooks(app: FastAPI) -> None:
+    """Routes for fault tests only, installed when ``ROLLOUTLOG_TEST_HOOKS=1`` (never in a
+    deployment): ``POST /_test/block-loop?seconds=S`` keeps the service's event loop busy for S
+    seconds (a blocking call on the loop, as a long fold would), so a test can show that the
+    lease heartbeat goes on and that the other replicas name the busy one."""
+
+    @app.post("/_test/block-loop", include_in_schema=False, dependencies=[Depends(public)])
+    async def block_loop(seconds: float = 1.0) -> Response:
+        until = time.monotonic() + min(max(seconds, 0.0), 600.0)
+        while time.monotonic() < until:  # busy on purpose: nothing else runs on this loop
+            time.sleep(0.01)  # noqa: ASYNC251
+        return json_response({"blocked_s": seconds})
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -178,12 +178,19 @@ async def check_fencing(service: Service, run: str, batch: Batch, fencing: RunFe
     that jump absurdly. A refusal a reload could lift is checked again after one."""
     since = time.monotonic()
     error, epochs_stale, attempts_stale = _fence(service, run, batch, fencing)
-    if error is not None and (epochs_stale or attempts_stale):
-        if epochs_stale:
+    # Each reload at most once; a check after one may find the other stale (an attempt a restore
+    # on another replica began, then the epoch its participant registered there).
+    epochs_loaded = attempts_loaded = False
+    while error is not None and (
+        (epochs_stale and not epochs_loaded) or (attempts_stale and not attempts_loaded)
+    ):
+        if epochs_stale and not epochs_loaded:
             await service.refresh_epochs(fencing, since)
-        if attempts_stale:
+            epochs_loaded = True
+        if attempts_stale and not attempts_loaded:
             await service.refresh_attempts(fencing, since)
-        error, _, _ = _fence(service, run, batch, fencing)
+            attempts_loaded = True
+        error, epochs_stale, attempts_stale = _fence(service, run, batch, fencing)
     if error is None and _seq_jump(service, run, batch, fencing, False) is not None:
         error = _seq_jump(service, run, batch, fencing, True)
     if error is not None:

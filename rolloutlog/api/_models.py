@@ -115,13 +115,51 @@ class ErrorOut(_Response):
     error: ErrorBody
 
 
-class RunHealthOut(_Response):
-    """``ok``; ``degraded`` (its projector hit ``error`` and retries: it recovers by itself);
-    ``stopped`` (its log lost records: an operator must act). ``since``: unix time."""
+class LocalHealthOut(_Response):
+    """This replica's own projector of the run: ``ok``, ``degraded`` (it hit ``error`` and
+    retries: it recovers by itself) or ``stopped`` (its log lost records: an operator must
+    act). ``since``: unix time."""
 
     status: Literal["ok", "degraded", "stopped"]
     error: str | None = None
     since: float
+
+
+class BlockerOut(_Response):
+    """A partition that holds the run back and the replica that holds it (null: nobody)."""
+
+    partition: int
+    replica: str | None = None
+    state: Literal[
+        "unowned",
+        "lease_expired",
+        "unresponsive",
+        "starting",
+        "catching_up",
+        "degraded",
+        "stopped",
+    ]
+    reason: str
+    since: float | None = None
+    #: Records of the partition its owner has not applied yet (while catching up or degraded).
+    lag: int | None = None
+
+
+class RunHealthOut(_Response):
+    """The run's health across replicas, the same whichever replica answers: ``ok`` when no
+    partition holds it back, else ``degraded`` (it recovers by itself) or ``stopped`` (an
+    operator must act), with ``held_back`` naming each partition and the replica that holds it.
+    ``local``: this replica's own projector of the run (null: it does not follow the run);
+    ``replica``: the answering replica's id; ``cluster_unknown``: why the other replicas'
+    reports could not be read (null when they were). ``since``: unix time."""
+
+    status: Literal["ok", "degraded", "stopped"]
+    error: str | None = None
+    since: float | None = None
+    replica: str | None = None
+    local: LocalHealthOut | None = None
+    held_back: list[BlockerOut] = []
+    cluster_unknown: str | None = None
 
 
 class RunOut(_Response):
@@ -319,7 +357,11 @@ class StatsOut(_Response):
 
 
 class Health(_Response):
+    """``status`` (and the status code) is this replica's own readiness; ``runs`` says, per
+    run, what holds it back on any replica."""
+
     status: str
+    replica: str | None = None
     log: str | None = None
     catalog: str | None = None
     runs: dict[str, RunHealthOut] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Query, Request
@@ -29,6 +30,7 @@ from rolloutlog.api._service import Service
 from rolloutlog.api._views import episode_view, participant_view, run_view, tracked_view
 from rolloutlog.catalog import Episode, RunSummary
 from rolloutlog.errors import UnknownRun
+from rolloutlog.projections import RunHealthReport, summarize_health
 
 __all__ = ["router"]
 
@@ -51,17 +53,20 @@ def _live(service: Service, run: str) -> int | None:
     return service.coordinator.live_episode_count(run)
 
 
-def _run_out(service: Service, summary: RunSummary) -> dict[str, Any]:
-    """A run's view with its projector's health (``ok`` for a run this service does not
-    follow yet: nothing has failed)."""
+def _run_out(
+    service: Service, summary: RunSummary, health: Mapping[str, RunHealthReport]
+) -> dict[str, Any]:
+    """A run's view with its health across replicas (``health``: from ``runs_health``): which
+    partitions and replicas hold it back, and this replica's own projector (``local``)."""
     run = summary.run.run
-    tracked = service.coordinator.run_health(run)
-    health = (
-        tracked.view()
-        if tracked is not None
-        else {"status": "ok", "error": None, "since": summary.run.created_at}
-    )
-    return {**run_view(summary, _live(service, run)), "health": health}
+    coordinator = service.coordinator
+    report = health.get(run)
+    if report is None:  # nobody folds it yet, nothing has failed
+        report = summarize_health([], None)
+    view = report.view(coordinator.replica_id)
+    if view["since"] is None:
+        view["since"] = summary.run.created_at
+    return {**run_view(summary, _live(service, run)), "health": view}
 
 
 @router.post(
@@ -90,9 +95,10 @@ async def create_run(request: Request, body: CreateRun) -> Response:
 async def list_runs(request: Request, after: After = None, limit: Limit = 100) -> Response:
     service = _service(request)
     summaries = await service.catalog.list_runs(after=after, limit=limit)
+    health = await service.coordinator.runs_health()
     return json_response(
         {
-            "runs": [_run_out(service, s) for s in summaries],
+            "runs": [_run_out(service, s, health) for s in summaries],
             "next_after": summaries[-1].run.run if len(summaries) == limit else None,
         }
     )
@@ -107,7 +113,9 @@ async def list_runs(request: Request, after: After = None, limit: Limit = 100) -
 )
 async def get_run(request: Request, run: RunPath) -> Response:
     service = _service(request)
-    return json_response(_run_out(service, await service.catalog.run_summary(run)))
+    summary = await service.catalog.run_summary(run)
+    health = await service.coordinator.runs_health(run)
+    return json_response(_run_out(service, summary, health))
 
 
 @router.delete(

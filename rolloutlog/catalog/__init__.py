@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from rolloutlog.catalog._backend import backend_for
 from rolloutlog.catalog._catalog import Catalog
-from rolloutlog.catalog._leases import PartitionOwner
+from rolloutlog.catalog._leases import ClusterView, PartitionOwner, ReplicaReport
 from rolloutlog.catalog._migrate import head_revision
 from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
 from rolloutlog.catalog._values import (
@@ -46,6 +46,7 @@ __all__ = [
     "Catalog",
     "Checkpoint",
     "CheckpointStatus",
+    "ClusterView",
     "Episode",
     "EpisodeFinish",
     "EpisodeStart",
@@ -59,6 +60,7 @@ __all__ = [
     "QUARANTINE_FIRST_BYTES",
     "QuarantinedRecord",
     "RegisteredParticipant",
+    "ReplicaReport",
     "Restore",
     "RestoreAction",
     "RestoreEntry",

@@ -27,8 +27,8 @@ from rolloutlog.catalog import (
     _results,
     _writes,
 )
-from rolloutlog.catalog._backend import Backend
-from rolloutlog.catalog._leases import PartitionOwner
+from rolloutlog.catalog._backend import Backend, backend_for
+from rolloutlog.catalog._leases import ClusterView, PartitionOwner
 from rolloutlog.catalog._restore_requests import RestorePart, RestoreRequest
 from rolloutlog.catalog._schema import (
     checkpoints,
@@ -1073,10 +1073,12 @@ class Catalog:
         held: Mapping[str, Mapping[int, int]],
         address: str | None = None,
         fresh: bool = False,
+        health: str | None = None,
     ) -> dict[str, dict[int, int]]:
         """Renew the replica's heartbeat and move its leases towards the balanced assignment;
         return the partitions it owns (run -> partition -> generation). ``held``: what its
-        previous tick returned; ``fresh``: the process's first tick."""
+        previous tick returned; ``fresh``: the process's first tick; ``health``: its report
+        (JSON) for ``cluster_view``."""
         check_name(replica_id, "replica_id")
         check_positive_seconds(lease_s, "lease_s")
         async with self._write() as conn:
@@ -1088,7 +1090,22 @@ class Catalog:
                 lease_s=lease_s,
                 held=held,
                 fresh=fresh,
+                health=health,
             )
+
+    async def cluster_view(self, run: str | None = None) -> ClusterView:
+        """Every run's (or one run's) leases with their owners' heartbeats and reports."""
+        return await self._query(lambda conn: _leases.cluster_view(conn, self._clock, run))
+
+    def sibling(self) -> Catalog:
+        """A catalog on the same database with its own connections (not started): the lease
+        heartbeat's, on its own thread and event loop."""
+        return Catalog(
+            backend_for(self._backend.url),
+            keep_committed=self._keep_committed,
+            abort_pending_on_start=False,
+            clock=self._clock,
+        )
 
     async def release_leases(self, replica_id: str) -> None:
         """The replica stops: its partitions are released and its heartbeat ends now."""

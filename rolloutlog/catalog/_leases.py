@@ -4,20 +4,23 @@ checkpoint's manifest part, a restore's plan part) checks, in its own transactio
 writer still holds the partition at the generation it read: a replica that was paused while its
 partitions moved on (a zombie) has its writes refused (``LeaseLost``).
 
-Who owns what is decided by ``tick``, which every replica runs every ``lease_s / 4`` in one
-serialized transaction: it renews the replica's heartbeat, takes the live replicas (by the
-catalog's clock), and claims or releases the replica's partitions so that each partition moves
-towards its desired owner (``desired_owner``: balanced, deterministic, the same on every
-replica). A partition changes hands in two steps, each bumping its generation: its owner
-releases it at its tick, the desired owner claims it at its own; an owner that died is skipped
-(its partitions are claimed once its heartbeat expired)."""
+Who owns what is decided by ``tick``, which every replica's heartbeat runs every ``lease_s / 4`` in
+one serialized transaction: it renews the replica's heartbeat (and writes its health report), takes
+the live replicas (by the catalog's clock), and claims or releases the replica's partitions so that
+each run's partitions move towards ``assign_partitions``: balanced within one partition, sticky (a
+partition stays with its live owner unless balance needs it elsewhere), deterministic (the same
+on every replica, from the same rows). A partition changes hands in two steps, each bumping its
+generation: its owner releases it at its tick, the new owner claims it at its own; an owner that
+died is skipped (its partitions are claimed once its heartbeat expired)."""
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import orjson
 from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -25,9 +28,12 @@ from rolloutlog.catalog._schema import partition_leases, replicas, runs
 from rolloutlog.errors import LeaseLost
 
 __all__ = [
+    "ClusterView",
     "PartitionOwner",
+    "ReplicaReport",
+    "assign_partitions",
     "check_leases",
-    "desired_owner",
+    "cluster_view",
     "partition_owners",
     "release_replica",
     "tick",
@@ -36,14 +42,18 @@ __all__ = [
 #: Owned partitions: run -> partition -> the lease generation it is held at.
 Owned = dict[str, dict[int, int]]
 
+#: How long after its lease ran out a replica still owning partitions is read with its report.
+_REPORTS_KEPT_S = 86_400.0
+
 #: The advisory lock key of lease changes on PostgreSQL (``_serialize``).
 _TICK_LOCK_KEY = 0x726C6C_17
 
 _RENEW = (
-    "INSERT INTO replicas (replica_id, address, started_at, heartbeat_at, expires_at) "
-    "VALUES (:replica_id, :address, :now, :now, :expires_at) "
+    "INSERT INTO replicas (replica_id, address, started_at, heartbeat_at, expires_at, health) "
+    "VALUES (:replica_id, :address, :now, :now, :expires_at, :health) "
     "ON CONFLICT (replica_id) DO UPDATE SET address = excluded.address, "
-    "heartbeat_at = excluded.heartbeat_at, expires_at = excluded.expires_at"
+    "heartbeat_at = excluded.heartbeat_at, expires_at = excluded.expires_at, "
+    "health = excluded.health"
 )
 #: A process's first tick: its row starts anew (an id reused by a restart).
 _RENEW_FRESH = text(_RENEW + ", started_at = excluded.started_at")
@@ -63,11 +73,45 @@ class PartitionOwner:
     live: bool
 
 
-def desired_owner(run: str, partition: int, live: Sequence[str]) -> str:
-    """The replica that should fold ``partition`` of ``run``: round robin over the sorted live
-    ids, offset per run by a stable hash of its name (so that runs' first partitions do not all
-    land on the same replica). Balanced: a run's replicas differ by at most one partition."""
-    return live[(zlib.crc32(run.encode()) + partition) % len(live)]
+def assign_partitions(
+    run: str, partitions: int, owners: Mapping[int, str | None], live: Sequence[str]
+) -> dict[int, str]:
+    """Which live replica should fold each of ``run``'s ``partitions``, given their current
+    ``owners`` (a partition absent, released or held by a replica not in ``live`` is free).
+
+    Balanced: every replica gets ``partitions // len(live)`` or one more. Sticky: each live owner
+    keeps its lowest-numbered partitions up to its quota, so a membership change moves only what
+    balance needs (a departed replica's partitions, and a newcomer's share taken from those above
+    quota). The one-more slots go first to replicas holding more than the base (that keeps moves
+    minimal), then in the run's rotation of the sorted ids (a stable hash of the run's name, so
+    that the runs' extra partitions spread over the replicas). Free partitions fill the replicas
+    short of their quota in that rotation, in contiguous blocks of the sorted free ones. Stable
+    through a handover: releasing a partition that is to move, or claiming one that is to come,
+    leaves the result unchanged, so a change of hands never redirects itself midway."""
+    if not live:
+        return {}
+    ids = sorted(set(live))
+    shift = zlib.crc32(run.encode()) % len(ids)
+    rotation = ids[shift:] + ids[:shift]
+    base, extra = divmod(partitions, len(ids))
+    held: dict[str, list[int]] = {replica: [] for replica in rotation}
+    for partition in range(partitions):
+        owner = owners.get(partition)
+        if owner in held:
+            held[owner].append(partition)
+    ranked = [r for r in rotation if len(held[r]) > base] + [
+        r for r in rotation if len(held[r]) <= base
+    ]
+    quota = {replica: base + (rank < extra) for rank, replica in enumerate(ranked)}
+    assigned: dict[int, str] = {}
+    for replica in rotation:
+        for partition in held[replica][: quota[replica]]:
+            assigned[partition] = replica
+    free = iter(p for p in range(partitions) if p not in assigned)
+    for replica in rotation:
+        for _ in range(quota[replica] - min(len(held[replica]), quota[replica])):
+            assigned[next(free)] = replica
+    return assigned
 
 
 async def catalog_now(conn: AsyncConnection, clock: Callable[[], float]) -> float:
@@ -88,13 +132,15 @@ async def tick(
     lease_s: float,
     held: Mapping[str, Mapping[int, int]],
     fresh: bool,
+    health: str | None = None,
 ) -> Owned:
     """One lease tick of ``replica_id`` (see the module); returns what it owns afterwards.
 
     ``held`` is what the replica's process believes it owns (what its previous tick returned):
     a row naming the replica at another generation was written by an earlier process under the
     same id (a restart), and is claimed again at the next generation, fencing that process's
-    writes. ``fresh``: the process's first tick (its ``started_at`` is reset)."""
+    writes. ``fresh``: the process's first tick (its ``started_at`` is reset). ``health``: the
+    replica's report of its projectors (JSON, read by ``replica_reports``)."""
     await _serialize(conn)
     now = await catalog_now(conn, clock)
     await conn.execute(
@@ -104,6 +150,7 @@ async def tick(
             "address": address,
             "now": now,
             "expires_at": now + lease_s,
+            "health": health,
         },
     )
     live = sorted(
@@ -112,25 +159,30 @@ async def tick(
         .all()
     )
     alive = set(live)
-    leases = {
-        (row.run, row.partition): (row.replica_id, int(row.generation))
-        for row in await conn.execute(
-            select(
-                partition_leases.c.run,
-                partition_leases.c.partition,
-                partition_leases.c.replica_id,
-                partition_leases.c.generation,
-            )
+    leases: dict[str, dict[int, tuple[str | None, int]]] = {}
+    for lease in await conn.execute(
+        select(
+            partition_leases.c.run,
+            partition_leases.c.partition,
+            partition_leases.c.replica_id,
+            partition_leases.c.generation,
         )
-    }
+    ):
+        leases.setdefault(lease.run, {})[lease.partition] = (
+            lease.replica_id,
+            int(lease.generation),
+        )
     owned: Owned = {}
     new: list[dict[str, object]] = []
     changed: list[dict[str, object]] = []
     for row in await conn.execute(select(runs.c.run, runs.c.partitions)):
         run, mine = row.run, held.get(row.run, {})
+        run_leases = leases.get(run, {})
+        current = {partition: owner for partition, (owner, _) in run_leases.items()}
+        assignment = assign_partitions(run, row.partitions, current, live)
         for partition in range(row.partitions):
-            desired = desired_owner(run, partition, live)
-            found = leases.get((run, partition))
+            desired = assignment[partition]
+            found = run_leases.get(partition)
             if found is None:
                 if desired == replica_id:
                     new.append({"run": run, "partition": partition, "generation": 1})
@@ -254,3 +306,78 @@ async def check_leases(
                 run=run,
                 partition=partition,
             )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """A replica as its last heartbeat left it in the catalog."""
+
+    replica_id: str
+    address: str | None
+    live: bool
+    #: Seconds since its last heartbeat, by the catalog's clock.
+    silent_s: float
+    #: Its report of its projectors (see ``projections._health``), or None if it wrote none.
+    health: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """What every replica can read of who folds what and how it goes (``cluster_view``)."""
+
+    #: Per run: its partition count, and each leased partition's (owner, generation).
+    partitions: Mapping[str, int]
+    leases: Mapping[str, Mapping[int, tuple[str | None, int]]]
+    #: The replicas that are live or own a partition, by id.
+    replicas: Mapping[str, ReplicaReport]
+
+
+async def cluster_view(
+    conn: AsyncConnection, clock: Callable[[], float], run: str | None = None
+) -> ClusterView:
+    """The leases of ``run`` (every run: None) with their owners' heartbeats and reports."""
+    now = await catalog_now(conn, clock)
+    run_query = select(runs.c.run, runs.c.partitions)
+    lease_query = select(
+        partition_leases.c.run,
+        partition_leases.c.partition,
+        partition_leases.c.replica_id,
+        partition_leases.c.generation,
+    )
+    if run is not None:
+        run_query = run_query.where(runs.c.run == run)
+        lease_query = lease_query.where(partition_leases.c.run == run)
+    counts = {row.run: int(row.partitions) for row in await conn.execute(run_query)}
+    leases: dict[str, dict[int, tuple[str | None, int]]] = {}
+    owners: set[str] = set()
+    for lease in await conn.execute(lease_query):
+        leases.setdefault(lease.run, {})[lease.partition] = (
+            lease.replica_id,
+            int(lease.generation),
+        )
+        if lease.replica_id is not None:
+            owners.add(lease.replica_id)
+    found: dict[str, ReplicaReport] = {}
+    for row in await conn.execute(
+        select(
+            replicas.c.replica_id,
+            replicas.c.address,
+            replicas.c.heartbeat_at,
+            replicas.c.expires_at,
+            replicas.c.health,
+        ).where(replicas.c.expires_at > now - _REPORTS_KEPT_S)
+    ):
+        if row.replica_id not in owners and row.expires_at <= now:
+            continue
+        try:
+            health = orjson.loads(row.health) if row.health else None
+        except orjson.JSONDecodeError:
+            health = None
+        found[row.replica_id] = ReplicaReport(
+            row.replica_id,
+            row.address,
+            row.expires_at > now,
+            max(0.0, now - row.heartbeat_at),
+            health if isinstance(health, dict) else None,
+        )
+    return ClusterView(counts, leases, found)

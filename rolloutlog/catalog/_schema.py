@@ -335,6 +335,9 @@ replicas = Table(
     Column("heartbeat_at", Double, nullable=False),
     # The replica counts as live until this time (the catalog's clock); its leases lapse then.
     Column("expires_at", Double, nullable=False),
+    # The replica's report of its projectors (JSON, migration 0011): per run, its health and per
+    # owned partition the lease generation and lag; written by every heartbeat.
+    Column("health", Text, nullable=True),
 )
 """The service replicas sharing this catalog (migration 0008): one row per replica, renewed by
 its heartbeat."""

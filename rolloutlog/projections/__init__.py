@@ -12,6 +12,8 @@ from rolloutlog.projections._fold import (
     select_records,
     token_count,
 )
+from rolloutlog.projections._health import Blocker, RunHealthReport
+from rolloutlog.projections._health import summarize as summarize_health
 from rolloutlog.projections._model import (
     BoundaryView,
     EpisodeProjection,
@@ -25,12 +27,14 @@ from rolloutlog.projections._ownership import DEFAULT_LEASE_S, default_replica_i
 from rolloutlog.projections._restorer import RestoreResult
 
 __all__ = [
+    "Blocker",
     "BoundaryView",
     "CUT_DISPOSITIONS",
     "CheckpointResult",
     "DEFAULT_LEASE_S",
     "Coordinator",
     "RestoreResult",
+    "RunHealthReport",
     "TrackedEpisode",
     "EpisodeFold",
     "EpisodeProjection",
@@ -46,5 +50,6 @@ __all__ = [
     "project_events",
     "select_records",
     "served_cut_dispositions",
+    "summarize_health",
     "token_count",
 ]

@@ -27,6 +27,7 @@ from rolloutlog.projections._checkpointer import (
     CheckpointResult,
 )
 from rolloutlog.projections._feeders import flush_episodes, record_episodes, record_quarantine
+from rolloutlog.projections._health import HealthReporter, RunHealthReport
 from rolloutlog.projections._model import EpisodeProjection
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, Ownership, default_replica_id
 from rolloutlog.projections._planner import RestorePolicy
@@ -92,6 +93,15 @@ class Coordinator:
             on_change=self._owners_changed,
         )
         self.projectors: dict[str, Projector] = {}
+        #: This replica's report for the others, and the runs' health across replicas.
+        self.health_reporter = HealthReporter(
+            log,
+            self.projectors,
+            catalog.cluster_view,
+            self._ownership.publish,
+            replica_id=self.replica_id,
+            lease_s=lease_s,
+        )
         self._run_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._start_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
@@ -126,6 +136,14 @@ class Coordinator:
             "aborted on start: left pending by a crash", requested_by=self.replica_id
         )
         await self._ownership.start()
+        try:
+            await self._start_projectors()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_projectors(self) -> None:
+        self._spawn(self.health_reporter.publish_forever())
         self._spawn(self._checkpointer.sweep())
         after: str | None = None
         launched: list[Projector] = []
@@ -371,6 +389,11 @@ class Coordinator:
     async def partition_owners(self, run: str) -> list[PartitionOwner]:
         """Every partition of the run with the replica that owns it (from the catalog)."""
         return await self.catalog.partition_owners(run)
+
+    async def runs_health(self, run: str | None = None) -> dict[str, RunHealthReport]:
+        """Every run's (or one run's) health across replicas: which partitions and replicas
+        hold it back (``_health.py``)."""
+        return await self.health_reporter.runs(run)
 
     def run_health(self, run: str) -> RunHealth | None:
         """The run's projector health, or None for a run this service does not follow yet."""

@@ -254,6 +254,8 @@ class RestoreReset:
 #: How a run's projector is doing (``RunHealth.status``): ``ok``; ``degraded`` (it hit an error and
 #: retries with backoff: it recovers by itself); ``stopped`` (it cannot go on without an operator).
 HealthStatus = Literal["ok", "degraded", "stopped"]
+#: A projector's ``degraded`` error until its first catch-up with the log ended.
+STARTING = "starting: catching up with the log"
 
 #: Backoff of a projector that failed: transient errors from 0.1 s up to 5 s, others (a
 #: non-retriable error that persists) from 1 s up to 30 s; each delay jittered by half.
@@ -373,7 +375,7 @@ class Projector:
         self.new_quarantined: list[QuarantinedRecord] = []
         self.quarantined: set[tuple[int, int]] = set()
         self.quarantined_count = 0
-        self.health = RunHealth("degraded", "starting: catching up with the log", time.time())
+        self.health = RunHealth("degraded", STARTING, time.time())
         #: Set once the first catch-up ended (caught up, or failed: the supervisor goes on).
         self.settled = asyncio.Event()
         self.caught_up = False

@@ -271,6 +271,22 @@ async def test_attempts_begun_elsewhere_are_learned_and_others_refused(api: Api)
     assert await api.log_ends() == before
 
 
+async def test_an_attempt_and_an_epoch_both_begun_elsewhere_are_learned(api: Api) -> None:
+    """A restore and a registration on another replica: the first check finds the attempt
+    stale, the check after that reload the epoch; both are reloaded before a refusal."""
+    await api.seed(["a"])
+    await api.checkpoint()
+    await api.restore()  # a continues as attempt 1
+    api.service.fencing[RUN].attempts.clear()
+    tracker = api.service.coordinator.projectors[RUN].trackers["a"]
+    tracker.attempt, seen = 0, tracker.attempt
+    await api.service.catalog.register_participant(RUN, "env-0", "environment")  # epoch 2
+    try:
+        await api.append(f.boundary("a", "next", attempt=1, who=f.participant(epoch=2)))
+    finally:
+        tracker.attempt = max(tracker.attempt, seen)
+
+
 async def test_an_excluded_episode_takes_no_more_events(api: Api) -> None:
     await api.seed(["a", "b"])
     await api.checkpoint()

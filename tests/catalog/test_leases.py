@@ -1,6 +1,6 @@
-"""Partition leases (issue 17): the tick's claims and releases, the balanced assignment over the
-live replicas, expiry, restarts under the same id, and the generation fence; on SQLite and
-PostgreSQL."""
+"""Partition leases: the tick's claims and releases, the balanced and sticky assignment over the
+live replicas (the assignment function's properties under hypothesis), expiry, restarts under
+the same id, the generation fence, and the replicas' health reports; on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rolloutlog.catalog import Catalog, open_catalog
-from rolloutlog.catalog._leases import check_leases, desired_owner
+from rolloutlog.catalog._leases import assign_partitions, check_leases
 from rolloutlog.errors import LeaseLost
 
 RUNS = {"alpha": 8, "beta": 5, "gamma": 1}
@@ -92,14 +92,20 @@ async def test_the_assignment_is_balanced_and_disjoint(catalog: Catalog, count: 
         assert sorted(found) == list(range(partitions))  # every partition has one owner
         counts = [sum(1 for owner in found.values() if owner == r) for r in ids]
         assert max(counts) - min(counts) <= 1, (run, counts)
-        assert found == {p: desired_owner(run, p, ids) for p in range(partitions)}
 
 
 async def test_a_partition_changes_hands_released_then_claimed(catalog: Catalog) -> None:
     replicas = Replicas(catalog)
     await replicas.tick("r1")
     assert (await replicas.tick("r2")) == {}  # r1 is live and still holds everything
-    moving = [p for p in range(8) if desired_owner("alpha", p, ["r1", "r2"]) == "r2"]
+    moving = [
+        p
+        for p, r in assign_partitions(
+            "alpha", 8, dict.fromkeys(range(8), "r1"), ["r1", "r2"]
+        ).items()
+        if r == "r2"
+    ]
+    assert len(moving) == 4
     kept = await replicas.tick("r1")  # r1 lets r2's share go, at the next generation
     assert sorted(kept["alpha"]) == sorted(set(range(8)) - set(moving))
     listed = {o.partition: o for o in await catalog.partition_owners("alpha")}
@@ -178,3 +184,47 @@ async def test_new_runs_are_claimed_and_deleted_runs_forgotten(catalog: Catalog)
     assert (await replicas.tick("r1"))["delta"] == {0: 1, 1: 1, 2: 1}
     await catalog.delete_run("delta")
     assert "delta" not in await replicas.tick("r1")
+
+
+async def test_a_membership_change_moves_only_what_balance_needs(catalog: Catalog) -> None:
+    replicas = Replicas(catalog, lease_s=2.0)
+    await replicas.settle(["r1", "r2", "r3"])
+    before = {run: owners(replicas.held, run) for run in RUNS}
+    await replicas.settle(["r1", "r2", "r3", "r4"])  # a fourth joins: it takes its share
+    joined = {run: owners(replicas.held, run) for run in RUNS}
+    for run, partitions in RUNS.items():
+        moved = [p for p in range(partitions) if joined[run][p] != before[run][p]]
+        assert all(joined[run][p] == "r4" for p in moved), run  # only to the newcomer
+        assert len(moved) == partitions // 4, run
+    replicas.held.pop("r2")  # r2 dies: only its partitions move, onto the others
+    async with asyncio.timeout(30):
+        while any(o.live for o in await catalog.partition_owners("alpha") if o.replica_id == "r2"):
+            for replica in ("r1", "r3", "r4"):
+                await replicas.tick(replica)
+            await asyncio.sleep(0.2)
+    await replicas.settle(["r1", "r3", "r4"])
+    for run, partitions in RUNS.items():
+        after = owners(replicas.held, run)
+        moved = {p for p in range(partitions) if after[p] != joined[run][p]}
+        assert moved == {p for p in range(partitions) if joined[run][p] == "r2"}, run
+        counts = [sum(1 for o in after.values() if o == r) for r in ("r1", "r3", "r4")]
+        assert max(counts) - min(counts) <= 1, (run, counts)
+
+
+async def test_the_heartbeat_writes_the_replica_report_every_replica_reads(
+    catalog: Catalog,
+) -> None:
+    report = '{"runs": {"alpha": {"status": "ok"}}, "age_s": 0.5}'
+    await catalog.lease_tick("r1", lease_s=LONG, held={}, fresh=True, health=report)
+    await catalog.lease_tick("r2", lease_s=LONG, held={}, fresh=True)
+    view = await catalog.cluster_view("alpha")
+    assert view.partitions == {"alpha": 8}
+    assert {owner for owner, _ in view.leases["alpha"].values()} == {"r1"}
+    first = view.replicas["r1"]
+    assert first.live and first.silent_s < 30
+    assert first.health == {"runs": {"alpha": {"status": "ok"}}, "age_s": 0.5}
+    assert view.replicas["r2"].health is None  # it wrote none
+    everything = await catalog.cluster_view()
+    assert set(everything.partitions) == set(RUNS) and set(everything.leases) == set(RUNS)
+    await catalog.release_leases("r2")
+    assert "r2" not in (await catalog.cluster_view()).replicas  # gone, owns nothing

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -14,7 +16,9 @@ from typing import Any
 
 import pytest
 
-from rolloutlog.catalog import open_catalog
+from rolloutlog.catalog import Catalog, open_catalog
+from rolloutlog.catalog._backend import backend_for
+from rolloutlog.errors import BackendUnavailable
 from rolloutlog.log import Log, open_log, partition_for
 from rolloutlog.projections import Coordinator
 from rolloutlog.projections._ownership import Ownership
@@ -168,26 +172,61 @@ async def test_an_owner_change_starts_the_projector_afresh_from_the_log(
     assert await folded(a) == set(EPISODES)
 
 
+class _CutOff(Catalog):
+    """The heartbeat's catalog, unreachable while ``cut`` is set (set from the test's loop)."""
+
+    cut = threading.Event()
+
+    async def lease_tick(self, *args: Any, **kwargs: Any) -> dict[str, dict[int, int]]:
+        if self.cut.is_set():
+            raise BackendUnavailable("the catalog is unreachable (cut off by the test)")
+        return await super().lease_tick(*args, **kwargs)
+
+
 async def test_a_replica_cut_off_from_the_catalog_keeps_folding_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="rolloutlog.projections._ownership")
-    async with open_catalog(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}") as catalog:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'c.db'}"
+    async with open_catalog(url) as catalog:
         await catalog.create_run(RUN, partitions=P)
-        ownership = Ownership(catalog, "a", lease_s=0.2)
+        ownership = Ownership(
+            catalog,
+            "a",
+            lease_s=0.2,
+            heartbeat_catalog=lambda: _CutOff(backend_for(url), abort_pending_on_start=False),
+        )
         await ownership.start()
         owned = ownership.owned
         assert owned == {RUN: dict.fromkeys(range(P), 1)}
-        await catalog.stop()  # every tick fails from now on
-        await logged(caplog, "ran out")
-        assert "could not renew its partition leases" in caplog.text
-        assert ownership.owned is owned  # it keeps what it had (its writes are fenced)
-        await catalog.start()
+        _CutOff.cut.set()  # every tick fails from now on
+        try:
+            await logged(caplog, "ran out")
+            assert "could not renew its partition leases" in caplog.text
+            assert ownership.owned is owned  # it keeps what it had (its writes are fenced)
+        finally:
+            _CutOff.cut.clear()
         await logged(caplog, "renewed its partition leases after")
         assert ownership.owned == owned  # nobody else claimed them meanwhile
         await ownership.stop()
         await ownership.release()
         assert {o.replica_id for o in await catalog.partition_owners(RUN)} == {None}
+
+
+async def test_the_heartbeat_renews_while_the_service_loop_is_blocked(tmp_path: Path) -> None:
+    """The lease tick has a thread of its own: a loop blocked past the lease loses nothing."""
+    async with open_catalog(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}") as catalog:
+        await catalog.create_run(RUN, partitions=P)
+        ownership = Ownership(catalog, "a", lease_s=0.4)
+        await ownership.start()
+        ownership.publish({"runs": {}})
+        time.sleep(1.6)  # noqa: ASYNC251 -- blocking this loop is the point: four leases
+        listed = await catalog.partition_owners(RUN)
+        assert all(o.replica_id == "a" and o.live and o.generation == 1 for o in listed)
+        view = await catalog.cluster_view(RUN)
+        report = view.replicas["a"].health
+        assert report is not None and report["age_s"] > 1.0  # the loop's report went stale
+        await ownership.release()
 
 
 async def test_two_processes_under_one_replica_id_are_reported(
@@ -201,3 +240,5 @@ async def test_two_processes_under_one_replica_id_are_reported(
         assert "another live process uses the same replica id" not in caplog.text
         await first.tick()
         assert "another live process uses the same replica id" in caplog.text
+        await first.release()
+        await second.release()

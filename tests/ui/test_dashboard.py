@@ -3,6 +3,8 @@ request, shows the numbers the REST API answers, and its links lead where they s
 
 from __future__ import annotations
 
+from typing import Any
+
 from playwright.async_api import expect
 
 from tests.ui.conftest import Browser, Served
@@ -121,4 +123,35 @@ async def test_api_documents_load_offline(browser: Browser) -> None:
     tags = await page.locator(".swagger-ui .opblock-tag").all_inner_texts()
     names = {t.split("\n")[0].strip() for t in tags}
     assert {"runs", "events", "checkpoints", "restores", "analysts", "operations"} <= names
+    browser.check_clean()
+
+
+async def test_run_page_names_what_holds_the_run_back(browser: Browser, served: Served) -> None:
+    """A lone replica cannot be held back by another; the reply of another replica's view is
+    stood in for (the cross-replica judgement itself is tested on real replicas in
+    tests/e2e/test_replica_health.py): the page shows each blocker's partition and replica."""
+    page = browser.page
+    await browser.open(f"/ui/runs/{served.run}")
+    await page.wait_for_selector("[data-testid=held-back-none]")
+    blocker = {
+        "partition": 1,
+        "replica": "r3",
+        "state": "catching_up",
+        "reason": "replica r3: starting: catching up with the log",
+        "since": 1764400000.0,
+        "lag": 4200,
+    }
+
+    async def held_back(route: Any) -> None:
+        reply = await route.fetch()
+        body = await reply.json()
+        body["health"] = {**body["health"], "status": "degraded", "held_back": [blocker]}
+        await route.fulfill(response=reply, json=body)
+
+    await page.route(f"**/v1/runs/{served.run}", held_back)
+    row = "[data-testid=held-back] tr[data-partition='1']"
+    await page.wait_for_selector(row, timeout=15_000)  # at the page's next refresh
+    assert await _field(page, row, "replica") == "r3"
+    assert await _field(page, row, "lag") == "4200"
+    assert "catching_up" in await page.inner_text(row)
     browser.check_clean()

@@ -115,6 +115,10 @@ def runs_show(client: TrainerClient, run: str, stats: bool, as_json: bool) -> in
             ("restores", counts["restores"]),
             ("episodes", f"{counts['episodes']} ({counts.get('live_episodes', 0)} live)"),
             ("health", " ".join(str(v) for v in (health.get("status"), health.get("error")) if v)),
+            *(
+                (f"held back p{b['partition']}", f"{b['replica'] or 'nobody'} {b['state']}")
+                for b in health.get("held_back") or ()
+            ),
             ("created", when(found["created_at"])),
         ],
         stdout(),

@@ -71,6 +71,27 @@ function table(headers, rows, attrs) {
     el("tbody", {}, rows));
 }
 
+// What holds a run back, on any replica: one row per partition and the replica that holds it.
+function heldBackTable(health) {
+  const blockers = health.held_back || [];
+  if (!blockers.length) return el("p", { class: "muted", "data-testid": "held-back-none" }, "Nothing holds the run back.");
+  return el("table", { "data-testid": "held-back" },
+    el("thead", {}, el("tr", {}, ["partition", "replica", "state", "lag", "since", "reason"].map((h) => el("th", {}, h)))),
+    el("tbody", {}, blockers.map((b) => el("tr", { "data-partition": b.partition },
+      td(field("partition", b.partition), { class: "num" }),
+      td(field("replica", b.replica ?? "nobody")),
+      td(badge(b.state)),
+      td(field("lag", fmt.n(b.lag)), { class: "num" }),
+      td(fmt.time(b.since)),
+      td(b.reason)))));
+}
+
+function heldBackSummary(health) {
+  const blockers = health.held_back || [];
+  if (!blockers.length) return "nothing holds the run back";
+  return "held back by " + blockers.map((b) => `partition ${b.partition} (${b.replica ?? "nobody"}: ${b.state})`).join(", ");
+}
+
 function td(value, attrs) {
   return el("td", attrs || {}, value);
 }
@@ -276,7 +297,9 @@ function runsView() {
     const page = await api(`/v1/runs?${query}`);
     const lags = await Promise.all(page.runs.map((r) => api(`/v1/runs/${enc(r.run)}/projector`).catch(() => null)));
     body.replaceChildren(...page.runs.map((r, i) => {
-      const health = r.health ? badge(r.health.status) : el("span", { class: "muted" }, "–");
+      const health = r.health
+        ? el("span", { title: heldBackSummary(r.health) }, badge(r.health.status))
+        : el("span", { class: "muted" }, "–");
       const checkpoints = Object.values(r.counts.checkpoints || {}).reduce((a, b) => a + b, 0);
       return el("tr", { "data-run": r.run },
         td(el("a", { href: `/ui/runs/${enc(r.run)}` }, r.run)),
@@ -335,10 +358,12 @@ function runView(run) {
       card("events/s", "events_per_s", rateNow === null ? "–" : rateNow.toFixed(1)),
       card("last checkpoint", "duration_ms_last", fmt.ms(stats.checkpoints.duration_ms_last)));
     const health = info.health || null;
-    healthBox.replaceChildren(health
-      ? el("p", {}, "Health: ", badge(health.status), health.error ? ` ${health.error}` : "",
-        health.since ? el("span", { class: "muted" }, ` since ${fmt.time(health.since)}`) : "")
-      : el("p", { class: "muted" }, "Health: not reported by this service."));
+    healthBox.replaceChildren(...(health
+      ? [el("p", {}, "Health: ", badge(health.status), health.error ? ` ${health.error}` : "",
+        health.since ? el("span", { class: "muted" }, ` since ${fmt.time(health.since)}`) : "",
+        health.replica ? el("span", { class: "muted" }, ` (asked replica ${health.replica})`) : ""),
+      heldBackTable(health)]
+      : [el("p", { class: "muted" }, "Health: not reported by this service.")]));
   };
 
   const renderCharts = (checkpoints, lag) => {
