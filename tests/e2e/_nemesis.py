@@ -7,8 +7,9 @@ a throwaway PostgreSQL cluster (``tests/faults/_postgres.py``; never the machine
 ``rolloutlog serve --replica-id rN --lease-s 3`` on both. The workload (``Workload``): six writers
 each appending 4-event batches (a new episode each, left live at its first boundary, so that every
 later checkpoint's manifest names it) through a random replica; a trainer that every 0.5-1.5 s asks
-a random replica for a checkpoint (``wait: true``, ``deadline_s: 8``) or, now and then, a restore
-of the latest. The faults, one at a time (``schedule``):
+a random replica for a checkpoint (``wait: true``, ``deadline_s: 8``) or, one request in 12, a
+restore of the latest (the trainer's client is given every replica's URL, the chosen one first,
+and moves on by itself). The faults, one at a time (``schedule``):
 
 - ``replica_kill``: SIGKILL a replica, restart it under the same ``--replica-id`` 0.5-7 s later
   (before or after its lease ran out); ends when the new process answers ``/healthz``.
@@ -246,10 +247,15 @@ class Workload:
     async def setup(self) -> None:
         """Create the run, take its controller, register a participant per writer; until every
         replica owns some partitions."""
-        timeout = CHECKPOINT_DEADLINE_S + 12
-        for replica in self.members:
+        # A client per replica, with every replica's URL from that one on: a request through a
+        # random replica moves to the next on a transport error or a retriable refusal (within
+        # the call's bound: a checkpoint's deadline + 10 s), as a trainer given them all does.
+        urls = [r.url for r in self.members]
+        for index, replica in enumerate(self.members):
             self.clients[replica.url] = AsyncTrainerClient(
-                replica.url, token=TOKENS["admin"], timeout_s=timeout
+                urls[index:] + urls[:index],
+                token=TOKENS["admin"],
+                timeout_s=CHECKPOINT_DEADLINE_S + 12,
             )
         first = self.clients[self.members[0].url]
         await first.create_run(RUN, partitions=PARTITIONS)
