@@ -1,5 +1,5 @@
 """The nemesis: a seeded random schedule of faults over three replicas, the Kafka broker and the
-PostgreSQL catalog, under continuous appends, checkpoints and restores through random replicas;
+PostgreSQL catalog, under continuous appends through random replicas, checkpoints and restores;
 the checkers of what it must keep (safety) and how soon it must get going again (liveness).
 
 The world (``nemesis_world``): a private Tansu behind a resetting proxy (``tests/faults/_kafka.py``),
@@ -7,9 +7,8 @@ a throwaway PostgreSQL cluster (``tests/faults/_postgres.py``; never the machine
 ``rolloutlog serve --replica-id rN --lease-s 3`` on both. The workload (``Workload``): six writers
 each appending 4-event batches (a new episode each, left live at its first boundary, so that every
 later checkpoint's manifest names it) through a random replica; a trainer that every 0.5-1.5 s asks
-a random replica for a checkpoint (``wait: true``, ``deadline_s: 8``) or, one request in 12, a
-restore of the latest (the trainer's client is given every replica's URL, the chosen one first,
-and moves on by itself). The faults, one at a time (``schedule``):
+for a checkpoint (``wait: true``, ``deadline_s: 8``) or, one request in 12, a restore of the latest,
+through a client given every replica's URL (it moves on by itself). The faults, one at a time (``schedule``):
 
 - ``replica_kill``: SIGKILL a replica, restart it under the same ``--replica-id`` 0.5-7 s later
   (before or after its lease ran out); ends when the new process answers ``/healthz``.
@@ -247,20 +246,23 @@ class Workload:
     async def setup(self) -> None:
         """Create the run, take its controller, register a participant per writer; until every
         replica owns some partitions."""
-        # A client per replica, with every replica's URL from that one on: a request through a
-        # random replica moves to the next on a transport error or a retriable refusal (within
-        # the call's bound: a checkpoint's deadline + 10 s), as a trainer given them all does.
+        # The trainer: one client given every replica's URL (in a seeded random order); it
+        # stays on one until a transport error or a retriable refusal moves it to the next
+        # (within the call's bound: a checkpoint's deadline + 10 s). And a client per replica,
+        # for reads and for what one replica answers.
         urls = [r.url for r in self.members]
-        for index, replica in enumerate(self.members):
+        random.Random(f"{self.seed}-urls").shuffle(urls)
+        self.trainer_client = AsyncTrainerClient(
+            urls, token=TOKENS["admin"], timeout_s=CHECKPOINT_DEADLINE_S + 12
+        )
+        for replica in self.members:
             self.clients[replica.url] = AsyncTrainerClient(
-                urls[index:] + urls[:index],
-                token=TOKENS["admin"],
-                timeout_s=CHECKPOINT_DEADLINE_S + 12,
+                replica.url, token=TOKENS["admin"], timeout_s=CHECKPOINT_DEADLINE_S + 12
             )
         first = self.clients[self.members[0].url]
         await first.create_run(RUN, partitions=PARTITIONS)
         epoch = await first.take_over(RUN)
-        for client in self.clients.values():
+        for client in [self.trainer_client, *self.clients.values()]:
             client.controller_epochs[RUN] = epoch
         self.epochs = [
             await first.register_participant(RUN, f"env-{i}", "environment") for i in range(WRITERS)
@@ -301,19 +303,20 @@ class Workload:
                 async with asyncio.timeout(rng.uniform(0.5, 1.5)):
                     await self.stop.wait()
                     return
-            replica = rng.choice(self.members)
             if len(self.asked) % RESTORE_EVERY == RESTORE_EVERY - 1:
-                await self.restore(replica)
+                await self.restore()
             else:
-                await self.checkpoint(replica)
+                await self.checkpoint()
 
     async def checkpoint(
-        self, replica: Replica, deadline_s: float = CHECKPOINT_DEADLINE_S
+        self, replica: Replica | None = None, deadline_s: float = CHECKPOINT_DEADLINE_S
     ) -> Asked:
-        asked = Asked("checkpoint", replica.replica_id, time.monotonic())
+        """A checkpoint asked by the trainer (``replica`` None) or through one replica only."""
+        via = "trainer" if replica is None else replica.replica_id
+        asked = Asked("checkpoint", via, time.monotonic())
         self.asked.append(asked)
         acked = self._acked_episodes(asked.sent)
-        client = self.clients[replica.url]
+        client = self.trainer_client if replica is None else self.clients[replica.url]
         try:
             info = await client.checkpoint(RUN, deadline_s=deadline_s, wait=True)
         except RolloutlogError as e:
@@ -370,11 +373,11 @@ class Workload:
             f"episodes: {sorted(where)[:8]}; before it: {earlier}"
         )
 
-    async def restore(self, replica: Replica) -> Asked:
-        asked = Asked("restore", replica.replica_id, time.monotonic())
+    async def restore(self) -> Asked:
+        asked = Asked("restore", "trainer", time.monotonic())
         self.asked.append(asked)
         try:
-            info = await self.clients[replica.url].restore(RUN)
+            info = await self.trainer_client.restore(RUN)
         except RolloutlogError as e:
             asked.outcome, asked.message = e.code, e.message[:300]
         except httpx.HTTPError as e:
@@ -432,7 +435,7 @@ class Workload:
             await asyncio.sleep(0.2)
 
     async def close(self) -> None:
-        for client in self.clients.values():
+        for client in [self.trainer_client, *self.clients.values()]:
             await client.stop()
         await self.appends.close()
         await self.http.aclose()
@@ -440,11 +443,11 @@ class Workload:
     # -- the end: safety ------------------------------------------------------------------------
 
     async def settle(self) -> Asked:
-        """After the schedule: the last checkpoint (asked again through random replicas until
+        """After the schedule: the last checkpoint (the trainer asks again until
         one commits, within ``GIVE_UP_S``) must name every acknowledged episode."""
         deadline = time.monotonic() + GIVE_UP_S
         while True:
-            last = await self.checkpoint(random.choice(self.members), deadline_s=15)
+            last = await self.checkpoint(deadline_s=15)
             if last.outcome == "committed" or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
