@@ -526,8 +526,9 @@ async def check_checkpoints_whole(catalog: CatalogView) -> None:
 
 async def check_restore_plans(catalog: CatalogView) -> None:
     """No committed restore plan gives an episode an attempt twice: per episode, attempts
-    increase strictly from restore to restore, each above the attempt it replaces; within one
-    restore, no episode is in two partitions' parts; an aborted request left no plan."""
+    increase strictly from restore to restore, each replacing the one the previous restore
+    gave; an aborted request left no plan; the owners' parts plan each episode once, in its
+    own partition."""
     committed = {
         r["restore_id"]
         for r in await catalog.fetch("SELECT restore_id FROM restores WHERE run = $1", RUN)
@@ -550,9 +551,6 @@ async def check_restore_plans(catalog: CatalogView) -> None:
             f"the current one was {last.get(episode, 0)}"
         )
         last[episode] = attempt
-    planned: dict[int, set[str]] = {}
-    for row in rows:
-        planned.setdefault(row["restore_id"], set()).add(row["episode"])
     requests = await catalog.fetch(
         "SELECT restore_id, status FROM restore_requests WHERE run = $1", RUN
     )
@@ -577,17 +575,9 @@ async def check_restore_plans(catalog: CatalogView) -> None:
                     f"and {part['partition']}"
                 )
                 seen[name] = part["partition"]
-        # The requester plans its own partitions in-process (no part row); every other
-        # partition's planned episodes are its owner's part's, and nothing else is.
-        written = {part["partition"] for part in parts}
-        plan = planned.get(restore_id, set())
-        expected = {e for e in plan if partition_for(e, PARTITIONS) in written}
-        assert set(seen) == expected, (
-            f"restore {restore_id}: the parts of partitions {sorted(written)} plan "
-            f"{len(seen)} episodes, the committed plan {len(expected)} of theirs: only in the "
-            f"plan {sorted(expected - set(seen))[:5]}, only in the parts "
-            f"{sorted(set(seen) - expected)[:5]}"
-        )
+        # The requester plans the partitions it owns in-process and takes the others' parts
+        # from these rows (a row of a partition it owns by then is a former owner's, unused):
+        # each row plans episodes of its own partition only.
         for name, partition in seen.items():
             assert partition == partition_for(name, PARTITIONS), (restore_id, name, partition)
 
@@ -799,8 +789,12 @@ async def soak(
             finally:
                 workload.stop.set()
                 await asyncio.gather(*tasks)
-            await workload.settle()
-            await workload.verify()
+            safety = ""
+            try:
+                await workload.settle()
+                await workload.verify()
+            except AssertionError as e:
+                safety = str(e)[:2000]
         finally:
             await workload.close()
     failures = liveness_failures(faults)
@@ -812,6 +806,7 @@ async def soak(
         "checkpoint_deadline_s": CHECKPOINT_DEADLINE_S,
         "liveness_bound_s": LIVENESS_BOUND_S,
         "liveness_failures": failures,
+        "safety_failure": safety,
         **workload.figures(),
         "faults": fault_figures(faults),
         "schedule": [asdict(x) | {"began": None, "ended": None} for x in faults],
@@ -837,8 +832,8 @@ def main() -> int:
     if args.save is not None:
         path = args.save if args.save.is_absolute() else ROOT / args.save
         path.write_text(text + "\n")
-    if figures["liveness_failures"]:
-        print(f"nemesis soak FAILED liveness (seed {seed})", file=sys.stderr)
+    if figures["safety_failure"] or figures["liveness_failures"]:
+        print(f"nemesis soak FAILED (seed {seed})", file=sys.stderr)
         return 1
     return 0
 
