@@ -68,12 +68,11 @@ bench-quick: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/report.py --quick
 
 # The nemesis soak: three replicas on Tansu and a throwaway PostgreSQL under a seeded random
-# schedule of faults for SOAK_MINUTES (tests/e2e/_nemesis.py); prints its figures and saves them
-# to benchmarks/results/soak.json. SOAK_SEED replays a schedule.
+# schedule of faults for SOAK_MINUTES (benchmarks/soak.py, tests/e2e/_nemesis.py); prints its
+# figures and saves them to benchmarks/results/soak.json. SOAK_SEED replays a schedule.
 SOAK_MINUTES ?= 10
 soak: venv
-	PYTHONPATH=$(CURDIR) $(BIN)/python -m tests.e2e._nemesis --minutes $(SOAK_MINUTES) \
-		$(if $(SOAK_SEED),--seed $(SOAK_SEED)) --save benchmarks/results/soak.json $(SOAK_ARGS)
+	$(BIN)/python benchmarks/soak.py --minutes $(SOAK_MINUTES) $(if $(SOAK_SEED),--seed $(SOAK_SEED))
 
 clean:
 	rm -rf $(VENV) rolloutlog-data .pytest_cache .mypy_cache .ruff_cache

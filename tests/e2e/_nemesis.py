@@ -33,21 +33,18 @@ The broker SIGKILLed (Tansu keeps its log in memory: it comes back empty) is its
 silently re-created (docs/design.md §12).
 
 Every schedule is drawn from a seed, printed first, and replays from it
-(``ROLLOUTLOG_NEMESIS_SEED``). ``python -m tests.e2e._nemesis --minutes N [--seed S]`` (``make
-soak``) runs a long one and prints its figures (and saves them with ``--save``).
+(``ROLLOUTLOG_NEMESIS_SEED``). ``soak`` runs a long one and returns its figures
+(``benchmarks/soak.py``, ``make soak``).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import os
 import random
 import statistics
-import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -62,7 +59,6 @@ from rolloutlog.errors import RolloutlogError, UnknownRun
 from rolloutlog.log import open_log, partition_for
 from rolloutlog.trainer import AsyncTrainerClient
 from tests import factories as f
-from tests._services import ROOT
 from tests.api.conftest import TOKENS, wire
 from tests.e2e._harness import (
     REPLICA_LEASE_S,
@@ -773,8 +769,8 @@ async def broker_lost(world: World, workload: Workload, timeout_s: float = 60.0)
 async def soak(
     minutes: float, seed: int, workdir: Path, kinds: tuple[str, ...] = KINDS
 ) -> dict[str, Any]:
-    """A long schedule (as many faults as fit in ``minutes``, ~20 s each); its figures."""
-    count = max(1, int(minutes * 60 / 20))
+    """A long schedule (as many faults as fit in ``minutes``, ~15 s each); its figures."""
+    count = max(1, int(minutes * 60 / 15))
     faults = schedule(seed, count, kinds)
     print(f"nemesis soak: seed {seed} ({SEED_VARIABLE}={seed}), {count} faults", flush=True)
     started = time.monotonic()
@@ -811,32 +807,3 @@ async def soak(
         "faults": fault_figures(faults),
         "schedule": [asdict(x) | {"began": None, "ended": None} for x in faults],
     }
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.e2e._nemesis", description=__doc__)
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--save", type=Path, default=None, help="write the figures as JSON here")
-    parser.add_argument(
-        "--kinds", default=",".join(KINDS), help=f"the fault kinds to draw from (of {KINDS})"
-    )
-    args = parser.parse_args()
-    seed = args.seed if args.seed is not None else seed_from_env()
-    with tempfile.TemporaryDirectory(prefix="rolloutlog-soak-") as workdir:
-        kinds = tuple(k for k in args.kinds.split(",") if k)
-        assert set(kinds) <= set(KINDS), f"--kinds: {kinds}"
-        figures = asyncio.run(soak(args.minutes, seed, Path(workdir), kinds))
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if args.save is not None:
-        path = args.save if args.save.is_absolute() else ROOT / args.save
-        path.write_text(text + "\n")
-    if figures["safety_failure"] or figures["liveness_failures"]:
-        print(f"nemesis soak FAILED (seed {seed})", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
