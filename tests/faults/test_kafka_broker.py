@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import threading
 import time
 import uuid
@@ -299,6 +300,86 @@ async def test_reads_of_a_long_partition_reach_its_end_on_a_starved_broker(
                         following = offset + 1
                     if following == end:
                         break
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1])
+async def test_follows_from_any_offset_reach_the_end_through_resets_and_a_frozen_reader(
+    kafka: FaultyKafka, seed: int
+) -> None:
+    """Four writers append 4-record batches to random partitions all along; four followers
+    start at random offsets (mostly inside batches) of every partition; meanwhile every
+    connection is reset twice and the reading process is frozen 8.1 s (its event loop blocked,
+    as a SIGSTOP does: its requests outlive their timeout). Each follower, restarted from its
+    offsets after a retriable error as the projector's supervisor does, delivers every offset
+    from its start, once and in order, and reaches the end within 20 s of the last append.
+    Seeded: the schedule replays from the seed in the test's id."""
+    rng = random.Random(seed)
+    print(f"seed {seed}")
+    url = f"kafka://{kafka.bootstrap}?request_timeout_ms={REQUEST_TIMEOUT_MS}"
+    writers = [from_url(url) for _ in range(4)]
+    stop = asyncio.Event()
+    async with kafka_log(kafka) as log, contextlib.AsyncExitStack() as stack:
+        await log.ensure_run("run", P)
+        for writer in writers:
+            writer.topic_prefix = log.topic_prefix
+            await writer.start()
+            stack.push_async_callback(writer.close)
+
+        async def appender(writer: KafkaLog, tag: int) -> None:
+            i = 0
+            while not stop.is_set():
+                partition = rng.randrange(P)
+                batch = [Record(partition, b"k", b"%d.%d.%d" % (tag, i, j)) for j in range(4)]
+                with contextlib.suppress(BackendUnavailable):  # a reset: the next one goes
+                    await writer.append_records("run", batch)
+                i += 1
+
+        appenders = [
+            asyncio.create_task(appender(writer, tag)) for tag, writer in enumerate(writers)
+        ]
+        await asyncio.sleep(1.5)
+        ends = await log.latest_offsets("run")
+        starts = [[rng.randrange(end + 1) for end in ends] for _ in range(4)]
+        positions = [list(start) for start in starts]
+        restarts = [0] * len(starts)
+
+        async def follower(index: int) -> None:
+            offsets = positions[index]
+            while True:
+                try:
+                    async for partition, page in log.follow_run("run", list(offsets)):
+                        for offset, _ in page:
+                            assert offset == offsets[partition], "pages skip or repeat offsets"
+                            offsets[partition] = offset + 1
+                except RolloutlogError as e:
+                    assert e.retriable, f"a follower died of a non-retriable error: {e!r}"
+                    restarts[index] += 1
+                    await asyncio.sleep(0.2)
+
+        followers = [asyncio.create_task(follower(index)) for index in range(len(starts))]
+        try:
+            for _ in range(2):
+                await asyncio.sleep(rng.uniform(0.5, 1.5))
+                kafka.proxy.reset_all()
+            await asyncio.sleep(rng.uniform(0.2, 1.0))
+            time.sleep(8.1)  # noqa: ASYNC251 - the frozen process, on purpose
+            await asyncio.sleep(2)
+            stop.set()
+            await asyncio.gather(*appenders)
+            ends = await log.latest_offsets("run")
+            deadline = time.monotonic() + 20
+            while any(offsets != ends for offsets in positions):
+                assert time.monotonic() < deadline, (
+                    f"seed {seed}: followers at {positions}, the log ends at {ends} "
+                    f"(restarts {restarts})"
+                )
+                await asyncio.sleep(0.1)
+        finally:
+            stop.set()
+            for task in [*followers, *appenders]:
+                task.cancel()
+            await asyncio.gather(*followers, *appenders, return_exceptions=True)
 
 
 async def refusal(operation: Callable[[], Awaitable[object]]) -> RunLost:
