@@ -23,7 +23,13 @@ from operator import attrgetter, itemgetter
 from typing import Any, cast
 
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
-from rolloutlog.errors import BackendUnavailable, RolloutlogError, StaleController
+from rolloutlog.errors import (
+    BackendUnavailable,
+    CheckpointNotPending,
+    LeaseLost,
+    RolloutlogError,
+    StaleController,
+)
 from rolloutlog.log import Log
 from rolloutlog.projections._feeders import flush_episodes
 from rolloutlog.projections._planner import replay_start
@@ -211,12 +217,23 @@ class Checkpointer:
     ) -> CheckpointResult:
         run = projector.run
         checkpoint_id = capture.checkpoint_id
+        moved = False
         try:
             await _resolve(projector, capture, deadline, deadline)
             timer.stage("waits")
-            committed, delta, restaged = await self._write_parts(
-                projector, capture, timer, controller_epoch, marked_at
-            )
+            try:
+                if projector.closed.is_set():  # the run's partitions changed owner meanwhile
+                    raise LeaseLost(f"the projector of run {run!r} was replaced", run=run)
+                committed, delta, restaged = await self._write_parts(
+                    projector, capture, timer, controller_epoch, marked_at
+                )
+            except CheckpointNotPending:  # aborted meanwhile (superseded): say why, below
+                committed, delta, restaged = None, None, None
+            except LeaseLost:
+                # Their new owners' projectors, started afresh, capture the markers and write
+                # those parts: the outcome is the catalog's.
+                moved = True
+                raise
             whole = len(capture.owned) == projector.partitions
             if committed is None:  # other replicas' parts are due: the last one commits
                 committed = await self._committed(
@@ -234,6 +251,15 @@ class Checkpointer:
             elif restaged is None or staging_since != restaged.since or staged != restaged.since:
                 staging = tuple(capture.staging)
             timer.stage("commit")
+        except LeaseLost:
+            self._exports.close(run, capture)
+            projector.end_capture(capture, committed=False)
+            if not moved:
+                await self._abort(projector, controller_epoch, capture, "commit failed")
+                raise
+            return await self._handed_over(
+                run, checkpoint_id, controller_epoch, timer, marked_at + deadline
+            )
         except BaseException:
             self._exports.close(run, capture)
             await self._abort(projector, controller_epoch, capture, "commit failed")
@@ -396,6 +422,8 @@ class Checkpointer:
             if capture.waiting:
                 self._exports.open(projector, capture, deadline_at)
             await _resolve(projector, capture, deadline, deadline_at - time.time())
+            if projector.closed.is_set():  # replaced: the new projector captures its own
+                return
             # A projector started while the checkpoint was pending (its partitions changed
             # owner) may own partitions whose former owner wrote their parts already.
             written = await self.catalog.written_parts(run, checkpoint_id)
@@ -550,15 +578,17 @@ async def _resolve(
 ) -> None:
     """Wait up to ``wait_s`` for the capture's wait steps; then the rest restart (``deadline``
     names the checkpoint's deadline in their reasons). A capture a newer checkpoint replaced
-    meanwhile (this one was aborted) waits no more: its parts are refused."""
+    meanwhile (this one was aborted) waits no more: its parts are refused; nor does one whose
+    projector was stopped (the partitions changed owner: the new owners' capture waits)."""
     if capture.waiting:
-        waits = [asyncio.ensure_future(e.wait()) for e in (capture.resolved, capture.ended)]
+        events = (capture.resolved, capture.ended, projector.closed)
+        waits = [asyncio.ensure_future(event.wait()) for event in events]
         try:
             await asyncio.wait(waits, timeout=max(0.0, wait_s), return_when=FIRST_COMPLETED)
         finally:
             for waiting in waits:
                 waiting.cancel()
-        if not capture.resolved.is_set() and not capture.ended.is_set():
+        if not any(event.is_set() for event in events):
             name_expired_waits(projector, capture, deadline)
             capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
 

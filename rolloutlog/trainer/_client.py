@@ -14,7 +14,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -28,6 +28,7 @@ from rolloutlog.trainer._failover import (
     CheckpointAttempt,
     Rounds,
     ServiceUrls,
+    checkpoint_answer_s,
     checkpoint_budget_s,
     movable_error,
     movable_transport,
@@ -57,6 +58,12 @@ class _Call:
     params: Mapping[str, Any] | None = None
     json: Any = None
     ndjson: bool = False
+    #: This request's own timeout (None: the client's).
+    timeout_s: float | None = None
+
+    @property
+    def timeout(self) -> Any:
+        return httpx.USE_CLIENT_DEFAULT if self.timeout_s is None else self.timeout_s
 
 
 def _params(**values: Any) -> dict[str, Any]:
@@ -237,6 +244,7 @@ class AsyncTrainerClient(_Calls):
         super().__init__(url, token, client is not None, failover_s)
         self._owns_client = client is None
         base = self.url if self._urls is None else ""
+        self.timeout_s = timeout_s
         self._client = client or httpx.AsyncClient(base_url=base, timeout=timeout_s)
 
     async def start(self) -> None:
@@ -266,6 +274,7 @@ class AsyncTrainerClient(_Calls):
                 params=call.params,
                 json=call.json,
                 headers=headers,
+                timeout=call.timeout,
             )
         if response.is_error:
             raise error_from_response(response)
@@ -412,6 +421,7 @@ class AsyncTrainerClient(_Calls):
                     if found is not None:
                         return self._staging.info(run, found)
                 call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger)
+                call = replace(call, timeout_s=min(self.timeout_s, checkpoint_answer_s(deadline_s)))
                 return self._staging.info(run, await self._send_once(call))
             except CheckpointInProgress as e:
                 # Another request's (maybe this call's, unanswered; maybe a dead replica's,
@@ -578,6 +588,7 @@ class TrainerClient(_Calls):
         super().__init__(url, token, client is not None, failover_s)
         self._owns_client = client is None
         base = self.url if self._urls is None else ""
+        self.timeout_s = timeout_s
         self._client = client or httpx.Client(base_url=base, timeout=timeout_s)
 
     def close(self) -> None:
@@ -603,6 +614,7 @@ class TrainerClient(_Calls):
                 params=call.params,
                 json=call.json,
                 headers=headers,
+                timeout=call.timeout,
             )
         if response.is_error:
             raise error_from_response(response)
@@ -737,6 +749,7 @@ class TrainerClient(_Calls):
                     if found is not None:
                         return self._staging.info(run, found)
                 call = self._checkpoint_call(run, epoch, deadline_s, wait, trigger)
+                call = replace(call, timeout_s=min(self.timeout_s, checkpoint_answer_s(deadline_s)))
                 return self._staging.info(run, self._send_once(call))
             except CheckpointInProgress as e:
                 pause = self._moved(rounds, e) if rounds.expired() else POLL_S

@@ -39,6 +39,8 @@ __all__ = [
 #: What a checkpoint call adds to its deadline before it gives up moving between URLs: the
 #: service waits that long past it for other replicas' parts (``GRACE_S``) and a little more.
 CHECKPOINT_GRACE_S = 10.0
+#: What one checkpoint request's timeout adds to its deadline (``checkpoint_answer_s``).
+CHECKPOINT_ANSWER_GRACE_S = 6.0
 #: The server's deadline of a checkpoint request that names none.
 DEFAULT_CHECKPOINT_DEADLINE_S = 30.0
 #: The pause between two rounds over every URL (doubling up to ``_ROUND_PAUSE_MAX_S``).
@@ -153,6 +155,13 @@ class CheckpointAttempt:
 
 #: How far the service's clock may be behind the trainer's for ``CheckpointAttempt.adopt``.
 _CLOCK_SKEW_S = 5.0
+
+
+def checkpoint_answer_s(deadline_s: float | None) -> float:
+    """How long one checkpoint request may go unanswered: the service answers by its deadline
+    plus its grace (5 s); a replica that has not by then is paused or gone (what is left of the
+    call's budget asks another whether the checkpoint committed all the same)."""
+    return (deadline_s or DEFAULT_CHECKPOINT_DEADLINE_S) + CHECKPOINT_ANSWER_GRACE_S
 
 
 def checkpoint_budget_s(deadline_s: float | None) -> float:

@@ -15,8 +15,9 @@ import pytest
 from sqlalchemy import update
 
 from rolloutlog.catalog._schema import replicas as replicas_table
-from rolloutlog.errors import StaleController
+from rolloutlog.errors import BackendUnavailable, StaleController
 from rolloutlog.projections import CheckpointResult
+from tests import factories as f
 from tests.projections.test_checkpoint_parts import (
     RUN,
     Replicas,
@@ -95,8 +96,12 @@ async def test_a_lapsed_requesters_checkpoint_is_superseded_at_once(replicas: Re
     names = episodes_in(range(2), 4, "e")
     await replicas.log.append(RUN, [e for i, n in enumerate(names) for e in history(n, i)])
     requester, other = replicas.owning()
-    pending = await replicas.checkpoint(requester, wait=False, deadline_s=30)
-    assert isinstance(pending, int)
+    waiting = asyncio.create_task(replicas.checkpoint(requester, deadline_s=30))
+    for _ in range(500):
+        if found := await replicas.catalog.list_checkpoints(RUN, status="pending"):
+            break
+        await asyncio.sleep(0.02)
+    pending = found[0].checkpoint_id
     async with replicas.catalog._write() as conn:
         await conn.execute(
             update(replicas_table)
@@ -111,6 +116,9 @@ async def test_a_lapsed_requesters_checkpoint_is_superseded_at_once(replicas: Re
     orphan = await replicas.catalog.get_checkpoint(RUN, pending)
     assert orphan.status == "aborted"
     assert orphan.reason is not None and "superseded" in orphan.reason
+    # Its requester (alive after all: a stall) hears why, retriable, once the next one began.
+    with pytest.raises(BackendUnavailable, match="superseded"):
+        await waiting
 
 
 async def test_a_checkpoint_aborted_by_a_take_over_answers_stale_controller(
@@ -138,3 +146,35 @@ async def _written(replicas: Replicas) -> bool:
     if pending is None:
         return False
     return bool(await replicas.catalog.written_parts(RUN, pending.checkpoint_id))
+
+
+async def test_a_requester_whose_projector_is_replaced_while_it_waits_answers_the_commit(
+    replicas: Replicas,
+) -> None:
+    """Wait steps hold the checkpoint; meanwhile the requester's projector is replaced (as when
+    its partitions change owner): the new projector captures the markers caught up and settles
+    the waits when their boundaries come, and the requester answers that commit at once, with
+    the waited episodes continued (not restarted at the deadline)."""
+    names = episodes_in(range(2), 4, "e")
+    await replicas.log.append(RUN, [e for i, n in enumerate(names) for e in history(n, i)])
+    waiting = [name for i, name in enumerate(names) if i % 4 == 3]
+    requester, _ = replicas.owning()
+    coordinator = replicas.coordinators[requester]
+    request = asyncio.create_task(replicas.checkpoint(requester, deadline_s=20))
+    old = await coordinator.projector(RUN)
+    for _ in range(500):
+        capture = old._capture
+        if capture is not None and capture.reached.is_set():
+            break
+        await asyncio.sleep(0.02)
+    started = time.monotonic()
+    await old.stop()
+    await coordinator._launch(RUN)
+    await asyncio.sleep(0.3)
+    await replicas.log.append(RUN, [f.boundary(name, "verify") for name in waiting])
+    result = await request
+    assert time.monotonic() - started < 10  # not the 20 s deadline
+    assert isinstance(result, CheckpointResult)
+    manifest = await replicas.catalog.load_manifest(RUN, result.checkpoint.checkpoint_id)
+    actions = {entry.episode: entry.action for entry in manifest}
+    assert {actions[name] for name in waiting} == {"continue"}, actions

@@ -146,7 +146,13 @@ async def test_an_unanswered_checkpoint_is_found_not_begun_twice(kind: str) -> N
             return newest.pop(0)(request) if len(newest) > 1 else newest[0](request)
         return error(409, "checkpoint_in_progress", checkpoint_id=7)
 
-    script = Script(a=[reset], b=[b])
+    timeouts: list[float] = []
+
+    def a(request: httpx.Request) -> httpx.Response:
+        timeouts.append(request.extensions["timeout"]["read"])
+        raise httpx.ReadTimeout("a paused replica", request=request)
+
+    script = Script(a=[a], b=[b])
     async_client, sync_client = clients(script)
     if kind == "async":
         info = await async_client.checkpoint(RUN, deadline_s=2)
@@ -155,6 +161,7 @@ async def test_an_unanswered_checkpoint_is_found_not_begun_twice(kind: str) -> N
     assert info.checkpoint_id == 7 and info.status == "committed"
     posts = [(host, path) for host, method, path in script.seen if method == "POST"]
     assert posts == [("a", "/v1/runs/run/checkpoints"), ("b", "/v1/runs/run/checkpoints")]
+    assert timeouts == [2 + 6]  # the deadline, and the service's grace to answer
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])
