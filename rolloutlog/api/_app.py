@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,6 +38,7 @@ from rolloutlog.api._observe import Observe
 from rolloutlog.api._service import Service
 from rolloutlog.api._settings import Settings
 from rolloutlog.errors import PayloadTooLarge, RequestTimeout, RolloutlogError
+from rolloutlog.projections import RunHealthReport
 
 __all__ = ["PUBLIC_PATHS", "create_app", "route_roles"]
 
@@ -308,34 +309,37 @@ def _ops_routes(app: FastAPI) -> None:
     )
     async def readyz(request: Request) -> Response:
         service: Service = request.app.state.service
-        checks: dict[str, str] = {}
+        coordinator = service.coordinator
         probes: dict[str, Callable[[], Awaitable[object]]] = {
             "log": service.log.ping,
             "catalog": lambda: service.catalog.list_runs(limit=1),
+            # What holds each run back on any replica (for the body only: see below).
+            "cluster": coordinator.runs_health,
         }
-        for name, probe in probes.items():
+
+        async def probe(name: str) -> tuple[object, str]:
+            """The probe's answer and ``ok``, or None and what went wrong."""
             try:
                 async with asyncio.timeout(READY_PROBE_S):
-                    await probe()
-                checks[name] = "ok"
+                    return await probes[name](), "ok"
             except TimeoutError:
-                checks[name] = f"no answer within {READY_PROBE_S:g} s"
+                return None, f"no answer within {READY_PROBE_S:g} s"
             except Exception as e:  # any failure means "not ready"; the reason is reported
-                checks[name] = f"{type(e).__name__}: {e}"
+                return None, f"{type(e).__name__}: {e}"
+
+        found = dict(zip(probes, await asyncio.gather(*map(probe, probes)), strict=True))
+        checks = {name: found[name][1] for name in ("log", "catalog")}
+        cluster, cluster_check = found["cluster"]
+        if cluster_check != "ok":  # reported, but this replica's readiness is its own
+            checks["cluster"] = cluster_check
         if service.draining:
             checks["service"] = "shutting down"
         # A run whose projector here cannot make progress makes this service unready (its
         # checkpoints cannot commit); the body says, per run, what holds it back on any replica
         # (the status code stays this replica's own: load balancers route by it).
-        coordinator = service.coordinator
         local = coordinator.health()
-        runs: dict[str, Any] = {}
-        try:
-            async with asyncio.timeout(READY_PROBE_S):
-                reports = await coordinator.runs_health()
-            runs = {run: report.view(coordinator.replica_id) for run, report in reports.items()}
-        except Exception as e:  # this replica's own projectors still decide readiness
-            checks["cluster"] = f"{type(e).__name__}: {e}"
+        reports = cast("dict[str, RunHealthReport] | None", cluster) or {}
+        runs = {run: report.view(coordinator.replica_id) for run, report in reports.items()}
         for run, health in local.items():
             runs.setdefault(run, {**health.view(), "local": health.view(), "held_back": []})
         ready = all(value == "ok" for name, value in checks.items() if name != "cluster") and all(

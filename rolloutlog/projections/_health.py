@@ -31,7 +31,14 @@ from rolloutlog.projections._projector import STARTING, Projector
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Blocker", "HealthReporter", "RunHealthReport", "replica_report", "run_blockers"]
+__all__ = [
+    "Blocker",
+    "HealthReporter",
+    "RunHealthReport",
+    "own_blockers",
+    "replica_report",
+    "run_blockers",
+]
 
 BlockerState = Literal[
     "unowned",
@@ -149,6 +156,25 @@ def run_blockers(
         if found is not None:
             blockers.append(found)
     return blockers
+
+
+def own_blockers(
+    run: str, replica_id: str, local: Mapping[str, Any], lease_s: float
+) -> list[Blocker]:
+    """The partitions of ``run`` this replica folds that hold it back, from its live report
+    alone (when the catalog cannot say who owns the others)."""
+    run_report = local.get("runs", {}).get(run)
+    if run_report is None:
+        return []
+    leases = {
+        int(p): (replica_id, int(folded[0])) for p, folded in run_report["partitions"].items()
+    }
+    view = ClusterView({run: 0}, {run: leases}, {})
+    found = (
+        _judge(run, p, replica_id, generation, view, replica_id, local, lease_s)
+        for p, (_, generation) in sorted(leases.items())
+    )
+    return [blocker for blocker in found if blocker is not None]
 
 
 def _judge(
@@ -299,10 +325,9 @@ class HealthReporter:
                 if mine is not None
                 else None
             )
-            blockers = (
-                run_blockers(name, view, self.replica_id, local, self.lease_s)
-                if view is not None
-                else []
-            )
+            if view is not None:
+                blockers = run_blockers(name, view, self.replica_id, local, self.lease_s)
+            else:
+                blockers = own_blockers(name, self.replica_id, local, self.lease_s)
             out[name] = summarize(blockers, own, unknown)
         return out

@@ -81,8 +81,9 @@ class _Thread:
         return await asyncio.wrap_future(self.submit(coroutine))
 
     async def close(self) -> None:
+        """Stop the loop and wait (a bounded time: a daemon thread stuck in a call is left)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._thread.join, _RELEASE_S)
 
 
 class Ownership:
@@ -168,7 +169,8 @@ class Ownership:
                         e,
                     )
             with contextlib.suppress(Exception):
-                await thread.run(self._close_catalog())
+                async with asyncio.timeout(_RELEASE_S):
+                    await thread.run(self._close_catalog())
         finally:
             await thread.close()
         self.owned = {}

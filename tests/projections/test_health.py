@@ -1,13 +1,22 @@
 """Health across replicas, judged from the catalog's leases and reports (``run_blockers``,
-``summarize``): each state a partition can hold a run back in, without I/O. The same judgement on
-real replicas is in tests/e2e/test_replica_health.py."""
+``summarize``): each state a partition can hold a run back in, without I/O; then two coordinators
+on Kafka and PostgreSQL, one unable to read the log. The same judgement on real replica
+processes is in tests/e2e/test_replica_health.py."""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
-from rolloutlog.catalog import ClusterView, ReplicaReport
-from rolloutlog.projections._health import run_blockers, summarize
+import pytest
+
+from rolloutlog.catalog import ClusterView, ReplicaReport, open_catalog
+from rolloutlog.log import open_log
+from rolloutlog.projections import Coordinator
+from rolloutlog.projections._health import own_blockers, run_blockers, summarize
 from rolloutlog.projections._projector import STARTING
 
 RUN = "run"
@@ -111,3 +120,58 @@ def test_a_stopped_projector_stops_the_run() -> None:
     found = run_blockers(RUN, view(leases, {"b": replica("b", lost)}), "a", {"runs": {}}, LEASE_S)
     assert {b.state for b in found} == {"stopped"}
     assert summarize(found, None).status == "stopped"
+
+
+def test_without_the_catalog_a_replica_names_its_own_partitions_only() -> None:
+    mine = report("degraded", "TimeoutError: the log", p1=[2, 12], p3=[2, None])
+    found = own_blockers(RUN, "a", mine, LEASE_S)
+    assert states(found) == {1: ("a", "degraded"), 3: ("a", "degraded")}
+    assert own_blockers(RUN, "a", {"runs": {}}, LEASE_S) == []
+    health = summarize(found, {"status": "degraded", "error": "x", "since": 1.0}, "no catalog")
+    assert health.unknown == "no catalog" and health.status == "degraded"
+
+
+@pytest.mark.kafka
+@pytest.mark.postgres
+async def test_a_replica_whose_projector_cannot_read_is_named_by_the_other(
+    kafka_bootstrap: str, postgres_schema: str
+) -> None:
+    """Two replicas (coordinators with a Kafka client each) on one log and one catalog; b's
+    reads of the log fail: a's view of the run names b's partitions ``degraded`` with b's error,
+    from b's report in the catalog, while a's own projector stays ok."""
+    log_url = f"kafka://{kafka_bootstrap}?topic_prefix=h{uuid.uuid4().hex[:10]}."
+
+    async def failing(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        raise ConnectionError("the log is unreachable from this replica (injected)")
+        yield  # an async generator, as the log's reads are
+
+    async with AsyncExitStack() as stack:
+        replicas = {}
+        for name in ("a", "b"):
+            log = await stack.enter_async_context(open_log(log_url))
+            catalog = await stack.enter_async_context(open_catalog(postgres_schema))
+            replica = Coordinator(log, catalog, replica_id=name, lease_s=60.0)
+            await replica.start()
+            stack.push_async_callback(replica.stop)
+            replicas[name] = replica
+        a, b = replicas["a"], replicas["b"]
+        b.log.read_pages = failing  # type: ignore[method-assign]
+        b.log.follow_run = failing  # type: ignore[method-assign]
+        await a.create_run(RUN, 4)
+        for _ in range(3):  # a lets b's share go, b claims it and starts its projector
+            await a._ownership.tick()
+            await b._ownership.tick()
+        mine = set(b.owned_partitions(RUN))
+        assert mine and mine.isdisjoint(a.owned_partitions(RUN))
+        async with asyncio.timeout(30):
+            while True:
+                b._ownership.publish(await b.health_reporter.report())
+                await b._ownership.tick()  # the heartbeat writes b's report
+                health = (await a.runs_health(RUN))[RUN]
+                if {x.partition for x in health.held_back if x.state == "degraded"} == mine:
+                    break
+                await asyncio.sleep(0.2)
+        assert {x.replica for x in health.held_back} == {"b"}
+        assert all("injected" in x.reason for x in health.held_back)
+        assert health.status == "degraded" and health.local is not None
+        assert health.local["status"] == "ok"  # a's own projector folds its partitions
