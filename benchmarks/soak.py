@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +44,7 @@ def main() -> int:
         parser.error(f"--kinds: not fault kinds: {sorted(set(kinds) - set(KINDS))}")
     with tempfile.TemporaryDirectory(prefix="rolloutlog-soak-") as workdir:
         figures = asyncio.run(soak(args.minutes, seed, Path(workdir), kinds))
+    print(json.dumps({k: v for k, v in figures.items() if k != "schedule"}, indent=2))
     if not args.no_save:
         print(save("soak", figures), file=sys.stderr)
     failed = figures["safety_failure"] or figures["liveness_failures"]
