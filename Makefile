@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv check test demo bench bench-quick bench-components clean nemo-gym-venv demo-nemo-gym
+.PHONY: venv check test demo bench bench-quick bench-components clean nemo-gym-venv demo-nemo-gym soak
 
 # An editable install of `.[test]`: the test tools and, through them, the server extra.
 venv: $(STAMP)
@@ -72,6 +72,13 @@ bench-components: $(BENCH_STAMP)
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/suite.py --quick
 	$(BIN)/python benchmarks/report.py --quick
+
+# The nemesis soak: three replicas on Tansu and a throwaway PostgreSQL under a seeded random
+# schedule of faults for SOAK_MINUTES (benchmarks/soak.py, tests/e2e/_nemesis.py); prints its
+# figures and saves them to benchmarks/results/soak.json. SOAK_SEED replays a schedule.
+SOAK_MINUTES ?= 10
+soak: venv
+	$(BIN)/python benchmarks/soak.py --minutes $(SOAK_MINUTES) $(if $(SOAK_SEED),--seed $(SOAK_SEED))
 
 clean:
 	rm -rf $(VENV) rolloutlog-data .pytest_cache .mypy_cache .ruff_cache
