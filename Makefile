@@ -46,7 +46,7 @@ demo: venv
 demo-nemo-gym: venv
 	$(BIN)/python -m rolloutlog.integrations.nemo_gym.demo $(DEMO_ARGS)
 
-# `bench`: issue 7's suite (S1-S4 through the real service on both deployments, beside the
+# `bench`: the benchmark suite (S1-S4 through the real service on both deployments, beside the
 # stop-the-world, pyeventsourcing and floor baselines; the projector's fold rate; the HTTP append
 # figures of api_append.py; the curves on both deployments), then its plots and
 # benchmarks/RESULTS.md (within ~15 minutes here: curve points that would end past the suite's

@@ -391,7 +391,7 @@ class QuarantineList(_Response):
     next_after: str | None = None
 
 
-# -- analysts' reads (issue 14) ----------------------------------------------------------------
+# -- analysts' reads ----------------------------------------------------------------
 
 
 class TimelineEventOut(_Response):

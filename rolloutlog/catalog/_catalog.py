@@ -833,7 +833,7 @@ class Catalog:
         async with self._write() as conn:
             return await reserve_restore_id(conn, run, controller_epoch)
 
-    # -- restores planned per partition owner (issue 17) ------------------------------------
+    # -- restores planned per partition owner ------------------------------------
 
     async def open_restore(
         self,
@@ -987,7 +987,7 @@ class Catalog:
                 )
                 await _results.record(conn, run, finished, now)
 
-    # -- results (issue 18) ---------------------------------------------------------------------
+    # -- results ---------------------------------------------------------------------
 
     async def results_page(
         self,
@@ -1080,7 +1080,7 @@ class Catalog:
         async with self._write() as conn:
             await _writes.delete_run_rows(conn, run)
 
-    # -- partition leases (issue 17; ``_leases.py``) --------------------------------------------
+    # -- partition leases (``_leases.py``) --------------------------------------------
 
     async def lease_tick(
         self,
@@ -1138,7 +1138,7 @@ class Catalog:
 
         return await self._query(query)
 
-    # -- one episode's history (issue 14; read-only) ----------------------------------------
+    # -- one episode's history (read-only) ----------------------------------------
 
     async def episode_plan_entries(self, run: str, episode: str) -> list[tuple[int, RestoreEntry]]:
         """``(restore_id, entry)`` of every restore whose plan names the episode, oldest first."""

@@ -1,4 +1,4 @@
-"""Partition leases (issue 17): which service replica folds each partition of a run, fenced by a
+"""Partition leases: which service replica folds each partition of a run, fenced by a
 generation number that grows at every change of owner. A write that speaks for a partition (a
 checkpoint's manifest part, a restore's plan part) checks, in its own transaction, that its
 writer still holds the partition at the generation it read: a replica that was paused while its

@@ -574,7 +574,7 @@ async def quarantined(
     ]
 
 
-# -- one episode across checkpoints and restores (issue 14: analysts' episode history) ----------
+# -- one episode across checkpoints and restores (analysts' episode history) ----------
 
 
 async def episode_plan_entries(

@@ -344,7 +344,7 @@ class Checkpointer:
             whole = [e for e in (capture.whole or {}).values() if e.cut_partition in keep]
             delta = None
         # Every finish below the markers is in the catalog before they commit: a restarted
-        # projector reads from the new cut on, and would never record it (issue 18).
+        # projector reads from the new cut on, and would never record it.
         await flush_episodes(self.catalog, projector, finishes_only=True)
         timer.stage("manifest")
         generations = {p: g for p, g in projector.generations.items() if p in keep}

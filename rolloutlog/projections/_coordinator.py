@@ -155,7 +155,7 @@ class Coordinator:
             if len(page) < 100:
                 break
             after = page[-1].run.run
-        # Other replicas' restores: this replica plans its partitions' parts (issue 17).
+        # Other replicas' restores: this replica plans its partitions' parts.
         self._spawn(self._restorer.poll())
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(START_WAIT_S):

@@ -291,7 +291,7 @@ class StartPlan:
     reported_below: Sequence[int] | None = None
     #: Positions (partition, offset) the catalog has quarantined already.
     quarantined: Iterable[tuple[int, int]] = ()
-    #: Restores still being planned by the partitions' owners (issue 17): their verdict is
+    #: Restores still being planned by the partitions' owners: their verdict is
     #: pending, so their ``attempt.started`` records wait for it (``end_restore``).
     planning_restores: Iterable[int] = ()
     #: The first checkpoint id not over when the plan was made (the pending one's, else the
@@ -335,7 +335,7 @@ class Projector:
         self.by_partition: list[dict[str, EpisodeTracker]] = [{} for _ in range(partitions)]
         self.applied: list[int] = [0] * partitions
         #: The partitions this projector folds, and the lease generation it holds each at
-        #: (issue 17: a replica folds only the partitions it owns; a lone replica owns all).
+        #: (a replica folds only the partitions it owns; a lone replica owns all).
         #: Fixed for the projector's life: an owner change starts a new projector.
         self._owns_all = owned is None
         self.owned: frozenset[int] = frozenset(range(partitions) if owned is None else owned)
@@ -1089,7 +1089,7 @@ def _finish(
     tracker: EpisodeTracker, meta: dict[str, Any], record: bytes, start: int
 ) -> EpisodeFinish:
     """The finish the catalog records, with the result's raw JSON (``record[start:]``) for the
-    trainer's results (issue 18)."""
+    trainer's results."""
     return EpisodeFinish(
         tracker.episode,
         tracker.attempt,

@@ -1,4 +1,4 @@
-"""Checkpoints written per partition owner (issue 17): each replica writes its partitions' parts
+"""Checkpoints written per partition owner: each replica writes its partitions' parts
 in one transaction, fenced by its leases; the last part in commits the checkpoint manifest-last;
 an aborted checkpoint leaves no part behind; each partition's part is whole or a delta of its own
 base, and every read composes each partition's own chain. On SQLite and PostgreSQL."""

@@ -429,7 +429,7 @@ def test_parse_records_keeps_the_range_and_leaves_partial_batches() -> None:
 async def test_empty_answers_below_the_high_water_mark_are_asked_again(
     open_kafka: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 11's load failure: under concurrent appends Tansu answers some Fetches with no data
+    """The load failure Tansu causes: under concurrent appends Tansu answers some Fetches with no data
     although the high-water mark is past the offset. Followers took each such answer for a batch
     larger than the page and doubled the page for good, until it passed its limit and the
     follower died ("no complete record batch in 67371008 bytes"). Here every page's first answer

@@ -1,4 +1,4 @@
-"""Replicas fold only the partitions they own (issue 17): ``Log.follow_run`` on a subset, two
+"""Replicas fold only the partitions they own: ``Log.follow_run`` on a subset, two
 coordinators on one log and one catalog with disjoint owned sets, and a projector started afresh
 when its replica's owned partitions change; on the embedded log with SQLite and on Kafka with
 PostgreSQL."""
