@@ -7,10 +7,20 @@ controller epoch holds until its transaction commits.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
-from contextlib import asynccontextmanager, nullcontext
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -88,6 +98,9 @@ from rolloutlog.errors import (
 
 T = TypeVar("T")
 
+#: How long ``Catalog.stop`` lets the transactions already open end.
+STOP_WAIT_S = 5.0
+
 _REGISTER = text(
     "INSERT INTO participants (run, participant_id, kind, epoch, registered_at, last_seen_at) "
     "VALUES (:run, :participant_id, :kind, 1, :now, :now) "
@@ -142,6 +155,10 @@ class Catalog:
         self._clock = clock
         self._engine: AsyncEngine | None = None
         self._reader: AsyncEngine | None = None
+        #: Transactions open now: ``stop`` lets them end before it closes their connections.
+        self._open = 0
+        self._none_open = asyncio.Event()
+        self._none_open.set()
         #: SQLite: writers take turns in the process, not by polling the database's lock.
         self._turns = backend.write_turns()
         self._translated: tuple[type[BaseException], ...] = (
@@ -189,13 +206,31 @@ class Catalog:
             raise
 
     async def stop(self) -> None:
-        """Close every connection; the catalog can be started again."""
+        """Close every connection; the catalog can be started again.
+
+        New calls fail at once (``the catalog is not started``); the transactions already
+        open are given ``STOP_WAIT_S`` to end, so that no connection is disposed of while a
+        call still uses it (it would be dropped unclosed)."""
         engine, self._engine, self._reader = self._engine, None, None
         if engine is not None:
             try:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STOP_WAIT_S):
+                        await self._none_open.wait()
                 await self._backend.close()
             finally:
                 await engine.dispose()
+
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        self._open += 1
+        self._none_open.clear()
+        try:
+            yield
+        finally:
+            self._open -= 1
+            if not self._open:
+                self._none_open.set()
 
     def _after_bulk_commit(self) -> None:
         if self._engine is not None:
@@ -225,11 +260,12 @@ class Catalog:
             raise CatalogError("the catalog is not started")
         turns = self._turns
         try:
-            async with (
-                turns.turn(urgent=urgent) if turns is not None else nullcontext(),
-                self._engine.begin() as conn,
-            ):
-                yield conn
+            with self._counted():
+                async with (
+                    turns.turn(urgent=urgent) if turns is not None else nullcontext(),
+                    self._engine.begin() as conn,
+                ):
+                    yield conn
         except RolloutlogError:
             raise
         except self._translated as e:
@@ -245,8 +281,9 @@ class Catalog:
             raise CatalogError("the catalog is not started")
         turns = self._turns
         try:
-            async with turns.turn(urgent=True) if turns is not None else nullcontext():
-                return await self._backend.write_in_one_hop(fn)
+            with self._counted():
+                async with turns.turn(urgent=True) if turns is not None else nullcontext():
+                    return await self._backend.write_in_one_hop(fn)
         except RolloutlogError:
             raise
         except self._translated as e:
@@ -257,8 +294,9 @@ class Catalog:
         if self._reader is None:
             raise CatalogError("the catalog is not started")
         try:
-            async with self._reader.begin() as conn:
-                yield conn
+            with self._counted():
+                async with self._reader.begin() as conn:
+                    yield conn
         except RolloutlogError:
             raise
         except self._translated as e:
