@@ -61,6 +61,8 @@ _RETRY_S = 0.01
 #: (Tansu resuming from an 8 s stall reported a stale high-water mark for over 3 s).
 _LOSS_CONFIRM_S = 10.0
 _FOREVER = 1 << 62
+#: A follower at the end that nothing woke asks with the long wait every this many polls.
+_IDLE_RECHECK_ROUNDS = 10
 #: Between a follower's attempts to reach a broker it lost.
 _RECONNECT_S = 0.25
 #: How long a read that failed to reach a leader looks for new leaders before it gives up.
@@ -219,6 +221,8 @@ class KafkaReads:
         #: Since when every round failed to reach the broker.
         failing_since: float | None = None
         turn = 0
+        #: Rounds in a row at the end without a wake-up (see ``_IDLE_RECHECK_ROUNDS``).
+        idle = 0
         try:
             while True:
                 waker.clear()
@@ -251,15 +255,25 @@ class KafkaReads:
                             yield cursor.partition, cursor.records
                 if progressed or _AGAIN in states:
                     retry_s = _RETRY_S
+                    idle = 0
                     continue
                 if _WAIT in states:
                     await asyncio.sleep(min(retry_s, poll_s))
                     retry_s *= 2
                     continue
                 retry_s = _RETRY_S
+                woken = False
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(poll_s):
-                        await waker.wait()
+                        woken = await waker.wait()
+                idle = 0 if woken else idle + 1
+                if idle % _IDLE_RECHECK_ROUNDS == 0 and not woken:
+                    # Every cursor looks at the end and nothing of ours woke us. Tansu answers a
+                    # short wait with the high-water mark of the batches it listed in that time,
+                    # which under load can stop short of the real end and look like it: now and
+                    # then ask with the long wait, which lists them all.
+                    for cursor in cursors:
+                        cursor.wait_ms = max(cursor.wait_ms, BEHIND_WAIT_MS)
         finally:
             wakers = self._wakers.get(key)
             if wakers is not None:
