@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import time
 import uuid
@@ -37,12 +36,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import workloads
-from _common import kafka_broker, save, summary
+from _common import kafka_broker, save, summary, time_catch_up
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from rolloutlog.log import Record
 from rolloutlog.log.kafka import KafkaLog, from_url
-from rolloutlog.projections._projector import Projector, StartPlan
 
 RUN = "bench"
 PAGE_BYTES = 4 * 1024 * 1024
@@ -147,21 +145,9 @@ async def fold(url: str, episodes: int, runs: int) -> dict[str, Any]:
         }
         for _ in range(runs):
             for name, log in (("raw", raw), ("consumer", library)):
-                projector = Projector(log, run, partitions)
-
-                async def plan() -> StartPlan:
-                    return StartPlan([0] * partitions)
-
-                gc.collect()
-                cpu, wall = time.process_time(), time.perf_counter()
-                projector.launch(plan)
-                await projector.settled.wait()
-                cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-                assert projector.health.status == "ok", projector.health
-                assert projector.events_applied == records, (projector.events_applied, records)
-                await projector.stop()
-                samples[name]["cpu_us"].append(cpu / records * 1e6)
-                samples[name]["rate"].append(records / wall)
+                cpu_us, rate = await time_catch_up(log, run, partitions, records)
+                samples[name]["cpu_us"].append(cpu_us)
+                samples[name]["rate"].append(rate)
         figures["records"] = records
         for name, values in samples.items():
             figures[name] = {

@@ -37,11 +37,11 @@ import uuid
 from typing import Any
 
 import workloads
-from _common import kafka_broker, save, summary
+from _common import kafka_broker, save, summary, time_catch_up
 
 from rolloutlog.api.cli import GC_THRESHOLDS
 from rolloutlog.log import encode_record, open_log, partition_for, peek_record, validate_event
-from rolloutlog.projections._projector import Projector, StartPlan
+from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._quarantine import metadata_problem
 from rolloutlog.projections._tracker import EpisodeTracker
 
@@ -133,22 +133,9 @@ async def catch_up(url: str, episodes: int, runs: int) -> dict[str, Any]:
         cpu_us: list[float] = []
         rates: list[float] = []
         for _ in range(runs):
-            projector = Projector(log, run, PARTITIONS)
-
-            async def plan() -> StartPlan:
-                return StartPlan([0] * PARTITIONS)
-
-            gc.collect()
-            cpu, wall = time.process_time(), time.perf_counter()
-            projector.launch(plan)
-            await projector.settled.wait()
-            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-            assert projector.health.status == "ok", projector.health
-            assert projector.events_applied == records, (projector.events_applied, records)
-            await projector.stop()
-            del projector
-            cpu_us.append(cpu / records * 1e6)
-            rates.append(records / wall)
+            cpu_per_record, rate = await time_catch_up(log, run, PARTITIONS, records)
+            cpu_us.append(cpu_per_record)
+            rates.append(rate)
         await log.delete_run(run)
     return {
         "records": records,
