@@ -47,6 +47,10 @@ class Run:
     controller_epoch: int
     latest_checkpoint_id: int | None
     created_at: float
+    #: A fork's source run and checkpoint, and when it was created (None: no fork).
+    forked_from_run: str | None = None
+    forked_from_checkpoint: int | None = None
+    forked_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
