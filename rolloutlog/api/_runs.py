@@ -9,6 +9,7 @@ from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import Response
 
 from rolloutlog.api._auth import Role, require
+from rolloutlog.api._forks import create_fork, fork_view, forked_from_view
 from rolloutlog.api._http import json_response, stream_ndjson, wants_ndjson
 from rolloutlog.api._models import (
     ControllerOut,
@@ -66,7 +67,11 @@ def _run_out(
     view = report.view(coordinator.replica_id)
     if view["since"] is None:
         view["since"] = summary.run.created_at
-    return {**run_view(summary, _live(service, run)), "health": view}
+    return {
+        **run_view(summary, _live(service, run)),
+        "health": view,
+        "forked_from": forked_from_view(summary.run),
+    }
 
 
 @router.post(
@@ -82,6 +87,8 @@ def _run_out(
 )
 async def create_run(request: Request, body: CreateRun) -> Response:
     service = _service(request)
+    if body.fork is not None:
+        return await create_fork(service, body)
     try:
         await service.catalog.get_run(body.run)
         existed = True
@@ -115,7 +122,8 @@ async def get_run(request: Request, run: RunPath) -> Response:
     service = _service(request)
     summary = await service.catalog.run_summary(run)
     health = await service.coordinator.runs_health(run)
-    return json_response(_run_out(service, summary, health))
+    forks = [fork_view(fork) for fork in await service.catalog.forks_of(run)]
+    return json_response({**_run_out(service, summary, health), "forks": forks})
 
 
 @router.delete(
