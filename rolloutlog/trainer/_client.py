@@ -70,6 +70,23 @@ def _params(**values: Any) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
 
 
+def _fork_call(
+    run: str,
+    source: str,
+    checkpoint_id: int | str,
+    episodes: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+) -> _Call:
+    """``POST /v1/runs`` creating ``run`` as a fork of ``source``'s committed checkpoint."""
+    fork = _params(
+        run=source,
+        checkpoint_id=checkpoint_id,
+        episodes=None if episodes is None else list(episodes),
+        exclude=None if exclude is None else list(exclude),
+    )
+    return _Call("POST", "/v1/runs", json={"run": run, "fork": fork})
+
+
 def _line(raw: bytes | str) -> Any:
     """One NDJSON line; an in-band ``{"error": …}`` line is raised."""
     value = orjson.loads(raw)
@@ -341,6 +358,22 @@ class AsyncTrainerClient(_Calls):
     async def create_run(self, run: str, partitions: int | None = None) -> dict[str, Any]:
         body = _params(run=run, partitions=partitions)
         result: dict[str, Any] = await self._send(_Call("POST", "/v1/runs", json=body))
+        return result
+
+    async def fork_run(
+        self,
+        run: str,
+        source: str,
+        checkpoint_id: int | str = "latest",
+        *,
+        episodes: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """Create ``run`` as a fork of ``source``'s committed checkpoint (its live episodes, or
+        ``episodes``, minus ``exclude``); the reply's ``forked_from`` names the checkpoint. The
+        same fork again answers as created; ``resume_run(run)`` then continues them."""
+        call = _fork_call(run, source, checkpoint_id, episodes, exclude)
+        result: dict[str, Any] = await self._send(call)
         return result
 
     async def get_run(self, run: str) -> dict[str, Any]:
@@ -685,6 +718,20 @@ class TrainerClient(_Calls):
         result: dict[str, Any] = self._send(
             _Call("POST", "/v1/runs", json=_params(run=run, partitions=partitions))
         )
+        return result
+
+    def fork_run(
+        self,
+        run: str,
+        source: str,
+        checkpoint_id: int | str = "latest",
+        *,
+        episodes: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """``AsyncTrainerClient.fork_run``."""
+        call = _fork_call(run, source, checkpoint_id, episodes, exclude)
+        result: dict[str, Any] = self._send(call)
         return result
 
     def get_run(self, run: str) -> dict[str, Any]:
