@@ -1161,6 +1161,11 @@ class Catalog:
         self._after_bulk_commit()
         return created
 
+    async def release_fork(self, run: str) -> bool:
+        """Drop the claim of a fork that was not created (``_forks.release``)."""
+        async with self._write() as conn:
+            return await _forks.release(conn, run)
+
     async def forks_of(self, run: str) -> list[Run]:
         """The forks created from ``run``, oldest first."""
         return await self._query(lambda conn: _forks.forks_of(conn, run))

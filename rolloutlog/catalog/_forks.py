@@ -24,7 +24,7 @@ from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._reads import run_from_row
 from rolloutlog.catalog._schema import RUN_VISIBLE, checkpoints, episodes, participants, runs
 from rolloutlog.catalog._values import ManifestEntry, PartitionOffset, Restore, Run
-from rolloutlog.catalog._writes import lock_run, write_checkpoint_parts_rows
+from rolloutlog.catalog._writes import delete_run_rows, lock_run, write_checkpoint_parts_rows
 from rolloutlog.errors import InvalidRequest, RunExists, UnknownRun
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "commit",
     "forks_of",
     "inherited_restore",
+    "release",
 ]
 
 #: A fork's first checkpoint: its source's, restricted to the forked episodes.
@@ -208,6 +209,21 @@ async def commit(
         await conn.execute(insert(participants), seeded)
     await conn.execute(update(runs).where(runs.c.run == run).values(forked_at=now))
     return run_from_row((await conn.execute(select(runs).where(runs.c.run == run))).one())
+
+
+async def release(conn: AsyncConnection, run: str) -> bool:
+    """Drop a claim whose fork was not created (False: there is none, or it was created)."""
+    row = (
+        await conn.execute(
+            select(runs.c.forked_at)
+            .where(runs.c.run == run, runs.c.forked_from_run.is_not(None))
+            .with_for_update()
+        )
+    ).one_or_none()
+    if row is None or row.forked_at is not None:
+        return False
+    await delete_run_rows(conn, run)
+    return True
 
 
 async def forks_of(conn: AsyncConnection, run: str) -> list[Run]:

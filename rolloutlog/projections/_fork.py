@@ -21,6 +21,7 @@ again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from bisect import bisect_left
 from collections import defaultdict
@@ -38,7 +39,7 @@ from rolloutlog.catalog import (
     Run,
 )
 from rolloutlog.core import replay_start
-from rolloutlog.errors import InvalidRequest, UnknownEpisode
+from rolloutlog.errors import InvalidRequest, UnknownCheckpoint, UnknownEpisode, UnknownRun
 from rolloutlog.log import (
     Log,
     Record,
@@ -149,14 +150,49 @@ async def _fork(
     )
     if claimed.state == "created":
         return ForkResult(claimed.run, created=False)
-    if claimed.run.forked_from_checkpoint != checkpoint.checkpoint_id:
-        # The retry of a claim made for an older "latest": the claim's checkpoint it is.
-        checkpoint = await committed_checkpoint(
-            request.source, claimed.run.forked_from_checkpoint or checkpoint.checkpoint_id
+    try:
+        if claimed.run.forked_from_checkpoint != checkpoint.checkpoint_id:
+            # The retry of a claim made for an older "latest": the claim's checkpoint it is.
+            checkpoint = await committed_checkpoint(
+                request.source, claimed.run.forked_from_checkpoint or checkpoint.checkpoint_id
+            )
+            entries = _chosen(
+                await catalog.load_manifest(request.source, checkpoint.checkpoint_id), request
+            )
+        created, copied = await _copy_and_commit(
+            log, catalog, run, request, source, checkpoint, entries, committed_checkpoint
         )
-        entries = _chosen(
-            await catalog.load_manifest(request.source, checkpoint.checkpoint_id), request
-        )
+    except BaseException:
+        # Nothing of a refused or failed try stays: the name is free again (a crash leaves the
+        # claim, and the next try of the same fork starts afresh).
+        with contextlib.suppress(Exception):
+            await asyncio.shield(_release(log, catalog, run))
+        raise
+    counts = {
+        "continue": sum(e.action == "continue" for e in copied.entries),
+        "restart": sum(e.action == "restart" for e in copied.entries),
+        "records": copied.records,
+    }
+    logger.info(
+        "forked run %s from %s checkpoint %d: %s",
+        run,
+        request.source,
+        checkpoint.checkpoint_id,
+        counts,
+    )
+    return ForkResult(created, created=True, counts=counts)
+
+
+async def _copy_and_commit(
+    log: Log,
+    catalog: Catalog,
+    run: str,
+    request: ForkRequest,
+    source: Run,
+    checkpoint: Checkpoint,
+    entries: list[ManifestEntry],
+    committed_checkpoint: CommittedCheckpoint,
+) -> tuple[Run, _Copied]:
     # What a crashed try left in the fork's log (nothing else knew of it) goes first.
     if await log.delete_run(run):
         logger.info("fork %s: deleted the log a failed try left", run)
@@ -173,6 +209,19 @@ async def _fork(
     for partition in sorted(by_partition):
         cuts = {entry.episode: entry.cut_offset for entry in by_partition[partition]}
         await copier.copy(request.source, partition, starts.get(partition, 0), cuts, quarantined)
+    # The source trims its log below its oldest retained checkpoint, and only once a newer
+    # one made this one expire; a read of trimmed records skips them. So the copy holds every
+    # record only if the checkpoint is still retained now that the reads are over.
+    try:
+        await committed_checkpoint(request.source, checkpoint.checkpoint_id)
+    except (UnknownCheckpoint, UnknownRun) as e:
+        raise UnknownCheckpoint(
+            f"checkpoint {checkpoint.checkpoint_id} of run {request.source!r} expired (or the "
+            "run was deleted) while the fork copied it: its log may have been trimmed under "
+            "the copy. Nothing was created; fork a newer checkpoint",
+            run=request.source,
+            checkpoint_id=checkpoint.checkpoint_id,
+        ) from e
     markers = await log.write_markers(run, FORK_CHECKPOINT_ID, 0)
     offsets = [
         PartitionOffset(partition, marker, copier.first.get(partition, marker))
@@ -184,19 +233,20 @@ async def _fork(
     ]
     first = {e: positions[0] for e, (_, positions) in copier.copied.items() if positions}
     created = await catalog.commit_fork(run, offsets, forked, first)
-    counts = {
-        "continue": sum(e.action == "continue" for e in forked),
-        "restart": sum(e.action == "restart" for e in forked),
-        "records": copier.count,
-    }
-    logger.info(
-        "forked run %s from %s checkpoint %d: %s",
-        run,
-        request.source,
-        checkpoint.checkpoint_id,
-        counts,
-    )
-    return ForkResult(created, created=True, counts=counts)
+    return created, _Copied(forked, copier.count)
+
+
+async def _release(log: Log, catalog: Catalog, run: str) -> None:
+    """Give up a claimed fork: its row, then its log (only while it is still being created:
+    a fork whose commit went through keeps both)."""
+    if await catalog.release_fork(run):
+        await log.delete_run(run)
+
+
+@dataclass(frozen=True, slots=True)
+class _Copied:
+    entries: list[ManifestEntry]
+    records: int
 
 
 def _chosen(manifest: Sequence[ManifestEntry], request: ForkRequest) -> list[ManifestEntry]:
