@@ -11,10 +11,17 @@ from fastapi.responses import Response
 from rolloutlog.api._http import json_response
 from rolloutlog.api._models import CreateRun
 from rolloutlog.api._service import Service
-from rolloutlog.catalog import Run
+from rolloutlog.catalog import Catalog, Episode, Run
+from rolloutlog.core import capture_key
 from rolloutlog.projections import ForkRequest
 
-__all__ = ["create_fork", "fork_view", "forked_from_view"]
+__all__ = [
+    "create_fork",
+    "episode_origin",
+    "fork_view",
+    "forked_from_view",
+    "mark_source_attempts",
+]
 
 
 async def create_fork(service: Service, body: CreateRun) -> Response:
@@ -47,6 +54,40 @@ def forked_from_view(run: Run) -> dict[str, Any] | None:
         "checkpoint_id": run.forked_from_checkpoint,
         "at": run.forked_at,
     }
+
+
+async def episode_origin(
+    catalog: Catalog, run: str, episode: Episode | None
+) -> dict[str, Any] | None:
+    """Where a fork's episode came from: the source run, its checkpoint, the attempt it had
+    there and that attempt's capture key; None for an episode that was not forked."""
+    if episode is None or episode.forked_attempt is None:
+        return None
+    info = await catalog.get_run(run)
+    return {
+        "run": info.forked_from_run,
+        "checkpoint_id": info.forked_from_checkpoint,
+        "attempt": episode.forked_attempt,
+        "capture_key": capture_key(episode.episode, episode.forked_attempt),
+        "at": info.forked_at,
+    }
+
+
+def mark_source_attempts(
+    attempts: list[dict[str, Any]], origin: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """The history's attempts, those that happened in the source before the fork marked
+    ``in_source`` (their records are copies of the source's)."""
+    if origin is None:
+        return attempts
+    for attempt in attempts:
+        attempt["in_source"] = attempt["attempt"] <= origin["attempt"]
+        if attempt["in_source"]:
+            attempt["why"] = (
+                f"in run {origin['run']!r} before the fork of its checkpoint "
+                f"{origin['checkpoint_id']}: {attempt['why']}"
+            )
+    return attempts
 
 
 def fork_view(fork: Run) -> dict[str, Any]:

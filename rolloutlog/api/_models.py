@@ -445,6 +445,8 @@ class AttemptOut(_Response):
     checkpoint_id: int | None = None
     action: str | None = None
     resumed_from: dict[str, Any] | None = None
+    #: In a fork: whether the attempt happened in the source run, before the fork.
+    in_source: bool | None = None
 
 
 class EpisodeHistoryOut(_Response):
@@ -456,6 +458,9 @@ class EpisodeHistoryOut(_Response):
     partition: int
     status: str | None
     current_attempt: int
+    #: In a fork: the source run, checkpoint and the attempt the episode had there; its
+    #: attempts up to that one happened in the source (``in_source``).
+    forked_from: dict[str, Any] | None = None
     attempts: list[AttemptOut]
     checkpoints: list[ManifestEntryOut]
     restores: list[RestoreEpisodeOut]

@@ -186,6 +186,7 @@ async def commit(
                     "started_at": None,
                     "finished_at": None,
                     "updated_at": now,
+                    "forked_attempt": entry.attempt,
                 }
                 for entry in entries
             ],

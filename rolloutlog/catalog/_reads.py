@@ -116,6 +116,7 @@ def episode_from_row(row: Row[Any]) -> Episode:
         started_at=row.started_at,
         finished_at=row.finished_at,
         updated_at=row.updated_at,
+        forked_attempt=row.forked_attempt,
     )
 
 

@@ -289,6 +289,9 @@ episodes = Table(
     Column("started_at", Double, nullable=True),
     Column("finished_at", Double, nullable=True),
     Column("updated_at", Double, nullable=False),
+    # In a fork (migration 0012): the attempt the episode had in the source at the fork (its
+    # attempts up to this one are the source's, copied); NULL otherwise.
+    Column("forked_attempt", Integer, nullable=True),
     CheckConstraint("status IN ('running', 'finished', 'excluded')", name="status_known"),
     ForeignKeyConstraint(["run"], ["runs.run"]),
     Index("ix_episodes_run_status_episode", "run", "status", "episode"),

@@ -207,6 +207,8 @@ class Episode:
     started_at: float | None
     finished_at: float | None
     updated_at: float
+    #: In a fork: the attempt the episode had in the source at the fork (None otherwise).
+    forked_attempt: int | None = None
 
     @property
     def capture_key(self) -> str:

@@ -172,6 +172,20 @@ async def test_a_fork_holds_the_sources_live_episodes_and_continues_them_as_its_
             assert state_of(ours) == state_of(theirs), episode
             assert ours["attempt"] == theirs["attempt"] + 1
 
+        # The episode's history in the fork says where it came from.
+        history = (await api.call("GET", f"/v1/runs/{FORK}/episodes/again", "analyst", 200)).json()
+        assert history["forked_from"]["run"] == SOURCE
+        assert history["forked_from"]["checkpoint_id"] == latest["checkpoint_id"]
+        assert history["forked_from"]["capture_key"] == "again-a1"
+        attempts = {a["attempt"]: a for a in history["attempts"]}
+        assert attempts[0]["in_source"] and attempts[1]["in_source"]
+        assert not attempts[2]["in_source"] and attempts[2]["restore_id"] == 1
+        assert attempts[1]["why"].startswith(f"in run {SOURCE!r} before the fork")
+        source_history = (
+            await api.call("GET", f"/v1/runs/{SOURCE}/episodes/again", "analyst", 200)
+        ).json()
+        assert source_history["forked_from"] is None
+
         # The source goes on untouched, and is then deleted: the fork does not notice.
         api.run = SOURCE
         await api.append(f.finished("other", attempt=1, reward=1.0))  # a's own

@@ -1,7 +1,7 @@
 """The ``rolloutlog`` command: ``serve`` the service, or talk to one.
 
     rolloutlog serve [--data-dir DIR] [--host H] [--port P] [--log URL] [--catalog URL] …
-    rolloutlog runs [list | show RUN | create RUN | delete RUN]
+    rolloutlog runs [list | show RUN | create RUN | fork SOURCE RUN | delete RUN]
     rolloutlog checkpoint RUN [--deadline S] [--no-wait] [--take-over | --epoch N]
     rolloutlog checkpoints RUN [ID|latest] [--status S] [--limit N]
     rolloutlog restore RUN [--checkpoint ID|latest] [--exclude EPISODE]… [--episodes]

@@ -49,7 +49,7 @@ def _counts(info: Mapping[str, Any]) -> str:
 
 @click.group(cls=DefaultGroup, default="list")
 def runs() -> None:
-    """Runs: list them (the default), show, create or delete one."""
+    """Runs: list them (the default), show, create, fork or delete one."""
 
 
 RUN_COLUMNS: list[Column] = [
@@ -120,6 +120,7 @@ def runs_show(client: TrainerClient, run: str, stats: bool, as_json: bool) -> in
                 for b in health.get("held_back") or ()
             ),
             ("created", when(found["created_at"])),
+            *_lineage(found),
         ],
         stdout(),
     )
@@ -145,6 +146,78 @@ def runs_create(client: TrainerClient, run: str, partitions: int | None, as_json
         json_line(created, stdout())
     else:
         print(f"run {created['run']}: {created['partitions']} partitions", file=stdout())
+    return EXIT_OK
+
+
+def _lineage(found: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``forked from SOURCE@CHECKPOINT`` and one ``fork`` row per fork of the run."""
+    rows: list[tuple[str, Any]] = []
+    origin = found.get("forked_from")
+    if origin:
+        rows.append(("forked from", f"{origin['run']}@{origin['checkpoint_id']}"))
+    for fork in found.get("forks") or ():
+        rows.append(("fork", f"{fork['run']} (from checkpoint {fork['checkpoint_id']})"))
+    return rows
+
+
+def _names(values: Sequence[str]) -> list[str]:
+    """Episode names given repeated or comma-separated."""
+    return [name for value in values for name in value.split(",") if name]
+
+
+@runs.command("fork")
+@click.argument("source")
+@run_argument
+@click.option(
+    "--checkpoint",
+    "checkpoint_id",
+    type=CheckpointRef(),
+    default="latest",
+    show_default=True,
+    help="The source's committed checkpoint to fork: its id, or 'latest'.",
+)
+@click.option(
+    "--episodes",
+    multiple=True,
+    metavar="EPISODE[,EPISODE...]",
+    help="Fork only these live episodes (repeat or separate with commas; default: all).",
+)
+@click.option(
+    "--exclude",
+    multiple=True,
+    metavar="EPISODE[,EPISODE...]",
+    help="Leave these live episodes out of the fork.",
+)
+@client_command
+@json_option
+def runs_fork(
+    client: TrainerClient,
+    source: str,
+    run: str,
+    checkpoint_id: int | str,
+    episodes: Sequence[str],
+    exclude: Sequence[str],
+    as_json: bool,
+) -> int:
+    """Create RUN as a fork of SOURCE's committed checkpoint: its live episodes continue in
+    RUN's own restores (``restore RUN``), while SOURCE goes on untouched."""
+    created = client.fork_run(
+        run,
+        source,
+        checkpoint_id,
+        episodes=_names(episodes) or None,
+        exclude=_names(exclude) or None,
+    )
+    if as_json:
+        json_line(created, stdout())
+        return EXIT_OK
+    origin = created["forked_from"]
+    counts = created.get("counts")
+    what = f": {_counts(counts)}" if counts else " (it existed)"
+    print(
+        f"run {created['run']} forked from {origin['run']}@{origin['checkpoint_id']}{what}",
+        file=stdout(),
+    )
     return EXIT_OK
 
 
