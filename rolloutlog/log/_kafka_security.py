@@ -16,6 +16,7 @@ log's ``url`` (``public_url``), in an error or in ``repr``.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -188,8 +189,14 @@ class KafkaSecurity:
                 )
         except ssl.SSLError as e:
             return f"TLS handshake with {first} failed: {_reason(e)}"
-        except (OSError, TimeoutError, ValueError):
+        except (ConnectionRefusedError, TimeoutError, ValueError, socket.gaierror):
             return None  # not a question of TLS or SASL: the broker is unreachable
+        except OSError as e:
+            if not self.sasl:
+                return None
+            # Reached, then dropped: a broker drops the connection of a client whose SASL
+            # mechanism it does not offer (Tansu does), with an EOF or a reset.
+            return f"SASL {self.sasl_mechanism} authentication with {first} failed: {_sasl(e)}"
         except Exception as e:  # what the SASL exchange raised (aiokafka's errors vary)
             return f"SASL {self.sasl_mechanism} authentication with {first} failed: {_sasl(e)}"
         conn.close()
