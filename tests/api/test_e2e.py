@@ -4,6 +4,7 @@ by SIGTERM that finishes in-flight appends. The CLI's commands: tests/api/test_c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -79,8 +80,9 @@ class Server:
             raise
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
+@contextlib.contextmanager
+def running_server(tmp_path: Path) -> Iterator[Server]:
+    """A service in its own process on ``tmp_path``, with the test tokens; stopped after."""
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
     running = Server(tmp_path / "data", tokens)
@@ -89,6 +91,12 @@ def server(tmp_path: Path) -> Iterator[Server]:
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    with running_server(tmp_path) as running:
+        yield running
 
 
 def post(server: Server, path: str, role: str, body: Any, **kw: Any) -> httpx.Response:
