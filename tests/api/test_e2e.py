@@ -81,11 +81,12 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(tmp_path: Path) -> Iterator[Server]:
-    """A service in its own process on ``tmp_path``, with the test tokens; stopped after."""
+def running_server(tmp_path: Path, *extra: str) -> Iterator[Server]:
+    """A service in its own process on ``tmp_path``, with the test tokens and the ``extra``
+    flags; stopped after."""
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
-    running = Server(tmp_path / "data", tokens)
+    running = Server(tmp_path / "data", tokens, *extra)
     running.start()
     try:
         yield running

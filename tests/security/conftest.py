@@ -3,13 +3,16 @@ TLS-terminating proxy (``_tls``)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests._services import free_port, tansu_broker, unavailable
+from tests._services import ROOT, free_port, tansu_broker, unavailable
 from tests.security._tls import Authority, TlsProxy, authority
 
 
@@ -69,3 +72,31 @@ def tls_broker(certificates: Certificates) -> Iterator[TlsBroker]:
 def sasl_broker(certificates: Certificates) -> Iterator[TlsBroker]:
     """Tansu with ``--authentication`` (SASL SCRAM required), over TLS."""
     yield from _tls_broker(certificates, ("--authentication",))
+
+
+def refused_start(tmp_path: Path, env: dict[str, str], *flags: str) -> tuple[str, str]:
+    """The one ``rolloutlog serve:`` line of a start that failed, and everything it wrote."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rolloutlog.api.cli",
+            "serve",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--port",
+            str(free_port()),
+            *flags,
+        ],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("rolloutlog serve:")]
+    assert len(lines) == 1, output
+    assert "Traceback" not in output
+    return lines[0], output

@@ -5,10 +5,6 @@ refuses its certificate check or its SASL credentials, with the password kept ou
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -18,10 +14,9 @@ import pytest
 from rolloutlog.api import Settings, Tokens
 from rolloutlog.participants import Environment, KafkaTransport, Resources, Restores
 from rolloutlog.trainer import AsyncTrainerClient
-from tests._services import ROOT, free_port
 from tests.api.conftest import TOKENS, open_api
-from tests.api.test_e2e import Server
-from tests.security.conftest import Certificates, TlsBroker
+from tests.api.test_e2e import running_server
+from tests.security.conftest import Certificates, TlsBroker, refused_start
 
 pytestmark = pytest.mark.kafka
 
@@ -69,26 +64,12 @@ async def test_the_service_and_the_kafka_transport_checkpoint_and_restore_over_t
     assert tls_broker.proxy.handshakes - before >= 4  # the service's clients and the SDK's
 
 
-def _serve(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps(TOKENS))
-    return Server(tmp_path / "data", tokens, *flags)
-
-
 def test_serve_connects_with_the_tls_flags(
     tls_broker: TlsBroker, certificates: Certificates, tmp_path: Path
 ) -> None:
-    server = _serve(
-        tmp_path,
-        "--log",
-        f"kafka://{tls_broker.bootstrap}?topic_prefix=s{uuid.uuid4().hex[:10]}.",
-        "--kafka-security-protocol",
-        "SSL",
-        "--kafka-ssl-cafile",
-        str(certificates.ca.cert),
-    )
-    server.start()
-    try:
+    flags = ["--log", f"kafka://{tls_broker.bootstrap}?topic_prefix=s{uuid.uuid4().hex[:10]}."]
+    flags += ["--kafka-security-protocol", "SSL", "--kafka-ssl-cafile", str(certificates.ca.cert)]
+    with running_server(tmp_path, *flags) as server:
         assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 200
         created = httpx.post(
             f"{server.url}/v1/runs",
@@ -97,42 +78,13 @@ def test_serve_connects_with_the_tls_flags(
             timeout=30,
         )
         assert created.status_code == 201, created.text
-    finally:
         assert server.stop() == 0
-
-
-def _refused(tmp_path: Path, env: dict[str, str], *flags: str) -> tuple[str, str]:
-    """The one ``rolloutlog serve:`` line of a start that failed, and everything it wrote."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rolloutlog.api.cli",
-            "serve",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--port",
-            str(free_port()),
-            *flags,
-        ],
-        cwd=ROOT,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode != 0
-    output = done.stdout + done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith("rolloutlog serve:")]
-    assert len(lines) == 1, output
-    assert "Traceback" not in output
-    return lines[0], output
 
 
 def test_serve_refuses_to_start_with_a_wrong_ca_in_one_line(
     tls_broker: TlsBroker, certificates: Certificates, tmp_path: Path
 ) -> None:
-    line, _ = _refused(
+    line, _ = refused_start(
         tmp_path,
         {"ROLLOUTLOG_KAFKA_SSL_CAFILE": str(certificates.wrong_ca.cert)},
         "--log",
@@ -157,7 +109,7 @@ def test_serve_with_sasl_ssl_settings_authenticates_and_keeps_the_password_out(
     secret.write_text(password + "\n")
     user = tmp_path / "kafka_username"
     user.write_text("rolloutlog\n")
-    line, output = _refused(
+    line, output = refused_start(
         tmp_path,
         {
             "ROLLOUTLOG_LOG_URL": f"kafka://{sasl_broker.bootstrap}?request_timeout_ms=5000",

@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +19,8 @@ import pytest
 
 from rolloutlog.catalog import open_catalog
 from rolloutlog.errors import RolloutlogError
-from tests._services import ROOT, free_port
 from tests.faults._postgres import PostgresCluster, postgres_cluster
-from tests.security.conftest import Certificates
+from tests.security.conftest import Certificates, refused_start
 
 pytestmark = pytest.mark.postgres
 
@@ -145,26 +143,7 @@ def test_serve_refuses_a_catalog_with_a_wrong_ca_in_one_line(
     url = _url(
         tls_cluster, "localhost", f"sslmode=verify-full&sslrootcert={certificates.wrong_ca.cert}"
     ).replace("postgres@", "postgres:hunter2@")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rolloutlog.api.cli",
-            "serve",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--port",
-            str(free_port()),
-        ],
-        cwd=ROOT,
-        env={**os.environ, "ROLLOUTLOG_CATALOG_URL": url},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode != 0
-    output = done.stdout + done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith("rolloutlog serve:")]
-    assert len(lines) == 1, output
-    assert "certificate verify failed: unable to get local issuer certificate" in lines[0]
-    assert "Traceback" not in output and "hunter2" not in output
+    line, output = refused_start(tmp_path, {"ROLLOUTLOG_CATALOG_URL": url})
+    assert "certificate verify failed: unable to get local issuer certificate" in line
+    assert "://postgres:***@localhost:" in line
+    assert "hunter2" not in output
