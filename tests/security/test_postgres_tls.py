@@ -6,6 +6,7 @@ one line. The machine's own cluster (5432) is never touched."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -17,8 +18,10 @@ from pathlib import Path
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
+from rolloutlog.api import Settings, Tokens
 from rolloutlog.catalog import open_catalog
 from rolloutlog.errors import RolloutlogError
+from tests.api.conftest import TOKENS, open_api
 from tests.faults._postgres import PostgresCluster, postgres_cluster
 from tests.security.conftest import Certificates, refused_start
 
@@ -147,3 +150,33 @@ def test_serve_refuses_a_catalog_with_a_wrong_ca_in_one_line(
     assert "certificate verify failed: unable to get local issuer certificate" in line
     assert "://postgres:***@localhost:" in line
     assert "hunter2" not in output
+
+
+async def test_no_password_in_a_log_record_or_readyz_when_the_catalog_goes_down(
+    tls_cluster: PostgresCluster,
+    certificates: Certificates,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The catalog URL's password (the cluster trusts, so any password connects) stays out of
+    every log record (their extra fields too) and of ``/readyz``'s body, up and down."""
+    url = _url(
+        tls_cluster, "localhost", f"sslmode=verify-full&sslrootcert={certificates.ca.cert}"
+    ).replace("postgres@", "postgres:hunter2@")
+    settings = Settings(
+        data_dir=tmp_path / "data", catalog_url=url, tokens=Tokens.from_mapping(TOKENS, "test")
+    )
+    caplog.set_level(logging.DEBUG)
+    async with open_api(settings) as api:
+        ready = await api.client.get("/readyz")
+        assert ready.status_code == 200, ready.text
+        tls_cluster.kill()
+        try:
+            down = await api.client.get("/readyz")
+            assert down.status_code == 503
+            assert "catalog" in down.json()["checks"] and "hunter2" not in down.text
+        finally:
+            tls_cluster.start()
+    assert caplog.records
+    for record in caplog.records:
+        assert "hunter2" not in f"{record.getMessage()} {record.__dict__}", record
