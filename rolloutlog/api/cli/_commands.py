@@ -5,9 +5,9 @@ REST routes they call (docs/api.md): ``runs``, ``checkpoint``/``checkpoints``,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from rolloutlog.trainer import CheckpointInfo, RestoreInfo, TrainerClient
 
 __all__ = ["COMMANDS"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _counts(info: Mapping[str, Any]) -> str:
@@ -165,17 +167,22 @@ def _names(values: Sequence[str]) -> list[str]:
     return [name for value in values for name in value.split(",") if name]
 
 
+def checkpoint_option(help_text: str) -> Callable[[F], F]:
+    """``--checkpoint ID|latest`` (default ``latest``) as ``checkpoint_id``."""
+    return click.option(
+        "--checkpoint",
+        "checkpoint_id",
+        type=CheckpointRef(),
+        default="latest",
+        show_default=True,
+        help=help_text,
+    )
+
+
 @runs.command("fork")
 @click.argument("source")
 @run_argument
-@click.option(
-    "--checkpoint",
-    "checkpoint_id",
-    type=CheckpointRef(),
-    default="latest",
-    show_default=True,
-    help="The source's committed checkpoint to fork: its id, or 'latest'.",
-)
+@checkpoint_option("The source's committed checkpoint to fork: its id, or 'latest'.")
 @click.option(
     "--episodes",
     multiple=True,
@@ -451,14 +458,7 @@ def _excluded(exclude: Sequence[str], exclude_file: Path | None) -> list[str]:
 
 @click.command()
 @run_argument
-@click.option(
-    "--checkpoint",
-    "checkpoint_id",
-    type=CheckpointRef(),
-    default="latest",
-    show_default=True,
-    help="Committed checkpoint to restore from: its id, or 'latest'.",
-)
+@checkpoint_option("Committed checkpoint to restore from: its id, or 'latest'.")
 @click.option(
     "--exclude",
     multiple=True,
