@@ -432,7 +432,7 @@ async def _commit(
         update(checkpoints)
         # checked above under the run's lock; said again so that no path commits twice
         .where(*_this_checkpoint(parts), checkpoints.c.status == "pending")
-        .values(**committed, timings_ms=orjson.dumps(timings_ms).decode() if timings_ms else None)
+        .values(**committed, timings_ms=_reads.encode_json_map(timings_ms))
     )
     if done.rowcount != 1:
         raise CheckpointNotPending(

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from rolloutlog.catalog import _reads, _requesters
+from rolloutlog.catalog import _manifests, _reads, _requesters
 from rolloutlog.catalog._checkpoint_commit import CheckpointParts, write_checkpoint_parts_rows
 from rolloutlog.catalog._schema import checkpoints, runs
 from rolloutlog.catalog._transactions import CatalogTransactions
@@ -74,7 +74,7 @@ class CheckpointOperations(CatalogTransactions):
                 )
             ).one_or_none()
             if pending is not None:
-                gone = await _requesters.requester_gone(conn, self._clock, pending)
+                gone = await _requesters.requester_gone(conn, self._backend, self._clock, pending)
                 if gone is None:
                     raise CheckpointInProgress(
                         f"checkpoint {pending.checkpoint_id} of run {run!r} is still pending",
@@ -259,7 +259,7 @@ class CheckpointOperations(CatalogTransactions):
         """
         async with self._write() as conn:
             return await _requesters.abort_orphans(
-                conn, self._clock, reason, requested_by=requested_by
+                conn, self._backend, self._clock, reason, requested_by=requested_by
             )
 
     async def abort_overdue_checkpoints(
@@ -338,13 +338,13 @@ class CheckpointOperations(CatalogTransactions):
         """Manifest entries by episode id; page with ``after=<last episode>``."""
         check_count(limit, "limit", minimum=1)
         return await self._query(
-            lambda conn: _reads.manifest_page(conn, run, checkpoint_id, after, limit, action)
+            lambda conn: _manifests.manifest_page(conn, run, checkpoint_id, after, limit, action)
         )
 
     async def load_manifest(self, run: str, checkpoint_id: int) -> list[ManifestEntry]:
         """The whole manifest of a committed checkpoint, read in one snapshot."""
         return await self._query(
-            lambda conn: _reads.manifest_page(conn, run, checkpoint_id, None, None)
+            lambda conn: _manifests.manifest_page(conn, run, checkpoint_id, None, None)
         )
 
     async def stream_manifest(
@@ -367,22 +367,16 @@ class CheckpointOperations(CatalogTransactions):
 
     async def staging_keys(self, run: str) -> frozenset[str]:
         """Staging keys referenced by the run's committed checkpoints (the trainer keeps them)."""
-        return await self._query(lambda conn: _reads.staging_keys(conn, run))
+        return await self._query(lambda conn: _manifests.staging_keys(conn, run))
 
 
 async def _checkpoint_status(conn: AsyncConnection, run: str, checkpoint_id: int) -> str:
-    status = (
-        await conn.execute(
-            select(checkpoints.c.status).where(
-                checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id
-            )
-        )
-    ).scalar_one_or_none()
+    status = await _reads.checkpoint_status(conn, run, checkpoint_id)
     if status is None:
         raise UnknownCheckpoint(
             f"run {run!r} has no checkpoint {checkpoint_id}", run=run, checkpoint_id=checkpoint_id
         )
-    return str(status)
+    return status
 
 
 async def _refuse_answered(conn: AsyncConnection, run: str, request_id: str) -> None:

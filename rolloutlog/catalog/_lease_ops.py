@@ -75,6 +75,7 @@ class LeaseOperations(CatalogTransactions):
         async with self._write() as conn:
             return await _leases.tick(
                 conn,
+                self._backend,
                 self._clock,
                 replica_id,
                 address=address,
@@ -86,18 +87,22 @@ class LeaseOperations(CatalogTransactions):
 
     async def cluster_view(self, run: str | None = None) -> ClusterView:
         """Every run's (or one run's) leases with their owners' heartbeats and reports."""
-        return await self._query(lambda conn: _leases.cluster_view(conn, self._clock, run))
+        return await self._query(
+            lambda conn: _leases.cluster_view(conn, self._backend, self._clock, run)
+        )
 
     async def release_leases(self, replica_id: str) -> None:
         """The replica stops: its partitions are released and its heartbeat ends now."""
         async with self._write() as conn:
-            await _leases.release_replica(conn, self._clock, replica_id)
+            await _leases.release_replica(conn, self._backend, self._clock, replica_id)
 
     async def partition_owners(self, run: str) -> list[PartitionOwner]:
         """Each partition of the run with its owner and generation (``UnknownRun``)."""
 
         async def query(conn: AsyncConnection) -> list[PartitionOwner]:
             info = await _reads.get_run(conn, run)
-            return await _leases.partition_owners(conn, self._clock, run, info.partitions)
+            return await _leases.partition_owners(
+                conn, self._backend, self._clock, run, info.partitions
+            )
 
         return await self._query(query)

@@ -4,25 +4,18 @@ ids reserved ahead of it."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from operator import gt
 from typing import Any
 
-import orjson
 from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog._gc import collector_paused
+from rolloutlog.catalog import _reads
 from rolloutlog.catalog._backend import Backend
-from rolloutlog.catalog._reads import compose_parts, manifest_bodies
-from rolloutlog.catalog._schema import (
-    NAME_LENGTH,
-    checkpoints,
-    episodes,
-    restore_episodes,
-    restores,
-    runs,
-)
+from rolloutlog.catalog._manifests import compose_parts, manifest_bodies
+from rolloutlog.catalog._schema import NAME_LENGTH, episodes, restore_episodes, restores, runs
 from rolloutlog.catalog._validate import check_count, check_episode
 from rolloutlog.catalog._values import RESTORE_ACTIONS, Restore, RestoreEntry, capture_key
 from rolloutlog.catalog._writes import lock_run
@@ -107,26 +100,10 @@ async def commit_restore_rows(
     now: float,
     restore_id: int | None = None,
 ) -> Restore:
+    """Commit a restore plan (``Catalog.commit_restore`` says what is checked): its row, its
+    episodes' rows, and each episode's new attempt current in ``episodes``."""
     run_row = await lock_run(conn, run, controller_epoch)
-    status = (
-        await conn.execute(
-            select(checkpoints.c.status).where(
-                checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id
-            )
-        )
-    ).scalar_one_or_none()
-    if status != "committed":
-        raise UnknownCheckpoint(
-            f"checkpoint {checkpoint_id} of run {run!r} "
-            + ("does not exist" if status is None else f"is {status}")
-            + ": only a committed checkpoint can be restored",
-            run=run,
-            checkpoint_id=checkpoint_id,
-            status=status,
-        )
-    bodies, _ = await manifest_bodies(conn, run, checkpoint_id)
-    with collector_paused():
-        manifest: dict[str, str] = {entry[0]: entry[2] for entry in compose_parts(bodies)}
+    manifest = await _committed_manifest(conn, run, checkpoint_id)
     # Current attempts of the manifest's episodes (and of the plan's others, below), not of the
     # whole run, whose episodes table grows with every episode.
     current: dict[str, int] = {}
@@ -140,6 +117,75 @@ async def commit_restore_rows(
         restore_id = int(run_row.last_restore_id) + 1
     else:
         await check_reserved_restore_id(conn, run, run_row, restore_id)
+    rows, counts = _plan_rows(run, restore_id, checkpoint_id, entries, manifest, current)
+    if not reserved:
+        await conn.execute(update(runs).where(runs.c.run == run).values(last_restore_id=restore_id))
+    restore = Restore(
+        run=run,
+        restore_id=restore_id,
+        checkpoint_id=checkpoint_id,
+        controller_epoch=controller_epoch,
+        committed_at=now,
+        continue_count=counts["continue"],
+        restart_count=counts["restart"],
+        excluded_count=counts["excluded"],
+        timings_ms=timings_ms,
+    )
+    columns = {name: getattr(restore, name) for name in _RESTORE_COLUMNS}
+    await conn.execute(
+        insert(restores).values(**columns, timings_ms=_reads.encode_json_map(timings_ms))
+    )
+    await backend.bulk_insert(
+        conn, restore_episodes, RESTORE_EPISODE_COLUMNS, list(zip(*rows, strict=True)) or [[]] * 8
+    )
+    if entries:
+        await conn.execute(_EPISODES_RESTORED, {"run": run, "restore_id": restore_id, "now": now})
+    return restore
+
+
+#: The ``restores`` columns a ``Restore`` holds as stored (``timings_ms`` is encoded).
+_RESTORE_COLUMNS = (
+    "run",
+    "restore_id",
+    "checkpoint_id",
+    "controller_epoch",
+    "committed_at",
+    "continue_count",
+    "restart_count",
+    "excluded_count",
+)
+
+
+async def _committed_manifest(
+    conn: AsyncConnection, run: str, checkpoint_id: int
+) -> dict[str, str]:
+    """Each episode of a committed checkpoint's manifest with its action (``UnknownCheckpoint``
+    for any other checkpoint)."""
+    status = await _reads.checkpoint_status(conn, run, checkpoint_id)
+    if status != "committed":
+        raise UnknownCheckpoint(
+            f"checkpoint {checkpoint_id} of run {run!r} "
+            + ("does not exist" if status is None else f"is {status}")
+            + ": only a committed checkpoint can be restored",
+            run=run,
+            checkpoint_id=checkpoint_id,
+            status=status,
+        )
+    bodies, _ = await manifest_bodies(conn, run, checkpoint_id)
+    with collector_paused():
+        return {entry[0]: entry[2] for entry in compose_parts(bodies)}
+
+
+def _plan_rows(
+    run: str,
+    restore_id: int,
+    checkpoint_id: int,
+    entries: Sequence[RestoreEntry],
+    manifest: Mapping[str, str],
+    current: Mapping[str, int],
+) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
+    """The plan's ``restore_episodes`` rows and its counts per action, once the plan is found
+    to agree with the manifest and the episodes' current attempts."""
     counts = {"continue": 0, "restart": 0, "excluded": 0}
     rows: list[tuple[Any, ...]] = []
     for entry in entries:
@@ -196,38 +242,7 @@ async def commit_restore_rows(
             f"{checkpoint_id} unaccounted for",
             episodes=missing[:20],
         )
-    if not reserved:
-        await conn.execute(update(runs).where(runs.c.run == run).values(last_restore_id=restore_id))
-    encoded_timings = orjson.dumps(timings_ms).decode() if timings_ms else None
-    await conn.execute(
-        insert(restores).values(
-            run=run,
-            restore_id=restore_id,
-            checkpoint_id=checkpoint_id,
-            controller_epoch=controller_epoch,
-            committed_at=now,
-            continue_count=counts["continue"],
-            restart_count=counts["restart"],
-            excluded_count=counts["excluded"],
-            timings_ms=encoded_timings,
-        )
-    )
-    await backend.bulk_insert(
-        conn, restore_episodes, RESTORE_EPISODE_COLUMNS, list(zip(*rows, strict=True)) or [[]] * 8
-    )
-    if entries:
-        await conn.execute(_EPISODES_RESTORED, {"run": run, "restore_id": restore_id, "now": now})
-    return Restore(
-        run=run,
-        restore_id=restore_id,
-        checkpoint_id=checkpoint_id,
-        controller_epoch=controller_epoch,
-        committed_at=now,
-        continue_count=counts["continue"],
-        restart_count=counts["restart"],
-        excluded_count=counts["excluded"],
-        timings_ms=timings_ms,
-    )
+    return rows, counts
 
 
 def check_plan(entries: Sequence[RestoreEntry]) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from rolloutlog.catalog import _reads, _results, _writes
+from rolloutlog.catalog import _manifests, _reads, _results, _writes
 from rolloutlog.catalog._transactions import CatalogTransactions
 from rolloutlog.catalog._validate import check_count, check_episode, check_name, check_run_name
 from rolloutlog.catalog._values import (
@@ -255,7 +255,7 @@ class RunOperations(CatalogTransactions):
         lives in ``partition``), oldest first."""
         check_episode(episode)
         return await self._query(
-            lambda conn: _reads.episode_manifest_entries(conn, run, episode, partition)
+            lambda conn: _manifests.episode_manifest_entries(conn, run, episode, partition)
         )
 
     async def delete_run(self, run: str) -> None:
