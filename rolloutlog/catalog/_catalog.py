@@ -22,7 +22,6 @@ from rolloutlog.catalog._registry import backend_for
 from rolloutlog.catalog._restore_ops import RestoreOperations
 from rolloutlog.catalog._result_ops import ResultOperations
 from rolloutlog.catalog._run_ops import RunOperations
-from rolloutlog.errors import RolloutlogError
 
 #: How long ``Catalog.stop`` lets the transactions already open end.
 STOP_WAIT_S = 5.0
@@ -39,14 +38,10 @@ class Catalog(
             return
         engine = self._backend.create_engine()
         try:
-            try:
+            with self._translating():
                 async with engine.begin() as conn:
                     await self._backend.lock_migrations(conn)
                     before, _ = await conn.run_sync(_migrate.upgrade)
-            except RolloutlogError:
-                raise
-            except self._translated as e:
-                raise self._backend.translate(e) from e
             self.migrated_from = before
             self._engine = engine
             self._reader = self._backend.read_engine(engine)

@@ -31,7 +31,6 @@ from rolloutlog.errors import (
     CheckpointInProgress,
     CheckpointNotPending,
     InvalidRequest,
-    UnknownCheckpoint,
 )
 
 
@@ -371,12 +370,7 @@ class CheckpointOperations(CatalogTransactions):
 
 
 async def _checkpoint_status(conn: AsyncConnection, run: str, checkpoint_id: int) -> str:
-    status = await _reads.checkpoint_status(conn, run, checkpoint_id)
-    if status is None:
-        raise UnknownCheckpoint(
-            f"run {run!r} has no checkpoint {checkpoint_id}", run=run, checkpoint_id=checkpoint_id
-        )
-    return status
+    return str((await _reads.checkpoint_row(conn, run, checkpoint_id)).status)
 
 
 async def _refuse_answered(conn: AsyncConnection, run: str, request_id: str) -> None:

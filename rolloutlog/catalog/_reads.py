@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import orjson
@@ -59,14 +60,14 @@ def value_from_row(cls: type[V], row: Row[Any], **given: Any) -> V:
     """A value of the dataclass ``cls`` from the row's columns of its fields' names, ``given``
     the others (a field neither names keeps its default)."""
     columns = row._mapping
-    return cls(
-        **{
-            f.name: columns[f.name]
-            for f in dataclasses.fields(cls)
-            if f.name in columns and f.name not in given
-        },
-        **given,
-    )
+    values = {name: columns[name] for name in _field_names(cls) if name in columns}
+    values.update(given)
+    return cls(**values)
+
+
+@functools.cache
+def _field_names(cls: type[DataclassInstance]) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def run_from_row(row: Row[Any]) -> Run:
@@ -197,19 +198,34 @@ def _newest_first(table: Table, key: Any, run: str, before: int | None, limit: i
     return query if before is None else query.where(key < before)
 
 
-async def get_checkpoint(conn: AsyncConnection, run: str, checkpoint_id: int) -> Checkpoint:
-    row = (
-        await conn.execute(
-            select(checkpoints).where(
-                checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id
-            )
-        )
-    ).one_or_none()
+async def _row_of_run(
+    conn: AsyncConnection, run: str, query: Select[Any], missing: Callable[[], Exception]
+) -> Row[Any]:
+    """The one row ``query`` finds of ``run``, else ``UnknownRun`` or (the run is there)
+    ``missing()``."""
+    row: Row[Any] | None = (await conn.execute(query)).one_or_none()
     if row is None:
         await get_run(conn, run)
-        raise UnknownCheckpoint(
+        raise missing()
+    return row
+
+
+async def checkpoint_row(conn: AsyncConnection, run: str, checkpoint_id: int) -> Row[Any]:
+    """The checkpoint's ``checkpoints`` row (``UnknownRun``, ``UnknownCheckpoint``)."""
+    return await _row_of_run(
+        conn,
+        run,
+        select(checkpoints).where(
+            checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id
+        ),
+        lambda: UnknownCheckpoint(
             f"run {run!r} has no checkpoint {checkpoint_id}", run=run, checkpoint_id=checkpoint_id
-        )
+        ),
+    )
+
+
+async def get_checkpoint(conn: AsyncConnection, run: str, checkpoint_id: int) -> Checkpoint:
+    row = await checkpoint_row(conn, run, checkpoint_id)
     offsets = await offsets_of(conn, run, [checkpoint_id])
     return checkpoint_from_row(row, offsets[checkpoint_id])
 
@@ -250,16 +266,14 @@ async def list_checkpoints(
 
 
 async def get_restore(conn: AsyncConnection, run: str, restore_id: int) -> Restore:
-    row = (
-        await conn.execute(
-            select(restores).where(restores.c.run == run, restores.c.restore_id == restore_id)
-        )
-    ).one_or_none()
-    if row is None:
-        await get_run(conn, run)
-        raise UnknownRestore(
+    row = await _row_of_run(
+        conn,
+        run,
+        select(restores).where(restores.c.run == run, restores.c.restore_id == restore_id),
+        lambda: UnknownRestore(
             f"run {run!r} has no restore {restore_id}", run=run, restore_id=restore_id
-        )
+        ),
+    )
     return restore_from_row(row)
 
 
@@ -302,14 +316,12 @@ async def restore_entries(
 
 
 async def get_episode(conn: AsyncConnection, run: str, episode: str) -> Episode:
-    row = (
-        await conn.execute(
-            select(episodes).where(episodes.c.run == run, episodes.c.episode == episode)
-        )
-    ).one_or_none()
-    if row is None:
-        await get_run(conn, run)
-        raise UnknownEpisode(f"run {run!r} has no episode {episode!r}", run=run, episode=episode)
+    row = await _row_of_run(
+        conn,
+        run,
+        select(episodes).where(episodes.c.run == run, episodes.c.episode == episode),
+        lambda: UnknownEpisode(f"run {run!r} has no episode {episode!r}", run=run, episode=episode),
+    )
     return episode_from_row(row)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager, nullcontext
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager, nullcontext
 from typing import TypeVar
 
 from sqlalchemy import exc as sa_exc
@@ -70,15 +70,35 @@ class CatalogTransactions:
         return self._keep_committed
 
     @contextmanager
-    def _counted(self) -> Iterator[None]:
-        self._open += 1
-        self._none_open.clear()
+    def _call(self, engine: AsyncEngine | None) -> Iterator[AsyncEngine]:
+        """One call's span over ``engine``: refused unless the catalog is started, counted for
+        ``stop``, its driver errors translated."""
+        if engine is None:
+            raise CatalogError("the catalog is not started")
+        with self._translating():
+            self._open += 1
+            self._none_open.clear()
+            try:
+                yield engine
+            finally:
+                self._open -= 1
+                if not self._open:
+                    self._none_open.set()
+
+    @contextmanager
+    def _translating(self) -> Iterator[None]:
+        """Driver and SQLAlchemy errors raised inside become rolloutlog's (``Backend.translate``,
+        raised ``from`` the original)."""
         try:
             yield
-        finally:
-            self._open -= 1
-            if not self._open:
-                self._none_open.set()
+        except RolloutlogError:
+            raise
+        except self._translated as e:
+            raise self._backend.translate(e) from e
+
+    def _turn(self, *, urgent: bool) -> AbstractAsyncContextManager[None]:
+        """This process's write turn where the backend has turns (``Backend.write_turns``)."""
+        return self._turns.turn(urgent=urgent) if self._turns is not None else nullcontext()
 
     def _after_bulk_commit(self) -> None:
         if self._engine is not None:
@@ -92,20 +112,9 @@ class CatalogTransactions:
     @asynccontextmanager
     async def _write(self, *, urgent: bool = False) -> AsyncIterator[AsyncConnection]:
         """A write transaction; ``urgent`` (a checkpoint's) goes before other waiting writers."""
-        if self._engine is None:
-            raise CatalogError("the catalog is not started")
-        turns = self._turns
-        try:
-            with self._counted():
-                async with (
-                    turns.turn(urgent=urgent) if turns is not None else nullcontext(),
-                    self._engine.begin() as conn,
-                ):
-                    yield conn
-        except RolloutlogError:
-            raise
-        except self._translated as e:
-            raise self._backend.translate(e) from e
+        with self._call(self._engine) as engine:
+            async with self._turn(urgent=urgent), engine.begin() as conn:
+                yield conn
 
     async def _urgent_write(self, fn: Callable[[AsyncConnection], Awaitable[T]]) -> T:
         """A checkpoint's write transaction: ``_write(urgent=True)``, run in one hop where the
@@ -113,30 +122,15 @@ class CatalogTransactions:
         if not self._backend.one_hop_writes:
             async with self._write(urgent=True) as conn:
                 return await fn(conn)
-        if self._engine is None:
-            raise CatalogError("the catalog is not started")
-        turns = self._turns
-        try:
-            with self._counted():
-                async with turns.turn(urgent=True) if turns is not None else nullcontext():
-                    return await self._backend.write_in_one_hop(fn)
-        except RolloutlogError:
-            raise
-        except self._translated as e:
-            raise self._backend.translate(e) from e
+        with self._call(self._engine):
+            async with self._turn(urgent=True):
+                return await self._backend.write_in_one_hop(fn)
 
     @asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncConnection]:
-        if self._reader is None:
-            raise CatalogError("the catalog is not started")
-        try:
-            with self._counted():
-                async with self._reader.begin() as conn:
-                    yield conn
-        except RolloutlogError:
-            raise
-        except self._translated as e:
-            raise self._backend.translate(e) from e
+        with self._call(self._reader) as reader:
+            async with reader.begin() as conn:
+                yield conn
 
     async def _query(self, fn: Callable[[AsyncConnection], Awaitable[T]]) -> T:
         async with self._read() as conn:

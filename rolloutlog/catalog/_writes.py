@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import delete, select, text, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from rolloutlog.catalog import _reads
 from rolloutlog.catalog._schema import (
     checkpoint_offsets,
     checkpoint_parts,
@@ -28,7 +29,7 @@ from rolloutlog.catalog._schema import (
     runs,
 )
 from rolloutlog.catalog._values import QUARANTINE_FIRST_BYTES, QuarantinedRecord
-from rolloutlog.errors import CheckpointNotPending, StaleController, UnknownCheckpoint, UnknownRun
+from rolloutlog.errors import CheckpointNotPending, StaleController, UnknownRun
 
 # ``offset`` is an SQL keyword: quoted.
 _QUARANTINE = text(
@@ -78,17 +79,8 @@ async def lock_run(conn: AsyncConnection, run: str, controller_epoch: int | None
 
 
 async def pending_checkpoint(conn: AsyncConnection, run: str, checkpoint_id: int) -> Any:
-    row = (
-        await conn.execute(
-            select(checkpoints).where(
-                checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id
-            )
-        )
-    ).one_or_none()
-    if row is None:
-        raise UnknownCheckpoint(
-            f"run {run!r} has no checkpoint {checkpoint_id}", run=run, checkpoint_id=checkpoint_id
-        )
+    """The checkpoint's row, which must be pending (``CheckpointNotPending``)."""
+    row = await _reads.checkpoint_row(conn, run, checkpoint_id)
     if row.status != "pending":
         raise CheckpointNotPending(
             f"checkpoint {checkpoint_id} of run {run!r} is {row.status}, not pending",
