@@ -446,6 +446,7 @@ async def _commit(
         _reads.checkpoint_from_row(pending, sorted(offsets, key=attrgetter("partition"))),
         **committed,
         timings_ms=timings_ms,
+        reason=None,
     )
 
 
