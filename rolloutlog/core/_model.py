@@ -56,6 +56,23 @@ class LedgerEntry(NamedTuple):
     constrained: bool
     token_ids_json: bytes
 
+    @classmethod
+    def of_data(cls, data: Mapping[str, Any], token_ids_json: bytes) -> LedgerEntry:
+        """The row a ``ledger.row`` event's data records (its token ids as logged)."""
+        return cls(
+            call_id=data["call_id"],
+            parent_call_id=data.get("parent_call_id"),
+            fingerprint=data["fingerprint"],
+            context_digest=data["context_digest"],
+            policy_version=data["policy_version"],
+            prev_len=data["prev_len"],
+            cum_len=data["cum_len"],
+            digest=data["digest"],
+            staging_key=data.get("staging_key"),
+            constrained=bool(data.get("constrained", False)),
+            token_ids_json=token_ids_json,
+        )
+
     def token_ids(self) -> list[int]:
         ids: list[int] = orjson.loads(self.token_ids_json)
         return ids
