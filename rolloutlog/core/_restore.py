@@ -117,9 +117,11 @@ def _attempt_at_start(
     records: Sequence[_Selectable], committed_restores: Container[int] | None, attempt: int
 ) -> int:
     for record in records:
-        start = attempt_start(record[1], committed_restores)
-        if start is not None:
-            return start.previous_attempt
+        meta = record[1]
+        if meta["type"] == "attempt.started":
+            start = attempt_start(meta, committed_restores)
+            if start is not None:
+                return start.previous_attempt
     return attempt
 
 
