@@ -1,6 +1,10 @@
 """The fold's state machine: one episode's events applied one record at a time (docs/design.md
 §4, §5). No I/O. ``_fold`` runs it over an episode's records (the full fold); the projector keeps
 one per live episode without payloads (``_tracker``).
+
+Beside it, each with one job: the record filters (``_filters``), the session rules it inherits
+(``_episode_sessions``), the tail's generation cut (``_tail``), the copies a pin keeps
+(``_pins``), and the restore transition (``_restore``), which ``begin_attempt`` runs.
 """
 
 from __future__ import annotations
@@ -199,9 +203,10 @@ class EpisodeFold(SessionRules):
         self._staging = None
         kind = meta["type"]
         if kind == "attempt.started":
-            # A restore continued the projection at its cut: the tail's session changes and
-            # undelivered calls were dropped, so the next boundary must not commit them; the
-            # generation cut stays until the new attempt commits past it.
+            # A restore continued the projection at its cut (``_restore.select_records`` kept
+            # the records below it): the tail's session changes and undelivered calls were
+            # dropped, so the next boundary must not commit them; the generation cut stays until
+            # the new attempt commits past it.
             self._drop_tail()
             return
         if self.first_offset is None:

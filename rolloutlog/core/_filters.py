@@ -13,7 +13,7 @@ __all__ = ["EventFilters"]
 intern = sys.intern
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class EventFilters:
     """Per-episode state of the zombie, duplicate and attempt filters (rules 3-5)."""
 
@@ -25,6 +25,16 @@ class EventFilters:
     #: seqs are never asked again, so one entry per participant is enough: ~350 bytes an episode
     #: less than a dict of epochs beside a dict of seqs keyed by (id, epoch).)
     seen: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def __init__(
+        self,
+        current_attempt: int = 0,
+        seen: dict[str, tuple[int, int]] | None = None,
+        *,
+        attempt: int | None = None,
+    ) -> None:
+        self.current_attempt = current_attempt if attempt is None else attempt
+        self.seen = {} if seen is None else seen
 
     @property
     def attempt(self) -> int:
