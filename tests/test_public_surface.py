@@ -35,7 +35,7 @@ EVENT_TYPES = [
 
 SURFACES: dict[str, list[str]] = {
     "rolloutlog.core": [
-        "AttemptStart",
+        "RestoreTransition",
         "BoundaryView",
         "CUT_DISPOSITIONS",
         "EpisodeFold",
@@ -56,7 +56,7 @@ SURFACES: dict[str, list[str]] = {
         "RestorePolicy",
         "SessionView",
         "apply_policy",
-        "attempt_start",
+        "restore_transition",
         "check_exclusions",
         "not_exported_reason",
         "plan_restore",

@@ -82,8 +82,8 @@ from rolloutlog.core._planner import (
     wait_expired_reason,
 )
 from rolloutlog.core._restore import (
-    AttemptStart,
-    attempt_start,
+    RestoreTransition,
+    restore_transition,
     resumed_boundary,
     select_records,
 )
@@ -109,7 +109,7 @@ from rolloutlog.core._verify import (
 )
 
 __all__ = [
-    "AttemptStart",
+    "RestoreTransition",
     "BoundaryView",
     "CUT_DISPOSITIONS",
     "EpisodeFold",
@@ -130,7 +130,7 @@ __all__ = [
     "RestorePolicy",
     "SessionView",
     "apply_policy",
-    "attempt_start",
+    "restore_transition",
     "check_exclusions",
     "not_exported_reason",
     "plan_restore",

@@ -6,7 +6,7 @@ the committed prefix and the generation cut go on; the tail's session changes an
 are dropped — or, for a restart, nothing carries on. Later records of older attempts are fenced.
 
 The rule has two forms, for the two ways an episode is held, and one test of the record
-(``attempt_start``):
+(``restore_transition``):
 
 - over records, ``select_records``: the records the projection at a cut folds. The full fold and
   the replay (``projections._fold``), the projector's catch-up, and the history route's "resumed
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from rolloutlog.core._episode import EpisodeFold
 
 __all__ = [
-    "AttemptStart",
-    "attempt_start",
+    "RestoreTransition",
+    "restore_transition",
     "begin_attempt",
     "resumed_boundary",
     "select_records",
@@ -41,7 +41,7 @@ __all__ = [
 _Selectable = tuple[Any, ...]
 
 
-class AttemptStart(NamedTuple):
+class RestoreTransition(NamedTuple):
     """A committed restore's ``attempt.started``, as the transition reads it."""
 
     #: The attempt it begins.
@@ -54,9 +54,9 @@ class AttemptStart(NamedTuple):
     cut: int
 
 
-def attempt_start(
+def restore_transition(
     meta: dict[str, Any], committed_restores: Container[int] | None = None
-) -> AttemptStart | None:
+) -> RestoreTransition | None:
     """The transition a record begins: the ``attempt.started`` of a restore in
     ``committed_restores`` (of any restore when None), or None."""
     if meta["type"] != "attempt.started":
@@ -64,7 +64,9 @@ def attempt_start(
     data = meta["data"]
     if committed_restores is not None and data["restore_id"] not in committed_restores:
         return None
-    return AttemptStart(meta["attempt"], data["previous_attempt"], data["restore_id"], data["cut"])
+    return RestoreTransition(
+        meta["attempt"], data["previous_attempt"], data["restore_id"], data["cut"]
+    )
 
 
 # -- over records --------------------------------------------------------------------------------
@@ -99,11 +101,11 @@ def select_records(
         if kind == "checkpoint.marker":
             continue
         if kind == "attempt.started":
-            start = attempt_start(meta, committed_restores)
-            if start is None or start.attempt <= filters.current_attempt:
+            transition = restore_transition(meta, committed_restores)
+            if transition is None or transition.attempt <= filters.current_attempt:
                 continue
-            filters.current_attempt = start.attempt
-            kept = [r for r in kept if r[0] < start.cut]
+            filters.current_attempt = transition.attempt
+            kept = [r for r in kept if r[0] < transition.cut]
             if kept:
                 # Folded, it drops the old attempt's uncommitted tail (``EpisodeFold.apply``).
                 kept.append(record)
@@ -119,9 +121,9 @@ def _attempt_at_start(
     for record in records:
         meta = record[1]
         if meta["type"] == "attempt.started":
-            start = attempt_start(meta, committed_restores)
-            if start is not None:
-                return start.previous_attempt
+            transition = restore_transition(meta, committed_restores)
+            if transition is not None:
+                return transition.previous_attempt
     return attempt
 
 

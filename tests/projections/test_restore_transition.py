@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from rolloutlog.core import SERVICE_PARTICIPANT_ID, attempt_start, resumed_boundary, select_records
+from rolloutlog.core import (
+    SERVICE_PARTICIPANT_ID,
+    restore_transition,
+    resumed_boundary,
+    select_records,
+)
 from tests.factories import envelope, participant
 
 SERVICE = participant("service", SERVICE_PARTICIPANT_ID, 0)
@@ -49,8 +54,8 @@ def test_a_continued_continuation_resumes_from_what_its_previous_attempt_continu
 
 def test_a_restore_that_never_committed_is_no_transition() -> None:
     records = _history()
-    assert attempt_start(records[5][1], {1, 2}) is None
-    start = attempt_start(records[6][1], {1, 2})
+    assert restore_transition(records[5][1], {1, 2}) is None
+    start = restore_transition(records[6][1], {1, 2})
     assert start is not None and (start.attempt, start.previous_attempt, start.cut) == (2, 1, 7)
     kept, current = select_records(records, 9, {1, 2})
     assert current == 2 and [offset for offset, _ in kept] == [0, 1, 5, 6, 8]
