@@ -81,6 +81,7 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
         "LEASE_S": "2.5",
         "MAX_REQUEST_MB": "3",
         "MAX_SEQ_GAP": "4096",
+        "METRICS_AUTH": "true",
     }
     assert {name.lower() for name in values} == set(ServeConfig.model_fields)
     for name, value in values.items():
@@ -104,6 +105,7 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
     assert (settings.replica_id, settings.lease_s) == ("replica-a", 2.5)
     assert settings.address == "0.0.0.0:9000"
     assert (settings.max_request_bytes, settings.max_seq_gap) == (3 * 1024 * 1024, 4096)
+    assert settings.metrics_auth
 
 
 def test_each_setting_is_declared_once_with_its_flag_and_variable() -> None:
