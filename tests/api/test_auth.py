@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -203,19 +203,27 @@ SCOPE = ("exp-*", "exact-run")
 #: A token per role scoped to ``SCOPE`` (the admin's from the environment, the others' from the
 #: token file: both formats, for real).
 SCOPED = {role.value: f"{role.value}-scoped-token-01" for role in Role}
-SCOPED_ENV = {"ROLLOUTLOG_TOKEN_ADMIN": f"{SCOPED['admin']}:{','.join(SCOPE)}"}
 
 
-def scoped_token_file(path: Path) -> Path:
-    """A TOML token file: per role the unscoped token of ``TOKENS`` and (but for admin) a table
-    ``{token, runs}`` scoped to ``SCOPE``."""
+def scoped_env(scoped: Mapping[str, str] = SCOPED) -> dict[str, str]:
+    """The variable that holds the scoped admin token (``TOKEN:RUN,PREFIX-*``)."""
+    return {"ROLLOUTLOG_TOKEN_ADMIN": f"{scoped['admin']}:{','.join(SCOPE)}"}
+
+
+SCOPED_ENV = scoped_env()
+
+
+def scoped_token_file(
+    path: Path, tokens: Mapping[str, str] = TOKENS, scoped: Mapping[str, str] = SCOPED
+) -> Path:
+    """A TOML token file: per role the unscoped token of ``tokens`` and (but for admin, whose
+    scoped token is a variable's) a table ``{token, runs}`` scoped to ``SCOPE``."""
     runs = ", ".join(f'"{r}"' for r in SCOPE)
     lines = []
     for role in Role:
-        scoped = (
-            "" if role is Role.ADMIN else f', {{token = "{SCOPED[role.value]}", runs = [{runs}]}}'
-        )
-        lines.append(f'{role.value} = ["{TOKENS[role.value]}"{scoped}]')
+        table = f', {{token = "{scoped[role.value]}", runs = [{runs}]}}'
+        extra = "" if role is Role.ADMIN else table
+        lines.append(f'{role.value} = ["{tokens[role.value]}"{extra}]')
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -259,7 +267,7 @@ HOLDERS = [(role, where) for where in ("out", "in", "unscoped") for role in Role
 def test_every_route_with_every_role_in_and_out_of_its_scope(
     real: tuple[Server, httpx.Client], index: int, method: str, path: str
 ) -> None:
-    """Every protected route × every role × (in scope / out of scope / unscoped): a role that
+    """Every protected route x every role x (in scope / out of scope / unscoped): a role that
     does not imply the route's is refused as before; a scoped token on a run out of its scope
     gets 403 with the error envelope naming the role and the run, and changes nothing there."""
     _, client = real

@@ -1,7 +1,7 @@
 """Tokens scoped to runs from the clients' side, through a real server: a scoped token's run
 listing (paged), the CLI with a scoped token, and ``--metrics-auth``: ``/metrics`` and
 ``/readyz`` name no run to an anonymous caller and only its runs to a scoped token. The
-route × role × scope matrix is in tests/api/test_auth.py."""
+route x role x scope matrix is in tests/api/test_auth.py."""
 
 from __future__ import annotations
 
