@@ -146,7 +146,9 @@ function crumbs(parts) {
 function showError(error) {
   if (error instanceof ApiError && (error.status === 401 || error.status === 403)) {
     app.replaceChildren(el("p", { class: "error", "data-testid": "auth-error" },
-      `${error.message}. Enter an analyst token above (it stays in this tab's sessionStorage).`));
+      error.status === 403 && error.code === "forbidden" && /other runs/.test(error.message)
+        ? `${error.message}. This token reads other runs only: enter one that holds this run above.`
+        : `${error.message}. Enter an analyst token above (it stays in this tab's sessionStorage).`));
     document.getElementById("token").focus();
     return;
   }
