@@ -96,7 +96,7 @@ class RunScope:
         """A scope from run names and prefixes (``exp-*``; ``*`` alone: every run). A pattern
         that is neither is refused; ``where`` places it (the pattern is not echoed: it may be
         part of a token written in an older format)."""
-        from rolloutlog.core._ids import run_name_problem  # only when a scope is configured
+        from rolloutlog.core import run_name_problem  # only when a scope is configured
 
         names: set[str] = set()
         prefixes: set[str] = set()
