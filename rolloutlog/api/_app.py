@@ -295,7 +295,6 @@ class _StatusError(RolloutlogError):
 
 
 def _ops_routes(app: FastAPI) -> None:
-
     @app.get("/healthz", summary="Liveness", response_model=Health, dependencies=PUBLIC)
     async def healthz() -> Response:
         return json_response({"status": "ok"})
