@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
-from rolloutlog.api._auth import Role, require
+from rolloutlog.api._auth import ANALYST
 from rolloutlog.api._forks import episode_origin, mark_source_attempts
 from rolloutlog.api._http import json_response
 from rolloutlog.api._models import (
@@ -27,6 +27,7 @@ from rolloutlog.api._results import result_view
 from rolloutlog.api._service import Service
 from rolloutlog.api._views import manifest_entry_view, restore_entry_view
 from rolloutlog.catalog import Episode, ManifestEntry, RestoreEntry
+from rolloutlog.core import resumed_boundary
 from rolloutlog.errors import UnknownEpisode
 from rolloutlog.log import PAYLOAD_FIELD, capture_key, split_record
 
@@ -34,7 +35,6 @@ __all__ = ["explain", "router"]
 
 router = APIRouter()
 
-ANALYST = [Depends(require(Role.ANALYST))]
 NOT_FOUND: Responses = {404: {"model": ErrorOut, "description": "unknown_run, unknown_episode"}}
 #: Payload fields never shown in a timeline (they may be megabytes; fetch one event for them).
 _PAYLOADS = frozenset(PAYLOAD_FIELD.values())
@@ -48,8 +48,9 @@ def _service(request: Request) -> Service:
     return service
 
 
-def _timeline_event(offset: int, record: bytes) -> dict[str, Any]:
-    meta, payload = split_record(record)
+def _timeline_event(
+    offset: int, meta: dict[str, Any], payload: bytes | None, size: int
+) -> dict[str, Any]:
     data = {k: v for k, v in (meta.get("data") or {}).items() if k not in _PAYLOADS}
     participant = meta.get("participant") or {}
     return {
@@ -63,7 +64,7 @@ def _timeline_event(offset: int, record: bytes) -> dict[str, Any]:
         "seq": meta.get("seq"),
         "ts": meta.get("ts"),
         "stage": data.get("stage"),
-        "size_bytes": len(record),
+        "size_bytes": size,
         "payload_bytes": len(payload) if payload is not None else 0,
         "data": data,
     }
@@ -122,8 +123,12 @@ def _attempts(
     episode: str,
     events: Sequence[dict[str, Any]],
     plans: dict[int, tuple[int, int, RestoreEntry, str]],
+    records: Sequence[tuple[int, dict[str, Any]]],
+    committed_restores: set[int],
 ) -> list[dict[str, Any]]:
-    """Each attempt: how and why it began, the boundary a continued one resumed from, its events."""
+    """Each attempt: how and why it began, the boundary a continued one resumed from (where the
+    restore transition left it: ``resumed_boundary`` over the episode's ``records``, as
+    ``(offset, metadata)``), its events."""
     by_attempt: dict[int, list[dict[str, Any]]] = {}
     for event in events:
         by_attempt.setdefault(event["attempt"], []).append(event)
@@ -159,18 +164,16 @@ def _attempts(
             )
             started = next((e for e in own if e["type"] == "attempt.started"), None)
             cut = started["data"].get("cut") if started is not None else None
-            if entry.action == "continue" and cut is not None:
-                boundary = None
-                for event in by_attempt.get(entry.previous_attempt, []):
-                    if event["offset"] < cut and event["type"] == "step.boundary":
-                        boundary = event
+            if entry.action == "continue" and started is not None and cut is not None:
+                found = resumed_boundary(records, started["offset"], committed_restores)
+                boundary = found[1] if found is not None else None
                 view["resumed_from"] = {
                     "cut_offset": cut,
-                    "boundary_offset": boundary["offset"] if boundary else None,
+                    "boundary_offset": found[0] if found is not None else None,
                     "stage": boundary["data"].get("stage") if boundary else None,
                     "next": boundary["data"].get("next") if boundary else None,
                     "owner": boundary["data"].get("owner") if boundary else None,
-                    "step": boundary["step"] if boundary else None,
+                    "step": boundary.get("step") if boundary else None,
                 }
         attempts.append(view)
     return attempts
@@ -244,7 +247,8 @@ async def episode_history(
     plan_entries = await service.catalog.episode_plan_entries(run, episode)
     if recorded is None and tracked is None and not records and not plan_entries:
         raise UnknownEpisode(f"run {run!r} has no episode {episode!r}", run=run, episode=episode)
-    events = [_timeline_event(offset, record) for offset, record in records]
+    decoded = [(offset, *split_record(record), len(record)) for offset, record in records]
+    events = [_timeline_event(*one) for one in decoded]
     manifests = await service.catalog.episode_manifest_entries(run, episode, partition)
     manifest_of = dict(manifests)
     restores: list[dict[str, Any]] = []
@@ -286,7 +290,16 @@ async def episode_history(
             "finished_at": recorded.finished_at if recorded else None,
             "result": result_view(found[0]) if found else None,
             "forked_from": origin,
-            "attempts": mark_source_attempts(_attempts(episode, events, plans), origin),
+            "attempts": mark_source_attempts(
+                _attempts(
+                    episode,
+                    events,
+                    plans,
+                    [(offset, meta) for offset, meta, _, _ in decoded],
+                    {restore_id for restore_id, _ in plan_entries},
+                ),
+                origin,
+            ),
             "checkpoints": [
                 {
                     "checkpoint_id": checkpoint_id,

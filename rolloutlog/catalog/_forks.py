@@ -21,10 +21,11 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog.catalog._backend import Backend
+from rolloutlog.catalog._checkpoint_commit import CheckpointParts, write_checkpoint_parts_rows
 from rolloutlog.catalog._reads import run_from_row
 from rolloutlog.catalog._schema import RUN_VISIBLE, checkpoints, episodes, participants, runs
 from rolloutlog.catalog._values import ManifestEntry, PartitionOffset, Restore, Run
-from rolloutlog.catalog._writes import delete_run_rows, lock_run, write_checkpoint_parts_rows
+from rolloutlog.catalog._writes import delete_run_rows, lock_run
 from rolloutlog.errors import InvalidRequest, RunExists, UnknownRun
 
 __all__ = [
@@ -160,15 +161,7 @@ async def commit(
     await write_checkpoint_parts_rows(
         conn,
         backend,
-        run=run,
-        checkpoint_id=FORK_CHECKPOINT_ID,
-        replica_id="",
-        generations={},
-        controller_epoch=None,
-        offsets=offsets,
-        entries=entries,
-        timings_ms={},
-        marked_at=now,
+        CheckpointParts(run, FORK_CHECKPOINT_ID, offsets, entries, marked_at=now),
         now=now,
         keep_committed=keep_committed,
     )
