@@ -30,14 +30,9 @@ from rolloutlog.projections._checkpointer import (
 from rolloutlog.projections._feeders import flush_episodes, record_episodes, record_quarantine
 from rolloutlog.projections._health import HealthReporter, RunHealthReport
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, Ownership, default_replica_id
+from rolloutlog.projections._projection_server import ProjectionCache, RestoreLines
 from rolloutlog.projections._projector import Projector, RunHealth
-from rolloutlog.projections._restorer import (
-    DEFAULT_RESTORE_DEADLINE_S,
-    ProjectionCache,
-    RestoreLines,
-    Restorer,
-    RestoreResult,
-)
+from rolloutlog.projections._restorer import DEFAULT_RESTORE_DEADLINE_S, Restorer, RestoreResult
 from rolloutlog.projections._start_plan import start_plan
 
 logger = logging.getLogger(__name__)
@@ -333,18 +328,18 @@ class Coordinator:
     async def restore_projections(self, run: str, restore_id: int) -> dict[str, EpisodeProjection]:
         """Every continued episode's projection of a committed restore (recomputed after a
         service restart: deterministic from the log and the catalog)."""
-        return await self._restorer.restore_projections(run, restore_id)
+        return await self._restorer.projections.restore_projections(run, restore_id)
 
     async def restore_projection_lines(self, run: str, restore_id: int) -> RestoreLines:
         """``restore_projections`` as the routes serve them: NDJSON lines, streamed as they are
         built (cached, within the restore cache's byte budget)."""
-        return await self._restorer.projection_lines(run, restore_id)
+        return await self._restorer.projections.projection_lines(run, restore_id)
 
     async def checkpoint_projection(
         self, run: str, checkpoint_id: int, episode: str
     ) -> EpisodeProjection:
         """One episode's projection at a committed checkpoint's cut (no restore needed)."""
-        return await self._restorer.checkpoint_projection(run, checkpoint_id, episode)
+        return await self._restorer.projections.checkpoint_projection(run, checkpoint_id, episode)
 
     # -- run deletion ----------------------------------------------------------------------
 

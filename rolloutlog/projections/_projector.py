@@ -390,6 +390,12 @@ class Projector:
         #: Set by ``stop``: this projector folds nothing more (a newer one may take over).
         self.closed = asyncio.Event()
 
+    @property
+    def owns_every_partition(self) -> bool:
+        """Whether this projector folds every partition of the run (a lone replica's does):
+        its part of a restore is then the whole plan."""
+        return self.owned >= frozenset(range(self.partitions))
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def launch(self, prepare: Callable[[], Awaitable[StartPlan]]) -> None:

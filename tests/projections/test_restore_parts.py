@@ -21,7 +21,7 @@ from rolloutlog.errors import BackendUnavailable
 from rolloutlog.log import partition_for
 from rolloutlog.projections import Coordinator
 from rolloutlog.projections._projector import Projector
-from rolloutlog.projections._restorer import PlanRequest
+from rolloutlog.projections._part_planner import PlanRequest
 from tests import factories as f
 from tests.projections.conftest import Service, open_service
 
