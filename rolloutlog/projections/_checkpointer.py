@@ -33,8 +33,9 @@ from rolloutlog.errors import (
     StaleController,
 )
 from rolloutlog.log import Log
+from rolloutlog.projections._capture import CheckpointCapture
 from rolloutlog.projections._feeders import flush_episodes
-from rolloutlog.projections._projector import CheckpointCapture, Projector
+from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._timing import StageTimer, backoff_s
 from rolloutlog.projections._waits import ExportRequests, name_expired_waits
 

@@ -40,8 +40,9 @@ from rolloutlog.errors import BackendUnavailable, UnknownRestore
 from rolloutlog.log import Log, partition_for
 from rolloutlog.projections._checkpointer import DEFAULT_WAIT_DEADLINE_S
 from rolloutlog.projections._feeders import flush_episodes
-from rolloutlog.projections._projector import Projector, RestoreReset, _describe
+from rolloutlog.projections._projector import Projector, _describe
 from rolloutlog.projections._replay import replay_at_cuts
+from rolloutlog.projections._restore_resets import RestoreReset
 from rolloutlog.projections._start_plan import all_restores
 from rolloutlog.projections._timing import StageTimer
 

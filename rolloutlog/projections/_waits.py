@@ -9,7 +9,8 @@ from typing import Any
 
 from rolloutlog.core import not_exported_reason, wait_expired_reason
 from rolloutlog.log import capture_key
-from rolloutlog.projections._projector import CheckpointCapture, Projector
+from rolloutlog.projections._capture import CheckpointCapture
+from rolloutlog.projections._projector import Projector
 
 __all__ = ["ExportRequests", "name_expired_waits"]
 
