@@ -15,7 +15,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import Catalog, PartitionOwner
@@ -25,12 +25,18 @@ from rolloutlog.log import Log, partition_for, record_episode
 from rolloutlog.projections._checkpointer import (
     DEFAULT_WAIT_DEADLINE_S,
     Checkpointer,
+    CheckpointOptions,
     CheckpointResult,
 )
 from rolloutlog.projections._feeders import flush_episodes, record_episodes, record_quarantine
 from rolloutlog.projections._health import HealthReporter, RunHealthReport
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, Ownership, default_replica_id
-from rolloutlog.projections._projection_server import ProjectionCache, RestoreLines
+from rolloutlog.projections._part_planner import PartPlanner
+from rolloutlog.projections._projection_server import (
+    ProjectionCache,
+    ProjectionServer,
+    RestoreLines,
+)
 from rolloutlog.projections._projector import Projector, RunHealth
 from rolloutlog.projections._restorer import DEFAULT_RESTORE_DEADLINE_S, Restorer, RestoreResult
 from rolloutlog.projections._start_plan import start_plan
@@ -106,13 +112,15 @@ class Coordinator:
             log, catalog, self.projector, self._spawn, replica_id=self.replica_id
         )
         self._restorer = Restorer(
-            log,
-            catalog,
-            self.projectors,
-            self._restore_cache,
-            replica_id=self.replica_id,
+            PartPlanner(
+                log,
+                catalog,
+                self.projectors,
+                replica_id=self.replica_id,
+                owned_now=self._ownership.of,
+            ),
+            ProjectionServer(log, catalog, self.projectors, self._restore_cache),
             deadline_s=restore_deadline_s,
-            owned_now=self._ownership.of,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -265,28 +273,11 @@ class Coordinator:
         return await self._checkpointer.pending_exports(run, participant, wait_s)
 
     async def checkpoint(
-        self,
-        run: str,
-        controller_epoch: int,
-        *,
-        deadline_s: float | None = None,
-        wait: bool = True,
-        trigger: str = "request",
-        staging_since: int | None = None,
-        request_id: str | None = None,
+        self, run: str, controller_epoch: int, **options: Unpack[CheckpointOptions]
     ) -> CheckpointResult | int:
-        """Take a checkpoint. Returns the committed result, or (``wait=False`` while wait steps
-        are still open) the id of the checkpoint that stays ``pending`` and commits later.
-        ``request_id``: the client's id of the request (sent again: answered with its own)."""
-        return await self._checkpointer.checkpoint(
-            run,
-            controller_epoch,
-            deadline_s=deadline_s,
-            wait=wait,
-            trigger=trigger,
-            staging_since=staging_since,
-            request_id=request_id,
-        )
+        """Take a checkpoint (``Checkpointer.checkpoint``): the committed result, or the id of
+        the checkpoint left ``pending`` (``wait=False`` while wait steps are open)."""
+        return await self._checkpointer.checkpoint(run, controller_epoch, **options)
 
     async def restore(
         self,

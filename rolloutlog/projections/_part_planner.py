@@ -146,16 +146,16 @@ class PartPlanner:
         catalog: Catalog,
         projectors: Mapping[str, Projector],
         *,
-        replica_id: str,
-        requesting: Mapping[tuple[str, int], Projector],
+        replica_id: str = "local",
         owned_now: Callable[[str], Collection[int]] | None = None,
     ) -> None:
         self.log = log
         self.catalog = catalog
-        self._projectors = projectors
+        self.projectors = projectors
         self.replica_id = replica_id
-        #: This replica's requests being run, with the projector that plans them in-process.
-        self._requesting = requesting
+        #: This replica's requests being run, with the projector that plans them in-process
+        #: (the runner's: ``Restorer``).
+        self.requesting: dict[tuple[str, int], Projector] = {}
         #: The partitions of a run this replica's leases hold now (its projector, relaunched
         #: only once the restore releases the run, may still fold the ones it held before).
         self._owned_now = owned_now
@@ -377,7 +377,7 @@ class PartPlanner:
         some of a run's partitions (or none), or plans or awaits a restore."""
         return bool(self._planned) or any(
             len(projector.owned) < projector.partitions or projector.pending_restores
-            for projector in self._projectors.values()
+            for projector in self.projectors.values()
         )
 
     async def _abort_own(self) -> None:
@@ -402,7 +402,7 @@ class PartPlanner:
         planning = {(r.run, r.restore_id) for r in requests}
         for request in requests:
             key = (request.run, request.restore_id)
-            projector = self._projectors.get(request.run)
+            projector = self.projectors.get(request.run)
             # This replica's own requests are planned in-process, unless the run's projector was
             # started afresh since (an owner change): then its partitions are planned here.
             own = request.requested_by == self.replica_id
@@ -410,14 +410,14 @@ class PartPlanner:
                 projector is None
                 or not projector.owned
                 or self._planned.get(key) is projector
-                or (own and self._requesting.get(key, projector) is projector)
+                or (own and self.requesting.get(key, projector) is projector)
             ):
                 continue
             self._planned[key] = projector
             task = asyncio.create_task(self._plan_remote(projector, request))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        for run, projector in list(self._projectors.items()):
+        for run, projector in list(self.projectors.items()):
             for restore_id in projector.pending_restores:
                 if (run, restore_id) in planning:
                     continue

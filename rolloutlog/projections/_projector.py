@@ -383,15 +383,20 @@ class Projector(ManifestCapture, RestoreResets):
             async with asyncio.timeout(timeout_s), self._progress:
                 await self._progress.wait_for(lambda: reached() or self.health.status == "stopped")
         except TimeoutError as e:
-            health = self.health
-            why = f" ({health.status}: {health.error})" if health.status != "ok" else ""
-            raise BackendUnavailable(
-                f"the projector of run {self.run!r} did not reach the log's offsets within "
-                f"{timeout_s} s{why}; retry",
-                run=self.run,
-                health=health.view(),
-            ) from e
+            raise self.not_reached("the log's offsets", timeout_s) from e
         self.check_running()
+
+    def not_reached(self, what: str, timeout_s: float | None) -> BackendUnavailable:
+        """The error of a wait for this projector to reach ``what`` that took longer than
+        ``timeout_s`` (a degraded projector may get there later: its health says why)."""
+        health = self.health
+        why = f" ({health.status}: {health.error})" if health.status != "ok" else ""
+        return BackendUnavailable(
+            f"the projector of run {self.run!r} did not reach {what} within {timeout_s} s{why}; "
+            "retry",
+            run=self.run,
+            health=health.view(),
+        )
 
     def check_running(self) -> None:
         """``RunLost`` if the projector stopped (the run's log lost records)."""

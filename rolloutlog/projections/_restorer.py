@@ -14,16 +14,15 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rolloutlog.catalog import Catalog, Restore, RestoreEntry, Run
+from rolloutlog.catalog import Restore, RestoreEntry, Run
 from rolloutlog.core import PlannedEpisode, RestorePolicy
 from rolloutlog.errors import StaleController
-from rolloutlog.log import Log, Record, attempt_started_record, partition_for
+from rolloutlog.log import Record, attempt_started_record, partition_for
 from rolloutlog.projections._part_planner import PartPlanner, PlanPart, PlanRequest
 from rolloutlog.projections._projection_server import (
-    ProjectionCache,
     ProjectionServer,
     committed_checkpoint,
 )
@@ -54,31 +53,20 @@ class Restorer:
 
     def __init__(
         self,
-        log: Log,
-        catalog: Catalog,
-        projectors: Mapping[str, Projector],
-        cache: ProjectionCache,
+        planner: PartPlanner,
+        projections: ProjectionServer,
         *,
-        replica_id: str = "local",
         deadline_s: float = DEFAULT_RESTORE_DEADLINE_S,
-        owned_now: Callable[[str], Collection[int]] | None = None,
     ) -> None:
-        self.log = log
-        self.catalog = catalog
-        self._projectors = projectors
-        self.replica_id = replica_id
+        self.planner = planner
+        self.projections = projections
+        self.log = planner.log
+        self.catalog = planner.catalog
+        self.replica_id = planner.replica_id
         self.deadline_s = deadline_s
-        #: This replica's requests being run, with the projector that plans them in-process.
-        self._requesting: dict[tuple[str, int], Projector] = {}
-        self.planner = PartPlanner(
-            log,
-            catalog,
-            projectors,
-            replica_id=replica_id,
-            requesting=self._requesting,
-            owned_now=owned_now,
-        )
-        self.projections = ProjectionServer(log, catalog, projectors, cache)
+        self._projectors = planner.projectors
+        #: This replica's requests being run (the planner's poller leaves them to this runner).
+        self._requesting = planner.requesting
 
     async def poll(self) -> None:
         """Forever: plan this replica's parts of other replicas' requests
