@@ -29,7 +29,7 @@ from rolloutlog.projections._checkpointer import (
     CheckpointResult,
 )
 from rolloutlog.projections._feeders import flush_episodes, record_episodes, record_quarantine
-from rolloutlog.projections._health import HealthReporter, RunHealthReport
+from rolloutlog.projections._health import HealthReporter, RunHealth, RunHealthReport
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, Ownership, default_replica_id
 from rolloutlog.projections._part_planner import PartPlanner
 from rolloutlog.projections._projection_server import (
@@ -37,7 +37,7 @@ from rolloutlog.projections._projection_server import (
     ProjectionServer,
     RestoreLines,
 )
-from rolloutlog.projections._projector import Projector, RunHealth
+from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._restorer import DEFAULT_RESTORE_DEADLINE_S, Restorer, RestoreResult
 from rolloutlog.projections._start_plan import start_plan
 

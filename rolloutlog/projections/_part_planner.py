@@ -212,8 +212,8 @@ class PartPlanner:
         continuing = to_continue(manifest, excluded)
         # Episodes untouched since this service captured the checkpoint have their verdict in
         # the projector already; only the others are replayed. Their projections are built when
-        # first fetched (``projections``). The policy rule changes projections, so a request
-        # with a policy replays everything.
+        # first fetched, or ahead of it (``ProjectionServer``). The policy rule changes
+        # projections, so a request with a policy replays everything.
         holder = object()
         policy = request.policy
         pinned = (

@@ -31,8 +31,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 from rolloutlog.catalog import (
     QUARANTINE_FIRST_BYTES,
@@ -50,7 +49,9 @@ from rolloutlog.log import (
     record_restore_id,
 )
 from rolloutlog.projections._capture import CheckpointCapture, ManifestBase, ManifestCapture
+from rolloutlog.projections._feeders import Unrecorded
 from rolloutlog.projections._fold import select_records
+from rolloutlog.projections._health import STARTING, HealthStatus, RunHealth
 from rolloutlog.projections._quarantine import metadata_problem
 from rolloutlog.projections._restore_resets import RestoreReset, RestoreResets
 from rolloutlog.projections._start_plan import StartPlan
@@ -66,35 +67,17 @@ __all__ = [
     "CheckpointCapture",
     "ManifestBase",
     "Projector",
+    "STARTING",
     "RestoreReset",
     "RunHealth",
     "StartPlan",
 ]
 
 
-#: How a run's projector is doing (``RunHealth.status``): ``ok``; ``degraded`` (it hit an error and
-#: retries with backoff: it recovers by itself); ``stopped`` (it cannot go on without an operator).
-HealthStatus = Literal["ok", "degraded", "stopped"]
-#: A projector's ``degraded`` error until its first catch-up with the log ended.
-STARTING = "starting: catching up with the log"
-
 #: Backoff of a projector that failed: transient errors from 0.1 s up to 5 s, others (a
 #: non-retriable error that persists) from 1 s up to 30 s; each delay jittered by half.
 _BACKOFF_TRANSIENT = (0.1, 5.0)
 _BACKOFF_PERSISTENT = (1.0, 30.0)
-
-
-@dataclass(frozen=True, slots=True)
-class RunHealth:
-    """A run projector's health, as ``GET /v1/runs/{run}`` and ``/readyz`` report it."""
-
-    status: HealthStatus
-    error: str | None
-    #: Since when (unix time) the status holds.
-    since: float
-
-    def view(self) -> dict[str, Any]:
-        return {"status": self.status, "error": self.error, "since": self.since}
 
 
 def _transient(error: BaseException) -> bool:
@@ -108,7 +91,7 @@ def _describe(error: BaseException) -> str:
     return text if isinstance(error, RolloutlogError) else f"{type(error).__name__}: {text}"
 
 
-class Projector(ManifestCapture, RestoreResets):
+class Projector(ManifestCapture, RestoreResets, Unrecorded):
     """Follows one run's partitions; one instance per run per service.
 
     ``start`` runs it under a supervisor: a failure (the log unreachable, a read error) makes it
@@ -148,11 +131,8 @@ class Projector(ManifestCapture, RestoreResets):
         self._progress = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self.events_applied = 0
-        #: Starts and finishes not yet recorded in the catalog's episodes table (for analysts).
-        self.new_starts: list[EpisodeStart] = []
-        self.new_finishes: list[EpisodeFinish] = []
-        #: Quarantined records not yet recorded in the catalog, and every quarantined position.
-        self.new_quarantined: list[QuarantinedRecord] = []
+        self._init_unrecorded()
+        #: Every quarantined position.
         self.quarantined: set[tuple[int, int]] = set()
         self.quarantined_count = 0
         self.health = RunHealth("degraded", STARTING, time.time())
@@ -531,39 +511,6 @@ class Projector(ManifestCapture, RestoreResets):
 
     def live_episodes(self) -> int:
         return sum(1 for tracker in self.trackers.values() if not tracker.finished)
-
-    # -- what the catalog's feeders take (``_feeders.py``) ------------------------------------
-
-    def has_new_episodes(self) -> bool:
-        return bool(self.new_starts or self.new_finishes)
-
-    def take_new_episodes(self, limit: int) -> tuple[list[EpisodeStart], list[EpisodeFinish]]:
-        """Up to ``limit`` starts and finishes not yet recorded, oldest first (taken off the
-        queue: ``put_back_new_episodes`` if the catalog did not take them)."""
-        starts, self.new_starts = self.new_starts[:limit], self.new_starts[limit:]
-        finishes, self.new_finishes = self.new_finishes[:limit], self.new_finishes[limit:]
-        return starts, finishes
-
-    def put_back_new_episodes(
-        self, starts: Sequence[EpisodeStart], finishes: Sequence[EpisodeFinish]
-    ) -> None:
-        """Back in front of the queue, in order (more may have been queued meanwhile)."""
-        self.new_starts[:0] = starts
-        self.new_finishes[:0] = finishes
-
-    def new_quarantine_batch(self, limit: int) -> list[QuarantinedRecord]:
-        """Up to ``limit`` quarantined records not yet recorded (``quarantine_recorded`` once
-        the catalog took them)."""
-        return self.new_quarantined[:limit]
-
-    def quarantine_recorded(self, count: int) -> None:
-        del self.new_quarantined[:count]
-
-    def drop_unrecorded(self) -> None:
-        """The run is deleted: nothing more for the catalog."""
-        self.new_starts.clear()
-        self.new_finishes.clear()
-        self.new_quarantined.clear()
 
 
 def _finish(

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rolloutlog.catalog import Restore, RestoreEntry, Run
+from rolloutlog.catalog import Checkpoint, Restore, RestoreEntry, Run
 from rolloutlog.core import PlannedEpisode, RestorePolicy
 from rolloutlog.errors import StaleController
 from rolloutlog.log import Record, attempt_started_record, partition_for
@@ -122,22 +122,8 @@ class Restorer:
         manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
         alone = projector.owns_every_partition
         plan_part = self.planner.plan_part
-        part: PlanPart | None = None
-        if alone:
-            part = await plan_part(projector, checkpoint, manifest, request, timer)
-        try:
-            restore_id = await self.catalog.open_restore(
-                run,
-                controller_epoch,
-                checkpoint.checkpoint_id,
-                requested_by=self.replica_id,
-                request=request.to_json(),
-                deadline_s=self.deadline_s,
-            )
-        except BaseException:
-            if part is not None:
-                projector.release_pins(part.pins)
-            raise
+        part = await plan_part(projector, checkpoint, manifest, request, timer) if alone else None
+        restore_id = await self._open(projector, controller_epoch, checkpoint, request, part)
         committed = begun = False
         self._requesting[(run, restore_id)] = projector
         try:
@@ -156,29 +142,10 @@ class Restorer:
                 deadline_s=self.deadline_s,
                 timer=timer,
             )
-            # The id was reserved (``open_restore``) before any record names it: a restore that
-            # dies before its commit leaves attempt records under an id no later one can commit.
-            await self._write_attempts(
-                run,
-                info.partitions,
-                restore_id,
-                checkpoint.checkpoint_id,
-                planned,
-                controller_epoch,
-            )
-            timer.stage("attempts")
-            entries = tuple(p.entry for p in planned)
-            restore = await self.catalog.commit_restore(
-                run,
-                controller_epoch,
-                checkpoint.checkpoint_id,
-                entries,
-                timings_ms=timer.total(),
-                restore_id=restore_id,
-                fences={r: g for r, g in fences.items() if g},
+            restore, entries = await self._commit(
+                info, controller_epoch, checkpoint.checkpoint_id, restore_id, planned, fences, timer
             )
             committed = True
-            timer.stage("commit")
         except BaseException as e:
             if part is not None and not begun:
                 projector.release_pins(part.pins)
@@ -195,6 +162,61 @@ class Restorer:
         # walking it again and again.
         gc.freeze()
         return RestoreResult(restore, entries, timer.total(), cuts)
+
+    async def _open(
+        self,
+        projector: Projector,
+        controller_epoch: int,
+        checkpoint: Checkpoint,
+        request: PlanRequest,
+        part: PlanPart | None,
+    ) -> int:
+        """Open the restore's request (its id reserved, ``planning`` until its commit or
+        abort); a part planned already has its pins released if that fails."""
+        try:
+            return await self.catalog.open_restore(
+                projector.run,
+                controller_epoch,
+                checkpoint.checkpoint_id,
+                requested_by=self.replica_id,
+                request=request.to_json(),
+                deadline_s=self.deadline_s,
+            )
+        except BaseException:
+            if part is not None:
+                projector.release_pins(part.pins)
+            raise
+
+    async def _commit(
+        self,
+        run: Run,
+        controller_epoch: int,
+        checkpoint_id: int,
+        restore_id: int,
+        planned: Sequence[PlannedEpisode],
+        fences: Mapping[str, Mapping[int, int]],
+        timer: StageTimer,
+    ) -> tuple[Restore, tuple[RestoreEntry, ...]]:
+        """Write the plan's ``attempt.started`` records, then commit it (one transaction,
+        fenced by each planner's lease generations): the restore and its entries."""
+        # The id was reserved (``open_restore``) before any record names it: a restore that
+        # dies before its commit leaves attempt records under an id no later one can commit.
+        await self._write_attempts(
+            run.run, run.partitions, restore_id, checkpoint_id, planned, controller_epoch
+        )
+        timer.stage("attempts")
+        entries = tuple(p.entry for p in planned)
+        restore = await self.catalog.commit_restore(
+            run.run,
+            controller_epoch,
+            checkpoint_id,
+            entries,
+            timings_ms=timer.total(),
+            restore_id=restore_id,
+            fences={r: g for r, g in fences.items() if g},
+        )
+        timer.stage("commit")
+        return restore, entries
 
     async def _fenced_run(self, run: str, controller_epoch: int) -> Run:
         """The run, if ``controller_epoch`` is its controller's (``StaleController``)."""
