@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import asyncpg  # type: ignore[import-untyped]
@@ -28,6 +28,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from rolloutlog.catalog._backend import Backend, _causes, integrity_error
+from rolloutlog.catalog._tls import PARAMETERS as TLS_PARAMETERS
+from rolloutlog.catalog._tls import ssl_argument
 from rolloutlog.errors import (
     BackendUnavailable,
     CatalogError,
@@ -37,6 +39,8 @@ from rolloutlog.errors import (
 
 # Any constant works; it only has to be the same for every process that migrates this catalog.
 _MIGRATION_LOCK_KEY = 0x726F6C6C6F7574
+#: The advisory lock key of lease changes (``serialize_lease_changes``).
+_TICK_LOCK_KEY = 0x726C6C_17
 # Defaults of the URL's timeout parameters. The longest catalog statement is a checkpoint's
 # manifest COPY (16,000 rows in well under a second), so 30 s only ever cuts off a stalled server.
 TIMEOUTS_S: dict[str, float] = {
@@ -68,7 +72,8 @@ class PostgresBackend(Backend):
     def create_engine(self) -> AsyncEngine:
         timeouts = self.timeouts_s
         url = make_url(self.url)
-        url = url.difference_update_query(TIMEOUTS_S)
+        tls = ssl_argument(url.query)
+        url = url.difference_update_query([*TIMEOUTS_S, *TLS_PARAMETERS])
         settings = {
             name: value if isinstance(value, str) else value[-1]
             for name, value in url.query.items()
@@ -83,6 +88,7 @@ class PostgresBackend(Backend):
                 "timeout": timeouts["connect_timeout"],
                 "command_timeout": timeouts["command_timeout"],
                 "server_settings": {"application_name": "rolloutlog-catalog", **settings},
+                **({} if tls is None else {"ssl": tls}),
             },
         )
         event.listen(engine.sync_engine.pool, "checkout", _closed_by_the_server)
@@ -111,6 +117,15 @@ class PostgresBackend(Backend):
 
     async def lock_migrations(self, conn: AsyncConnection) -> None:
         await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
+
+    async def now(self, conn: AsyncConnection, clock: Callable[[], float]) -> float:
+        """The database's clock: one for every replica's heartbeat, whatever the hosts' skew."""
+        found = await conn.execute(text("SELECT extract(epoch FROM clock_timestamp())::float8"))
+        return float(found.scalar_one())
+
+    async def serialize_lease_changes(self, conn: AsyncConnection) -> None:
+        """A transaction-scoped advisory lock."""
+        await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _TICK_LOCK_KEY})
 
     def driver_errors(self) -> tuple[type[BaseException], ...]:
         return (asyncpg.PostgresError, asyncpg.InterfaceError)
