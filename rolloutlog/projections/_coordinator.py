@@ -1,7 +1,8 @@
 """The coordinator: one per service. It owns a projector per run (started on first use, fed to
 the catalog by ``_feeders.py``) and hands checkpoints to ``_checkpointer.py`` and restores to
-``_restorer.py`` (which runs the pure planner of ``_planner.py``). Its read doors answer the API's
-questions about what the projectors track, so no other room reaches into projector state.
+``_restorer.py`` (the runner; each owner's part planned by ``_part_planner.py`` with ``core``'s
+pure planner, the projections served by ``_projection_server.py``). Its read doors answer the
+API's questions about what the projectors track, so no other room reaches into projector state.
 
 Each projector folds the partitions this replica owns (``_ownership.py``: catalog leases; a lone
 replica owns them all). When a run's owned partitions or their generations change, its projector
