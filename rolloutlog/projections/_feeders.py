@@ -8,15 +8,19 @@ import asyncio
 import contextlib
 import logging
 import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rolloutlog.catalog import Catalog
+from rolloutlog.catalog import Catalog, EpisodeFinish, EpisodeStart, QuarantinedRecord
 from rolloutlog.errors import RolloutlogError
-from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._timing import backoff_s
+
+if TYPE_CHECKING:  # the projector holds the queues below: no import back at run time
+    from rolloutlog.projections._projector import Projector
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["flush_episodes", "record_episodes", "record_quarantine"]
+__all__ = ["Unrecorded", "flush_episodes", "record_episodes", "record_quarantine"]
 
 #: The episode records' last flush on the way out waits at most this for the catalog.
 _LAST_FLUSH_S = 5.0
@@ -133,3 +137,46 @@ async def _flush_batch(catalog: Catalog, projector: Projector, finishes_only: bo
             # may have queued more meanwhile). Sending a batch again whose commit did land
             # is harmless: starts keep the first position, finishes are idempotent.
             projector.put_back_new_episodes(starts, finishes)
+
+
+class Unrecorded:
+    """What a projector folded that the catalog has not recorded yet, a part of ``Projector``
+    (which queues it as it applies records): what the feeders take."""
+
+    def _init_unrecorded(self) -> None:
+        #: Starts and finishes not yet recorded in the catalog's episodes table (for analysts).
+        self.new_starts: list[EpisodeStart] = []
+        self.new_finishes: list[EpisodeFinish] = []
+        #: Quarantined records not yet recorded in the catalog.
+        self.new_quarantined: list[QuarantinedRecord] = []
+
+    def has_new_episodes(self) -> bool:
+        return bool(self.new_starts or self.new_finishes)
+
+    def take_new_episodes(self, limit: int) -> tuple[list[EpisodeStart], list[EpisodeFinish]]:
+        """Up to ``limit`` starts and finishes not yet recorded, oldest first (taken off the
+        queue: ``put_back_new_episodes`` if the catalog did not take them)."""
+        starts, self.new_starts = self.new_starts[:limit], self.new_starts[limit:]
+        finishes, self.new_finishes = self.new_finishes[:limit], self.new_finishes[limit:]
+        return starts, finishes
+
+    def put_back_new_episodes(
+        self, starts: Sequence[EpisodeStart], finishes: Sequence[EpisodeFinish]
+    ) -> None:
+        """Back in front of the queue, in order (more may have been queued meanwhile)."""
+        self.new_starts[:0] = starts
+        self.new_finishes[:0] = finishes
+
+    def new_quarantine_batch(self, limit: int) -> list[QuarantinedRecord]:
+        """Up to ``limit`` quarantined records not yet recorded (``quarantine_recorded`` once
+        the catalog took them)."""
+        return self.new_quarantined[:limit]
+
+    def quarantine_recorded(self, count: int) -> None:
+        del self.new_quarantined[:count]
+
+    def drop_unrecorded(self) -> None:
+        """The run is deleted: nothing more for the catalog."""
+        self.new_starts.clear()
+        self.new_finishes.clear()
+        self.new_quarantined.clear()

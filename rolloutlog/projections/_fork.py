@@ -113,7 +113,7 @@ async def fork_run(
 ) -> ForkResult:
     """Create ``run`` as a fork (idempotent for the same request; ``RunExists`` for a run of
     that name that is not this fork). ``committed_checkpoint`` resolves the source's checkpoint
-    as a restore does (``Restorer.committed_checkpoint``)."""
+    as a restore does (``committed_checkpoint`` of ``_projection_server.py``)."""
     async with _locks[run]:  # one try at a time in this process
         return await _fork(log, catalog, run, request, committed_checkpoint, partitions)
 
