@@ -36,6 +36,10 @@ EVENT_TYPES = [
 SURFACES: dict[str, list[str]] = {
     "rolloutlog.core": [
         "BoundaryView",
+        "Checked",
+        "check_envelope",
+        "check_record_meta",
+        "envelope_holds",
         "CUT_DISPOSITIONS",
         "EpisodeFold",
         "EpisodeProjection",

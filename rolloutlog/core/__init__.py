@@ -7,6 +7,7 @@ It imports nothing but the standard library, pydantic, orjson and ``rolloutlog.e
 the service — can build on it, and it can be used and tested without any I/O library.
 """
 
+from rolloutlog.core._check import Checked, check_envelope, check_record_meta, envelope_holds
 from rolloutlog.core._cuts import (
     CUT_DISPOSITIONS,
     planned_cut_dispositions,
@@ -175,9 +176,13 @@ __all__ = [
     "StepBoundaryData",
     "StepStarted",
     "StepStartedData",
+    "Checked",
     "capture_key",
+    "check_envelope",
+    "check_record_meta",
     "compose_state",
     "encode_opaque",
+    "envelope_holds",
     "episode_id_problem",
     "is_delta",
     "ledger_digest",
