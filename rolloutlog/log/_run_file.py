@@ -44,7 +44,7 @@ from rolloutlog.log._segments import (
 
 __all__ = [
     "Append",
-    "Call",
+    "RunCall",
     "Reader",
     "RunFile",
     "Writers",
@@ -90,7 +90,7 @@ class Append:
 
 
 @dataclass(slots=True)
-class Call:
+class RunCall:
     function: Callable[[sqlite3.Connection], Any]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
@@ -174,7 +174,7 @@ class RunFile:
         self.start_offsets = start_offsets
         self.next_offsets = next_offsets
         self.blobs = BlobStore(path.with_suffix(".blobs"), sync=synchronous in ("FULL", "EXTRA"))
-        self.requests: queue.SimpleQueue[Append | Call] = queue.SimpleQueue()
+        self.requests: queue.SimpleQueue[Append | RunCall] = queue.SimpleQueue()
         self.conn: sqlite3.Connection | None = None
         #: Held by whoever uses ``conn`` (the draining thread, or one closing it).
         self.busy = threading.Lock()
@@ -196,7 +196,7 @@ class RunFile:
         self.tail: list[list[tuple[int, bytes]]] = [[] for _ in range(partitions)]
         self.tail_bytes = [0] * partitions
 
-    def submit(self, request: Append | Call) -> None:
+    def submit(self, request: Append | RunCall) -> None:
         self.requests.put(request)
         with self.schedule_lock:
             if self.scheduled:
@@ -225,23 +225,23 @@ class RunFile:
         if not self.writers.schedule(self.drain):
             self.drain()
 
-    def _handle(self, item: Append | Call) -> None:
+    def _handle(self, item: Append | RunCall) -> None:
         if self.deleted:
             failure = UnknownRun(f"run file {self.path.name} was deleted", path=str(self.path))
             item.loop.call_soon_threadsafe(_fail, item.future, failure)
             return
-        if isinstance(item, Call):
+        if isinstance(item, RunCall):
             self._run_call(item)
             return
         group = [item]
         size = item.size
-        pending_call: Call | None = None
+        pending_call: RunCall | None = None
         while size < _GROUP_BYTES:
             try:
                 more = self.requests.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(more, Call):
+            if isinstance(more, RunCall):
                 pending_call = more
                 break
             group.append(more)
@@ -417,7 +417,7 @@ class RunFile:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(event.set)
 
-    def _run_call(self, call: Call) -> None:
+    def _run_call(self, call: RunCall) -> None:
         try:
             result = call.function(self._connection())
         except sqlite3.Error as e:

@@ -52,7 +52,7 @@ from rolloutlog.log._interface import (
 from rolloutlog.log._lock import DataDirLock
 from rolloutlog.log._run_file import (
     Append,
-    Call,
+    RunCall,
     RunFile,
     Writers,
     open_files_budget,
@@ -204,7 +204,7 @@ class EmbeddedLog(Log):
 
             loop = asyncio.get_running_loop()
             future: asyncio.Future[None] = loop.create_future()
-            run_file.submit(Call(mark_deleted, loop, future))
+            run_file.submit(RunCall(mark_deleted, loop, future))
             await future
             run_file.wake_followers()
             if self._writers is not None:
@@ -233,7 +233,7 @@ class EmbeddedLog(Log):
         run_file = await self._run(run)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        run_file.submit(Call(function, loop, future))
+        run_file.submit(RunCall(function, loop, future))
         return await future
 
     async def read_pages(
