@@ -36,10 +36,10 @@ EVENT_TYPES = [
 SURFACES: dict[str, list[str]] = {
     "rolloutlog.core": [
         "BoundaryView",
-        "Checked",
         "check_envelope",
-        "check_record_meta",
+        "record_holds",
         "envelope_holds",
+        "wrong_record_field",
         "CUT_DISPOSITIONS",
         "EpisodeFold",
         "EpisodeProjection",

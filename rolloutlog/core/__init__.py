@@ -7,7 +7,7 @@ It imports nothing but the standard library, pydantic, orjson and ``rolloutlog.e
 the service — can build on it, and it can be used and tested without any I/O library.
 """
 
-from rolloutlog.core._check import Checked, check_envelope, check_record_meta, envelope_holds
+from rolloutlog.core._check import check_envelope, envelope_holds, record_holds, wrong_record_field
 from rolloutlog.core._cuts import (
     CUT_DISPOSITIONS,
     planned_cut_dispositions,
@@ -176,10 +176,9 @@ __all__ = [
     "StepBoundaryData",
     "StepStarted",
     "StepStartedData",
-    "Checked",
     "capture_key",
     "check_envelope",
-    "check_record_meta",
+    "record_holds",
     "compose_state",
     "encode_opaque",
     "envelope_holds",
@@ -193,4 +192,5 @@ __all__ = [
     "state_delta",
     "task_digest",
     "token_count",
+    "wrong_record_field",
 ]

@@ -8,72 +8,38 @@ projector most of its speed), so a record that passes cannot poison the per-epis
 later good records are folded into (a ``seq`` that is a string, say, would make every later
 comparison of that participant raise).
 
-Most records are ones the models accept: the envelope checker (``core.check_record_meta``, the
-one the append's fast path and the SDK use) says so at once, and the fold takes them. For any
-other, ``_problem`` checks what the fold reads, per the models' shapes (``core.DATA_SHAPES``): the
-envelope fields the tracker reads, and each metadata field of the type's ``data`` by its JSON type:
-a required field must be there (None only where the model allows it); a field with a default may
-be left out (the fold reads the default) but, if there, has the model's type (None only where the
-model allows it). The model is the contract, so a record that breaks it is a bad record: this
-quarantines a ``step.started`` without a string ``stage`` (the fold reads ``data["stage"]``), a
-null ``mode``/``verify``/``constrained``/``done``, a ``parent_call_id`` left out, and a
-``session.state`` whose ``checkpoint_id`` is neither an int nor null (the fold keeps it as the
-export's checkpoint). The values' constraints (name patterns, digest lengths, bounds, choices)
-stay the append's: a wrong value there does not make the fold raise, so ``_problem`` takes it.
+The check is the envelope checker's (``core.record_holds``, built from the models' shapes
+like the append's and the SDK's): the envelope fields the tracker reads, and each metadata field
+of the type's ``data`` by its JSON type: a required field must be there (None only where the model
+allows it); a field with a default may be left out (the fold reads the default) but, if there, has
+the model's type (None only where the model allows it). It only accepts; a record it does not
+take goes to ``_problem``, which names the problem, so the verdicts are ``_problem``'s (tested on
+every single mutation of each type). The model is the contract, so a record that breaks it is a
+bad record: this quarantines a ``step.started`` without a string ``stage`` (the fold reads
+``data["stage"]``), a null ``mode``/``verify``/``constrained``/``done``, a ``parent_call_id`` left
+out, and a ``session.state`` whose ``checkpoint_id`` is neither an int nor null (the fold keeps it
+as the export's checkpoint). The values' constraints (name patterns, digest lengths, bounds,
+choices) stay the append's: a wrong value there does not make the fold raise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
 from rolloutlog.core import (
     DATA_SHAPES,
-    REQUIRED,
-    FieldShape,
-    check_record_meta,
     episode_id_problem,
+    record_holds,
+    wrong_record_field,
 )
 
 __all__ = ["metadata_problem"]
 
 _NUMBER = (int, float)
-_MISSING: Any = object()
-#: The test of each JSON type a metadata field holds.
-_IS: dict[str, Callable[[Any], bool]] = {
-    "str": lambda value: type(value) is str,
-    "int": lambda value: type(value) is int,  # bool is an int subclass, never a seq or an offset
-    "bool": lambda value: type(value) is bool,
-    "number": lambda value: type(value) is int or type(value) is float,
-}
-
-
-def _field_check(shape: FieldShape) -> Callable[[dict[str, Any]], bool]:
-    """One field's check on the data, per its model: the JSON type, None where the model allows
-    it, left out where the model has a default."""
-    name, test = shape.name, _IS[shape.json]
-    optional, nullable = shape.default is not REQUIRED, shape.nullable
-
-    def check(data: dict[str, Any]) -> bool:
-        value = data.get(name, _MISSING)
-        if value is _MISSING:
-            return optional
-        if value is None:
-            return nullable
-        return test(value)
-
-    return check
-
 
 #: Episode ids repeat in every record of their episode: check each once.
 _episode_problem = lru_cache(maxsize=1 << 16)(episode_id_problem)
-
-#: Per event type, each metadata field's name and check: ``_problem`` names the one that fails.
-_FIELD_CHECKS: dict[str, tuple[tuple[str, Callable[[dict[str, Any]], bool]], ...]] = {
-    kind: tuple((shape.name, _field_check(shape)) for shape in shapes if not shape.payload)
-    for kind, shapes in DATA_SHAPES.items()
-}
 
 
 def _is_int(value: Any) -> bool:
@@ -82,7 +48,7 @@ def _is_int(value: Any) -> bool:
 
 def metadata_problem(meta: Any) -> str | None:
     """Why a record's decoded metadata cannot be folded, or None when it can."""
-    if check_record_meta(meta):
+    if record_holds(meta):
         return None
     return _problem(meta)
 
@@ -94,8 +60,7 @@ def _problem(meta: Any) -> str | None:
     kind = meta.get("type")
     if type(kind) is not str:
         return "the record has no event type" if kind is None else "its type is not a string"
-    fields = _FIELD_CHECKS.get(kind)
-    if fields is None:
+    if kind not in DATA_SHAPES:
         return f"unknown event type {kind[:64]!r}"
     data = meta.get("data")
     if type(data) is not dict:
@@ -120,7 +85,7 @@ def _problem(meta: Any) -> str | None:
         problem = _episode_problem(episode)
         if problem is not None:
             return f"{kind}: episode id {episode[:64]!r} {problem}"
-    for name, check in fields:
-        if not check(data):
-            return f"{kind}: data.{name} has the wrong type"
+    wrong = wrong_record_field(kind, data)
+    if wrong is not None:
+        return f"{kind}: data.{wrong} has the wrong type"
     return None

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from rolloutlog.core._check import _CLIENT, _RECORD
+from rolloutlog.core._check import _CLIENT, _RECORD_TYPES
 from rolloutlog.core._events import EVENT_CLASSES
 from rolloutlog.core._shapes import (
     DATA_RULES,
@@ -21,7 +21,6 @@ from rolloutlog.core._shapes import (
     _payload_fields,
 )
 from rolloutlog.log import SERVICE_EVENT_TYPES
-from rolloutlog.projections._quarantine import _FIELD_CHECKS
 
 
 def test_every_event_type_in_model_order() -> None:
@@ -89,15 +88,13 @@ def test_the_checker_and_the_record_check_are_built_from_the_shapes() -> None:
     assert _CLIENT.keys() == EVENT_CLASSES.keys() - SERVICE_EVENT_TYPES
     for kind, spec in _CLIENT.items():
         metadata = [shape for shape in DATA_SHAPES[kind] if not shape.payload]
-        assert [(name, default) for name, _, default in spec.fields] == [
-            (shape.name, shape.default) for shape in metadata
+        assert [(name, default, nullable) for name, _, default, nullable in spec.fields] == [
+            (shape.name, shape.default, shape.nullable) for shape in metadata
         ]
         assert spec.keys == {shape.name for shape in DATA_SHAPES[kind]}
-        assert _RECORD[kind].fields == spec.fields
-        assert _RECORD[kind].keys == {shape.name for shape in metadata}
-    assert _RECORD.keys() == _FIELD_CHECKS.keys() == EVENT_CLASSES.keys()
-    for kind, checks in _FIELD_CHECKS.items():
-        assert [name for name, _ in checks] == [
+    assert _RECORD_TYPES.keys() == EVENT_CLASSES.keys()
+    for kind, fields in _RECORD_TYPES.items():
+        assert [name for name, _, _ in fields] == [
             shape.name for shape in DATA_SHAPES[kind] if not shape.payload
         ]
 
@@ -139,7 +136,8 @@ _NEW_FIELD = textwrap.dedent(
     from rolloutlog.log import _record
 
     _record.check_envelope = rolloutlog.core.check_envelope = _check.check_envelope
-    rolloutlog.core.check_record_meta = _check.check_record_meta
+    rolloutlog.core.record_holds = _check.record_holds
+    rolloutlog.core.wrong_record_field = _check.wrong_record_field
     from rolloutlog.log import fast_record
     from rolloutlog.projections._quarantine import metadata_problem
 
