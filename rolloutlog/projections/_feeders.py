@@ -9,14 +9,10 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from rolloutlog.catalog import Catalog, EpisodeFinish, EpisodeStart, QuarantinedRecord
 from rolloutlog.errors import RolloutlogError
 from rolloutlog.projections._timing import backoff_s
-
-if TYPE_CHECKING:  # the projector holds the queues below: no import back at run time
-    from rolloutlog.projections._projector import Projector
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +28,10 @@ _QUARANTINE_BATCH = 1000
 #: One batch of a projector's episodes written at a time: a flush that must see every finish
 #: recorded (a checkpoint's, a restore's, the results routes') waits for the batch another one
 #: is writing, not for all of that flush's batches (the lock is taken per batch, in order).
-_FLUSHING: weakref.WeakKeyDictionary[Projector, asyncio.Lock] = weakref.WeakKeyDictionary()
+_FLUSHING: weakref.WeakKeyDictionary[Unrecorded, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
-async def record_quarantine(catalog: Catalog, projector: Projector, every_s: float = 1.0) -> None:
+async def record_quarantine(catalog: Catalog, projector: Unrecorded, every_s: float = 1.0) -> None:
     """Record the projector's quarantined records in the catalog, in batches; a batch the
     catalog refuses (it is down) stays and is tried again (the projector never waits)."""
     try:
@@ -47,7 +43,7 @@ async def record_quarantine(catalog: Catalog, projector: Projector, every_s: flo
             await _flush_quarantine(catalog, projector)
 
 
-async def _flush_quarantine(catalog: Catalog, projector: Projector) -> None:
+async def _flush_quarantine(catalog: Catalog, projector: Unrecorded) -> None:
     while batch := projector.new_quarantine_batch(_QUARANTINE_BATCH):
         try:
             await catalog.quarantine(projector.run, batch)
@@ -62,7 +58,7 @@ async def _flush_quarantine(catalog: Catalog, projector: Projector) -> None:
         projector.quarantine_recorded(len(batch))
 
 
-async def record_episodes(catalog: Catalog, projector: Projector, every_s: float = 1.0) -> None:
+async def record_episodes(catalog: Catalog, projector: Unrecorded, every_s: float = 1.0) -> None:
     """Feed the catalog's episodes table (for analysts) from the projector, in batches.
 
     While the catalog is unavailable the batches stay queued and are retried with jittered
@@ -99,7 +95,7 @@ async def record_episodes(catalog: Catalog, projector: Projector, every_s: float
 
 
 async def flush_episodes(
-    catalog: Catalog, projector: Projector, *, finishes_only: bool = False
+    catalog: Catalog, projector: Unrecorded, *, finishes_only: bool = False
 ) -> None:
     """Record the projector's new starts and finishes (with the results of the finishes). A
     retriable catalog error keeps the batch queued and is raised; any other error drops that
@@ -117,7 +113,7 @@ async def flush_episodes(
             await _flush_batch(catalog, projector, finishes_only)
 
 
-async def _flush_batch(catalog: Catalog, projector: Projector, finishes_only: bool) -> None:
+async def _flush_batch(catalog: Catalog, projector: Unrecorded, finishes_only: bool) -> None:
     starts, finishes = projector.take_new_episodes(_EPISODE_BATCH)
     if finishes_only:
         projector.put_back_new_episodes(starts, ())
@@ -142,6 +138,9 @@ async def _flush_batch(catalog: Catalog, projector: Projector, finishes_only: bo
 class Unrecorded:
     """What a projector folded that the catalog has not recorded yet, a part of ``Projector``
     (which queues it as it applies records): what the feeders take."""
+
+    #: The run (the projector's).
+    run: str
 
     def _init_unrecorded(self) -> None:
         #: Starts and finishes not yet recorded in the catalog's episodes table (for analysts).

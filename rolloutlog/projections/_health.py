@@ -14,8 +14,8 @@ the leases (``Catalog.cluster_view``) and judges each partition of a run (``run_
 - ``catching_up``, ``degraded``, ``stopped``: its owner's projector for the run says so.
 
 The asking replica judges its own partitions from its live report, never from the catalog's copy.
-A run projector's own health (``RunHealth``: ``ok``, ``degraded``, ``stopped``) is defined here
-too; the projector sets it.
+A run projector's own health (``RunHealth``: ``ok``, ``degraded``, ``stopped``, which the
+projector sets) is ``_run_health``'s.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rolloutlog.catalog import ClusterView, ReplicaReport
 from rolloutlog.log import Log
+from rolloutlog.projections._run_health import STARTING, HealthStatus, RunHealth
 
 if TYPE_CHECKING:  # the projector reports its health with these: no import back at run time
     from rolloutlog.projections._projector import Projector
@@ -46,26 +47,6 @@ __all__ = [
     "replica_report",
     "run_blockers",
 ]
-
-#: How a run's projector is doing (``RunHealth.status``): ``ok``; ``degraded`` (it hit an error and
-#: retries with backoff: it recovers by itself); ``stopped`` (it cannot go on without an operator).
-HealthStatus = Literal["ok", "degraded", "stopped"]
-#: A projector's ``degraded`` error until its first catch-up with the log ended.
-STARTING = "starting: catching up with the log"
-
-
-@dataclass(frozen=True, slots=True)
-class RunHealth:
-    """A run projector's health, as ``GET /v1/runs/{run}`` and ``/readyz`` report it."""
-
-    status: HealthStatus
-    error: str | None
-    #: Since when (unix time) the status holds.
-    since: float
-
-    def view(self) -> dict[str, Any]:
-        return {"status": self.status, "error": self.error, "since": self.since}
-
 
 BlockerState = Literal[
     "unowned",

@@ -51,9 +51,9 @@ from rolloutlog.log import (
 from rolloutlog.projections._capture import CheckpointCapture, ManifestBase, ManifestCapture
 from rolloutlog.projections._feeders import Unrecorded
 from rolloutlog.projections._fold import select_records
-from rolloutlog.projections._health import STARTING, HealthStatus, RunHealth
 from rolloutlog.projections._quarantine import metadata_problem
 from rolloutlog.projections._restore_resets import RestoreReset, RestoreResets
+from rolloutlog.projections._run_health import STARTING, HealthStatus, RunHealth
 from rolloutlog.projections._start_plan import StartPlan
 from rolloutlog.projections._tracker import EpisodeTracker
 

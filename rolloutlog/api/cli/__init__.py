@@ -25,6 +25,7 @@ client commands import nothing of the server's stack, so that the command starts
 
 from __future__ import annotations
 
+from rolloutlog.api.cli import _forks  # noqa: F401 - registers ``runs fork``
 from rolloutlog.api.cli._analyst import ANALYST_COMMANDS
 from rolloutlog.api.cli._commands import COMMANDS
 from rolloutlog.api.cli._main import cli, main

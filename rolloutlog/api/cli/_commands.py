@@ -5,9 +5,9 @@ REST routes they call (docs/api.md): ``runs``, ``checkpoint``/``checkpoints``,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -17,6 +17,7 @@ from rolloutlog.api.cli._main import (
     CheckpointRef,
     CliError,
     DefaultGroup,
+    checkpoint_option,
     client_command,
     json_option,
     limit_option,
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
     from rolloutlog.trainer import CheckpointInfo, RestoreInfo, TrainerClient
 
 __all__ = ["COMMANDS"]
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _counts(info: Mapping[str, Any]) -> str:
@@ -160,72 +159,6 @@ def _lineage(found: Mapping[str, Any]) -> list[tuple[str, Any]]:
     for fork in found.get("forks") or ():
         rows.append(("fork", f"{fork['run']} (from checkpoint {fork['checkpoint_id']})"))
     return rows
-
-
-def _names(values: Sequence[str]) -> list[str]:
-    """Episode names given repeated or comma-separated."""
-    return [name for value in values for name in value.split(",") if name]
-
-
-def checkpoint_option(help_text: str) -> Callable[[F], F]:
-    """``--checkpoint ID|latest`` (default ``latest``) as ``checkpoint_id``."""
-    return click.option(
-        "--checkpoint",
-        "checkpoint_id",
-        type=CheckpointRef(),
-        default="latest",
-        show_default=True,
-        help=help_text,
-    )
-
-
-@runs.command("fork")
-@click.argument("source")
-@run_argument
-@checkpoint_option("The source's committed checkpoint to fork: its id, or 'latest'.")
-@click.option(
-    "--episodes",
-    multiple=True,
-    metavar="EPISODE[,EPISODE...]",
-    help="Fork only these live episodes (repeat or separate with commas; default: all).",
-)
-@click.option(
-    "--exclude",
-    multiple=True,
-    metavar="EPISODE[,EPISODE...]",
-    help="Leave these live episodes out of the fork.",
-)
-@client_command
-@json_option
-def runs_fork(
-    client: TrainerClient,
-    source: str,
-    run: str,
-    checkpoint_id: int | str,
-    episodes: Sequence[str],
-    exclude: Sequence[str],
-    as_json: bool,
-) -> int:
-    """Create RUN as a fork of SOURCE's committed checkpoint: its live episodes continue in
-    RUN's own restores (``restore RUN``), while SOURCE goes on untouched."""
-    created = client.fork_run(
-        run,
-        source,
-        checkpoint_id,
-        episodes=_names(episodes) or None,
-        exclude=_names(exclude) or None,
-    )
-    if as_json:
-        json_line(created, stdout())
-        return EXIT_OK
-    origin = created["forked_from"]
-    counts = created.get("counts")
-    what = f": {_counts(counts)}" if counts else " (it existed)"
-    print(
-        f"run {created['run']} forked from {origin['run']}@{origin['checkpoint_id']}{what}",
-        file=stdout(),
-    )
-    return EXIT_OK
 
 
 @runs.command("delete")
