@@ -36,6 +36,7 @@ __all__ = [
     "commit",
     "forks_of",
     "inherited_restore",
+    "refuse_if_being_forked",
     "release",
 ]
 
@@ -124,6 +125,25 @@ async def claim(
     )
     found = run_from_row((await conn.execute(select(runs).where(runs.c.run == run))).one())
     return ForkClaim("claimed", found)
+
+
+async def refuse_if_being_forked(conn: AsyncConnection, run: str) -> None:
+    """``RunExists`` if ``run`` is claimed by a fork still being created (a plain run of that
+    name cannot be made: the name is the fork's, and once created it is a fork)."""
+    row = (
+        await conn.execute(
+            select(runs.c.forked_from_run, runs.c.fork_request).where(
+                runs.c.run == run, runs.c.forked_from_run.is_not(None), runs.c.forked_at.is_(None)
+            )
+        )
+    ).one_or_none()
+    if row is not None:
+        raise RunExists(
+            f"run {run!r} is being created as a fork of {row.forked_from_run!r}",
+            run=run,
+            settings={"fork": {"existing": orjson.loads(row.fork_request), "requested": None}},
+            being_forked=True,
+        )
 
 
 async def commit(
