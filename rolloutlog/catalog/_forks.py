@@ -165,7 +165,7 @@ async def claim(
     if row.forked_at is not None:
         return ForkClaim("created", found)
     holder = _Holder(row.fork_claimed_by, row.fork_claimer_started_at)
-    if holder != (claimed_by, incarnation):
+    if not await _holds(conn, row, claimed_by):
         gone = await requester_gone(conn, backend, clock, holder)
         if gone is None and holder.requested_by is not None:
             raise BackendUnavailable(
@@ -288,11 +288,16 @@ async def commit(
     return run_from_row((await conn.execute(select(runs).where(runs.c.run == run))).one())
 
 
+async def _holds(conn: AsyncConnection, row: Any, claimed_by: str | None) -> bool:
+    """Whether the fork claim in ``row`` is ``claimed_by``'s, this process of it."""
+    incarnation = await requester_incarnation(conn, claimed_by)
+    return (row.fork_claimed_by, row.fork_claimer_started_at) == (claimed_by, incarnation)
+
+
 async def _check_holder(conn: AsyncConnection, run: str, row: Any, claimed_by: str | None) -> None:
     """``BackendUnavailable`` unless ``claimed_by`` (this process of it) still holds the claim
     in ``row``: a holder whose claim was taken over must not create the fork."""
-    incarnation = await requester_incarnation(conn, claimed_by)
-    if (row.fork_claimed_by, row.fork_claimer_started_at) != (claimed_by, incarnation):
+    if not await _holds(conn, row, claimed_by):
         raise BackendUnavailable(
             f"the claim of fork {run!r} was taken over by replica {row.fork_claimed_by!r}: "
             "it creates the fork; ask again shortly",
@@ -315,8 +320,7 @@ async def release(conn: AsyncConnection, run: str, claimed_by: str | None) -> bo
     ).one_or_none()
     if row is None or row.forked_at is not None:
         return False
-    incarnation = await requester_incarnation(conn, claimed_by)
-    if (row.fork_claimed_by, row.fork_claimer_started_at) != (claimed_by, incarnation):
+    if not await _holds(conn, row, claimed_by):
         return False
     await delete_run_rows(conn, run)
     return True
