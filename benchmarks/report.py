@@ -749,6 +749,20 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
             if parts:
                 w("")
                 w(f"{key}, the service's own stage timings (median ms): " + "; ".join(parts) + ".")
+        kinds = [
+            f"{key} {spread(f['restore_and_fetch_per_kind_s'])} ({f['per_kind_lines']:,} lines; "
+            f"the single stream {spread(f['restore_and_fetch_s'])}, {f['live']:,} lines)"
+            for key in ("S1", "S2", "S3")
+            for f in [per.get(key) or {}]
+            if "restore_and_fetch_per_kind_s" in f
+        ]
+        if kinds:
+            w("")
+            w(
+                "Restore + fetch with one fetcher per participant kind in parallel (environment, "
+                "policy, resources, agent; each stream holds what its kind restores), beside the "
+                "single stream the targets are measured on: " + "; ".join(kinds) + "."
+            )
         s4 = per.get("S4")
         if s4:
             a = s4["appends"]

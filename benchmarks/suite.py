@@ -336,6 +336,9 @@ async def reader(svc: Service) -> AsyncIterator[Any]:
 # -- one workload on one deployment ----------------------------------------------------------------
 
 
+#: Restores fetched by one fetcher per participant kind, per workload (after the single
+#: stream's; the suite's time budget allows one).
+PER_KIND_RUNS = 1
 #: How many live rollouts move on by one event between two measured checkpoints: the same
 #: count at every size, so the live-rollouts curve shows what a checkpoint costs per live
 #: rollout when what changed stays the same.
@@ -371,6 +374,7 @@ async def checkpoints_and_restores(
     workload: Workload,
     runs: int,
     restores: int,
+    per_kind: int = 0,
 ) -> dict[str, Any]:
     """Checkpoints as they happen in a live run, then restores.
 
@@ -383,6 +387,8 @@ async def checkpoints_and_restores(
        stream, decoded as a participant would); before each round but the first, a new
        checkpoint (every episode changed: the restore gave it a new attempt), whose time is
        ``checkpoint_after_restore_s``.
+    4. ``per_kind`` rounds of: a checkpoint, a restore and its fetch by one fetcher per
+       participant kind in parallel (``fetch_per_kind``: ``restore_and_fetch_per_kind_s``).
     """
     live = workload.live
     figures: dict[str, list[float]] = {}
@@ -441,6 +447,19 @@ async def checkpoints_and_restores(
     # The service's peak RSS from the first restore to the last fetch (the checkpoint after a
     # restore included), not the load's.
     out["restore_peak_rss_mb"] = svc.peak_rss_mb()
+    if per_kind:
+        # Beside the single stream: the same restore + fetch with one fetcher per participant
+        # kind in parallel, as real Gyms fetch (each kind's stream holds what it restores, so
+        # the kinds together receive more lines than the single stream).
+        seconds, lines = [], 0
+        for _ in range(per_kind):
+            info = await trainer.checkpoint(run)
+            t0 = time.perf_counter()
+            restored = await trainer.restore(run, checkpoint_id=info.checkpoint_id)
+            lines = await fetch_per_kind(trainer, run, restored.restore_id)
+            seconds.append(time.perf_counter() - t0)
+        out["restore_and_fetch_per_kind_s"] = summary(seconds)
+        out["per_kind_lines"] = lines
     out["churn"] = {"rollouts_per_checkpoint": CHURN_ROLLOUTS, "events": advanced}
     # The service's own stage timings (its reply's ``timings_ms``): where the time went.
     out["stages_ms"] = {
@@ -451,6 +470,20 @@ async def checkpoints_and_restores(
     out["service_cpu_s_per_checkpoint"] = cpu["checkpoint"] / runs
     out["service_cpu_s_per_restore_and_fetch"] = cpu["restore"] / max(1, restores)
     return out
+
+
+#: The participant kinds whose projections a restore serves (``kind=`` of the bulk route).
+KINDS = ("environment", "policy", "resources", "agent")
+
+
+async def fetch_per_kind(trainer: AsyncTrainerClient, run: str, restore_id: int) -> int:
+    """A restore's projections fetched by one fetcher per participant kind, in parallel (each
+    line decoded); returns the lines received in all."""
+
+    async def one(kind: str) -> int:
+        return sum([1 async for _ in trainer.projections(run, restore_id, kind=kind)])
+
+    return sum(await asyncio.gather(*(one(kind) for kind in KINDS)))
 
 
 def start_loader(cmd: list[str]) -> subprocess.Popen[bytes]:
@@ -522,7 +555,9 @@ async def measure_workload(
                 log(f"the service's log (last lines):\n{svc.log_tail()}")
                 raise
             load_cpu = svc.cpu_s() - cpu0
-            out = await checkpoints_and_restores(svc, trainer, run, workload, runs, restores)
+            out = await checkpoints_and_restores(
+                svc, trainer, run, workload, runs, restores, per_kind=PER_KIND_RUNS
+            )
             out.update(
                 {
                     "episodes": workload.count,
