@@ -321,6 +321,13 @@ def measured_split(reason: str, results: dict[str, Any]) -> str:
                 f"{where}: {s1['restore_peak_rss_mb']:,.0f} MB from the first restore to the last "
                 f"fetch; {s1['service_peak_rss_mb']:,.0f} MB over the service's whole life (load, "
                 "checkpoints, restores, S4)"
+                + (
+                    "; its RSS after each fetch, in order: "
+                    + ", ".join(f"{mb:,.0f}" for mb in s1["rss_after_fetch_mb"])
+                    + " MB"
+                    if s1.get("rss_after_fetch_mb")
+                    else ""
+                )
             )
     if reason == "curve_flatness":
         for name, per in (results.get("curves") or {}).items():

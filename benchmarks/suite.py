@@ -178,6 +178,14 @@ class Service:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def rss_mb(self) -> float:
+        """The service's resident set now (VmRSS)."""
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
     def reset_peak_rss(self) -> None:
         """Start VmHWM again from the current RSS (Linux: ``clear_refs`` 5), so that the next
         ``peak_rss_mb`` is the peak of what runs in between."""
@@ -416,6 +424,7 @@ async def checkpoints_and_restores(
             for stage, value in info.timings_ms.items():
                 stages["checkpoint"].setdefault(stage, []).append(float(value))
     svc.reset_peak_rss()
+    rss_after: list[float] = []
     for index in range(restores):
         if index:
             info = await checkpoint("checkpoint_after_restore_s")
@@ -443,10 +452,13 @@ async def checkpoints_and_restores(
         }.items():
             figures.setdefault(key, []).append(value)
         figures.setdefault("floor_mb", []).append(floor_bytes / 1e6)
+        rss_after.append(svc.rss_mb())
     out: dict[str, Any] = {key: summary(values) for key, values in figures.items()}
     # The service's peak RSS from the first restore to the last fetch (the checkpoint after a
     # restore included), not the load's.
     out["restore_peak_rss_mb"] = svc.peak_rss_mb()
+    # The service's RSS after each restore's fetch, in order: flat, or growing with restores.
+    out["rss_after_fetch_mb"] = rss_after
     if per_kind:
         # Beside the single stream: the same restore + fetch with one fetcher per participant
         # kind in parallel, as real Gyms fetch (each kind's stream holds what it restores, so
