@@ -22,19 +22,14 @@ the churn of a live run, the same count at every size.
 from __future__ import annotations
 
 import functools
-import hashlib
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
+from rolloutlog.core import ledger_digest, task_digest
 
 TS = 1764400000.0
-
-
-def ledger_digest(parent: str, tokens: list[int]) -> str:
-    return hashlib.sha256((parent + ":" + ",".join(map(str, tokens))).encode()).hexdigest()
 
 
 #: Token-id patterns: episode ``i`` uses pattern ``i % PATTERNS``. The lists (and their digest
@@ -56,10 +51,6 @@ def _ledger_chain(pattern: int, rows: int, tokens: int) -> tuple[tuple[list[int]
 @functools.cache
 def _chunk_ids() -> list[int]:
     return list(range(64))
-
-
-def task_digest(task: dict[str, Any]) -> str:
-    return hashlib.sha256(orjson.dumps(task, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 class _Builder:

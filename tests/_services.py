@@ -13,7 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -72,16 +72,27 @@ def tansu_binary() -> str:
 
 
 @contextlib.contextmanager
-def tansu_broker() -> Iterator[str]:
-    """Start Tansu on a free loopback port (in-memory storage); yield ``host:port``."""
+def tansu_broker(*, advertised_port: int | None = None, args: Sequence[str] = ()) -> Iterator[str]:
+    """Start Tansu on a free loopback port (in-memory storage); yield ``host:port``.
+
+    ``advertised_port``: the port its metadata names instead (a proxy in front of it);
+    ``args``: more broker options (``--authentication``)."""
     binary = tansu_binary()
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
+    advertised = f"tcp://127.0.0.1:{advertised_port or port}"
     with tempfile.TemporaryFile() as log:
-        yield from _run_tansu(binary, address, port, log)
+        yield from _run_tansu(binary, address, port, log, advertised, args)
 
 
-def _run_tansu(binary: str, address: str, port: int, log: IO[bytes]) -> Iterator[str]:
+def _run_tansu(
+    binary: str,
+    address: str,
+    port: int,
+    log: IO[bytes],
+    advertised: str | None = None,
+    args: Sequence[str] = (),
+) -> Iterator[str]:
     proc = subprocess.Popen(
         [
             binary,
@@ -89,9 +100,10 @@ def _run_tansu(binary: str, address: str, port: int, log: IO[bytes]) -> Iterator
             "--listener-url",
             address,
             "--advertised-listener-url",
-            address,
+            advertised or address,
             "--storage-engine",
             "memory://tansu/",
+            *args,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

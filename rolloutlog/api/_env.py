@@ -19,8 +19,11 @@ __all__ = ["FILE_SUFFIX", "PREFIX", "SECRET_SETTINGS", "env_name", "env_value", 
 
 PREFIX = "ROLLOUTLOG_"
 FILE_SUFFIX = "_FILE"
-#: ``serve``'s settings that may hold a password, hence also read from a ``*_FILE``.
-SECRET_SETTINGS = frozenset({"log_url", "catalog_url"})
+#: ``serve``'s settings that may hold a password (or a user name), hence also read from a
+#: ``*_FILE``.
+SECRET_SETTINGS = frozenset(
+    {"log_url", "catalog_url", "kafka_sasl_username", "kafka_sasl_password"}
+)
 
 
 def env_name(setting: str) -> str:

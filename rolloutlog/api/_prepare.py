@@ -89,28 +89,35 @@ def _new_batch() -> Batch:
     return Batch([], [], [], {}, {})
 
 
+def _ndjson_value(line: bytes | bytearray, index: int) -> Any:
+    """One NDJSON line's envelope, or the refusal of event ``index`` as not JSON."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise InvalidEvent(
+            f"event {index}: not valid JSON: {e}",
+            index=index,
+            field="(envelope)",
+            reason=str(e),
+        ) from e
+
+
+def _body_not_json(e: orjson.JSONDecodeError) -> InvalidEvent:
+    return InvalidEvent(f"the body is not valid JSON: {e}", field="(body)", reason=str(e))
+
+
 def parse_body(body: bytes | bytearray, ndjson: bool) -> list[Any]:
     """The envelopes of a request body (still unvalidated)."""
     if ndjson:
         values: list[Any] = []
         for line in body.splitlines():
-            if not line.strip():
-                continue
-            try:
-                values.append(orjson.loads(line))
-            except orjson.JSONDecodeError as e:
-                index = len(values)
-                raise InvalidEvent(
-                    f"event {index}: not valid JSON: {e}",
-                    index=index,
-                    field="(envelope)",
-                    reason=str(e),
-                ) from e
+            if line.strip():
+                values.append(_ndjson_value(line, len(values)))
         return values
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise InvalidEvent(f"the body is not valid JSON: {e}", field="(body)", reason=str(e)) from e
+        raise _body_not_json(e) from e
     if not isinstance(value, list):
         raise InvalidRequest(
             "the body must be a JSON array of event envelopes (or NDJSON with "
@@ -239,7 +246,7 @@ async def _parse_array_sliced(body: bytes, pause: _Yielder) -> list[Any]:
     try:
         values.extend(orjson.loads(b"[" + body[position:]))
     except orjson.JSONDecodeError as e:
-        raise InvalidEvent(f"the body is not valid JSON: {e}", field="(body)", reason=str(e)) from e
+        raise _body_not_json(e) from e
     return values
 
 
@@ -248,16 +255,7 @@ async def _parse_ndjson_sliced(body: bytes, pause: _Yielder) -> list[Any]:
     for line in body.splitlines():
         if not line.strip():
             continue
-        try:
-            values.append(orjson.loads(line))
-        except orjson.JSONDecodeError as e:
-            index = len(values)
-            raise InvalidEvent(
-                f"event {index}: not valid JSON: {e}",
-                index=index,
-                field="(envelope)",
-                reason=str(e),
-            ) from e
+        values.append(_ndjson_value(line, len(values)))
         if not len(values) & 255:
             await pause()
     return values

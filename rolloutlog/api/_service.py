@@ -68,7 +68,7 @@ class Service:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.log: Log = open_log(settings.resolved_log_url)
+        self.log: Log = open_log(settings.resolved_log_url, **settings.log_options)
         self.catalog: Catalog = open_catalog(
             settings.resolved_catalog_url, keep_committed=settings.keep_committed
         )

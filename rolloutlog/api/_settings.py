@@ -24,6 +24,7 @@ from typing import Any
 
 from rolloutlog.api._env import SECRET_SETTINGS, env_name
 from rolloutlog.api._tokens import Tokens
+from rolloutlog.errors import ConfigurationError
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "LOG_LEVELS", "SETTINGS", "Setting", "Settings"]
 
@@ -120,10 +121,42 @@ class Settings:
         metavar="URL",
         shown_default="embedded under the data directory",
     )
+    #: TLS and SASL of the Kafka log's connections (README, Security); each may also be given
+    #: in the log URL's query under its name without ``kafka_`` (the setting wins).
+    kafka_security_protocol: str | None = setting(
+        None,
+        "Kafka: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.",
+        kind=str,
+        metavar="PROTOCOL",
+        shown_default="PLAINTEXT",
+    )
+    kafka_sasl_mechanism: str | None = setting(
+        None,
+        "Kafka SASL: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512.",
+        kind=str,
+        metavar="MECHANISM",
+        shown_default="PLAIN",
+    )
+    kafka_sasl_username: str | None = setting(None, "Kafka SASL user name.", kind=str)
+    kafka_sasl_password: str | None = setting(None, "Kafka SASL password.", kind=str)
+    kafka_ssl_cafile: Path | None = setting(
+        None,
+        "PEM file of the CAs that sign the Kafka brokers' certificates.",
+        kind=Path,
+        metavar="FILE",
+        shown_default="the system's CAs",
+    )
+    kafka_ssl_certfile: Path | None = setting(
+        None, "PEM file of this client's certificate (mutual TLS).", kind=Path, metavar="FILE"
+    )
+    kafka_ssl_keyfile: Path | None = setting(
+        None, "PEM file of the client certificate's private key.", kind=Path, metavar="FILE"
+    )
     catalog_url: str | None = setting(
         None,
         "Catalog URL: postgresql://USER:PASSWORD@HOST/DB (also postgres://, "
-        "postgresql+asyncpg://) or sqlite+aiosqlite:///PATH",
+        "postgresql+asyncpg://) or sqlite+aiosqlite:///PATH; TLS: ?sslmode=verify-full"
+        "&sslrootcert=FILE",
         kind=str,
         flag="--catalog",
         metavar="URL",
@@ -274,6 +307,21 @@ class Settings:
         return self.log_url or f"embedded://{Path(self.data_dir).resolve()}"
 
     @property
+    def log_options(self) -> dict[str, Any]:
+        """The ``kafka_*`` settings given, as the Kafka log's options (``open_log``)."""
+        given = {
+            name.removeprefix("kafka_"): str(getattr(self, name))
+            for name in _KAFKA_SETTINGS
+            if getattr(self, name) is not None
+        }
+        if given and self.embedded_log:
+            raise ConfigurationError(
+                f"{', '.join(sorted('--kafka-' + k.replace('_', '-') for k in given))}: "
+                "settings of a kafka:// log, given with the embedded one"
+            )
+        return given
+
+    @property
     def resolved_catalog_url(self) -> str:
         if self.catalog_url:
             return self.catalog_url
@@ -306,3 +354,4 @@ def _declared() -> tuple[Setting, ...]:
 
 #: Every setting ``serve`` takes, in ``--help``'s order.
 SETTINGS: tuple[Setting, ...] = _declared()
+_KAFKA_SETTINGS = tuple(f.name for f in dataclasses.fields(Settings) if f.name.startswith("kafka_"))

@@ -28,6 +28,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from rolloutlog.catalog._backend import Backend, _causes, integrity_error
+from rolloutlog.catalog._tls import PARAMETERS as TLS_PARAMETERS
+from rolloutlog.catalog._tls import ssl_argument
 from rolloutlog.errors import (
     BackendUnavailable,
     CatalogError,
@@ -68,7 +70,8 @@ class PostgresBackend(Backend):
     def create_engine(self) -> AsyncEngine:
         timeouts = self.timeouts_s
         url = make_url(self.url)
-        url = url.difference_update_query(TIMEOUTS_S)
+        tls = ssl_argument(url.query)
+        url = url.difference_update_query([*TIMEOUTS_S, *TLS_PARAMETERS])
         settings = {
             name: value if isinstance(value, str) else value[-1]
             for name, value in url.query.items()
@@ -83,6 +86,7 @@ class PostgresBackend(Backend):
                 "timeout": timeouts["connect_timeout"],
                 "command_timeout": timeouts["command_timeout"],
                 "server_settings": {"application_name": "rolloutlog-catalog", **settings},
+                **({} if tls is None else {"ssl": tls}),
             },
         )
         event.listen(engine.sync_engine.pool, "checkout", _closed_by_the_server)

@@ -61,6 +61,7 @@ from rolloutlog.log._interface import (
     check_run_name,
 )
 from rolloutlog.log._kafka_reads import KafkaReads, ReadTopic, check_partition
+from rolloutlog.log._kafka_security import OPTIONS, KafkaSecurity, public_url
 from rolloutlog.log._kafka_wire import (
     LATEST,
     REQUEST_ERRORS,
@@ -110,7 +111,8 @@ class KafkaLog(KafkaReads, KafkaWrites, Log):
     ``replication_factor`` of new topics, by default min(3, brokers); ``producers`` (lanes, see
     the module notes); ``batch_bytes`` per record batch (a larger record travels alone);
     ``in_flight_bytes`` handed to the producers and not yet acknowledged; ``fetch_bytes`` per
-    read page (grown when a batch does not fit); ``read_connections`` kept open between reads.
+    read page (grown when a batch does not fit); ``read_connections`` kept open between reads;
+    ``security``: TLS and SASL of every connection (``_kafka_security``).
     """
 
     def __init__(
@@ -129,6 +131,7 @@ class KafkaLog(KafkaReads, KafkaWrites, Log):
         request_timeout_ms: int = 30_000,
         client_id: str = "rolloutlog",
         url: str | None = None,
+        security: KafkaSecurity | None = None,
     ) -> None:
         if max_record_bytes < 1:
             raise ConfigurationError("max_record_bytes must be positive")
@@ -138,7 +141,10 @@ class KafkaLog(KafkaReads, KafkaWrites, Log):
             )
         if read_connections < 1 or producers < 1:
             raise ConfigurationError("producers and read_connections must be at least 1")
-        self.url = url or f"kafka://{bootstrap_servers}"
+        self.url = public_url(url) if url else f"kafka://{bootstrap_servers}"
+        self.security = security or KafkaSecurity()
+        #: TLS and SASL options of every client (one SSL context for all connections).
+        self._connect = self.security.client_options()
         self.bootstrap_servers = bootstrap_servers
         self.topic_prefix = topic_prefix
         self.max_record_bytes = max_record_bytes
@@ -175,6 +181,7 @@ class KafkaLog(KafkaReads, KafkaWrites, Log):
             bootstrap_servers=self.bootstrap_servers,
             client_id=self._client_id,
             request_timeout_ms=self._request_timeout_ms,
+            **self._connect,
         )
 
     async def start(self) -> None:
@@ -185,6 +192,7 @@ class KafkaLog(KafkaReads, KafkaWrites, Log):
                 bootstrap_servers=self.bootstrap_servers,
                 client_id=self._client_id,
                 request_timeout_ms=self._request_timeout_ms,
+                **self._connect,
             )
             await self._admin.start()
             self._control = self._new_client()
@@ -196,10 +204,14 @@ class KafkaLog(KafkaReads, KafkaWrites, Log):
                 await producer.start()
         except Exception as e:
             await self.close()
+            refused = await self.security.diagnose(self.bootstrap_servers)
+            if refused is not None:
+                raise ConfigurationError(refused) from None
             raise translate(e, f"connect to {self.bootstrap_servers}") from e
         except BaseException:
             await self.close()
             raise
+        log.info("kafka log %s: connected (%s)", self.url, self.security.describe())
 
     def _new_producer(self, idempotent: bool) -> Any:
         return AIOKafkaProducer(
@@ -211,6 +223,7 @@ class KafkaLog(KafkaReads, KafkaWrites, Log):
             max_request_size=self._max_message_bytes,
             request_timeout_ms=self._request_timeout_ms,
             linger_ms=0,
+            **self._connect,
         )
 
     async def _start_producer(self) -> Any:
@@ -617,11 +630,25 @@ def _flag(value: str) -> bool | None:
 def from_url(url: str, **options: Any) -> KafkaLog:
     """``kafka://host:port[,host:port]`` with optional query settings ``topic_prefix``,
     ``max_record_bytes``, ``idempotence`` (``auto``/``true``/``false``), ``replication_factor``,
-    ``read_connections`` and ``request_timeout_ms``; keyword options win over the query."""
+    ``read_connections`` and ``request_timeout_ms``, and the TLS and SASL ones of
+    ``_kafka_security.OPTIONS`` (``security_protocol``, ``sasl_mechanism``,
+    ``sasl_username[_file]``, ``sasl_password[_file]``, ``ssl_cafile``, ``ssl_certfile``,
+    ``ssl_keyfile``, ``ssl_check_hostname``); keyword options win over the query."""
     parts = urlsplit(url)
+    if "@" in parts.netloc:  # the URL is not echoed: it holds a password
+        raise ConfigurationError(
+            "kafka log URL: no credentials before the host; give sasl_username and "
+            "sasl_password (or their _file variants) in the query or the settings"
+        )
     if parts.scheme != "kafka" or not parts.netloc:
-        raise ConfigurationError(f"kafka log URL must be kafka://host:port[,host:port]: {url!r}")
+        raise ConfigurationError(
+            f"kafka log URL must be kafka://host:port[,host:port]: {public_url(url)!r}"
+        )
     query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+    secure = {key: query.pop(key) for key in list(query) if key in OPTIONS}
+    secure.update({key: options.pop(key) for key in list(options) if key in OPTIONS})
+    if "security" not in options:
+        options["security"] = KafkaSecurity.from_options(secure)
     converters: dict[str, Any] = {
         "topic_prefix": str,
         "max_record_bytes": int,

@@ -81,6 +81,13 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
         "LEASE_S": "2.5",
         "MAX_REQUEST_MB": "3",
         "MAX_SEQ_GAP": "4096",
+        "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "KAFKA_SASL_USERNAME": "rolloutlog",
+        "KAFKA_SASL_PASSWORD": "pw",
+        "KAFKA_SSL_CAFILE": "/etc/ssl/kafka-ca.pem",
+        "KAFKA_SSL_CERTFILE": "/etc/ssl/client.pem",
+        "KAFKA_SSL_KEYFILE": "/etc/ssl/client.key",
     }
     assert {name.lower() for name in values} == set(ServeConfig.model_fields)
     for name, value in values.items():
@@ -104,6 +111,15 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
     assert (settings.replica_id, settings.lease_s) == ("replica-a", 2.5)
     assert settings.address == "0.0.0.0:9000"
     assert (settings.max_request_bytes, settings.max_seq_gap) == (3 * 1024 * 1024, 4096)
+    assert settings.log_options == {
+        "security_protocol": "SASL_SSL",
+        "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_username": "rolloutlog",
+        "sasl_password": "pw",
+        "ssl_cafile": "/etc/ssl/kafka-ca.pem",
+        "ssl_certfile": "/etc/ssl/client.pem",
+        "ssl_keyfile": "/etc/ssl/client.key",
+    }
 
 
 def test_each_setting_is_declared_once_with_its_flag_and_variable() -> None:

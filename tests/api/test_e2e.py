@@ -4,6 +4,7 @@ by SIGTERM that finishes in-flight appends. The CLI's commands: tests/api/test_c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -79,16 +80,24 @@ class Server:
             raise
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
+@contextlib.contextmanager
+def running_server(tmp_path: Path, *extra: str) -> Iterator[Server]:
+    """A service in its own process on ``tmp_path``, with the test tokens and the ``extra``
+    flags; stopped after."""
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
-    running = Server(tmp_path / "data", tokens)
+    running = Server(tmp_path / "data", tokens, *extra)
     running.start()
     try:
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    with running_server(tmp_path) as running:
+        yield running
 
 
 def post(server: Server, path: str, role: str, body: Any, **kw: Any) -> httpx.Response:

@@ -13,7 +13,7 @@ from rolloutlog.participants.sim import Gym
 from rolloutlog.trainer import AsyncTrainerClient
 from tests.api.conftest import TOKENS
 from tests.e2e._gym import Episodes, gym_for
-from tests.e2e._harness import Deployment, Puppet, Service, kafka_log_url
+from tests.e2e._harness import Deployment, Puppet, Replicas, Service, kafka_log_url
 
 RUN = "crash"
 
@@ -31,6 +31,32 @@ def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Deployment:
     bootstrap = request.getfixturevalue("kafka_bootstrap")
     catalog_url = request.getfixturevalue("postgres_schema")
     return Deployment("kafka", data_dir, kafka_log_url(bootstrap), str(catalog_url))
+
+
+#: For a module whose tests run on the Kafka deployment only.
+KAFKA_ONLY = pytest.mark.parametrize("deployment", ["kafka"], indirect=True)
+
+
+async def start_replicas(
+    deployment: Deployment, workdir: Path, count: int, tokens: bool = True
+) -> Replicas:
+    replicas = Replicas(deployment, workdir, count, tokens=tokens)
+    try:
+        await replicas.start()
+    except BaseException:
+        replicas.stop()
+        raise
+    return replicas
+
+
+@pytest.fixture
+async def three(deployment: Deployment, tmp_path: Path) -> AsyncIterator[Replicas]:
+    """Three replicas of ``deployment`` (stopped after)."""
+    replicas = await start_replicas(deployment, tmp_path, 3)
+    try:
+        yield replicas
+    finally:
+        replicas.stop()
 
 
 @pytest.fixture

@@ -18,18 +18,14 @@ import pytest
 
 from rolloutlog.trainer import AsyncTrainerClient
 from tests.api.conftest import TOKENS
-from tests.e2e._harness import REPLICA_LEASE_S, Deployment, Replica, Replicas, kafka_log_url
+from tests.e2e._harness import REPLICA_LEASE_S, Deployment, Replica, Replicas
+from tests.e2e.conftest import KAFKA_ONLY
 
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow, KAFKA_ONLY]
 
 RUN = "health"
 PARTITIONS = 6
 HEADERS = {"Authorization": f"Bearer {TOKENS['admin']}"}
-
-
-@pytest.fixture
-def deployment(kafka_bootstrap: str, postgres_schema: str, tmp_path: Path) -> Deployment:
-    return Deployment("kafka", tmp_path / "data", kafka_log_url(kafka_bootstrap), postgres_schema)
 
 
 @pytest.fixture

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -26,33 +24,16 @@ from rolloutlog.trainer import AsyncTrainerClient
 from tests import factories as f
 from tests.api.conftest import TOKENS, wire
 from tests.e2e._harness import REPLICA_LEASE_S, Appends, Deployment, Replicas
-from tests.e2e.conftest import RUN
+from tests.e2e.conftest import KAFKA_ONLY, RUN
 from tests.e2e.test_replicas import (
     assert_folded,
     assert_whole_or_none,
     episode_events,
     setup_run,
-    start_replicas,
     trainers,
 )
 
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
-
-
-@pytest.fixture
-def deployment(kafka_bootstrap: str, postgres_schema: str, tmp_path: Path) -> Deployment:
-    from tests.e2e._harness import kafka_log_url
-
-    return Deployment("kafka", tmp_path / "data", kafka_log_url(kafka_bootstrap), postgres_schema)
-
-
-@pytest.fixture
-async def three(deployment: Deployment, tmp_path: Path) -> AsyncIterator[Replicas]:
-    replicas = await start_replicas(deployment, tmp_path, 3)
-    try:
-        yield replicas
-    finally:
-        replicas.stop()
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow, KAFKA_ONLY]
 
 
 def every_url(replicas: Replicas, epoch: int) -> AsyncTrainerClient:

@@ -36,40 +36,13 @@ from tests.e2e._harness import (
     Replica,
     Replicas,
     Service,
-    kafka_log_url,
 )
-from tests.e2e.conftest import RUN
+from tests.e2e.conftest import KAFKA_ONLY, RUN, start_replicas
 
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow, KAFKA_ONLY]
 
 PARTITIONS = 6
 T = TypeVar("T")
-
-
-@pytest.fixture
-def deployment(kafka_bootstrap: str, postgres_schema: str, tmp_path: Path) -> Deployment:
-    return Deployment("kafka", tmp_path / "data", kafka_log_url(kafka_bootstrap), postgres_schema)
-
-
-async def start_replicas(
-    deployment: Deployment, workdir: Path, count: int, tokens: bool = True
-) -> Replicas:
-    replicas = Replicas(deployment, workdir, count, tokens=tokens)
-    try:
-        await replicas.start()
-    except BaseException:
-        replicas.stop()
-        raise
-    return replicas
-
-
-@pytest.fixture
-async def three(deployment: Deployment, tmp_path: Path) -> AsyncIterator[Replicas]:
-    replicas = await start_replicas(deployment, tmp_path, 3)
-    try:
-        yield replicas
-    finally:
-        replicas.stop()
 
 
 @contextlib.asynccontextmanager

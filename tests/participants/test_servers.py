@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,19 +24,13 @@ from rolloutlog.participants import (
 )
 from rolloutlog.trainer import AsyncTrainerClient
 from tests.api.conftest import TOKENS, open_api
-from tests.api.test_e2e import Server
+from tests.api.test_e2e import Server, running_server
 
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps(TOKENS))
-    running = Server(tmp_path / "data", tokens)
-    running.start()
-    try:
+    with running_server(tmp_path) as running:
         yield running
-    finally:
-        running.stop()
 
 
 async def run_episodes(env: Environment, resources: Resources, count: int) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from rolloutlog.participants._transport import _Pending
 from rolloutlog.trainer import AsyncTrainerClient
 from tests._services import free_port
 from tests.api.conftest import TOKENS
-from tests.api.test_e2e import Server
+from tests.api.test_e2e import Server, running_server
 from tests.participants.conftest import RUN, World
 
 
@@ -304,14 +303,8 @@ class Relay:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps(TOKENS))
-    running = Server(tmp_path / "data", tokens)
-    running.start()
-    try:
+    with running_server(tmp_path) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.mark.slow

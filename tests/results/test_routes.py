@@ -4,7 +4,6 @@ and never dispatching their episodes again, and an episode's history showing its
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 from rolloutlog.trainer import TrainerClient, resume_run_sync
 from tests import factories as f
 from tests.api.conftest import TOKENS, bearer, wire
-from tests.api.test_e2e import Server
+from tests.api.test_e2e import Server, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -25,14 +24,8 @@ RUN = "res"
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps(TOKENS))
-    running = Server(tmp_path / "data", tokens)
-    running.start()
-    try:
+    with running_server(tmp_path) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def get(server: Server, path: str, role: str = "analyst", **params: Any) -> httpx.Response:
