@@ -35,6 +35,7 @@ EVENT_TYPES = [
 
 SURFACES: dict[str, list[str]] = {
     "rolloutlog.core": [
+        "RestoreTransition",
         "BoundaryView",
         "CUT_DISPOSITIONS",
         "EpisodeFold",
@@ -55,12 +56,15 @@ SURFACES: dict[str, list[str]] = {
         "RestorePolicy",
         "SessionView",
         "apply_policy",
+        "restore_transition",
         "check_exclusions",
         "not_exported_reason",
         "plan_restore",
         "planned_cut_dispositions",
         "replay_start",
         "restart_only_reason",
+        "resumed_boundary",
+        "select_records",
         "served_cut_dispositions",
         "to_continue",
         "verify_projection",

@@ -26,6 +26,7 @@ from rolloutlog.api._results import result_view
 from rolloutlog.api._service import Service
 from rolloutlog.api._views import manifest_entry_view, restore_entry_view
 from rolloutlog.catalog import Episode, ManifestEntry, RestoreEntry
+from rolloutlog.core import resumed_boundary
 from rolloutlog.errors import UnknownEpisode
 from rolloutlog.log import PAYLOAD_FIELD, capture_key, split_record
 
@@ -47,8 +48,9 @@ def _service(request: Request) -> Service:
     return service
 
 
-def _timeline_event(offset: int, record: bytes) -> dict[str, Any]:
-    meta, payload = split_record(record)
+def _timeline_event(
+    offset: int, meta: dict[str, Any], payload: bytes | None, size: int
+) -> dict[str, Any]:
     data = {k: v for k, v in (meta.get("data") or {}).items() if k not in _PAYLOADS}
     participant = meta.get("participant") or {}
     return {
@@ -62,7 +64,7 @@ def _timeline_event(offset: int, record: bytes) -> dict[str, Any]:
         "seq": meta.get("seq"),
         "ts": meta.get("ts"),
         "stage": data.get("stage"),
-        "size_bytes": len(record),
+        "size_bytes": size,
         "payload_bytes": len(payload) if payload is not None else 0,
         "data": data,
     }
@@ -121,8 +123,12 @@ def _attempts(
     episode: str,
     events: Sequence[dict[str, Any]],
     plans: dict[int, tuple[int, int, RestoreEntry, str]],
+    records: Sequence[tuple[int, dict[str, Any]]],
+    committed_restores: set[int],
 ) -> list[dict[str, Any]]:
-    """Each attempt: how and why it began, the boundary a continued one resumed from, its events."""
+    """Each attempt: how and why it began, the boundary a continued one resumed from (where the
+    restore transition left it: ``resumed_boundary`` over the episode's ``records``, as
+    ``(offset, metadata)``), its events."""
     by_attempt: dict[int, list[dict[str, Any]]] = {}
     for event in events:
         by_attempt.setdefault(event["attempt"], []).append(event)
@@ -158,18 +164,16 @@ def _attempts(
             )
             started = next((e for e in own if e["type"] == "attempt.started"), None)
             cut = started["data"].get("cut") if started is not None else None
-            if entry.action == "continue" and cut is not None:
-                boundary = None
-                for event in by_attempt.get(entry.previous_attempt, []):
-                    if event["offset"] < cut and event["type"] == "step.boundary":
-                        boundary = event
+            if entry.action == "continue" and started is not None and cut is not None:
+                found = resumed_boundary(records, started["offset"], committed_restores)
+                boundary = found[1] if found is not None else None
                 view["resumed_from"] = {
                     "cut_offset": cut,
-                    "boundary_offset": boundary["offset"] if boundary else None,
+                    "boundary_offset": found[0] if found is not None else None,
                     "stage": boundary["data"].get("stage") if boundary else None,
                     "next": boundary["data"].get("next") if boundary else None,
                     "owner": boundary["data"].get("owner") if boundary else None,
-                    "step": boundary["step"] if boundary else None,
+                    "step": boundary.get("step") if boundary else None,
                 }
         attempts.append(view)
     return attempts
@@ -243,7 +247,8 @@ async def episode_history(
     plan_entries = await service.catalog.episode_plan_entries(run, episode)
     if recorded is None and tracked is None and not records and not plan_entries:
         raise UnknownEpisode(f"run {run!r} has no episode {episode!r}", run=run, episode=episode)
-    events = [_timeline_event(offset, record) for offset, record in records]
+    decoded = [(offset, *split_record(record), len(record)) for offset, record in records]
+    events = [_timeline_event(*one) for one in decoded]
     manifests = await service.catalog.episode_manifest_entries(run, episode, partition)
     manifest_of = dict(manifests)
     restores: list[dict[str, Any]] = []
@@ -283,7 +288,13 @@ async def episode_history(
             "started_at": recorded.started_at if recorded else None,
             "finished_at": recorded.finished_at if recorded else None,
             "result": result_view(found[0]) if found else None,
-            "attempts": _attempts(episode, events, plans),
+            "attempts": _attempts(
+                episode,
+                events,
+                plans,
+                [(offset, meta) for offset, meta, _, _ in decoded],
+                {restore_id for restore_id, _ in plan_entries},
+            ),
             "checkpoints": [
                 {
                     "checkpoint_id": checkpoint_id,

@@ -1,6 +1,7 @@
 """The pure kernel: the event model (envelope, event types, ids, opaque payloads, digests, delta
 states, the event shapes the checks are built from), the episode fold (``EpisodeFold``) and its
-projection, verification, the cut rules, the restore planner, and the manifest and plan values.
+projection, the one restore transition (``select_records`` over records, ``begin_attempt`` over a
+fold's state), verification, the cut rules, the restore planner, and the manifest and plan values.
 
 It imports nothing but the standard library, pydantic, orjson and ``rolloutlog.errors``
 (``tests/test_public_surface.py`` pins that), so every other room — the log, the fold, the SDK,
@@ -14,10 +15,7 @@ from rolloutlog.core._cuts import (
 )
 from rolloutlog.core._deltas import DELTA_KEY, DELTA_PREFIX, compose_state, is_delta, state_delta
 from rolloutlog.core._digests import ledger_digest, task_digest, token_count
-from rolloutlog.core._episode import (
-    EpisodeFold,
-    EventFilters,
-)
+from rolloutlog.core._episode import EpisodeFold
 from rolloutlog.core._events import (
     EVENT_CLASSES,
     MAX_SEQ,
@@ -51,6 +49,7 @@ from rolloutlog.core._events import (
     StepStarted,
     StepStartedData,
 )
+from rolloutlog.core._filters import EventFilters
 from rolloutlog.core._ids import (
     NAME_PATTERN,
     capture_key,
@@ -82,6 +81,12 @@ from rolloutlog.core._planner import (
     to_continue,
     wait_expired_reason,
 )
+from rolloutlog.core._restore import (
+    RestoreTransition,
+    restore_transition,
+    resumed_boundary,
+    select_records,
+)
 from rolloutlog.core._shapes import (
     DATA_RULES,
     DATA_SHAPES,
@@ -104,6 +109,7 @@ from rolloutlog.core._verify import (
 )
 
 __all__ = [
+    "RestoreTransition",
     "BoundaryView",
     "CUT_DISPOSITIONS",
     "EpisodeFold",
@@ -124,12 +130,15 @@ __all__ = [
     "RestorePolicy",
     "SessionView",
     "apply_policy",
+    "restore_transition",
     "check_exclusions",
     "not_exported_reason",
     "plan_restore",
     "planned_cut_dispositions",
     "replay_start",
     "restart_only_reason",
+    "resumed_boundary",
+    "select_records",
     "served_cut_dispositions",
     "to_continue",
     "verify_projection",

@@ -1,20 +1,21 @@
 """The fold's state machine: one episode's events applied one record at a time (docs/design.md
 §4, §5). No I/O. ``_fold`` runs it over an episode's records (the full fold); the projector keeps
 one per live episode without payloads (``_tracker``).
+
+Beside it, each with one job: the record filters (``_filters``), the session rules it inherits
+(``_episode_sessions``), the tail's generation cut (``_tail``), the copies a pin keeps
+(``_pins``), and the restore transition (``_restore``), which ``begin_attempt`` runs.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
-
-import orjson
+from typing import Any, ClassVar, Literal
 
 from rolloutlog.core._deltas import is_delta
 from rolloutlog.core._digests import token_count
 from rolloutlog.core._episode_sessions import SessionRules
+from rolloutlog.core._filters import EventFilters
 from rolloutlog.core._model import (
     BoundaryView,
     EpisodeProjection,
@@ -23,59 +24,16 @@ from rolloutlog.core._model import (
     SessionView,
 )
 from rolloutlog.core._opaque import Opaque
+from rolloutlog.core._pins import snapshot
 from rolloutlog.core._planner import restart_only_reason
+from rolloutlog.core._restore import begin_attempt
+from rolloutlog.core._tail import Chunk, CutChunks, cut_chunks, generation_cut
 from rolloutlog.core._verify import Lineage, verify_projection
 
-__all__ = ["CutDecision", "EpisodeFold"]
+__all__ = ["CutDecision", "EpisodeFold", "EventFilters"]
 
 _new = tuple.__new__
 intern = sys.intern
-
-
-@dataclass(slots=True)
-class EventFilters:
-    """Per-episode state of the zombie, duplicate and attempt filters (rules 3-5)."""
-
-    attempt: int = 0
-    #: Per participant id, its highest epoch and the last seq admitted from that epoch: a record
-    #: of an older epoch is a zombie's, a seq at or below the last a duplicate. (An older epoch's
-    #: seqs are never asked again, so one entry per participant is enough: ~350 bytes an episode
-    #: less than a dict of epochs beside a dict of seqs keyed by (id, epoch).)
-    seen: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-    def admits(self, meta: dict[str, Any]) -> bool:
-        who = meta["participant"]
-        pid, epoch = who["id"], who["epoch"]
-        seq = meta["seq"]
-        seen = self.seen
-        last = seen.get(pid)
-        if last is None:
-            # Interned: the same few participants write every episode of a run.
-            seen[intern(pid)] = (epoch, seq)
-        elif last[0] < epoch or (last[0] == epoch and seq > last[1]):
-            seen[pid] = (epoch, seq)
-        else:
-            return False
-        attempt: int = meta["attempt"]
-        return attempt == self.attempt
-
-    def last_seq(self, participant: tuple[str, int]) -> int | None:
-        """The last seq admitted from a participant epoch, or None."""
-        last = self.seen.get(participant[0])
-        return last[1] if last is not None and last[0] == participant[1] else None
-
-    @classmethod
-    def after(
-        cls, records: Iterable[tuple[int, dict[str, Any], Any]], attempt: int
-    ) -> EventFilters:
-        """The filters after a whole history (so that later zombies and duplicates stay
-        filtered), with ``attempt`` current."""
-        filters = cls()
-        for _, meta, _ in records:
-            if meta["type"] not in ("attempt.started", "checkpoint.marker"):
-                filters.admits(meta)
-        filters.attempt = attempt
-        return filters
 
 
 #: What a checkpoint's manifest says of an episode at its cut (``EpisodeFold.at_cut``): its
@@ -88,13 +46,6 @@ _CONTINUE: CutDecision = ("continue", None, False)
 _WAIT: CutDecision = ("continue", None, True)
 _NOTHING_YET: CutDecision = ("restart", "the attempt has recorded nothing yet", False)
 
-#: What a generation cut needs of a chunk's data: (parent call id, request digest, policy version,
-#: staging key) — a tuple rather than the decoded dict, which a live episode's tail would keep
-#: alive (~300 bytes an episode in the projector).
-_CallFacts = tuple[str | None, str, int, str | None]
-#: One generation chunk in the tail: (start, token count, done, its call's facts, its token ids'
-#: raw JSON when the state keeps payloads, its call id).
-_Chunk = tuple[int, int, bool, _CallFacts, bytes | None, str]
 #: A pending session change: (type, data, state's raw JSON when kept, state's size, writer).
 _SessionChange = tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]
 _NO_CALLS: frozenset[str] = frozenset()
@@ -122,7 +73,6 @@ class EpisodeFold(SessionRules):
         "_cut_staging_known",
         "_latest_call",
         "_pending_ledger",
-        "_pending_sessions",
         "_pending_staging",
         "_staging",
         "_state_at_pin",
@@ -148,7 +98,6 @@ class EpisodeFold(SessionRules):
         "lineage",
         "open_waits",
         "pinned",
-        "restart_only_open",
         "result",
         "reward",
         "session_bytes",
@@ -161,17 +110,20 @@ class EpisodeFold(SessionRules):
         "version",
     )
 
+    #: The fields that make the state (set below the class).
+    STATE_FIELDS: ClassVar[tuple[str, ...]]
+
     def __init__(self, episode: str, attempt: int = 0, *, keep_payloads: bool = True) -> None:
         self.episode = episode
         self.keep_payloads = keep_payloads
-        self.filters = EventFilters(attempt=attempt)
+        self.filters = EventFilters(attempt)
         self.version = 0
         self._clear(attempt)
 
     def _clear(self, attempt: int) -> None:
         """An empty state of ``attempt`` (identity, filters and version stay)."""
         self.attempt = attempt
-        self.filters.attempt = attempt
+        self.filters.current_attempt = attempt
         self.first_offset: int | None = None
         self.first_ts: float | None = None
         self.task: Opaque | None = None
@@ -218,7 +170,7 @@ class EpisodeFold(SessionRules):
         self._pending_staging: list[str] | None = None
         # (One list for every call rather than a list per call: a live episode's tail mostly
         # holds one call's chunks, and a dict of lists cost it ~190 bytes more.)
-        self._tail_chunks: list[_Chunk] = []
+        self._tail_chunks: list[Chunk] = []
         # (Replaced, never changed in place: shared empty by the many episodes without one.)
         self._tail_constrained: frozenset[str] = _NO_CALLS
         self._latest_call: str | None = None
@@ -251,9 +203,10 @@ class EpisodeFold(SessionRules):
         self._staging = None
         kind = meta["type"]
         if kind == "attempt.started":
-            # A restore continued the projection at its cut: the tail's session changes and
-            # undelivered calls were dropped, so the next boundary must not commit them; the
-            # generation cut stays until the new attempt commits past it.
+            # A restore continued the projection at its cut (``_restore.select_records`` kept
+            # the records below it): the tail's session changes and undelivered calls were
+            # dropped, so the next boundary must not commit them; the generation cut stays until
+            # the new attempt commits past it.
             self._drop_tail()
             return
         if self.first_offset is None:
@@ -373,7 +326,7 @@ class EpisodeFold(SessionRules):
         lineage = self.lineage
         if lineage is None:
             if self._pending_ledger is not None:
-                self._pending_ledger.append(_ledger_entry(data, token_ids_json))
+                self._pending_ledger.append(LedgerEntry.of_data(data, token_ids_json))
             return
         try:
             lineage.row(
@@ -417,48 +370,6 @@ class EpisodeFold(SessionRules):
         self._cut_staging_known = True
         self.committed_through = offset
 
-    def _commit_sessions(self) -> None:
-        sessions, sizes = self.sessions, self.session_bytes
-        modes_changed = False
-        for kind, data, kept, size, who in self._pending_sessions or ():
-            sid = data["session_id"]
-            if kind == "session.state":
-                state = Opaque(kept) if kept is not None else None
-                current = sessions.get(sid)
-                if current is None:
-                    # State of a session whose start was not recorded: it fails closed.
-                    view = (sid, who["kind"], who["id"], "restart_only", "wait", state)
-                    modes_changed = True
-                elif current[3] == "checkpoint":
-                    continue  # a change mark: the state is the export's
-                elif state is current[5]:  # no state kept (sizes only): the view stands
-                    sizes[sid] = size
-                    continue
-                else:
-                    view = (sid, current[1], current[2], current[3], current[4], state)
-                sessions[sid] = _new(SessionView, view)
-                sizes[sid] = size
-            elif kind == "session.started":
-                mode = intern(data.get("mode", "restart_only"))
-                verify = intern(data.get("verify", "wait"))
-                sid = intern(sid)
-                view = (sid, intern(who["kind"]), intern(who["id"]), mode, verify, None)
-                sessions[sid] = _new(SessionView, view)
-                sizes[sid] = 0
-                modes_changed = True
-            else:
-                sessions.pop(sid, None)
-                sizes.pop(sid, None)
-                modes_changed = True
-        self._pending_sessions = None
-        if modes_changed:
-            restart_only = False
-            for session in sessions.values():
-                if session[3] == "restart_only":
-                    restart_only = True
-                    break
-            self.restart_only_open = restart_only
-
     def _drop_tail(self) -> None:
         """The tail's session changes and ledger rows are dropped (its chunks stay)."""
         self._pending_sessions = None
@@ -470,65 +381,13 @@ class EpisodeFold(SessionRules):
 
     # -- reading the result ----------------------------------------------------------------
 
-    def _cut_chunks(self) -> tuple[str, list[_Chunk], bool, _Chunk, str | None] | None:
-        """The tail's generation cut, by token counts: (call id, the chunks that make its durable
-        prefix, terminal, the chunk that describes it, problem), or None (never for a constrained
-        call)."""
-        call = self._latest_call
-        if call is None or call in self._tail_constrained:
-            return None
-        chunks = self._tail_chunks
-        if len(chunks) != 1 or chunks[0][5] != call:
-            chunks = [chunk for chunk in chunks if chunk[5] == call]
-        if not chunks:
-            return None
-        if len(chunks) == 1:  # the common case (a manifest asks for every episode's cut)
-            only = chunks[0]
-            if only[0] != 0:
-                return call, [], False, only, "chunks do not start at 0"
-            if not only[1] and not only[2]:
-                return call, [], False, only, None
-            return call, [only], only[2], only, None
-        by_start: dict[int, _Chunk] = {}
-        for chunk in chunks:
-            by_start.setdefault(chunk[0], chunk)
-        walked: list[_Chunk] = []
-        length, terminal = 0, False
-        problem = None if 0 in by_start else "chunks do not start at 0"
-        last = next(iter(by_start.values()))
-        while length in by_start and not terminal:
-            chunk = by_start[length]
-            if not chunk[1] and not chunk[2]:
-                break
-            walked.append(chunk)
-            length += chunk[1]
-            terminal = chunk[2]
-            last = chunk
-        if problem is None and any(start > length for start in by_start):
-            problem = f"chunks are not contiguous after token {length}"
-        return call, walked, terminal, last, problem
+    def _cut_chunks(self) -> CutChunks | None:
+        """The tail's generation cut (``_tail.cut_chunks``)."""
+        return cut_chunks(self._latest_call, self._tail_constrained, self._tail_chunks)
 
     def generation_cut(self) -> GenerationCut | None:
         """The durable prefix of the tail's latest policy call (its token ids when kept)."""
-        found = self._cut_chunks()
-        if found is None:
-            return None
-        call, walked, terminal, last, problem = found
-        tokens: list[int] = []
-        for chunk in walked:
-            if chunk[4] is not None:
-                tokens.extend(orjson.loads(chunk[4]))
-        parent, request_digest, policy_version, staging_key = last[3]
-        return GenerationCut(
-            call_id=call,
-            parent_call_id=parent,
-            request_digest=request_digest,
-            token_ids=tuple(tokens),
-            terminal=terminal,
-            policy_version=policy_version,
-            staging_key=staging_key,
-            problem=problem,
-        )
+        return generation_cut(self._cut_chunks())
 
     def referenced_staging_keys(self) -> tuple[str, ...]:
         """The committed rows' staging keys and the generation cut's (in order, no repeats)."""
@@ -645,161 +504,43 @@ class EpisodeFold(SessionRules):
 
     def snapshot(self) -> EpisodeFold:
         """A copy of this state that later records do not change (the filters are shared)."""
-        copy = object.__new__(type(self))
-        for name, copied in _snapshot_plan(type(self)):
-            value = getattr(self, name)
-            if copied and value is not None:
-                value = value.copy()
-            setattr(copy, name, value)
-        copy.pinned = False
-        copy._state_at_pin = None
-        return copy
+        return snapshot(self)
 
-    # -- restores: a committed restore resets the state ------------------------------------
+    # -- restores: a committed restore resets the state (``rolloutlog.core._restore``) --------
+
+    def begin_attempt(
+        self,
+        attempt: int,
+        at_cut: EpisodeFold | EpisodeProjection | Literal["restart", "unknown"],
+    ) -> None:
+        """The restore transition: ``attempt`` becomes current, continuing ``at_cut`` (the
+        state at the cut, the projection at the cut, ``"restart"``, or ``"unknown"``:
+        ``_restore.begin_attempt``)."""
+        begin_attempt(self, attempt, at_cut)
 
     def restart(self, attempt: int) -> None:
         """A restore started this episode over as ``attempt``: nothing carries on."""
-        self.version += 1
-        self._clear(attempt)
+        begin_attempt(self, attempt, "restart")
 
     def continue_at_cut(self, attempt: int) -> None:
         """A restore continues this episode as ``attempt`` from its state at the cut, which
-        ``pin`` kept: what the fold does at the restore's ``attempt.started`` (the old attempt's
-        committed prefix and its tail's generation cut go on; the tail's session changes and
-        undelivered calls are dropped)."""
-        state = self.unpin()
-        version = self.version
-        if state is not self:
-            filters = self.filters
-            for name in _STATE_FIELDS:
-                setattr(self, name, getattr(state, name))
-            self.filters = filters
-        self._drop_tail()
-        self.filters.attempt = attempt
-        self.attempt = attempt
-        self.version = version + 1
-        self._verdict = None
-        self._staging = None
-        self.first_ts = None
-        self.finished = False
-        self.finished_offset = None
-        self.size_bytes = self.payload_bytes()
+        ``pin`` kept."""
+        begin_attempt(self, attempt, self.unpin())
 
     def continue_from(self, projection: EpisodeProjection, attempt: int) -> None:
-        """A restore continues this episode as ``attempt`` from ``projection`` (its cut).
-
-        A projection holds the committed prefix and the generation cut, not the tail it came
-        from, nor the chunks behind its cut (which a restore policy may have dropped): the state
-        is no longer exactly the fold's (``exact``), and its verdicts come from replays.
-        """
-        self.version += 1
-        self._clear(attempt)
-        self.exact = False
-        keep = self.keep_payloads
-        self.first_offset = projection.first_offset
-        self.committed_through = projection.committed_through
-        self.task_digest = projection.task_digest
-        self.deadline_s = projection.deadline_s
-        if projection.task is not None:
-            self.task = projection.task if keep else None
-            self.task_bytes = len(projection.task.raw)
-        for owner, boundary in projection.boundaries.items():
-            state = boundary.state
-            self.boundaries[owner] = boundary if keep else boundary._replace(state=None)
-            self.boundary_bytes[owner] = len(state.raw) if state is not None else 0
-        self.last_stage = projection.last_stage
-        for sid, session in projection.sessions.items():
-            state = session.state
-            self.sessions[sid] = session if keep else session._replace(state=None)
-            self.session_bytes[sid] = len(state.raw) if state is not None else 0
-        self.restart_only_open = bool(projection.restart_only_sessions())
-        self.open_waits = dict(projection.open_waits)
-        for row in projection.ledger:
-            if row.staging_key and row.staging_key not in self.staging_keys:
-                self.staging_keys.append(row.staging_key)
-        if keep:
-            self.ledger = list(projection.ledger)
-        elif self.lineage is not None:  # judged already: the restore continued it
-            self.lineage.task_seen = projection.task is not None
-            self.lineage.rows = {
-                row.call_id: (row.digest, row.cum_len) for row in projection.ledger
-            }
-        cut = projection.generation_cut
-        if cut is not None:
-            facts = (cut.parent_call_id, cut.request_digest, cut.policy_version, cut.staging_key)
-            tokens = orjson.dumps(list(cut.token_ids)) if keep else None
-            chunk = (0, len(cut.token_ids), cut.terminal, facts, tokens, cut.call_id)
-            self._tail_chunks.append(chunk)
-            self._latest_call = cut.call_id
-            self._cut_staging_known = False
-        self.size_bytes = self.payload_bytes()
+        """A restore continues this episode as ``attempt`` from ``projection`` (its cut)."""
+        begin_attempt(self, attempt, projection)
 
     def fence_to(self, attempt: int) -> None:
         """A committed restore's ``attempt.started`` met without the restore's reset (while
-        catching up): later records of older attempts are fenced, but the cut's truncation needs
-        the history, so the state is no longer exactly the fold's."""
-        if attempt > self.filters.attempt:
-            self.version += 1  # its manifest entry names the new attempt
-            self.filters.attempt = attempt
-            self.attempt = attempt
-            self.exact = False
+        catching up): only the fence moves."""
+        begin_attempt(self, attempt, "unknown")
 
 
-#: The fields ``snapshot`` copies (their ``copy()``: shallow, the lineage's its own); the others
-#: are immutable values, shared.
-_COPIED_FIELDS = frozenset(
-    (
-        "lineage",
-        "boundaries",
-        "boundary_deltas",
-        "exports",
-        "sessions",
-        "ledger",
-        "staging_keys",
-        "open_waits",
-        "boundary_bytes",
-        "session_bytes",
-        "_pending_sessions",
-        "_pending_ledger",
-        "_pending_staging",
-        "_tail_chunks",
-    )
-)
 #: The fields that make the state (what a restore takes back from a pinned copy): all but the
 #: identity, the filters (which go on seeing records), the version and the pin bookkeeping.
-_STATE_FIELDS = tuple(
+EpisodeFold.STATE_FIELDS = tuple(
     name
     for name in (*SessionRules.__slots__, *EpisodeFold.__slots__)
     if name not in ("episode", "filters", "version", "pinned", "_state_at_pin")
 )
-_PLANS: dict[type, tuple[tuple[str, bool], ...]] = {}
-
-
-def _snapshot_plan(cls: type) -> tuple[tuple[str, bool], ...]:
-    """Per field of ``cls`` (its subclasses' slots too), whether ``snapshot`` copies it."""
-    plan = _PLANS.get(cls)
-    if plan is None:
-        names = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())]
-        plan = tuple(
-            (name, name in _COPIED_FIELDS)
-            for name in names
-            if name not in ("pinned", "_state_at_pin")
-        )
-        _PLANS[cls] = plan
-    return plan
-
-
-def _ledger_entry(data: dict[str, Any], token_ids_json: bytes) -> LedgerEntry:
-    return LedgerEntry(
-        call_id=data["call_id"],
-        parent_call_id=data.get("parent_call_id"),
-        fingerprint=data["fingerprint"],
-        context_digest=data["context_digest"],
-        policy_version=data["policy_version"],
-        prev_len=data["prev_len"],
-        cum_len=data["cum_len"],
-        digest=data["digest"],
-        staging_key=data.get("staging_key"),
-        constrained=bool(data.get("constrained", False)),
-        token_ids_json=token_ids_json,
-    )

@@ -1,8 +1,10 @@
-"""The fold's rules for agent delta boundaries and export-on-checkpoint sessions, kept beside
-``_episode.py`` (``EpisodeFold`` inherits them; they read and write its fields)."""
+"""The fold's rules for sessions (committing their changes at a boundary, export-on-checkpoint
+sessions) and for agent delta boundaries, kept beside ``_episode.py`` (``EpisodeFold`` inherits
+them; they read and write its fields)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from rolloutlog.core._deltas import compose_state
@@ -12,13 +14,15 @@ from rolloutlog.core._opaque import Opaque
 __all__ = ["SessionRules"]
 
 _new = tuple.__new__
+intern = sys.intern
 
 
 class SessionRules:
-    """Delta boundaries (``rolloutlog.core._deltas``) and ``checkpoint`` sessions' exports."""
+    """Session changes committed, delta boundaries (``rolloutlog.core._deltas``) and
+    ``checkpoint`` sessions' exports."""
 
     # Set by ``EpisodeFold._clear``; here as they are replaced here (None until the first).
-    __slots__ = ("boundary_deltas", "exports")
+    __slots__ = ("_pending_sessions", "boundary_deltas", "exports", "restart_only_open")
     boundary_deltas: dict[str, tuple[bytes, ...]] | None
     exports: dict[str, tuple[int, bool, bool]] | None
     boundaries: dict[str, BoundaryView]
@@ -26,7 +30,52 @@ class SessionRules:
     sessions: dict[str, SessionView]
     session_bytes: dict[str, int]
     finished: bool
+    restart_only_open: bool
     _pending_sessions: list[tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]] | None
+
+    def _commit_sessions(self) -> None:
+        """A boundary commits the tail's session changes (the views, their sizes, and whether a
+        ``restart_only`` session is open)."""
+        sessions, sizes = self.sessions, self.session_bytes
+        modes_changed = False
+        for kind, data, kept, size, who in self._pending_sessions or ():
+            sid = data["session_id"]
+            if kind == "session.state":
+                state = Opaque(kept) if kept is not None else None
+                current = sessions.get(sid)
+                if current is None:
+                    # State of a session whose start was not recorded: it fails closed.
+                    view = (sid, who["kind"], who["id"], "restart_only", "wait", state)
+                    modes_changed = True
+                elif current[3] == "checkpoint":
+                    continue  # a change mark: the state is the export's
+                elif state is current[5]:  # no state kept (sizes only): the view stands
+                    sizes[sid] = size
+                    continue
+                else:
+                    view = (sid, current[1], current[2], current[3], current[4], state)
+                sessions[sid] = _new(SessionView, view)
+                sizes[sid] = size
+            elif kind == "session.started":
+                mode = intern(data.get("mode", "restart_only"))
+                verify = intern(data.get("verify", "wait"))
+                sid = intern(sid)
+                view = (sid, intern(who["kind"]), intern(who["id"]), mode, verify, None)
+                sessions[sid] = _new(SessionView, view)
+                sizes[sid] = 0
+                modes_changed = True
+            else:
+                sessions.pop(sid, None)
+                sizes.pop(sid, None)
+                modes_changed = True
+        self._pending_sessions = None
+        if modes_changed:
+            restart_only = False
+            for session in sessions.values():
+                if session[3] == "restart_only":
+                    restart_only = True
+                    break
+            self.restart_only_open = restart_only
 
     def _delta_boundary(
         self,

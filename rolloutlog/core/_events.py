@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, Literal, Self, TypeAlias
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeAlias, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -254,21 +254,9 @@ Event = Annotated[
     Field(discriminator="type"),
 ]
 
+#: Each event type's class, by its ``type`` (read off ``Event``, the one list of them).
 EVENT_CLASSES: dict[str, type[Envelope]] = {
-    cls.model_fields["type"].default: cls
-    for cls in (
-        EpisodeStarted,
-        StepStarted,
-        StepBoundary,
-        LedgerRow,
-        GenerationChunk,
-        SessionStarted,
-        SessionState,
-        SessionEnded,
-        EpisodeFinished,
-        CheckpointMarker,
-        AttemptStarted,
-    )
+    cls.model_fields["type"].default: cls for cls in get_args(get_args(Event)[0])
 }
 
 #: Event types only the service may write.

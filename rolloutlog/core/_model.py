@@ -42,7 +42,15 @@ class SessionView(NamedTuple):
 
 
 class LedgerEntry(NamedTuple):
-    """One committed token-capture row; its token ids stay the raw JSON array they were logged as."""
+    """One token-capture row, the one type of it past the append (``LedgerRowData`` is the
+    ``ledger.row`` event's data, which ``of_data`` reads).
+
+    A projection's rows hold their token ids as the raw JSON array they were logged as
+    (``token_ids_json``); a policy's rows (``participants.LedgerRowInfo``, this type) hold none
+    (``b""``) and name the worker that recorded them (``recorded_by``, None for a row restored
+    from a projection), which says where a row came from, not what it is: rows compare equal
+    without it.
+    """
 
     call_id: str
     parent_call_id: str | None
@@ -54,13 +62,53 @@ class LedgerEntry(NamedTuple):
     digest: str
     staging_key: str | None
     constrained: bool
-    token_ids_json: bytes
+    recorded_by: str | None = None
+    token_ids_json: bytes = b""
+
+    @classmethod
+    def of_data(cls, data: Mapping[str, Any], token_ids_json: bytes) -> LedgerEntry:
+        """The row a ``ledger.row`` event's data records (its token ids as logged)."""
+        return cls(
+            call_id=data["call_id"],
+            parent_call_id=data.get("parent_call_id"),
+            fingerprint=data["fingerprint"],
+            context_digest=data["context_digest"],
+            policy_version=data["policy_version"],
+            prev_len=data["prev_len"],
+            cum_len=data["cum_len"],
+            digest=data["digest"],
+            staging_key=data.get("staging_key"),
+            constrained=bool(data.get("constrained", False)),
+            token_ids_json=token_ids_json,
+        )
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> LedgerEntry:
+        """A row as a policy keeps it from its JSON (a projection's, or ``to_json``'s): its
+        token ids are left out."""
+        return cls(
+            call_id=row["call_id"],
+            parent_call_id=row.get("parent_call_id"),
+            fingerprint=row["fingerprint"],
+            context_digest=row["context_digest"],
+            policy_version=int(row["policy_version"]),
+            prev_len=int(row["prev_len"]),
+            cum_len=int(row["cum_len"]),
+            digest=row["digest"],
+            staging_key=row.get("staging_key"),
+            constrained=bool(row.get("constrained", False)),
+            recorded_by=row.get("recorded_by"),
+        )
 
     def token_ids(self) -> list[int]:
         ids: list[int] = orjson.loads(self.token_ids_json)
         return ids
 
     def to_json(self) -> dict[str, Any]:
+        """The REST form of a projection's row (its token ids spliced in raw); a row without
+        token ids (a policy's) gives its fields and ``recorded_by`` instead."""
+        if not self.token_ids_json:
+            return {name: getattr(self, name) for name in _POLICY_ROW_FIELDS}
         return {
             "call_id": self.call_id,
             "parent_call_id": self.parent_call_id,
@@ -74,6 +122,25 @@ class LedgerEntry(NamedTuple):
             "staging_key": self.staging_key,
             "constrained": self.constrained,
         }
+
+    def _what_it_is(self) -> tuple[Any, ...]:
+        return (*self[:10], self[11])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LedgerEntry):
+            return self._what_it_is() == other._what_it_is()
+        return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __hash__(self) -> int:
+        return hash(self._what_it_is())
+
+
+#: What ``to_json`` gives of a row without token ids (a policy's).
+_POLICY_ROW_FIELDS = tuple(name for name in LedgerEntry._fields if name != "token_ids_json")
 
 
 @dataclass(frozen=True, slots=True)

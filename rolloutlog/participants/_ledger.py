@@ -13,53 +13,20 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import orjson
+
+from rolloutlog.core import LedgerEntry
 
 __all__ = ["LedgerRowInfo", "LedgerStore", "MemoryLedger", "SharedLedger"]
 
 
-@dataclass(frozen=True, slots=True)
-class LedgerRowInfo:
-    """A ledger row as the policy keeps it (recorded here, or restored from a projection).
-
-    ``recorded_by``: the worker that recorded it (None for a row restored from a projection).
-    """
-
-    call_id: str
-    parent_call_id: str | None
-    fingerprint: str
-    context_digest: str
-    policy_version: int
-    prev_len: int
-    cum_len: int
-    digest: str
-    staging_key: str | None
-    constrained: bool
-    #: where the row came from, not what it is: rows compare equal without it
-    recorded_by: str | None = field(default=None, compare=False)
-
-    @classmethod
-    def from_json(cls, row: Mapping[str, Any]) -> LedgerRowInfo:
-        return cls(
-            call_id=row["call_id"],
-            parent_call_id=row.get("parent_call_id"),
-            fingerprint=row["fingerprint"],
-            context_digest=row["context_digest"],
-            policy_version=int(row["policy_version"]),
-            prev_len=int(row["prev_len"]),
-            cum_len=int(row["cum_len"]),
-            digest=row["digest"],
-            staging_key=row.get("staging_key"),
-            constrained=bool(row.get("constrained", False)),
-            recorded_by=row.get("recorded_by"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}
+#: A ledger row as the policy keeps it (recorded here, or restored from a projection): the one
+#: row type, ``core.LedgerEntry``, without its token ids; ``recorded_by`` is the worker that
+#: recorded it (None for a row restored from a projection).
+LedgerRowInfo = LedgerEntry
 
 
 class LedgerStore(Protocol):

@@ -6,7 +6,8 @@ token arrays. ``project_events`` accepts typed events for callers that have them
 applied by the one state machine, ``EpisodeFold`` (``_episode``), which the projector also runs,
 without payloads, for every live episode (``_tracker``); the projector applies rule 2 by pinning
 the state at the checkpoint's marker and continuing it there when the restore commits
-(``EpisodeFold.continue_at_cut``), which is what selecting the records below the cut does here.
+(``EpisodeFold.begin_attempt``), which is what selecting the records below the cut does here:
+both are the one restore transition of ``rolloutlog.core._restore``.
 
 Rules, in the order they apply to each record before the cut:
 
@@ -27,10 +28,10 @@ prefix is folded whole; of the tail only the generation cut survives, and wait s
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable
 from typing import Any
 
-from rolloutlog.core import EpisodeFold, EpisodeProjection, EventFilters
+from rolloutlog.core import EpisodeFold, EpisodeProjection, select_records
 from rolloutlog.log import (
     Event,
     encode_record,
@@ -42,8 +43,8 @@ from rolloutlog.log import (
 
 #: One record as the fold reads it: (offset, metadata, raw payload or None).
 RecordView = tuple[int, dict[str, Any], bytes | None]
-#: What ``select_records`` reads of a record: its offset and metadata first.
-_Selectable = tuple[Any, ...]
+#: One record with its payload's place: (offset, metadata, record or payload, payload start).
+_Placed = tuple[int, dict[str, Any], bytes, int]
 
 __all__ = [
     "EpisodeFold",
@@ -58,76 +59,31 @@ __all__ = [
 ]
 
 
-def select_records(
-    records: Sequence[_Selectable],
-    cut: float,
-    committed_restores: Container[int] | None = None,
-    attempt: int = 0,
-) -> tuple[list[Any], int]:
-    """The records of one episode that the projection at ``cut`` folds, and the current attempt.
-
-    The records may start after the episode's first event (a replay starts where the
-    checkpoint's live episodes need it to): the attempt current at their start is the
-    ``previous_attempt`` of the first committed ``attempt.started`` among them, or ``attempt``
-    (the episode's attempt at the cut) when there is none. Each record is read as
-    ``(offset, metadata, …)``: ``project_raw`` selects ``(offset, metadata, record, start)``.
-    """
-    kept: list[Any] = []
-    filters = EventFilters(attempt=_attempt_at_start(records, committed_restores, attempt))
-    for record in records:
-        offset, meta = record[0], record[1]
-        if offset >= cut:
-            break
-        kind = meta["type"]
-        if kind == "checkpoint.marker":
-            continue
-        if kind == "attempt.started":
-            data = meta["data"]
-            if committed_restores is not None and data["restore_id"] not in committed_restores:
-                continue
-            if meta["attempt"] <= filters.attempt:
-                continue
-            filters.attempt = meta["attempt"]
-            restore_cut = data["cut"]
-            kept = [r for r in kept if r[0] < restore_cut]
-            if kept:
-                # The fold drops the old attempt's uncommitted tail here (see EpisodeFold.apply).
-                kept.append(record)
-            continue
-        if filters.admits(meta):
-            kept.append(record)
-    return kept, filters.attempt
-
-
-def _attempt_at_start(
-    records: Sequence[_Selectable], committed_restores: Container[int] | None, attempt: int
-) -> int:
-    for record in records:
-        meta = record[1]
-        if meta["type"] == "attempt.started" and (
-            committed_restores is None or meta["data"]["restore_id"] in committed_restores
-        ):
-            return int(meta["data"]["previous_attempt"])
-    return attempt
-
-
 def project_episode(
     episode: str,
     records: Iterable[RecordView],
     cut: int,
     committed_restores: Container[int] | None = None,
     *,
+    continuing_attempt: int | None = None,
+    attempt_at_cut: int = 0,
     as_attempt: int | None = None,
-    attempt: int = 0,
+    attempt: int | None = None,
 ) -> EpisodeProjection:
     """The projection of ``episode`` at ``cut`` from its records in partition order.
 
-    ``as_attempt`` labels it as the attempt that will continue it (a restore's new attempt);
-    ``attempt`` is the episode's attempt at the cut, for records that start after the restore
-    that made it current (a restarted episode's replay).
+    ``continuing_attempt`` labels it as the attempt that will continue it (a restore's new
+    attempt); ``attempt_at_cut`` is the episode's attempt at the cut, for records that start
+    after the restore that made it current (a restarted episode's replay). ``as_attempt`` and
+    ``attempt`` are their former names.
     """
     fold = fold_episode(
-        episode, records, cut, committed_restores, as_attempt=as_attempt, attempt=attempt
+        episode,
+        records,
+        cut,
+        committed_restores,
+        continuing_attempt=as_attempt if as_attempt is not None else continuing_attempt,
+        attempt_at_cut=attempt if attempt is not None else attempt_at_cut,
     )
     return fold.projection(cut)
 
@@ -138,59 +94,27 @@ def fold_episode(
     cut: int,
     committed_restores: Container[int] | None = None,
     *,
-    as_attempt: int | None = None,
-    attempt: int = 0,
+    continuing_attempt: int | None = None,
+    attempt_at_cut: int = 0,
     keep_payloads: bool = True,
 ) -> EpisodeFold:
     """The state of ``episode`` at ``cut`` from its records in partition order, in either mode
-    (``project_episode`` is its projection).
-
-    ``as_attempt`` labels it as the attempt that will continue it (a restore's new attempt);
-    ``attempt`` is the episode's attempt at the cut, for records that start after the restore
-    that made it current (a restarted episode's replay).
-    """
-    listed = records if isinstance(records, list) else list(records)
-    if any(meta["type"] == "attempt.started" for _, meta, _ in listed):
-        # Restores truncate what earlier attempts contributed: select first, then fold.
-        kept, current = select_records(listed, cut, committed_restores, attempt)
-        fold = EpisodeFold(episode, current, keep_payloads=keep_payloads)
-        if as_attempt is not None:
-            fold.attempt = as_attempt
-        apply = fold.apply
-        for offset, meta, payload in kept:
-            apply(offset, meta, payload if payload is not None else b"", 0)
-        return fold
-    return _fold_in_one_pass(
+    (``project_episode`` is its projection; its arguments are ``project_episode``'s)."""
+    placed = [
+        (offset, meta, payload if payload is not None else b"", 0)
+        for offset, meta, payload in records
+    ]
+    restarted = any(meta["type"] == "attempt.started" for _, meta, _, _ in placed)
+    return _fold(
         episode,
-        (
-            (offset, meta, payload if payload is not None else b"", 0)
-            for offset, meta, payload in listed
-        ),
+        placed,
         cut,
-        as_attempt,
-        attempt,
+        committed_restores,
+        restarted,
+        continuing_attempt,
+        attempt_at_cut,
         keep_payloads,
     )
-
-
-def _fold_in_one_pass(
-    episode: str,
-    records: Iterable[tuple[int, dict[str, Any], bytes, int]],
-    cut: int,
-    as_attempt: int | None,
-    attempt: int = 0,
-    keep_payloads: bool = True,
-) -> EpisodeFold:
-    """The common case (no restore truncates anything): filter and fold as the records come."""
-    fold = EpisodeFold(episode, attempt, keep_payloads=keep_payloads)
-    if as_attempt is not None:
-        fold.attempt = as_attempt
-    observe = fold.observe
-    for offset, meta, record, start in records:
-        if offset >= cut:
-            break
-        observe(offset, meta, record, start)
-    return fold
 
 
 def project_raw(
@@ -199,8 +123,8 @@ def project_raw(
     cut: int,
     committed_restores: Container[int] | None = None,
     *,
-    as_attempt: int | None = None,
-    attempt: int = 0,
+    continuing_attempt: int | None = None,
+    attempt_at_cut: int = 0,
 ) -> EpisodeProjection:
     """The projection of ``episode`` at ``cut`` from its raw records: each record's metadata is
     decoded once (``peek_record``) and its payload is never copied out of it, so a replay of
@@ -215,25 +139,42 @@ def project_raw(
         meta, start = peek_record(record)
         restarted = restarted or meta["type"] == "attempt.started"
         peeked.append((offset, meta, record, start))
+    fold = _fold(
+        episode, peeked, cut, committed_restores, restarted, continuing_attempt, attempt_at_cut
+    )
+    return fold.projection(cut)
+
+
+def _fold(
+    episode: str,
+    records: list[_Placed],
+    cut: int,
+    committed_restores: Container[int] | None,
+    restarted: bool,
+    continuing_attempt: int | None,
+    attempt_at_cut: int,
+    keep_payloads: bool = True,
+) -> EpisodeFold:
     if restarted:
         # Restores truncate what earlier attempts contributed: select first, then fold.
-        kept, current = select_records(peeked, cut, committed_restores, attempt)
-        fold = EpisodeFold(episode, current)
-        if as_attempt is not None:
-            fold.attempt = as_attempt
+        kept, current = select_records(records, cut, committed_restores, attempt_at_cut)
+        fold = EpisodeFold(episode, current, keep_payloads=keep_payloads)
+        if continuing_attempt is not None:
+            fold.attempt = continuing_attempt
         apply = fold.apply
         for offset, meta, record, start in kept:
             apply(offset, meta, record, start)
-    else:
-        fold = EpisodeFold(episode, attempt)
-        if as_attempt is not None:
-            fold.attempt = as_attempt
-        observe = fold.observe
-        for offset, meta, record, start in peeked:
-            if offset >= cut:
-                break
-            observe(offset, meta, record, start)
-    return fold.projection(cut)
+        return fold
+    # The common case (no restore truncates anything): filter and fold as the records come.
+    fold = EpisodeFold(episode, attempt_at_cut, keep_payloads=keep_payloads)
+    if continuing_attempt is not None:
+        fold.attempt = continuing_attempt
+    observe = fold.observe
+    for offset, meta, record, start in records:
+        if offset >= cut:
+            break
+        observe(offset, meta, record, start)
+    return fold
 
 
 def project_events(

@@ -32,12 +32,14 @@ async def replay_at_cuts(
     committed_restores: set[int],
     *,
     quarantined: Collection[tuple[int, int]] = frozenset(),
+    continuing_attempts: Mapping[str, int] | None = None,
     attempts: Mapping[str, int] | None = None,
 ) -> dict[str, EpisodeProjection]:
     """Fold every named episode at its cut; partitions are read in parallel from
     ``replay_from`` (``replay_start``). ``quarantined`` positions are skipped (the projector
-    skipped them); ``attempts`` labels each projection with the attempt that continues it. An
-    episode with no records before its cut, or one the fold cannot apply, has no projection."""
+    skipped them); ``continuing_attempts`` (formerly ``attempts``) labels each projection with
+    the attempt that continues it. An episode with no records before its cut, or one the fold
+    cannot apply, has no projection."""
     stream = replay_stream(
         log,
         run,
@@ -45,7 +47,7 @@ async def replay_at_cuts(
         replay_from,
         committed_restores,
         quarantined=quarantined,
-        attempts=attempts,
+        continuing_attempts=attempts if attempts is not None else continuing_attempts,
     )
     return {projection.episode: projection async for projection in stream}
 
@@ -58,14 +60,16 @@ async def replay_stream(
     committed_restores: set[int],
     *,
     quarantined: Collection[tuple[int, int]] = frozenset(),
+    continuing_attempts: Mapping[str, int] | None = None,
     attempts: Mapping[str, int] | None = None,
 ) -> AsyncIterator[EpisodeProjection]:
     """``replay_at_cuts``, one projection at a time as each is folded (in no fixed order)."""
+    continuing = attempts if attempts is not None else continuing_attempts
     by_partition: dict[int, dict[str, int]] = defaultdict(dict)
-    at_cut: dict[str, int] = {}
+    attempts_at_cut: dict[str, int] = {}
     for entry in entries:
         by_partition[entry.cut_partition][entry.episode] = entry.cut_offset
-        at_cut[entry.episode] = entry.attempt
+        attempts_at_cut[entry.episode] = entry.attempt
     ready: asyncio.Queue[list[EpisodeProjection] | BaseException | None] = asyncio.Queue()
 
     def fold(
@@ -84,8 +88,10 @@ async def replay_stream(
                             mine,
                             cuts[episode],
                             committed_restores,
-                            as_attempt=None if attempts is None else attempts.get(episode),
-                            attempt=at_cut[episode],
+                            continuing_attempt=None
+                            if continuing is None
+                            else continuing.get(episode),
+                            attempt_at_cut=attempts_at_cut[episode],
                         )
                     )
                 except Exception:  # a record the fold cannot apply: it has no projection
