@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
@@ -28,7 +28,7 @@ from rolloutlog.api import (
     _runs,
     _ui,
 )
-from rolloutlog.api._auth import Role, public
+from rolloutlog.api._auth import ANALYST, PUBLIC, Role, access_if_any, runs_of
 from rolloutlog.api._bodies import BODY_METER, BodyMeter
 from rolloutlog.api._exports import router as exports_router
 from rolloutlog.api._http import json_response, send_error
@@ -37,6 +37,7 @@ from rolloutlog.api._models import Health
 from rolloutlog.api._observe import Observe
 from rolloutlog.api._service import Service
 from rolloutlog.api._settings import Settings
+from rolloutlog.api._tokens import EVERY_RUN
 from rolloutlog.errors import PayloadTooLarge, RequestTimeout, RolloutlogError
 from rolloutlog.projections import RunHealthReport
 
@@ -294,9 +295,7 @@ class _StatusError(RolloutlogError):
 
 
 def _ops_routes(app: FastAPI) -> None:
-    open_route = [Depends(public)]
-
-    @app.get("/healthz", summary="Liveness", response_model=Health, dependencies=open_route)
+    @app.get("/healthz", summary="Liveness", response_model=Health, dependencies=PUBLIC)
     async def healthz() -> Response:
         return json_response({"status": "ok"})
 
@@ -304,7 +303,7 @@ def _ops_routes(app: FastAPI) -> None:
         "/readyz",
         summary="Readiness: the log and the catalog are reachable, every run's projector is ok",
         response_model=Health,
-        dependencies=open_route,
+        dependencies=PUBLIC,
         responses={503: {"model": Health}},
     )
     async def readyz(request: Request) -> Response:
@@ -342,6 +341,9 @@ def _ops_routes(app: FastAPI) -> None:
         runs = {run: report.view(coordinator.replica_id) for run, report in reports.items()}
         for run, health in local.items():
             runs.setdefault(run, {**health.view(), "local": health.view(), "held_back": []})
+        if request.app.state.settings.metrics_auth:  # runs named only to who may read them
+            shown = (await access_if_any(request)).runs_for(Role.ANALYST)
+            runs = {run: view for run, view in runs.items() if shown.covers(run)}
         ready = all(value == "ok" for name, value in checks.items() if name != "cluster") and all(
             health.status == "ok" for health in local.values()
         )
@@ -360,17 +362,21 @@ def _ops_routes(app: FastAPI) -> None:
     if os.environ.get(TEST_HOOKS_VARIABLE) == "1":
         _test_hooks(app)
 
+    # ``--metrics-auth``: /metrics is the analyst's (each token sees its runs' series only).
+    guarded = app.state.settings.metrics_auth
+
     @app.get(
         "/metrics",
         summary="Prometheus metrics",
-        dependencies=open_route,
+        dependencies=ANALYST if guarded else PUBLIC,
         response_class=Response,
         responses={200: {"content": {"text/plain": {}}}},
     )
     async def metrics(request: Request) -> Response:
         service: Service = request.app.state.service
         await service.metrics.refresh()
-        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        scope = await runs_of(request, Role.ANALYST) if guarded else EVERY_RUN
+        return Response(service.metrics.exposition(scope), media_type=CONTENT_TYPE_LATEST)
 
 
 def _test_hooks(app: FastAPI) -> None:
@@ -379,7 +385,7 @@ def _test_hooks(app: FastAPI) -> None:
     seconds (a blocking call on the loop, as a long fold would), so a test can show that the
     lease heartbeat goes on and that the other replicas name the busy one."""
 
-    @app.post("/_test/block-loop", include_in_schema=False, dependencies=[Depends(public)])
+    @app.post("/_test/block-loop", include_in_schema=False, dependencies=PUBLIC)
     async def block_loop(seconds: float = 1.0) -> Response:
         until = time.monotonic() + min(max(seconds, 0.0), 600.0)
         while time.monotonic() < until:  # busy on purpose: nothing else runs on this loop

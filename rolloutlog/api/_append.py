@@ -20,14 +20,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from rolloutlog._telemetry import set_attributes, span
-from rolloutlog.api._auth import Role, authorize, require
+from rolloutlog.api._auth import CHECKS, PARTICIPANT, Role, authorize
 from rolloutlog.api._bodies import BODY_METER, BodyMeter
 from rolloutlog.api._http import NDJSON
 from rolloutlog.api._models import RUN_PATTERN, AppendOut, ErrorOut, RunPath
@@ -64,7 +64,7 @@ class LeanRoute(APIRoute):
             await self._fastapi_app(scope, receive, send)
             return
         request = Request(scope, receive, send)
-        await authorize(request, _PARTICIPANT)
+        await authorize(request, CHECKS[Role.PARTICIPANT])
         reply = await _append(request, run)
         await send(
             {
@@ -77,7 +77,6 @@ class LeanRoute(APIRoute):
 
 
 _RUN_NAME = re.compile(RUN_PATTERN)
-_PARTICIPANT = require(Role.PARTICIPANT)
 _JSON = (b"content-type", b"application/json")
 
 router = APIRouter()
@@ -228,7 +227,7 @@ router.add_api_route(
     route_class_override=LeanRoute,
     summary="Append events (all or nothing)",
     response_model=AppendOut,
-    dependencies=[Depends(_PARTICIPANT)],
+    dependencies=PARTICIPANT,
     openapi_extra={"requestBody": _EVENTS_BODY},
     responses={
         404: {"model": ErrorOut, "description": "unknown_run"},

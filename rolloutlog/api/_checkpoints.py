@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from rolloutlog._telemetry import span
-from rolloutlog.api._auth import Role, require
+from rolloutlog.api._auth import ANALYST, PARTICIPANT, TRAINER
 from rolloutlog.api._http import (
     JSON,
     json_response,
@@ -52,9 +52,6 @@ __all__ = ["router"]
 
 router = APIRouter()
 
-TRAINER = [Depends(require(Role.TRAINER))]
-ANALYST = [Depends(require(Role.ANALYST))]
-PARTICIPANT = [Depends(require(Role.PARTICIPANT))]
 NDJSON_DOC: dict[str, Any] = {"content": {"application/x-ndjson": {}}}
 CONFLICT: Responses = {
     409: {"model": ErrorOut, "description": "stale_controller, checkpoint_in_progress"}

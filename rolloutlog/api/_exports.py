@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from rolloutlog.api._auth import Role, require
+from rolloutlog.api._auth import PARTICIPANT
 from rolloutlog.api._http import json_response
 from rolloutlog.api._models import ErrorOut, RunPath
 from rolloutlog.api._service import Service
@@ -40,7 +40,7 @@ class ExportRequest(BaseModel):
     "/v1/runs/{run}/checkpoints/pending/exports",
     summary="Sessions a pending checkpoint waits to be exported by this participant (long poll)",
     response_model=ExportRequest,
-    dependencies=[Depends(require(Role.PARTICIPANT))],
+    dependencies=PARTICIPANT,
     responses={
         204: {"description": "no checkpoint waited for an export of this participant in wait_s"},
         404: {"model": ErrorOut, "description": "unknown_run"},

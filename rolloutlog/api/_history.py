@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
-from rolloutlog.api._auth import Role, require
+from rolloutlog.api._auth import ANALYST
 from rolloutlog.api._http import json_response
 from rolloutlog.api._models import (
     EpisodeHistoryOut,
@@ -34,7 +34,6 @@ __all__ = ["explain", "router"]
 
 router = APIRouter()
 
-ANALYST = [Depends(require(Role.ANALYST))]
 NOT_FOUND: Responses = {404: {"model": ErrorOut, "description": "unknown_run, unknown_episode"}}
 #: Payload fields never shown in a timeline (they may be megabytes; fetch one event for them).
 _PAYLOADS = frozenset(PAYLOAD_FIELD.values())

@@ -28,6 +28,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from rolloutlog.api._tokens import EVERY_RUN, RunScope
 from rolloutlog.projections import CUT_DISPOSITIONS, ProjectionLine, served_cut_dispositions
 
 if TYPE_CHECKING:
@@ -238,5 +239,28 @@ class Metrics:
         found = await asyncio.gather(*(one(run) for run in runs))
         self._projectors.offsets = dict(item for item in found if item is not None)
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+    def exposition(self, runs: RunScope = EVERY_RUN) -> bytes:
+        """The text exposition; of the series labelled with a run, those of ``runs`` only."""
+        if runs.every:
+            return generate_latest(self.registry)
+        only = CollectorRegistry(auto_describe=False)
+        only.register(_OfRuns(self.registry, runs))
+        return generate_latest(only)
+
+
+class _OfRuns(Collector):
+    """A registry's metrics with the samples of runs out of ``runs`` left out."""
+
+    def __init__(self, registry: CollectorRegistry, runs: RunScope) -> None:
+        self.registry = registry
+        self.runs = runs
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            kept.samples = [
+                s
+                for s in metric.samples
+                if "run" not in s.labels or self.runs.covers(s.labels["run"])
+            ]
+            yield kept

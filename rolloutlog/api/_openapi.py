@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import fastapi_offline
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.openapi.docs import (
     get_swagger_ui_html,
     get_swagger_ui_oauth2_redirect_html,
@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
-from rolloutlog.api._auth import declared_roles, public
+from rolloutlog.api._auth import PUBLIC, declared_roles
 from rolloutlog.api._tokens import IMPLIES, Role
 
 __all__ = ["DOCS_ASSETS", "TAGS", "document", "install_docs", "tag_of"]
@@ -85,9 +85,8 @@ def install_docs(app: FastAPI) -> None:
     ``docs_url=None, redoc_url=None`` so that FastAPI's CDN pages are not added. (No ReDoc: its
     bundle loads a logo from cdn.redoc.ly, with no option to turn it off.)"""
     app.mount(DOCS_ASSETS, StaticFiles(directory=_ASSETS_DIR), name="docs-assets")
-    open_route = [Depends(public)]
 
-    @app.get("/docs", include_in_schema=False, dependencies=open_route)
+    @app.get("/docs", include_in_schema=False, dependencies=PUBLIC)
     async def swagger() -> HTMLResponse:
         return get_swagger_ui_html(
             openapi_url="/openapi.json",
@@ -98,6 +97,6 @@ def install_docs(app: FastAPI) -> None:
             oauth2_redirect_url="/docs/oauth2-redirect",
         )
 
-    @app.get("/docs/oauth2-redirect", include_in_schema=False, dependencies=open_route)
+    @app.get("/docs/oauth2-redirect", include_in_schema=False, dependencies=PUBLIC)
     async def swagger_redirect() -> HTMLResponse:
         return get_swagger_ui_oauth2_redirect_html()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from rolloutlog.api._auth import Role, require
+from rolloutlog.api._auth import ANALYST
 from rolloutlog.api._http import json_response
 from rolloutlog.api._models import ErrorOut, QuarantineList, RunPath
 from rolloutlog.api._service import Service
@@ -38,7 +38,7 @@ def _view(record: QuarantinedRecord) -> dict[str, object]:
     "/v1/runs/{run}/quarantine",
     summary="Quarantined log records (skipped: not a valid envelope, or unfoldable)",
     response_model=QuarantineList,
-    dependencies=[Depends(require(Role.ANALYST))],
+    dependencies=ANALYST,
     responses={404: {"model": ErrorOut, "description": "unknown_run"}},
 )
 async def list_quarantine(

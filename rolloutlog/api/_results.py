@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from rolloutlog.api._auth import Role, require
+from rolloutlog.api._auth import ANALYST, TRAINER
 from rolloutlog.api._http import json_response, stream_ndjson
 from rolloutlog.api._models import ErrorOut, Name, Responses, RunPath, _Request, _Response
 from rolloutlog.api._service import Service
@@ -90,7 +90,7 @@ def _names(values: list[str] | None) -> list[str] | None:
     "/v1/runs/{run}/results",
     summary="Finished episodes' results (NDJSON), optionally only the unacknowledged ones",
     response_model=ResultOut,
-    dependencies=[Depends(require(Role.ANALYST))],
+    dependencies=ANALYST,
     responses={200: {"content": {"application/x-ndjson": {}}}, **NOT_FOUND},
 )
 async def list_results(
@@ -140,7 +140,7 @@ async def list_results(
     "/v1/runs/{run}/results/ack",
     summary="Acknowledge results the trainer holds (idempotent; never returned as unacknowledged)",
     response_model=AckOut,
-    dependencies=[Depends(require(Role.TRAINER))],
+    dependencies=TRAINER,
     responses={404: {"model": ErrorOut, "description": "unknown_run"}},
 )
 async def acknowledge(request: Request, run: RunPath, body: AckRequest) -> Response:

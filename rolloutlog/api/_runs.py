@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, Query, Request
+from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import Response
 
-from rolloutlog.api._auth import Role, require
+from rolloutlog.api._auth import ANALYST, PARTICIPANT, TRAINER, Role, authorize_runs, runs_of
 from rolloutlog.api._http import json_response, stream_ndjson, wants_ndjson
 from rolloutlog.api._models import (
     ControllerOut,
@@ -27,6 +27,7 @@ from rolloutlog.api._models import (
     StatsOut,
 )
 from rolloutlog.api._service import Service
+from rolloutlog.api._tokens import RunScope
 from rolloutlog.api._views import episode_view, participant_view, run_view, tracked_view
 from rolloutlog.catalog import Episode, RunSummary
 from rolloutlog.errors import UnknownRun
@@ -36,9 +37,6 @@ __all__ = ["router"]
 
 router = APIRouter()
 
-TRAINER = [Depends(require(Role.TRAINER))]
-ANALYST = [Depends(require(Role.ANALYST))]
-PARTICIPANT = [Depends(require(Role.PARTICIPANT))]
 NOT_FOUND: Responses = {404: {"model": ErrorOut, "description": "unknown_run"}}
 Limit = Annotated[int, Query(ge=1, le=10_000)]
 After = Annotated[str | None, Query(max_length=200)]
@@ -81,6 +79,7 @@ def _run_out(
     },
 )
 async def create_run(request: Request, body: CreateRun) -> Response:
+    await authorize_runs(request, Role.TRAINER, [body.run])
     service = _service(request)
     try:
         await service.catalog.get_run(body.run)
@@ -94,7 +93,7 @@ async def create_run(request: Request, body: CreateRun) -> Response:
 @router.get("/v1/runs", summary="Runs with counts", response_model=RunList, dependencies=ANALYST)
 async def list_runs(request: Request, after: After = None, limit: Limit = 100) -> Response:
     service = _service(request)
-    summaries = await service.catalog.list_runs(after=after, limit=limit)
+    summaries = await _visible_runs(service, await runs_of(request, Role.ANALYST), after, limit)
     health = await service.coordinator.runs_health()
     return json_response(
         {
@@ -102,6 +101,21 @@ async def list_runs(request: Request, after: After = None, limit: Limit = 100) -
             "next_after": summaries[-1].run.run if len(summaries) == limit else None,
         }
     )
+
+
+async def _visible_runs(
+    service: Service, scope: RunScope, after: str | None, limit: int
+) -> list[RunSummary]:
+    """A page of the runs ``scope`` covers, in name order: the catalog's pages read on until
+    ``limit`` of them are found or the runs end (one page for an unscoped token)."""
+    found: list[RunSummary] = []
+    while len(found) < limit:
+        page = await service.catalog.list_runs(after=after, limit=limit)
+        found += [s for s in page if scope.covers(s.run.run)]
+        if len(page) < limit:
+            break
+        after = page[-1].run.run
+    return found[:limit]
 
 
 @router.get(

@@ -173,6 +173,15 @@ class Settings:
         name="tokens",
         metavar="FILE",
     )
+    #: ``/metrics`` needs a token of the analyst role (a trainer's or admin's too), and shows
+    #: a token scoped to some runs only their series; ``/readyz`` names a run only to a token
+    #: that holds the analyst role for it. Off: both open to anyone, every run named.
+    metrics_auth: bool = setting(
+        False,
+        "/metrics needs an analyst token (a scoped one sees its runs' series only; anonymous: "
+        "401) and /readyz names runs only to a token that reads them.",
+        kind=bool,
+    )
     log_level: str = setting(
         "info",
         "Least severe log record written (JSON lines on stderr).",

@@ -11,11 +11,11 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from rolloutlog.api._auth import public
+from rolloutlog.api._auth import PUBLIC
 from rolloutlog.api._models import EpisodePath, RunPath
 
 __all__ = ["UI_ASSETS", "install_ui"]
@@ -45,16 +45,15 @@ def _shell() -> HTMLResponse:
 def install_ui(app: FastAPI) -> None:
     """Add the dashboard's pages and assets to ``app``."""
     app.mount(UI_ASSETS, StaticFiles(directory=_DIR / "static"), name="ui-assets")
-    open_route = [Depends(public)]
 
-    @app.get("/ui", include_in_schema=False, dependencies=open_route)
+    @app.get("/ui", include_in_schema=False, dependencies=PUBLIC)
     async def runs_page() -> HTMLResponse:
         return _shell()
 
-    @app.get("/ui/runs/{run}", include_in_schema=False, dependencies=open_route)
+    @app.get("/ui/runs/{run}", include_in_schema=False, dependencies=PUBLIC)
     async def run_page(run: RunPath) -> HTMLResponse:
         return _shell()
 
-    @app.get("/ui/runs/{run}/episodes/{episode}", include_in_schema=False, dependencies=open_route)
+    @app.get("/ui/runs/{run}/episodes/{episode}", include_in_schema=False, dependencies=PUBLIC)
     async def episode_page(run: RunPath, episode: EpisodePath) -> HTMLResponse:
         return _shell()

@@ -78,6 +78,15 @@ class Backend:
     async def lock_migrations(self, conn: AsyncConnection) -> None:
         """Serialize concurrent starts that migrate the same catalog (no-op where writes serialize)."""
 
+    async def now(self, conn: AsyncConnection, clock: Callable[[], float]) -> float:
+        """The lease clock, read in ``conn``'s transaction: one clock for every replica's
+        heartbeat. Here the process's ``clock`` (where every replica runs on one host)."""
+        return clock()
+
+    async def serialize_lease_changes(self, conn: AsyncConnection) -> None:
+        """Lease changes one at a time until ``conn``'s transaction ends, so that two ticks
+        never decide on the same snapshot (no-op where writes serialize already)."""
+
     def driver_errors(self) -> tuple[type[BaseException], ...]:
         """Exception classes of the driver that ``translate`` understands."""
         return ()

@@ -24,6 +24,7 @@ import orjson
 from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._schema import partition_leases, replicas, runs
 from rolloutlog.errors import LeaseLost
 
@@ -44,9 +45,6 @@ Owned = dict[str, dict[int, int]]
 
 #: How long after its lease ran out a replica still owning partitions is read with its report.
 _REPORTS_KEPT_S = 86_400.0
-
-#: The advisory lock key of lease changes on PostgreSQL (``_serialize``).
-_TICK_LOCK_KEY = 0x726C6C_17
 
 _RENEW = (
     "INSERT INTO replicas (replica_id, address, started_at, heartbeat_at, expires_at, health) "
@@ -114,17 +112,9 @@ def assign_partitions(
     return assigned
 
 
-async def catalog_now(conn: AsyncConnection, clock: Callable[[], float]) -> float:
-    """The lease clock: PostgreSQL's (one clock for every replica's heartbeat, whatever the
-    hosts' skew), else ``clock`` (SQLite: every replica runs on the file's host)."""
-    if conn.dialect.name == "postgresql":
-        found = await conn.execute(text("SELECT extract(epoch FROM clock_timestamp())::float8"))
-        return float(found.scalar_one())
-    return clock()
-
-
 async def tick(
     conn: AsyncConnection,
+    backend: Backend,
     clock: Callable[[], float],
     replica_id: str,
     *,
@@ -141,8 +131,8 @@ async def tick(
     same id (a restart), and is claimed again at the next generation, fencing that process's
     writes. ``fresh``: the process's first tick (its ``started_at`` is reset). ``health``: the
     replica's report of its projectors (JSON, read by ``replica_reports``)."""
-    await _serialize(conn)
-    now = await catalog_now(conn, clock)
+    await backend.serialize_lease_changes(conn)
+    now = await backend.now(conn, clock)
     await conn.execute(
         _RENEW_FRESH if fresh else _RENEW_AGAIN,
         {
@@ -220,24 +210,17 @@ async def tick(
     return owned
 
 
-async def _serialize(conn: AsyncConnection) -> None:
-    """Lease changes one at a time: PostgreSQL's transaction-scoped advisory lock (SQLite's
-    writes are serialized already), so two ticks never decide on the same snapshot."""
-    if conn.dialect.name == "postgresql":
-        await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _TICK_LOCK_KEY})
-
-
 def _change(run: str, partition: int, owner: str | None, generation: int) -> dict[str, object]:
     return {"b_run": run, "b_partition": partition, "b_owner": owner, "b_generation": generation}
 
 
 async def release_replica(
-    conn: AsyncConnection, clock: Callable[[], float], replica_id: str
+    conn: AsyncConnection, backend: Backend, clock: Callable[[], float], replica_id: str
 ) -> None:
     """A replica stops: its partitions are released (next generation) and its heartbeat ends
     now, so the others claim them at their next tick instead of after the lease time."""
-    await _serialize(conn)
-    now = await catalog_now(conn, clock)
+    await backend.serialize_lease_changes(conn)
+    now = await backend.now(conn, clock)
     await conn.execute(
         update(partition_leases)
         .where(partition_leases.c.replica_id == replica_id)
@@ -251,10 +234,14 @@ async def release_replica(
 
 
 async def partition_owners(
-    conn: AsyncConnection, clock: Callable[[], float], run: str, partitions: int
+    conn: AsyncConnection,
+    backend: Backend,
+    clock: Callable[[], float],
+    run: str,
+    partitions: int,
 ) -> list[PartitionOwner]:
     """Every partition of ``run`` with its lease (none yet: no owner, generation 0)."""
-    now = await catalog_now(conn, clock)
+    now = await backend.now(conn, clock)
     query = (
         select(
             partition_leases.c.partition,
@@ -333,10 +320,10 @@ class ClusterView:
 
 
 async def cluster_view(
-    conn: AsyncConnection, clock: Callable[[], float], run: str | None = None
+    conn: AsyncConnection, backend: Backend, clock: Callable[[], float], run: str | None = None
 ) -> ClusterView:
     """The leases of ``run`` (every run: None) with their owners' heartbeats and reports."""
-    now = await catalog_now(conn, clock)
+    now = await backend.now(conn, clock)
     run_query = select(runs.c.run, runs.c.partitions)
     lease_query = select(
         partition_leases.c.run,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import asyncpg  # type: ignore[import-untyped]
@@ -39,6 +39,8 @@ from rolloutlog.errors import (
 
 # Any constant works; it only has to be the same for every process that migrates this catalog.
 _MIGRATION_LOCK_KEY = 0x726F6C6C6F7574
+#: The advisory lock key of lease changes (``serialize_lease_changes``).
+_TICK_LOCK_KEY = 0x726C6C_17
 # Defaults of the URL's timeout parameters. The longest catalog statement is a checkpoint's
 # manifest COPY (16,000 rows in well under a second), so 30 s only ever cuts off a stalled server.
 TIMEOUTS_S: dict[str, float] = {
@@ -115,6 +117,15 @@ class PostgresBackend(Backend):
 
     async def lock_migrations(self, conn: AsyncConnection) -> None:
         await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
+
+    async def now(self, conn: AsyncConnection, clock: Callable[[], float]) -> float:
+        """The database's clock: one for every replica's heartbeat, whatever the hosts' skew."""
+        found = await conn.execute(text("SELECT extract(epoch FROM clock_timestamp())::float8"))
+        return float(found.scalar_one())
+
+    async def serialize_lease_changes(self, conn: AsyncConnection) -> None:
+        """A transaction-scoped advisory lock."""
+        await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _TICK_LOCK_KEY})
 
     def driver_errors(self) -> tuple[type[BaseException], ...]:
         return (asyncpg.PostgresError, asyncpg.InterfaceError)

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections.abc import Sequence
-from operator import itemgetter
-from typing import Any, cast
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import orjson
-from sqlalchemy import Row, func, select
+from sqlalchemy import Row, Select, Table, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from rolloutlog._gc import collector_paused
 from rolloutlog.catalog._schema import (
     checkpoint_offsets,
     checkpoint_parts,
     checkpoints,
     episodes,
-    manifest_chain,
-    manifest_entries,
-    manifest_parts,
     participants,
     quarantined_records,
     restore_episodes,
@@ -27,13 +23,10 @@ from rolloutlog.catalog._schema import (
     runs,
 )
 from rolloutlog.catalog._values import (
-    REMOVED,
     Checkpoint,
     CheckpointStatus,
     Episode,
     EpisodeStatus,
-    ManifestAction,
-    ManifestEntry,
     ParticipantKind,
     PartitionOffset,
     QuarantinedRecord,
@@ -48,71 +41,51 @@ from rolloutlog.catalog._values import (
 from rolloutlog.errors import UnknownCheckpoint, UnknownEpisode, UnknownRestore, UnknownRun
 
 
+def encode_json_map(values: Mapping[str, float]) -> str | None:
+    """A stored ``timings_ms`` (NULL when empty); ``decode_json_map`` reads it back."""
+    return orjson.dumps(values).decode() if values else None
+
+
 def decode_json_map(raw: str | None) -> dict[str, float]:
     return cast(dict[str, float], orjson.loads(raw)) if raw else {}
 
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+V = TypeVar("V", bound="DataclassInstance")
+
+
+def value_from_row(cls: type[V], row: Row[Any], **given: Any) -> V:
+    """A value of the dataclass ``cls`` from the row's columns of its fields' names, ``given``
+    the others (a field neither names keeps its default)."""
+    columns = row._mapping
+    values = {name: columns[name] for name in _field_names(cls) if name in columns}
+    values.update(given)
+    return cls(**values)
+
+
+@functools.cache
+def _field_names(cls: type[DataclassInstance]) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def run_from_row(row: Row[Any]) -> Run:
-    return Run(
-        run=row.run,
-        partitions=row.partitions,
-        log_url=row.log_url,
-        controller_epoch=row.controller_epoch,
-        latest_checkpoint_id=row.latest_checkpoint_id,
-        created_at=row.created_at,
-    )
+    return value_from_row(Run, row)
 
 
 def checkpoint_from_row(row: Row[Any], offsets: Sequence[PartitionOffset]) -> Checkpoint:
-    return Checkpoint(
-        run=row.run,
-        checkpoint_id=row.checkpoint_id,
-        status=cast(CheckpointStatus, row.status),
-        trigger=row.trigger,
-        controller_epoch=row.controller_epoch,
-        deadline_s=row.deadline_s,
-        requested_at=row.requested_at,
-        marked_at=row.marked_at,
-        committed_at=row.committed_at,
-        ended_at=row.ended_at,
-        continue_count=row.continue_count,
-        restart_count=row.restart_count,
-        finished_count=row.finished_count,
-        entry_count=row.entry_count,
-        size_bytes=row.size_bytes,
-        reason=row.reason,
-        timings_ms=decode_json_map(row.timings_ms),
-        offsets=tuple(offsets),
-        request_id=row.request_id,
+    return value_from_row(
+        Checkpoint, row, timings_ms=decode_json_map(row.timings_ms), offsets=tuple(offsets)
     )
 
 
 def restore_from_row(row: Row[Any]) -> Restore:
-    return Restore(
-        run=row.run,
-        restore_id=row.restore_id,
-        checkpoint_id=row.checkpoint_id,
-        controller_epoch=row.controller_epoch,
-        committed_at=row.committed_at,
-        continue_count=row.continue_count,
-        restart_count=row.restart_count,
-        excluded_count=row.excluded_count,
-        timings_ms=decode_json_map(row.timings_ms),
-    )
+    return value_from_row(Restore, row, timings_ms=decode_json_map(row.timings_ms))
 
 
 def episode_from_row(row: Row[Any]) -> Episode:
-    return Episode(
-        run=row.run,
-        episode=row.episode,
-        current_attempt=row.current_attempt,
-        status=cast(EpisodeStatus, row.status),
-        first_partition=row.first_partition,
-        first_offset=row.first_offset,
-        started_at=row.started_at,
-        finished_at=row.finished_at,
-        updated_at=row.updated_at,
-    )
+    return value_from_row(Episode, row)
 
 
 async def get_run(conn: AsyncConnection, run: str) -> Run:
@@ -207,19 +180,52 @@ async def offsets_of(
     return found
 
 
-async def get_checkpoint(conn: AsyncConnection, run: str, checkpoint_id: int) -> Checkpoint:
-    row = (
+async def checkpoint_status(conn: AsyncConnection, run: str, checkpoint_id: int) -> str | None:
+    """The checkpoint's status, or None when the run has no such checkpoint."""
+    status = (
         await conn.execute(
-            select(checkpoints).where(
+            select(checkpoints.c.status).where(
                 checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id
             )
         )
-    ).one_or_none()
+    ).scalar_one_or_none()
+    return None if status is None else str(status)
+
+
+def _newest_first(table: Table, key: Any, run: str, before: int | None, limit: int) -> Select[Any]:
+    """A page of the run's rows of ``table``, newest ``key`` first, below ``before``."""
+    query = select(table).where(table.c.run == run).order_by(key.desc()).limit(limit)
+    return query if before is None else query.where(key < before)
+
+
+async def _row_of_run(
+    conn: AsyncConnection, run: str, query: Select[Any], missing: Callable[[], Exception]
+) -> Row[Any]:
+    """The one row ``query`` finds of ``run``, else ``UnknownRun`` or (the run is there)
+    ``missing()``."""
+    row: Row[Any] | None = (await conn.execute(query)).one_or_none()
     if row is None:
         await get_run(conn, run)
-        raise UnknownCheckpoint(
+        raise missing()
+    return row
+
+
+async def checkpoint_row(conn: AsyncConnection, run: str, checkpoint_id: int) -> Row[Any]:
+    """The checkpoint's ``checkpoints`` row (``UnknownRun``, ``UnknownCheckpoint``)."""
+    return await _row_of_run(
+        conn,
+        run,
+        select(checkpoints).where(
+            checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id
+        ),
+        lambda: UnknownCheckpoint(
             f"run {run!r} has no checkpoint {checkpoint_id}", run=run, checkpoint_id=checkpoint_id
-        )
+        ),
+    )
+
+
+async def get_checkpoint(conn: AsyncConnection, run: str, checkpoint_id: int) -> Checkpoint:
+    row = await checkpoint_row(conn, run, checkpoint_id)
     offsets = await offsets_of(conn, run, [checkpoint_id])
     return checkpoint_from_row(row, offsets[checkpoint_id])
 
@@ -249,16 +255,9 @@ async def list_checkpoints(
     request_id: str | None = None,
 ) -> list[Checkpoint]:
     await get_run(conn, run)
-    query = (
-        select(checkpoints)
-        .where(checkpoints.c.run == run)
-        .order_by(checkpoints.c.checkpoint_id.desc())
-        .limit(limit)
-    )
+    query = _newest_first(checkpoints, checkpoints.c.checkpoint_id, run, before, limit)
     if status is not None:
         query = query.where(checkpoints.c.status == status)
-    if before is not None:
-        query = query.where(checkpoints.c.checkpoint_id < before)
     if request_id is not None:
         query = query.where(checkpoints.c.request_id == request_id)
     rows = (await conn.execute(query)).all()
@@ -266,146 +265,15 @@ async def list_checkpoints(
     return [checkpoint_from_row(row, offsets[row.checkpoint_id]) for row in rows]
 
 
-async def require_committed(conn: AsyncConnection, run: str, checkpoint_id: int) -> None:
-    """Raise unless the checkpoint is committed, i.e. its whole manifest is there to read."""
-    status = (
-        await conn.execute(
-            select(checkpoints.c.status).where(
-                checkpoints.c.run == run, checkpoints.c.checkpoint_id == checkpoint_id
-            )
-        )
-    ).scalar_one_or_none()
-    if status == "committed":
-        return
-    if status is None:
-        await get_run(conn, run)
-        raise UnknownCheckpoint(
-            f"run {run!r} has no checkpoint {checkpoint_id}", run=run, checkpoint_id=checkpoint_id
-        )
-    raise UnknownCheckpoint(
-        f"checkpoint {checkpoint_id} of run {run!r} is {status}: it has no manifest",
-        run=run,
-        checkpoint_id=checkpoint_id,
-        status=status,
-    )
-
-
-async def manifest_page(
-    conn: AsyncConnection,
-    run: str,
-    checkpoint_id: int,
-    after: str | None,
-    limit: int | None,
-    action: ManifestAction | None = None,
-) -> list[ManifestEntry]:
-    await require_committed(conn, run, checkpoint_id)
-    bodies, chained = await manifest_bodies(conn, run, checkpoint_id)
-    with collector_paused():
-        return manifest_entries_from_parts(bodies, after, limit, action, chained=chained)
-
-
-#: A chain row's part: its ancestor's part of the chain's partition.
-_CHAINED = (
-    (manifest_parts.c.run == manifest_chain.c.run)
-    & (manifest_parts.c.checkpoint_id == manifest_chain.c.ancestor_id)
-    & (manifest_parts.c.cut_partition == manifest_chain.c.partition)
-)
-
-
-async def manifest_bodies(
-    conn: AsyncConnection, run: str, checkpoint_id: int
-) -> tuple[list[str], bool]:
-    """The packed parts a committed checkpoint's manifest is made of, the oldest members of its
-    partitions' chains first (``manifest_chain``; an episode lives in one partition, so this
-    orders each chain), and whether any chain has more than one member."""
-    rows = (
-        await conn.execute(
-            select(manifest_chain.c.depth, manifest_parts.c.entries)
-            .join(manifest_parts, _CHAINED)
-            .where(manifest_chain.c.run == run, manifest_chain.c.checkpoint_id == checkpoint_id)
-            .order_by(manifest_chain.c.depth.desc())
-        )
-    ).all()
-    return [row[1] for row in rows], any(row[0] for row in rows)
-
-
-def compose_parts(bodies: Sequence[str]) -> list[list[Any]]:
-    """The raw entries of a chain's packed parts (oldest first): per episode the newest, and
-    none for an episode whose newest is a ``removed`` tombstone."""
-    newest = {entry[0]: entry for body in bodies for entry in orjson.loads(body)}
-    return [entry for entry in newest.values() if entry[2] != REMOVED]
-
-
-def entries_from_raw(raw: Sequence[list[Any]]) -> list[ManifestEntry]:
-    """Packed entries (JSON arrays, decoded) as ``ManifestEntry`` values."""
-    new = tuple.__new__
-    return [
-        new(
-            ManifestEntry,
-            (e[0], e[1], e[2], e[3], e[4], e[5], tuple(e[6]), e[7], e[8] if len(e) > 8 else None),
-        )
-        for e in raw
-    ]
-
-
-def manifest_entries_from_parts(
-    bodies: Sequence[str],
-    after: str | None = None,
-    limit: int | None = None,
-    action: ManifestAction | None = None,
-    *,
-    chained: bool = False,
-) -> list[ManifestEntry]:
-    """The entries of a manifest's packed rows in episode order (the rows of the
-    ``manifest_entries`` view, ordered by episode), from after ``after``, of ``action``, at most
-    ``limit``; ``chained``: the rows are a chain's, oldest first (``compose_parts``). Built for
-    speed: 16,000 per read, by ``tuple.__new__`` rather than the NamedTuple's Python-level
-    ``__new__``."""
-    raw = compose_parts(bodies) if chained else [e for body in bodies for e in orjson.loads(body)]
-    entries = entries_from_raw(raw)
-    by_episode = itemgetter(0)
-    entries.sort(key=by_episode)  # each part is in episode order already: a merge, in effect
-    if after is not None:
-        entries = entries[bisect_right(entries, after, key=by_episode) :]
-    if action is not None:
-        entries = [entry for entry in entries if entry[2] == action]
-    if limit is not None:
-        del entries[limit:]
-    return entries
-
-
-async def staging_keys(conn: AsyncConnection, run: str) -> frozenset[str]:
-    await get_run(conn, run)
-    rows = await conn.execute(
-        select(manifest_entries.c.staging_keys)
-        .join(
-            checkpoints,
-            (checkpoints.c.run == manifest_entries.c.run)
-            & (checkpoints.c.checkpoint_id == manifest_entries.c.checkpoint_id),
-        )
-        .where(
-            manifest_entries.c.run == run,
-            checkpoints.c.status == "committed",
-            manifest_entries.c.staging_keys.is_not(None),
-        )
-    )
-    keys: set[str] = set()
-    for (raw,) in rows:
-        keys.update(orjson.loads(raw))
-    return frozenset(keys)
-
-
 async def get_restore(conn: AsyncConnection, run: str, restore_id: int) -> Restore:
-    row = (
-        await conn.execute(
-            select(restores).where(restores.c.run == run, restores.c.restore_id == restore_id)
-        )
-    ).one_or_none()
-    if row is None:
-        await get_run(conn, run)
-        raise UnknownRestore(
+    row = await _row_of_run(
+        conn,
+        run,
+        select(restores).where(restores.c.run == run, restores.c.restore_id == restore_id),
+        lambda: UnknownRestore(
             f"run {run!r} has no restore {restore_id}", run=run, restore_id=restore_id
-        )
+        ),
+    )
     return restore_from_row(row)
 
 
@@ -413,14 +281,7 @@ async def list_restores(
     conn: AsyncConnection, run: str, before: int | None, limit: int
 ) -> list[Restore]:
     await get_run(conn, run)
-    query = (
-        select(restores)
-        .where(restores.c.run == run)
-        .order_by(restores.c.restore_id.desc())
-        .limit(limit)
-    )
-    if before is not None:
-        query = query.where(restores.c.restore_id < before)
+    query = _newest_first(restores, restores.c.restore_id, run, before, limit)
     return [restore_from_row(row) for row in await conn.execute(query)]
 
 
@@ -455,14 +316,12 @@ async def restore_entries(
 
 
 async def get_episode(conn: AsyncConnection, run: str, episode: str) -> Episode:
-    row = (
-        await conn.execute(
-            select(episodes).where(episodes.c.run == run, episodes.c.episode == episode)
-        )
-    ).one_or_none()
-    if row is None:
-        await get_run(conn, run)
-        raise UnknownEpisode(f"run {run!r} has no episode {episode!r}", run=run, episode=episode)
+    row = await _row_of_run(
+        conn,
+        run,
+        select(episodes).where(episodes.c.run == run, episodes.c.episode == episode),
+        lambda: UnknownEpisode(f"run {run!r} has no episode {episode!r}", run=run, episode=episode),
+    )
     return episode_from_row(row)
 
 
@@ -574,7 +433,7 @@ async def quarantined(
     ]
 
 
-# -- one episode across checkpoints and restores (analysts' episode history) ----------
+# -- one episode across restores (analysts' episode history; its manifests: ``_manifests.py``)
 
 
 async def episode_plan_entries(
@@ -595,34 +454,3 @@ async def episode_plan_entries(
         .order_by(restore_episodes.c.restore_id)
     )
     return [(row[0], RestoreEntry(*row[1:])) for row in result]
-
-
-async def episode_manifest_entries(
-    conn: AsyncConnection, run: str, episode: str, partition: int
-) -> list[tuple[int, ManifestEntry]]:
-    """``(checkpoint_id, entry)`` of every kept committed manifest that names ``episode``: only
-    the packed rows of the episode's partition in each manifest's chain are read."""
-    await get_run(conn, run)
-    rows = await conn.execute(
-        select(manifest_chain.c.checkpoint_id, manifest_parts.c.entries)
-        .join(manifest_parts, _CHAINED)
-        .join(
-            checkpoints,
-            (checkpoints.c.run == manifest_chain.c.run)
-            & (checkpoints.c.checkpoint_id == manifest_chain.c.checkpoint_id),
-        )
-        .where(
-            manifest_chain.c.run == run,
-            manifest_parts.c.cut_partition == partition,
-            checkpoints.c.status == "committed",
-        )
-        .order_by(manifest_chain.c.checkpoint_id, manifest_chain.c.depth.desc())
-    )
-    newest: dict[int, list[Any]] = {}
-    for checkpoint_id, body in rows:  # each chain oldest first: the newest entry stays
-        for entry in orjson.loads(body):
-            if entry[0] == episode:
-                newest[checkpoint_id] = entry
-                break
-    kept = [(c, raw) for c, raw in newest.items() if raw[2] != REMOVED]
-    return list(zip([c for c, _ in kept], entries_from_raw([raw for _, raw in kept]), strict=True))

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from rolloutlog.catalog._leases import catalog_now
+from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._schema import checkpoints, replicas
 from rolloutlog.catalog._writes import drop_checkpoint_parts, lock_run
 
@@ -35,7 +35,7 @@ async def requester_incarnation(conn: AsyncConnection, replica_id: str | None) -
 
 
 async def requester_gone(
-    conn: AsyncConnection, clock: Callable[[], float], pending: Any
+    conn: AsyncConnection, backend: Backend, clock: Callable[[], float], pending: Any
 ) -> str | None:
     """Why the pending checkpoint's requester can no longer finish it (its row's heartbeat
     expired by the catalog's clock, the row is gone, or it names a later process), or None
@@ -54,7 +54,7 @@ async def requester_gone(
         return f"its requester {replica_id!r} is no replica any more"
     if pending.requester_started_at is not None and row.started_at != pending.requester_started_at:
         return f"its requester {replica_id!r} restarted"
-    if row.expires_at <= await catalog_now(conn, clock):
+    if row.expires_at <= await backend.now(conn, clock):
         return f"the lease of its requester {replica_id!r} lapsed"
     return None
 
@@ -82,7 +82,12 @@ async def supersede_orphan(
 
 
 async def abort_orphans(
-    conn: AsyncConnection, clock: Callable[[], float], reason: str, *, requested_by: str | None
+    conn: AsyncConnection,
+    backend: Backend,
+    clock: Callable[[], float],
+    reason: str,
+    *,
+    requested_by: str | None,
 ) -> list[tuple[str, int]]:
     """Abort the pending checkpoints of ``requested_by``, or (None) every pending checkpoint
     whose requester is gone or unnamed: a live replica's is left to it (a replica starting must
@@ -105,7 +110,7 @@ async def abort_orphans(
         if requested_by is not None:
             if row.requested_by != requested_by:
                 continue
-        elif row.requested_by and await requester_gone(conn, clock, row) is None:
+        elif row.requested_by and await requester_gone(conn, backend, clock, row) is None:
             continue
         await lock_run(conn, row.run)  # not in the middle of a part writer's transaction
         if await supersede_orphan(conn, row.run, row.checkpoint_id, reason, now):

@@ -13,8 +13,9 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog.catalog._leases import check_leases
+from rolloutlog.catalog._restore_commit import reserve_restore_id
 from rolloutlog.catalog._schema import restore_parts, restore_requests
-from rolloutlog.catalog._writes import lock_run, reserve_restore_id
+from rolloutlog.catalog._writes import lock_run
 from rolloutlog.errors import RestoreConflict, UnknownRestore
 
 __all__ = [

@@ -165,7 +165,8 @@ manifest (migrations 0007, 0009): written when the checkpoint commits; rows of a
 checkpoint go with its expiry; parts stay while a chain names them."""
 
 views = MetaData()
-"""Views over the tables, created by the migrations (``MANIFEST_ENTRIES_VIEW``); not tables."""
+"""Views over the tables; not tables. The migrations create them (their SQL, one per database,
+is the migration's that last changed the view: ``manifest_entries``, 0009)."""
 
 manifest_entries = Table(
     "manifest_entries",
@@ -185,52 +186,7 @@ manifest_entries = Table(
     Column("reason", Text),
 )
 """One row per manifest entry, for analysts' SQL and set-based queries: a view over
-``manifest_parts`` (per dialect in ``MANIFEST_ENTRIES_VIEW``)."""
-
-#: The entry fields of a packed part (``ManifestEntry``'s), as the view's columns, per dialect.
-_ENTRY_FIELDS = {
-    "sqlite": (
-        "json_extract(e.value, '$[0]') AS episode, json_extract(e.value, '$[1]') AS attempt, "
-        "json_extract(e.value, '$[2]') AS action, p.cut_partition AS cut_partition, "
-        "json_extract(e.value, '$[4]') AS cut_offset, json_extract(e.value, '$[5]') AS last_stage, "
-        "CASE WHEN json_array_length(e.value, '$[6]') > 0 THEN json_extract(e.value, '$[6]') END "
-        "AS staging_keys, json_extract(e.value, '$[7]') AS size_bytes, "
-        "json_extract(e.value, '$[8]') AS reason"
-    ),
-    "postgresql": (
-        'CAST(e.value ->> 0 AS VARCHAR(200)) COLLATE "C" AS episode, '
-        "CAST(e.value ->> 1 AS INTEGER) AS attempt, CAST(e.value ->> 2 AS VARCHAR(16)) AS action, "
-        "p.cut_partition AS cut_partition, CAST(e.value ->> 4 AS BIGINT) AS cut_offset, "
-        "e.value ->> 5 AS last_stage, "
-        "CASE WHEN json_array_length(e.value -> 6) > 0 THEN CAST(e.value -> 6 AS TEXT) END "
-        "AS staging_keys, CAST(e.value ->> 7 AS BIGINT) AS size_bytes, "
-        "e.value ->> 8 AS reason"
-    ),
-}
-_EXPAND = {
-    "sqlite": "json_each(p.entries) AS e",
-    "postgresql": "LATERAL json_array_elements(CAST(p.entries AS JSON)) AS e(value)",
-}
-_VIEW_COLUMNS = (
-    "run, checkpoint_id, episode, attempt, action, cut_partition, cut_offset, last_stage, "
-    "staging_keys, size_bytes, reason"
-)
-# Per checkpoint and episode, the entry of its partition's chain's smallest depth; tombstones
-# hide the episode. Both databases push a query's ``run``/``checkpoint_id`` condition into the
-# window's subquery (they are its PARTITION BY columns), so one manifest reads only its chains.
-MANIFEST_ENTRIES_VIEW = {
-    dialect: (
-        f"CREATE VIEW manifest_entries AS SELECT {_VIEW_COLUMNS} FROM (SELECT c.run AS run, "
-        f"c.checkpoint_id AS checkpoint_id, {fields}, row_number() OVER (PARTITION BY c.run, "
-        "c.checkpoint_id, p.cut_partition, "
-        + ("json_extract(e.value, '$[0]')" if dialect == "sqlite" else "e.value ->> 0")
-        + " ORDER BY c.depth) AS newest FROM manifest_chain AS c JOIN manifest_parts AS p ON "
-        "p.run = c.run AND p.checkpoint_id = c.ancestor_id AND p.cut_partition = c.partition "
-        f"CROSS JOIN {_EXPAND[dialect]}) "
-        "AS m WHERE newest = 1 AND action <> 'removed'"
-    )
-    for dialect, fields in _ENTRY_FIELDS.items()
-}
+``manifest_parts`` along each checkpoint's chains (migration 0009)."""
 
 restores = Table(
     "restores",

@@ -205,10 +205,6 @@ class _NowConnection:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
 
-    @property
-    def dialect(self) -> Any:
-        return self._conn.dialect
-
     async def execute(self, statement: Any, parameters: Any = None) -> Any:
         return self._conn.execute(statement, parameters)
 

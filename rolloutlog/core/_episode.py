@@ -10,7 +10,7 @@ Beside it, each with one job: the record filters (``_filters``), the session rul
 from __future__ import annotations
 
 import sys
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from rolloutlog.core._deltas import is_delta
 from rolloutlog.core._digests import token_count
@@ -26,7 +26,7 @@ from rolloutlog.core._model import (
 from rolloutlog.core._opaque import Opaque
 from rolloutlog.core._pins import snapshot
 from rolloutlog.core._planner import restart_only_reason
-from rolloutlog.core._restore import begin_attempt
+from rolloutlog.core._restore import AttemptRules
 from rolloutlog.core._tail import Chunk, CutChunks, cut_chunks, generation_cut
 from rolloutlog.core._verify import Lineage, verify_projection
 
@@ -51,7 +51,7 @@ _SessionChange = tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]
 _NO_CALLS: frozenset[str] = frozenset()
 
 
-class EpisodeFold(SessionRules):
+class EpisodeFold(AttemptRules):
     """One episode's state machine: every rule of the fold, applied one record at a time.
 
     It runs in two modes, chosen by ``keep_payloads`` — what it keeps, never which rules apply:
@@ -70,44 +70,23 @@ class EpisodeFold(SessionRules):
 
     __slots__ = (
         "_cut_staging",
-        "_cut_staging_known",
-        "_latest_call",
         "_pending_ledger",
         "_pending_staging",
-        "_staging",
         "_state_at_pin",
         "_tail_chunks",
         "_tail_constrained",
-        "_verdict",
-        "attempt",
         "boundaries",
         "boundary_bytes",
-        "committed_through",
-        "deadline_s",
         "episode",
         "events",
-        "exact",
-        "filters",
-        "finished",
-        "finished_offset",
-        "first_offset",
-        "first_ts",
         "keep_payloads",
-        "last_stage",
-        "ledger",
         "lineage",
-        "open_waits",
         "pinned",
         "result",
         "reward",
         "session_bytes",
         "sessions",
-        "size_bytes",
         "staging_keys",
-        "task",
-        "task_bytes",
-        "task_digest",
-        "version",
     )
 
     #: The fields that make the state (set below the class).
@@ -506,41 +485,31 @@ class EpisodeFold(SessionRules):
         """A copy of this state that later records do not change (the filters are shared)."""
         return snapshot(self)
 
-    # -- restores: a committed restore resets the state (``rolloutlog.core._restore``) --------
-
-    def begin_attempt(
-        self,
-        attempt: int,
-        at_cut: EpisodeFold | EpisodeProjection | Literal["restart", "unknown"],
-    ) -> None:
-        """The restore transition: ``attempt`` becomes current, continuing ``at_cut`` (the
-        state at the cut, the projection at the cut, ``"restart"``, or ``"unknown"``:
-        ``_restore.begin_attempt``)."""
-        begin_attempt(self, attempt, at_cut)
+    # -- restores: a committed restore resets the state (``AttemptRules.begin_attempt``) ------
 
     def restart(self, attempt: int) -> None:
         """A restore started this episode over as ``attempt``: nothing carries on."""
-        begin_attempt(self, attempt, "restart")
+        self.begin_attempt(attempt, "restart")
 
     def continue_at_cut(self, attempt: int) -> None:
         """A restore continues this episode as ``attempt`` from its state at the cut, which
         ``pin`` kept."""
-        begin_attempt(self, attempt, self.unpin())
+        self.begin_attempt(attempt, self.unpin())
 
     def continue_from(self, projection: EpisodeProjection, attempt: int) -> None:
         """A restore continues this episode as ``attempt`` from ``projection`` (its cut)."""
-        begin_attempt(self, attempt, projection)
+        self.begin_attempt(attempt, projection)
 
     def fence_to(self, attempt: int) -> None:
         """A committed restore's ``attempt.started`` met without the restore's reset (while
         catching up): only the fence moves."""
-        begin_attempt(self, attempt, "unknown")
+        self.begin_attempt(attempt, "unknown")
 
 
 #: The fields that make the state (what a restore takes back from a pinned copy): all but the
 #: identity, the filters (which go on seeing records), the version and the pin bookkeeping.
 EpisodeFold.STATE_FIELDS = tuple(
     name
-    for name in (*SessionRules.__slots__, *EpisodeFold.__slots__)
+    for name in (*SessionRules.__slots__, *AttemptRules.__slots__, *EpisodeFold.__slots__)
     if name not in ("episode", "filters", "version", "pinned", "_state_at_pin")
 )

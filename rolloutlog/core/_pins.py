@@ -3,10 +3,7 @@ records go on (a restore continues an episode from its state at the cut)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rolloutlog.core._episode import EpisodeFold
+from typing import TypeVar
 
 __all__ = ["snapshot"]
 
@@ -32,8 +29,11 @@ _COPIED_FIELDS = frozenset(
 )
 _PLANS: dict[type, tuple[tuple[str, bool], ...]] = {}
 
+#: A fold (``EpisodeFold``, or a subclass: the plan follows its slots).
+F = TypeVar("F")
 
-def snapshot(fold: EpisodeFold) -> EpisodeFold:
+
+def snapshot(fold: F) -> F:
     """A copy of ``fold``'s state that later records do not change (the filters are shared)."""
     copy = object.__new__(type(fold))
     for name, copied in _snapshot_plan(type(fold)):
@@ -41,8 +41,8 @@ def snapshot(fold: EpisodeFold) -> EpisodeFold:
         if copied and value is not None:
             value = value.copy()
         setattr(copy, name, value)
-    copy.pinned = False
-    copy._state_at_pin = None
+    copy.pinned = False  # type: ignore[attr-defined]
+    copy._state_at_pin = None  # type: ignore[attr-defined]
     return copy
 
 

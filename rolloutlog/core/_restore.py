@@ -18,21 +18,22 @@ The rule has two forms, for the two ways an episode is held, and one test of the
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from collections.abc import Callable, Container, Sequence
+from typing import Any, ClassVar, Literal, NamedTuple, Self
 
 import orjson
 
+from rolloutlog.core._episode_sessions import SessionRules
 from rolloutlog.core._filters import EventFilters
-from rolloutlog.core._model import EpisodeProjection
-
-if TYPE_CHECKING:
-    from rolloutlog.core._episode import EpisodeFold
+from rolloutlog.core._model import BoundaryView, EpisodeProjection, LedgerEntry, SessionView
+from rolloutlog.core._opaque import Opaque
+from rolloutlog.core._tail import Chunk
+from rolloutlog.core._verify import Lineage
 
 __all__ = [
     "RestoreTransition",
     "restore_transition",
-    "begin_attempt",
+    "AttemptRules",
     "resumed_boundary",
     "select_records",
 ]
@@ -145,95 +146,161 @@ def resumed_boundary(
 # -- over a fold's state -------------------------------------------------------------------------
 
 
-def begin_attempt(
-    fold: EpisodeFold,
-    attempt: int,
-    at_cut: EpisodeFold | EpisodeProjection | Literal["restart", "unknown"],
-) -> None:
-    """The transition on a fold's state: ``attempt`` becomes current, continuing ``at_cut``.
+class AttemptRules(SessionRules):
+    """The transition over a fold's state, kept beside the record form (``EpisodeFold`` inherits
+    it, with the session rules below it; it reads and writes the fold's fields, declared here
+    as the fold sets them)."""
 
-    - the state at the cut: the old attempt's committed prefix and its tail's generation cut go
-      on; the tail's session changes and undelivered calls are dropped (what ``select_records``
-      and ``EpisodeFold.apply`` do at the ``attempt.started``);
-    - a projection: it holds the committed prefix and the generation cut, not the tail it came
-      from, nor the chunks behind its cut (which a restore policy may have dropped), so the state
-      is no longer exactly the fold's (``exact``) and its verdicts come from replays;
-    - ``"restart"``: nothing carries on;
-    - ``"unknown"`` (met while catching up, without the restore's reset): later records of older
-      attempts are fenced, but the cut's truncation needs the history, so the state is no longer
-      exactly the fold's; an attempt not past the current one changes nothing.
-    """
-    if isinstance(at_cut, str):
-        if at_cut == "restart":
-            fold.version += 1
-            fold._clear(attempt)
-        elif attempt > fold.filters.current_attempt:  # "unknown"
-            fold.version += 1  # its manifest entry names the new attempt
-            fold.filters.current_attempt = attempt
-            fold.attempt = attempt
-            fold.exact = False
-    elif isinstance(at_cut, EpisodeProjection):
-        _continue_projection(fold, at_cut, attempt)
-    else:
-        _continue_state(fold, at_cut, attempt)
+    # Set by ``EpisodeFold._clear``; here as they are replaced here.
+    __slots__ = (
+        "_cut_staging_known",
+        "_latest_call",
+        "_staging",
+        "_verdict",
+        "attempt",
+        "committed_through",
+        "deadline_s",
+        "exact",
+        "filters",
+        "finished",
+        "finished_offset",
+        "first_offset",
+        "first_ts",
+        "last_stage",
+        "ledger",
+        "open_waits",
+        "size_bytes",
+        "task",
+        "task_bytes",
+        "task_digest",
+        "version",
+    )
+    STATE_FIELDS: ClassVar[tuple[str, ...]]
+    version: int
+    attempt: int
+    filters: EventFilters
+    exact: bool
+    keep_payloads: bool
+    first_offset: int | None
+    first_ts: float | None
+    committed_through: int | None
+    task: Opaque | None
+    task_digest: str | None
+    task_bytes: int
+    deadline_s: float | None
+    boundaries: dict[str, BoundaryView]
+    boundary_bytes: dict[str, int]
+    last_stage: str | None
+    sessions: dict[str, SessionView]
+    session_bytes: dict[str, int]
+    restart_only_open: bool
+    open_waits: dict[str, int]
+    staging_keys: list[str]
+    ledger: list[LedgerEntry] | None
+    lineage: Lineage | None
+    finished: bool
+    finished_offset: int | None
+    size_bytes: int
+    _tail_chunks: list[Chunk]
+    _latest_call: str | None
+    _cut_staging_known: bool
+    _staging: tuple[str, ...] | None
+    _verdict: tuple[str | None] | None
+    # The fold's own steps this transition runs.
+    _clear: Callable[[int], None]
+    _drop_tail: Callable[[], None]
+    payload_bytes: Callable[[], int]
 
+    def begin_attempt(
+        self,
+        attempt: int,
+        at_cut: Self | EpisodeProjection | Literal["restart", "unknown"],
+    ) -> None:
+        """The transition on a fold's state: ``attempt`` becomes current, continuing ``at_cut``.
 
-def _continue_state(fold: EpisodeFold, state: EpisodeFold, attempt: int) -> None:
-    version = fold.version
-    if state is not fold:
-        filters = fold.filters
-        for name in fold.STATE_FIELDS:
-            setattr(fold, name, getattr(state, name))
-        fold.filters = filters
-    fold._drop_tail()
-    fold.filters.current_attempt = attempt
-    fold.attempt = attempt
-    fold.version = version + 1
-    fold._verdict = None
-    fold._staging = None
-    fold.first_ts = None
-    fold.finished = False
-    fold.finished_offset = None
-    fold.size_bytes = fold.payload_bytes()
+        - the state at the cut: the old attempt's committed prefix and its tail's generation cut
+          go on; the tail's session changes and undelivered calls are dropped (what
+          ``select_records`` and ``EpisodeFold.apply`` do at the ``attempt.started``);
+        - a projection: it holds the committed prefix and the generation cut, not the tail it
+          came from, nor the chunks behind its cut (which a restore policy may have dropped), so
+          the state is no longer exactly the fold's (``exact``) and its verdicts come from
+          replays;
+        - ``"restart"``: nothing carries on;
+        - ``"unknown"`` (met while catching up, without the restore's reset): later records of
+          older attempts are fenced, but the cut's truncation needs the history, so the state is
+          no longer exactly the fold's; an attempt not past the current one changes nothing.
+        """
+        if isinstance(at_cut, str):
+            if at_cut == "restart":
+                self.version += 1
+                self._clear(attempt)
+            elif attempt > self.filters.current_attempt:  # "unknown"
+                self.version += 1  # its manifest entry names the new attempt
+                self.filters.current_attempt = attempt
+                self.attempt = attempt
+                self.exact = False
+        elif isinstance(at_cut, EpisodeProjection):
+            self._continue_projection(at_cut, attempt)
+        else:
+            self._continue_state(at_cut, attempt)
 
+    def _continue_state(self, state: Self, attempt: int) -> None:
+        version = self.version
+        if state is not self:
+            filters = self.filters
+            for name in self.STATE_FIELDS:
+                setattr(self, name, getattr(state, name))
+            self.filters = filters
+        self._drop_tail()
+        self.filters.current_attempt = attempt
+        self.attempt = attempt
+        self.version = version + 1
+        self._verdict = None
+        self._staging = None
+        self.first_ts = None
+        self.finished = False
+        self.finished_offset = None
+        self.size_bytes = self.payload_bytes()
 
-def _continue_projection(fold: EpisodeFold, projection: EpisodeProjection, attempt: int) -> None:
-    fold.version += 1
-    fold._clear(attempt)
-    fold.exact = False
-    keep = fold.keep_payloads
-    fold.first_offset = projection.first_offset
-    fold.committed_through = projection.committed_through
-    fold.task_digest = projection.task_digest
-    fold.deadline_s = projection.deadline_s
-    if projection.task is not None:
-        fold.task = projection.task if keep else None
-        fold.task_bytes = len(projection.task.raw)
-    for owner, boundary in projection.boundaries.items():
-        state = boundary.state
-        fold.boundaries[owner] = boundary if keep else boundary._replace(state=None)
-        fold.boundary_bytes[owner] = len(state.raw) if state is not None else 0
-    fold.last_stage = projection.last_stage
-    for sid, session in projection.sessions.items():
-        state = session.state
-        fold.sessions[sid] = session if keep else session._replace(state=None)
-        fold.session_bytes[sid] = len(state.raw) if state is not None else 0
-    fold.restart_only_open = bool(projection.restart_only_sessions())
-    fold.open_waits = dict(projection.open_waits)
-    for row in projection.ledger:
-        if row.staging_key and row.staging_key not in fold.staging_keys:
-            fold.staging_keys.append(row.staging_key)
-    if keep:
-        fold.ledger = list(projection.ledger)
-    elif fold.lineage is not None:  # judged already: the restore continued it
-        fold.lineage.task_seen = projection.task is not None
-        fold.lineage.rows = {row.call_id: (row.digest, row.cum_len) for row in projection.ledger}
-    cut = projection.generation_cut
-    if cut is not None:
-        facts = (cut.parent_call_id, cut.request_digest, cut.policy_version, cut.staging_key)
-        tokens = orjson.dumps(list(cut.token_ids)) if keep else None
-        chunk = (0, len(cut.token_ids), cut.terminal, facts, tokens, cut.call_id)
-        fold._tail_chunks.append(chunk)
-        fold._latest_call = cut.call_id
-        fold._cut_staging_known = False
-    fold.size_bytes = fold.payload_bytes()
+    def _continue_projection(self, projection: EpisodeProjection, attempt: int) -> None:
+        self.version += 1
+        self._clear(attempt)
+        self.exact = False
+        keep = self.keep_payloads
+        self.first_offset = projection.first_offset
+        self.committed_through = projection.committed_through
+        self.task_digest = projection.task_digest
+        self.deadline_s = projection.deadline_s
+        if projection.task is not None:
+            self.task = projection.task if keep else None
+            self.task_bytes = len(projection.task.raw)
+        for owner, boundary in projection.boundaries.items():
+            state = boundary.state
+            self.boundaries[owner] = boundary if keep else boundary._replace(state=None)
+            self.boundary_bytes[owner] = len(state.raw) if state is not None else 0
+        self.last_stage = projection.last_stage
+        for sid, session in projection.sessions.items():
+            state = session.state
+            self.sessions[sid] = session if keep else session._replace(state=None)
+            self.session_bytes[sid] = len(state.raw) if state is not None else 0
+        self.restart_only_open = bool(projection.restart_only_sessions())
+        self.open_waits = dict(projection.open_waits)
+        for row in projection.ledger:
+            if row.staging_key and row.staging_key not in self.staging_keys:
+                self.staging_keys.append(row.staging_key)
+        if keep:
+            self.ledger = list(projection.ledger)
+        elif self.lineage is not None:  # judged already: the restore continued it
+            self.lineage.task_seen = projection.task is not None
+            self.lineage.rows = {
+                row.call_id: (row.digest, row.cum_len) for row in projection.ledger
+            }
+        cut = projection.generation_cut
+        if cut is not None:
+            facts = (cut.parent_call_id, cut.request_digest, cut.policy_version, cut.staging_key)
+            tokens = orjson.dumps(list(cut.token_ids)) if keep else None
+            chunk = (0, len(cut.token_ids), cut.terminal, facts, tokens, cut.call_id)
+            self._tail_chunks.append(chunk)
+            self._latest_call = cut.call_id
+            self._cut_staging_known = False
+        self.size_bytes = self.payload_bytes()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -9,9 +11,11 @@ import pytest
 from fastapi.routing import APIRoute
 
 from rolloutlog.api import PUBLIC_PATHS, Role, Settings, Tokens, create_app, route_roles
+from rolloutlog.api._tokens import IMPLIES
 from rolloutlog.api.cli import main as cli_main
 from rolloutlog.errors import InvalidRequest
 from tests.api.conftest import RUN, TOKENS, Api, bearer, open_api
+from tests.api.test_e2e import Server
 
 #: The role of every route of docs/design.md §8 (plus the analyst's participant list and the
 #: trainer's restore list). A new route must be added here with its role.
@@ -190,3 +194,206 @@ async def test_admin_token_passes_every_role(tmp_path: Path) -> None:
     ) as api:
         assert (await api.call("POST", "/v1/runs", "admin", 201, json={"run": RUN})).json()
         assert (await api.call("GET", "/v1/runs", "admin", 200)).json()["runs"]
+
+
+# -- tokens scoped to runs, through a real server -------------------------------------------------
+
+#: What every scoped token of the tests holds its role for: a prefix and an exact name.
+SCOPE = ("exp-*", "exact-run")
+#: A token per role scoped to ``SCOPE`` (the admin's from the environment, the others' from the
+#: token file: both formats, for real).
+SCOPED = {role.value: f"{role.value}-scoped-token-01" for role in Role}
+
+
+def scoped_env(scoped: Mapping[str, str] = SCOPED) -> dict[str, str]:
+    """The variable that holds the scoped admin token (``TOKEN:RUN,PREFIX-*``)."""
+    return {"ROLLOUTLOG_TOKEN_ADMIN": f"{scoped['admin']}:{','.join(SCOPE)}"}
+
+
+SCOPED_ENV = scoped_env()
+
+
+def scoped_token_file(
+    path: Path, tokens: Mapping[str, str] = TOKENS, scoped: Mapping[str, str] = SCOPED
+) -> Path:
+    """A TOML token file: per role the unscoped token of ``tokens`` and (but for admin, whose
+    scoped token is a variable's) a table ``{token, runs}`` scoped to ``SCOPE``."""
+    runs = ", ".join(f'"{r}"' for r in SCOPE)
+    lines = []
+    for role in Role:
+        table = f', {{token = "{scoped[role.value]}", runs = [{runs}]}}'
+        extra = "" if role is Role.ADMIN else table
+        lines.append(f'{role.value} = ["{tokens[role.value]}"{extra}]')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@contextmanager
+def scoped_server(root: Path, *extra: str) -> Iterator[Server]:
+    """``rolloutlog serve`` with ``TOKENS`` and ``SCOPED`` (file and environment)."""
+    server = Server(root / "data", scoped_token_file(root / "tokens.toml"), *extra)
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in SCOPED_ENV.items():
+            env.setenv(name, value)
+        server.start()
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, httpx.Client]]:
+    with (
+        scoped_server(tmp_path_factory.mktemp("scopes")) as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        yield server, client
+
+
+def _as(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+#: Who asks: each role's token unscoped, scoped and asking in its scope, scoped and asking out.
+HOLDERS = [(role, where) for where in ("out", "in", "unscoped") for role in Role]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("index", "method", "path"),
+    [(i, m, p) for i, ((m, p), v) in enumerate(EXPECTED.items()) if v is not None],
+)
+def test_every_route_with_every_role_in_and_out_of_its_scope(
+    real: tuple[Server, httpx.Client], index: int, method: str, path: str
+) -> None:
+    """Every protected route x every role x (in scope / out of scope / unscoped): a role that
+    does not imply the route's is refused as before; a scoped token on a run out of its scope
+    gets 403 with the error envelope naming the role and the run, and changes nothing there."""
+    _, client = real
+    role = EXPECTED[(method, path)]
+    assert role is not None
+    inside, outside = f"exp-m{index}", f"other-m{index}"
+    for run in (inside, outside):
+        made = client.post("/v1/runs", json={"run": run, "partitions": 2}, headers=bearer("admin"))
+        assert made.status_code == 201, made.text
+    before = client.get(f"/v1/runs/{outside}", headers=bearer("admin")).json()
+    for holder, where in HOLDERS:
+        token = TOKENS[holder.value] if where == "unscoped" else SCOPED[holder.value]
+        run = outside if where == "out" else inside
+        body: dict[str, object] = {}
+        if path == "/v1/runs" and method == "POST":  # the run it creates is the one it names
+            body = {"run": f"{run}-new-{holder.value}-{where}", "partitions": 1}
+        kw = {"json": body} if method == "POST" else {}
+        url = _concrete(path.replace("{run}", run))
+        reply = client.request(method, url, headers=_as(token), **kw)  # type: ignore[arg-type]
+        named = "{run}" in path or method == "POST"  # GET /v1/runs names none: it filters
+        case = (holder.value, where, reply.status_code, reply.text)
+        if role not in IMPLIES[holder]:
+            assert reply.status_code == 403, case
+            assert reply.json()["error"]["details"]["role"] == role.value, case
+        elif where == "out" and named:
+            assert reply.status_code == 403, case
+            error = reply.json()["error"]
+            assert error["code"] == "forbidden", case
+            assert error["details"] == {"role": role.value, "run": body.get("run", run)}, case
+        else:
+            assert reply.status_code not in (401, 403), case
+        if path == "/v1/runs" and method == "GET" and role in IMPLIES[holder]:
+            listed = {r["run"] for r in reply.json()["runs"]}
+            assert inside in listed, case
+            assert (outside in listed) == (where == "unscoped"), case
+    after = client.get(f"/v1/runs/{outside}", headers=bearer("admin"))
+    assert after.status_code == 200, after.text  # an out-of-scope DELETE deleted nothing
+    assert after.json()["counts"] == before["counts"]
+    assert after.json()["controller_epoch"] == before["controller_epoch"]
+    if method == "POST" and path == "/v1/runs":
+        made = client.get("/v1/runs", params={"limit": 10_000}, headers=bearer("admin")).json()
+        assert not [r["run"] for r in made["runs"] if r["run"].startswith(f"{outside}-new")]
+
+
+def test_scoped_tokens_from_toml_json_and_the_environment(tmp_path: Path) -> None:
+    tokens = Tokens.from_file(scoped_token_file(tmp_path / "tokens.toml")).merged(
+        Tokens.from_env(SCOPED_ENV)
+    )
+    for role in Role:
+        unscoped, scoped = (
+            tokens.access_of(TOKENS[role.value]),
+            tokens.access_of(SCOPED[role.value]),
+        )
+        for run in ("exp-1", "exp-", "exact-run", "other", "exact-run-2", "exp"):
+            in_scope = run.startswith("exp-") or run == "exact-run"
+            assert unscoped.allows(role, run)
+            assert scoped.allows(role, run) == in_scope, (role, run)
+        assert scoped.roles == {role} and scoped.allows(role)  # holds the role, on some runs
+    json_file = tmp_path / "tokens.json"
+    json_file.write_text(
+        '{"analyst": {"token": "json-scoped-analyst-1", "runs": "solo"},'
+        ' "trainer": ["plain-trainer-token-1", {"token": "json-every-run-0001", "runs": ["*"]}]}'
+    )
+    from_json = Tokens.from_file(json_file)
+    assert from_json.access_of("json-scoped-analyst-1").runs_for(Role.ANALYST).covers("solo")
+    assert not from_json.access_of("json-scoped-analyst-1").allows(Role.ANALYST, "solo-2")
+    assert from_json.access_of("json-every-run-0001").allows(Role.TRAINER, "anything")
+    # A variable: tokens separated by commas as before, a scoped token on a line of its own.
+    env = Tokens.from_env(
+        {
+            "ROLLOUTLOG_TOKEN_TRAINER": "env-plain-token-001, env-plain-token-002\n"
+            " env-scoped-token-01 : exp-* , solo\n"
+        }
+    )
+    assert env.access_of("env-plain-token-002").allows(Role.TRAINER, "x")
+    assert env.access_of("env-scoped-token-01").allows(Role.TRAINER, "solo")
+    assert not env.access_of("env-scoped-token-01").allows(Role.TRAINER, "solo2")
+    # The same token under two entries holds what both grant.
+    both = Tokens.from_env(
+        {
+            "ROLLOUTLOG_TOKEN_ANALYST": "twice-listed-token-1:a-*",
+            "ROLLOUTLOG_TOKEN_TRAINER": "twice-listed-token-1:b",
+        }
+    )
+    runs = both.access_of("twice-listed-token-1").runs_for(Role.ANALYST)
+    assert (runs.covers("a-1"), runs.covers("b"), runs.covers("c")) == (True, True, False)
+    assert "twice-listed" not in repr(both)  # a token is never shown
+
+
+SECRET = "secret-part-never-shown-0001"
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"ROLLOUTLOG_TOKEN_TRAINER": f"{SECRET}:exp-*,bad/run"},
+        {"ROLLOUTLOG_TOKEN_TRAINER": f"{SECRET}:"},
+        {"ROLLOUTLOG_TOKEN_TRAINER": f"{SECRET}:-x*"},
+        {"ROLLOUTLOG_TOKEN_TRAINER": f"{SECRET},another-token-000001:exp-*"},
+        {"ROLLOUTLOG_TOKEN_TRAINER": f"{SECRET[:8]}:{SECRET[8:]}/x"},  # an old token with ':'
+        {"ROLLOUTLOG_TOKEN_TRAINER": "tiny7:exp-*"},
+    ],
+)
+def test_bad_scopes_are_refused_without_showing_the_token(environ: dict[str, str]) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        Tokens.from_env(environ)
+    message = str(refused.value)
+    assert "ROLLOUTLOG_TOKEN_TRAINER" in message or "trainer token 1" in message, message
+    for part in (SECRET, SECRET[:8], SECRET[8:], "tiny7"):
+        assert part not in message, message
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"trainer": {"token": "long-enough-token-01"}}',
+        '{"trainer": {"token": "long-enough-token-01", "runs": []}}',
+        '{"trainer": {"token": "long-enough-token-01", "runs": ["a b"]}}',
+        '{"trainer": {"token": "long-enough-token-01", "runs": [7]}}',
+        '{"trainer": {"token": "long-enough-token-01", "runs": ["a"], "role": "admin"}}',
+        '{"trainer": [{"token": "short", "runs": ["a"]}]}',
+    ],
+)
+def test_bad_scoped_entries_in_token_files_are_refused(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "tokens.json"
+    path.write_text(content)
+    with pytest.raises(InvalidRequest, match="trainer token 1") as refused:
+        Tokens.from_file(path)
+    assert "long-enough-token-01" not in str(refused.value)

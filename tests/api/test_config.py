@@ -81,6 +81,7 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
         "LEASE_S": "2.5",
         "MAX_REQUEST_MB": "3",
         "MAX_SEQ_GAP": "4096",
+        "METRICS_AUTH": "true",
         "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
         "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
         "KAFKA_SASL_USERNAME": "rolloutlog",
@@ -111,6 +112,7 @@ def test_every_setting_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) 
     assert (settings.replica_id, settings.lease_s) == ("replica-a", 2.5)
     assert settings.address == "0.0.0.0:9000"
     assert (settings.max_request_bytes, settings.max_seq_gap) == (3 * 1024 * 1024, 4096)
+    assert settings.metrics_auth
     assert settings.log_options == {
         "security_protocol": "SASL_SSL",
         "sasl_mechanism": "SCRAM-SHA-512",

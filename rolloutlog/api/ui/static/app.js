@@ -107,6 +107,7 @@ class ApiError extends Error {
     super(body && body.error ? `${body.error.code}: ${body.error.message}` : `HTTP ${status}`);
     this.status = status;
     this.code = body && body.error ? body.error.code : null;
+    this.details = (body && body.error && body.error.details) || {};
   }
 }
 
@@ -146,7 +147,9 @@ function crumbs(parts) {
 function showError(error) {
   if (error instanceof ApiError && (error.status === 401 || error.status === 403)) {
     app.replaceChildren(el("p", { class: "error", "data-testid": "auth-error" },
-      `${error.message}. Enter an analyst token above (it stays in this tab's sessionStorage).`));
+      error.code === "forbidden" && error.details.run  // a token scoped to other runs
+        ? `${error.message}. This token reads other runs only: enter one that holds this run above.`
+        : `${error.message}. Enter an analyst token above (it stays in this tab's sessionStorage).`));
     document.getElementById("token").focus();
     return;
   }

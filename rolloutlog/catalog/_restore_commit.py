@@ -1,0 +1,296 @@
+"""A restore's commit: the plan's checks, its rows and the episodes' new attempts, and the restore
+ids reserved ahead of it."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from operator import gt
+from typing import Any
+
+from sqlalchemy import func, insert, select, text, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from rolloutlog._gc import collector_paused
+from rolloutlog.catalog import _reads
+from rolloutlog.catalog._backend import Backend
+from rolloutlog.catalog._manifests import compose_parts, manifest_bodies
+from rolloutlog.catalog._schema import NAME_LENGTH, episodes, restore_episodes, restores, runs
+from rolloutlog.catalog._validate import check_count, check_episode
+from rolloutlog.catalog._values import RESTORE_ACTIONS, Restore, RestoreEntry, capture_key
+from rolloutlog.catalog._writes import lock_run
+from rolloutlog.errors import InvalidRequest, RestoreConflict, UnknownCheckpoint, UnknownEpisode
+from rolloutlog.log import NAME_PATTERN, episode_id_problem
+
+RESTORE_EPISODE_COLUMNS = (
+    "run",
+    "restore_id",
+    "episode",
+    "previous_attempt",
+    "attempt",
+    "capture_key",
+    "action",
+    "reason",
+)
+# Set-based from the restore episodes just inserted: one statement, not one per episode.
+_EPISODES_RESTORED = text(
+    "INSERT INTO episodes (run, episode, current_attempt, status, updated_at) "
+    "SELECT run, episode, attempt, "
+    "CASE WHEN action = 'excluded' THEN 'excluded' ELSE 'running' END, :now "
+    "FROM restore_episodes WHERE run = :run AND restore_id = :restore_id "
+    "ON CONFLICT (run, episode) DO UPDATE SET current_attempt = excluded.current_attempt, "
+    "status = excluded.status, updated_at = excluded.updated_at"
+)
+
+
+async def _current_attempts(
+    conn: AsyncConnection, run: str, named: Sequence[str], into: dict[str, int]
+) -> None:
+    for start in range(0, len(named), 10_000):
+        into.update(
+            (
+                await conn.execute(
+                    select(episodes.c.episode, episodes.c.current_attempt).where(
+                        episodes.c.run == run,
+                        episodes.c.episode.in_(named[start : start + 10_000]),
+                    )
+                )
+            ).all()
+        )
+
+
+async def reserve_restore_id(conn: AsyncConnection, run: str, controller_epoch: int) -> int:
+    """Take the run's next restore id for a restore that writes log records before it commits.
+
+    Ids are never handed out twice, so the records of a restore that died before its commit can
+    never be mistaken for those of a later one (its id just stays unused).
+    """
+    row = await lock_run(conn, run, controller_epoch)
+    restore_id = int(row.last_restore_id) + 1
+    await conn.execute(update(runs).where(runs.c.run == run).values(last_restore_id=restore_id))
+    return restore_id
+
+
+async def check_reserved_restore_id(
+    conn: AsyncConnection, run: str, run_row: Any, restore_id: int
+) -> None:
+    """A reserved id commits once, and only while no later restore has committed."""
+    newest = (
+        await conn.execute(select(func.max(restores.c.restore_id)).where(restores.c.run == run))
+    ).scalar_one_or_none()
+    if restore_id > int(run_row.last_restore_id) or restore_id <= int(newest or 0):
+        raise RestoreConflict(
+            f"restore id {restore_id} of run {run!r} was not reserved, or a restore with this "
+            f"or a later id has committed (newest committed: {int(newest or 0)})",
+            run=run,
+            restore_id=restore_id,
+            newest_restore_id=int(newest or 0),
+        )
+
+
+async def commit_restore_rows(
+    conn: AsyncConnection,
+    backend: Backend,
+    *,
+    run: str,
+    controller_epoch: int,
+    checkpoint_id: int,
+    entries: Sequence[RestoreEntry],
+    timings_ms: dict[str, float],
+    now: float,
+    restore_id: int | None = None,
+) -> Restore:
+    """Commit a restore plan (``Catalog.commit_restore`` says what is checked): its row, its
+    episodes' rows, and each episode's new attempt current in ``episodes``."""
+    run_row = await lock_run(conn, run, controller_epoch)
+    manifest = await _committed_manifest(conn, run, checkpoint_id)
+    # Current attempts of the manifest's episodes (and of the plan's others, below), not of the
+    # whole run, whose episodes table grows with every episode.
+    current: dict[str, int] = {}
+    # Episodes the checkpoint does not name (begun after its markers) may be restarted or
+    # excluded, never continued: they have no cut to continue from.
+    beyond = [entry.episode for entry in entries if entry.episode not in manifest]
+    for named in (list(manifest), beyond):
+        await _current_attempts(conn, run, named, current)
+    reserved = restore_id is not None
+    if restore_id is None:
+        restore_id = int(run_row.last_restore_id) + 1
+    else:
+        await check_reserved_restore_id(conn, run, run_row, restore_id)
+    rows, counts = _plan_rows(run, restore_id, checkpoint_id, entries, manifest, current)
+    if not reserved:
+        await conn.execute(update(runs).where(runs.c.run == run).values(last_restore_id=restore_id))
+    restore = Restore(
+        run=run,
+        restore_id=restore_id,
+        checkpoint_id=checkpoint_id,
+        controller_epoch=controller_epoch,
+        committed_at=now,
+        continue_count=counts["continue"],
+        restart_count=counts["restart"],
+        excluded_count=counts["excluded"],
+        timings_ms=timings_ms,
+    )
+    columns = {name: getattr(restore, name) for name in _RESTORE_COLUMNS}
+    await conn.execute(
+        insert(restores).values(**columns, timings_ms=_reads.encode_json_map(timings_ms))
+    )
+    await backend.bulk_insert(
+        conn, restore_episodes, RESTORE_EPISODE_COLUMNS, list(zip(*rows, strict=True)) or [[]] * 8
+    )
+    if entries:
+        await conn.execute(_EPISODES_RESTORED, {"run": run, "restore_id": restore_id, "now": now})
+    return restore
+
+
+#: The ``restores`` columns a ``Restore`` holds as stored (``timings_ms`` is encoded).
+_RESTORE_COLUMNS = (
+    "run",
+    "restore_id",
+    "checkpoint_id",
+    "controller_epoch",
+    "committed_at",
+    "continue_count",
+    "restart_count",
+    "excluded_count",
+)
+
+
+async def _committed_manifest(
+    conn: AsyncConnection, run: str, checkpoint_id: int
+) -> dict[str, str]:
+    """Each episode of a committed checkpoint's manifest with its action (``UnknownCheckpoint``
+    for any other checkpoint)."""
+    status = await _reads.checkpoint_status(conn, run, checkpoint_id)
+    if status != "committed":
+        raise UnknownCheckpoint(
+            f"checkpoint {checkpoint_id} of run {run!r} "
+            + ("does not exist" if status is None else f"is {status}")
+            + ": only a committed checkpoint can be restored",
+            run=run,
+            checkpoint_id=checkpoint_id,
+            status=status,
+        )
+    bodies, _ = await manifest_bodies(conn, run, checkpoint_id)
+    with collector_paused():
+        return {entry[0]: entry[2] for entry in compose_parts(bodies)}
+
+
+def _plan_rows(
+    run: str,
+    restore_id: int,
+    checkpoint_id: int,
+    entries: Sequence[RestoreEntry],
+    manifest: Mapping[str, str],
+    current: Mapping[str, int],
+) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
+    """The plan's ``restore_episodes`` rows and its counts per action, once the plan is found
+    to agree with the manifest and the episodes' current attempts."""
+    counts = {"continue": 0, "restart": 0, "excluded": 0}
+    rows: list[tuple[Any, ...]] = []
+    for entry in entries:
+        episode, action = entry.episode, entry.action
+        planned = manifest.get(episode)
+        if planned is None and action == "continue":
+            raise UnknownEpisode(
+                f"episode {episode!r} is not in the manifest of checkpoint {checkpoint_id}",
+                run=run,
+                checkpoint_id=checkpoint_id,
+                episode=episode,
+            )
+        if (planned == "finished" and action != "excluded") or (
+            planned == "restart" and action == "continue"
+        ):
+            raise InvalidRequest(
+                f"episode {episode!r} is {planned} in checkpoint {checkpoint_id}; "
+                f"it cannot be restored as {action}",
+                episode=episode,
+                manifest_action=planned,
+                action=action,
+            )
+        attempt_now = current.get(episode, 0)
+        if entry.previous_attempt != attempt_now:
+            raise InvalidRequest(
+                f"episode {episode!r} is at attempt {attempt_now}, the plan assumed "
+                f"{entry.previous_attempt}: the plan is stale",
+                episode=episode,
+                current_attempt=attempt_now,
+                previous_attempt=entry.previous_attempt,
+            )
+        counts[action] += 1
+        rows.append(
+            (
+                run,
+                restore_id,
+                episode,
+                entry.previous_attempt,
+                entry.attempt,
+                capture_key(episode, entry.attempt),
+                action,
+                entry.reason,
+            )
+        )
+    planned_episodes = {entry.episode for entry in entries}
+    missing = sorted(
+        episode
+        for episode, action in manifest.items()
+        if action != "finished" and episode not in planned_episodes
+    )
+    if missing:
+        raise InvalidRequest(
+            f"the restore plan leaves {len(missing)} live episode(s) of checkpoint "
+            f"{checkpoint_id} unaccounted for",
+            episodes=missing[:20],
+        )
+    return rows, counts
+
+
+def check_plan(entries: Sequence[RestoreEntry]) -> None:
+    """Raise the error naming the first invalid entry of a restore plan (none: it is valid)."""
+    if not _plan_looks_valid(entries):
+        _check_plan(entries)
+
+
+_EPISODE_NAME = re.compile(NAME_PATTERN)
+
+
+def _plan_looks_valid(entries: Sequence[RestoreEntry]) -> bool:
+    """``_check_plan``'s checks over whole columns with C-level builtins (a restore commits
+    16,000 entries); when this says no, ``_check_plan`` finds the entry to name."""
+    if not entries:
+        return True
+    if set(map(type, entries)) != {RestoreEntry}:
+        return False
+    episodes, previous, attempts, actions, _ = zip(*entries, strict=True)
+    return (
+        set(map(type, episodes)) == {str}
+        and len(set(episodes)) == len(episodes)
+        and max(map(len, episodes)) <= NAME_LENGTH
+        and all(map(_EPISODE_NAME.match, episodes))
+        and not any("-a" in episode and episode_id_problem(episode) for episode in episodes)
+        and set(actions) <= RESTORE_ACTIONS
+        and set(map(type, previous)) == {int}
+        and set(map(type, attempts)) == {int}
+        and min(previous) >= 0
+        and all(map(gt, attempts, previous))
+    )
+
+
+def _check_plan(entries: Sequence[RestoreEntry]) -> None:
+    """Raise the error naming the first invalid entry of a restore plan."""
+    seen: set[str] = set()
+    for entry in entries:
+        check_episode(entry.episode)
+        if entry.episode in seen:
+            raise InvalidRequest(
+                f"episode {entry.episode!r} appears twice in the restore plan",
+                episode=entry.episode,
+            )
+        seen.add(entry.episode)
+        if entry.action not in RESTORE_ACTIONS:
+            raise InvalidRequest(
+                f"restore action must be one of {sorted(RESTORE_ACTIONS)}",
+                episode=entry.episode,
+            )
+        check_count(entry.previous_attempt, "previous_attempt")
+        check_count(entry.attempt, "attempt", minimum=entry.previous_attempt + 1)
