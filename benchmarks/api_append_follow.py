@@ -26,7 +26,7 @@ from typing import Any
 
 from _common import save, summary
 
-from rolloutlog.log import Record, embedded, partition_for
+from rolloutlog.log import Record, _run_file, partition_for
 from rolloutlog.log.embedded import EmbeddedLog
 
 APPENDERS = 8
@@ -73,12 +73,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--events", type=int, default=40_000)
     args = parser.parse_args()
-    tail_bytes = embedded._TAIL_BYTES
+    tail_bytes = _run_file._TAIL_BYTES
     times: dict[str, list[float]] = {"tail": [], "read back": []}
     asyncio.run(_round(args.events // 4))  # warm
     for _ in range(args.rounds):
         for side in times:
-            embedded._TAIL_BYTES = tail_bytes if side == "tail" else 0
+            _run_file._TAIL_BYTES = tail_bytes if side == "tail" else 0
             times[side].append(asyncio.run(_round(args.events)))
     figures = {side: summary(values) for side, values in times.items()}
     print(

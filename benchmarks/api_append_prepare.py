@@ -2,7 +2,7 @@
 
 ``_prepare.prepare`` (parse a body of 100 envelopes, validate each, encode each record, note what
 fencing reads) timed on the same bodies two ways, alternately, round by round: as it runs
-(``fast path``: ``log/_fastpath.py`` takes every envelope here) and with the fast path turned off
+(``fast path``: ``log.fast_record`` takes every envelope here) and with the fast path turned off
 (``pydantic``: every envelope through ``validate_event`` + ``encode_record``, what ``prepare``
 does without it). ``parse only`` is the ``orjson.loads`` of the same body, the floor.
 Bodies: ``api_append``'s (``step.boundary``, ~250 bytes) and a mix of every client event type.

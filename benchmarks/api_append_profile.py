@@ -78,7 +78,7 @@ PARTS = [
     ("  the append route", "api/_append.py:_serve"),
     ("    prepare: parse, validate, encode", "api/_prepare.py:prepare"),
     ("      orjson.loads of the body", "api/_prepare.py:parse_body"),
-    ("      the fast path", "log/_fastpath.py:fast_record"),
+    ("      the fast path", "log/_record.py:fast_record"),
     ("      pydantic validate_event", "log/_codec.py:validate_event"),
     ("      pydantic encode_record", "log/_record.py:encode_record"),
     ("    fencing", "api/_append.py:check_fencing"),

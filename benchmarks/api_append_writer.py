@@ -2,7 +2,7 @@
 
 What the writer does for the append benchmark's service, without the service: commit groups of 8
 appends of 100 ~250-byte records (episodes spread over 16 partitions) through
-``_RunFile._commit_group`` (offsets, segments, the SQLite transaction, the tails, the futures),
+``RunFile._commit_group`` (offsets, segments, the SQLite transaction, the tails, the futures),
 on one thread, timed by that thread's CPU clock. ``synchronous=NORMAL`` keeps the fsync's wait
 out (it is not CPU). Each side runs in its own process (``--compare REF``: REF's ``rolloutlog``
 package, extracted as ``api_append.extract`` does), alternately, round by round; the figure is
@@ -30,7 +30,8 @@ _ROUND = """
 import asyncio, gc, sys, tempfile, time
 import orjson
 from rolloutlog.log import Record, partition_for
-from rolloutlog.log.embedded import EmbeddedLog, _Append
+from rolloutlog.log._run_file import Append
+from rolloutlog.log.embedded import EmbeddedLog
 
 gc.set_threshold(50_000, 50, 1_000)  # as ``serve`` sets it
 
@@ -50,7 +51,7 @@ async def main() -> None:
                     Record(partition_for(key, 16), key.encode(), orjson.dumps({"x": "y" * 230, "n": count + k}))
                     for k, key in enumerate(keys)
                 ]
-                group.append(_Append(records, loop, loop.create_future(), 25_000))
+                group.append(Append(records, loop, loop.create_future(), 25_000))
                 count += 100
             groups.append(group)
 

@@ -37,6 +37,10 @@ SURFACES: dict[str, list[str]] = {
     "rolloutlog.core": [
         "RestoreTransition",
         "BoundaryView",
+        "check_envelope",
+        "record_holds",
+        "envelope_holds",
+        "wrong_record_field",
         "CUT_DISPOSITIONS",
         "EpisodeFold",
         "EpisodeProjection",

@@ -1,7 +1,7 @@
 """Turning an append's body into log records: parse, validate, encode — optionally in a worker
 process.
 
-Each envelope is checked and encoded by the fast path (``log/_fastpath.py``: a client envelope
+Each envelope is checked and encoded by the fast path (``log.fast_record``: a client envelope
 of plain JSON types straight to its record, 2-3x cheaper than pydantic) or, for anything it does
 not take, by the pydantic models, which give every refusal. In the append benchmark validation
 and encoding were ~44% of the service's main-thread CPU before the fast path, ~28% after (the

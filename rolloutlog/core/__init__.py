@@ -8,6 +8,7 @@ It imports nothing but the standard library, pydantic, orjson and ``rolloutlog.e
 the service — can build on it, and it can be used and tested without any I/O library.
 """
 
+from rolloutlog.core._check import check_envelope, envelope_holds, record_holds, wrong_record_field
 from rolloutlog.core._cuts import (
     CUT_DISPOSITIONS,
     planned_cut_dispositions,
@@ -185,8 +186,11 @@ __all__ = [
     "StepStarted",
     "StepStartedData",
     "capture_key",
+    "check_envelope",
+    "record_holds",
     "compose_state",
     "encode_opaque",
+    "envelope_holds",
     "episode_id_problem",
     "is_delta",
     "ledger_digest",
@@ -197,4 +201,5 @@ __all__ = [
     "state_delta",
     "task_digest",
     "token_count",
+    "wrong_record_field",
 ]

@@ -5,10 +5,10 @@ across fields) and the payload field of each type (``PAYLOAD_FIELD``: the one ``
 token-list field, which a record keeps apart from its metadata; ``OPAQUE_FIELD``: the ``Opaque``
 ones) are read off the models, so no table repeats them by hand.
 
-The models are the one definition of what an event's data holds. The append's fast path
-(``_fastpath``) and the projector's record check (``projections/_quarantine``) build their
+The models are the one definition of what an event's data holds. The envelope checker
+(``_check``: the append's fast path, the SDK's check, the projector's record check) builds its
 tables from ``DATA_SHAPES`` instead of writing the fields again, so a field added to a model is
-checked by both without editing them. A field of a kind this module does not know (another
+checked by all three without editing them. A field of a kind this module does not know (another
 constraint, another type) raises at import: someone must say how the fast paths check it.
 """
 

@@ -58,7 +58,6 @@ from rolloutlog.log._codec import (
     validate_event,
     validate_events,
 )
-from rolloutlog.log._fastpath import fast_record
 from rolloutlog.log._interface import (
     DEFAULT_MAX_RECORD_BYTES,
     DEFAULT_PARTITIONS,
@@ -75,6 +74,7 @@ from rolloutlog.log._record import (
     attempt_started_record,
     encode_record,
     encode_record_dict,
+    fast_record,
     marker_record,
     peek_record,
     record_episode,

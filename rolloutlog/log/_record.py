@@ -18,8 +18,9 @@ restore's records). Both fall back to decoding, or to "no", for a record in anot
 order is a speed-up, never a correctness condition.
 
 Everything that builds, splits or peeks into a record calls this module: the codec (typed events),
-the SDK (its envelopes as dicts), the projector and the fold (metadata and payloads), and the
-coordinator and the log (the service's own ``checkpoint.marker`` and ``attempt.started``).
+the append's fast path and the SDK (``fast_record``: an envelope the envelope checker,
+``core.check_envelope``, took, as a dict), the projector and the fold (metadata and payloads), and
+the coordinator and the log (the service's own ``checkpoint.marker`` and ``attempt.started``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from rolloutlog.core import (
     PAYLOAD_FIELD,
     SERVICE_PARTICIPANT_ID,
     Opaque,
+    check_envelope,
     encode_opaque,
 )
 
@@ -41,9 +43,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PAYLOAD_FIELD",
+    "FastRecord",
     "attempt_started_record",
     "encode_record",
     "encode_record_dict",
+    "fast_record",
     "marker_record",
     "peek_record",
     "record_envelope",
@@ -101,6 +105,29 @@ def encode_record_dict(event: dict[str, Any]) -> bytes:
     if type(payload) is Opaque:
         return b"%b\n%b" % (head, payload.raw)
     return b"%b\n%b" % (head, orjson.dumps(payload, default=encode_opaque))
+
+
+#: An envelope's record and what fencing reads of it: (record, episode, attempt, participant
+#: id, epoch, seq). A plain tuple: a NamedTuple's constructor cost ~10% of the fast path.
+FastRecord = tuple[bytes, str, int, str, int, int]
+
+
+def fast_record(value: Any) -> FastRecord | None:
+    """The record of a client envelope (a dict as parsed from JSON, or as the SDK builds it)
+    without pydantic, or None when only the models may decide (``core.check_envelope``).
+
+    For an envelope it takes, the same bytes as ``encode_record(validate_event(value))``: the
+    checker gives the metadata in model order with the defaults filled in, and its payload's
+    JSON, which orjson writes as pydantic-core does (floats in the shortest round-trip form,
+    strings printable ASCII; tested envelope by envelope).
+    """
+    checked = check_envelope(value)
+    if checked is None:
+        return None
+    meta, payload, episode, attempt, participant, epoch, seq = checked
+    head = orjson.dumps(meta)
+    record = head if payload is None else b"%b\n%b" % (head, payload)
+    return record, episode, attempt, participant, epoch, seq
 
 
 def fitted(record: bytes) -> bytes:

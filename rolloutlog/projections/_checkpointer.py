@@ -14,15 +14,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from asyncio import FIRST_COMPLETED
-from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from itertools import chain
-from operator import attrgetter, itemgetter
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
-from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry, PartitionOffset
+from rolloutlog.catalog import Catalog, Checkpoint
 from rolloutlog.core import replay_start
 from rolloutlog.errors import (
     BackendUnavailable,
@@ -33,24 +29,29 @@ from rolloutlog.errors import (
     StaleController,
 )
 from rolloutlog.log import Log
-from rolloutlog.projections._feeders import flush_episodes
-from rolloutlog.projections._projector import CheckpointCapture, Projector
+from rolloutlog.projections._capture import CheckpointCapture
+from rolloutlog.projections._manifest_writer import (
+    Delta,
+    StagingDelta,
+    end_committed,
+    staging_keys,
+    write_parts,
+)
+from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._timing import StageTimer, backoff_s
-from rolloutlog.projections._waits import ExportRequests, name_expired_waits
+from rolloutlog.projections._waits import ExportRequests, reach_markers, resolve_waits
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_WAIT_DEADLINE_S",
     "GRACE_S",
+    "CheckpointOptions",
     "CheckpointResult",
     "Checkpointer",
     "StagingDelta",
 ]
 
-_STAGING_KEYS = attrgetter("staging_keys")
-_ACTION = itemgetter(2)
-_SIZE = itemgetter(7)
 
 #: How long a checkpoint waits for open wait steps when the request names no deadline; also how
 #: long a checkpoint or restore waits for the projector to reach the log's offsets.
@@ -67,15 +68,15 @@ SWEEP_EVERY_S = 1.0
 REMOTE_PARTS_WAIT_S = 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class StagingDelta:
-    """How a checkpoint's staging keys differ from those of checkpoint ``since`` (its base):
-    ``count`` keys in all."""
+class CheckpointOptions(TypedDict, total=False):
+    """How a checkpoint is asked for: ``Checkpointer.checkpoint``'s keywords, which
+    ``Coordinator.checkpoint`` passes on."""
 
-    since: int
-    added: tuple[str, ...]
-    removed: tuple[str, ...]
-    count: int
+    deadline_s: float | None
+    wait: bool
+    trigger: str
+    staging_since: int | None
+    request_id: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +184,7 @@ class Checkpointer:
             timer.stage("markers")
             # A degraded projector may not get there: the checkpoint then fails (``unavailable``)
             # at its deadline instead of hanging, and the next one succeeds once it recovers.
-            reached = await _reach(projector, capture, deadline)
+            reached = await reach_markers(projector, capture, deadline)
             projector.check_running()
             timer.stage("projector")
         except BaseException:
@@ -246,7 +247,7 @@ class Checkpointer:
         staging: tuple[str, ...] | None = None
         if found.status == "committed":
             manifest = await self.catalog.load_manifest(run, found.checkpoint_id)
-            staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, manifest))))
+            staging = staging_keys(manifest)
         return CheckpointResult(found, staging, {})
 
     async def _finish(
@@ -263,13 +264,19 @@ class Checkpointer:
         checkpoint_id = capture.checkpoint_id
         moved = False
         try:
-            await _resolve(projector, capture, deadline, deadline)
+            await resolve_waits(projector, capture, deadline, deadline)
             timer.stage("waits")
             try:
                 if projector.closed.is_set():  # the run's partitions changed owner meanwhile
                     raise LeaseLost(f"the projector of run {run!r} was replaced", run=run)
-                committed, delta, restaged = await self._write_parts(
-                    projector, capture, timer, controller_epoch, marked_at
+                committed, delta, restaged = await write_parts(
+                    self.catalog,
+                    self.replica_id,
+                    projector,
+                    capture,
+                    timer,
+                    controller_epoch,
+                    marked_at,
                 )
             except CheckpointNotPending:  # aborted meanwhile (superseded): say why, below
                 committed, delta, restaged = None, None, None
@@ -291,7 +298,7 @@ class Checkpointer:
             staged = self._staged.pop(run, None)
             if not whole:  # other replicas wrote parts: the catalog has the whole manifest
                 manifest = await self.catalog.load_manifest(run, checkpoint_id)
-                staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, manifest))))
+                staging = staging_keys(manifest)
             elif restaged is None or staging_since != restaged.since or staged != restaged.since:
                 staging = tuple(capture.staging)
             timer.stage("commit")
@@ -309,67 +316,13 @@ class Checkpointer:
             await self._abort(projector, controller_epoch, capture, "commit failed")
             raise
         self._exports.close(run, capture)
-        _end(projector, capture, delta)
+        end_committed(projector, capture, delta)
         if whole:
             self._staged[run] = checkpoint_id
         self._spawn_trim(run)
         return CheckpointResult(
             committed, staging, timer.total(), restaged if staging is None else None
         )
-
-    async def _write_parts(
-        self,
-        projector: Projector,
-        capture: CheckpointCapture,
-        timer: StageTimer,
-        controller_epoch: int | None,
-        marked_at: float | None,
-        written: frozenset[int] = frozenset(),
-    ) -> tuple[Checkpoint | None, _Delta | None, StagingDelta | None]:
-        """Write the capture's parts (one transaction); the checkpoint if that committed it,
-        the delta manifest written (None: whole), how the staging keys changed from the base's.
-        ``written``: partitions that have their part already (their owner before this
-        projector's start wrote it), left out of the write."""
-        if not capture.owned:  # a replica that owns none of the run's partitions
-            return None, None, None
-        projector.check_running()  # a run whose log was lost meanwhile commits nothing
-        offsets, entries = _manifest(capture)
-        delta, restaged = _delta(capture, entries)
-        keep = capture.owned - written
-        whole = list((capture.whole or {}).values()) if delta is None else []
-        if keep != capture.owned:  # the rest's parts, whole (a delta's totals span them all)
-            if not keep:
-                return None, None, None
-            offsets = [offset for offset in offsets if offset.partition in keep]
-            whole = [e for e in (capture.whole or {}).values() if e.cut_partition in keep]
-            delta = None
-        # Every finish below the markers is in the catalog before they commit: a restarted
-        # projector reads from the new cut on, and would never record it.
-        await flush_episodes(self.catalog, projector, finishes_only=True)
-        timer.stage("manifest")
-        generations = {p: g for p, g in projector.generations.items() if p in keep}
-        write = self.catalog.write_checkpoint_parts
-        common: dict[str, Any] = {
-            "replica_id": self.replica_id,
-            "generations": generations,
-            "controller_epoch": controller_epoch,
-            "timings_ms": timer.total(),
-            "marked_at": marked_at,
-        }
-        run, checkpoint_id = projector.run, capture.checkpoint_id
-        if delta is None:
-            return await write(run, checkpoint_id, offsets, whole, **common), None, restaged
-        committed = await write(
-            run,
-            checkpoint_id,
-            offsets,
-            delta.changed,
-            base_checkpoint_id=delta.base,
-            removed=delta.removed,
-            totals=delta.totals,
-            **common,
-        )
-        return committed, delta, restaged
 
     async def _committed(
         self, run: str, checkpoint_id: int, controller_epoch: int, deadline_at: float
@@ -425,7 +378,7 @@ class Checkpointer:
         timer.stage("commit")
         self._staged.pop(run, None)
         self._spawn_trim(run)
-        staging = tuple(dict.fromkeys(chain.from_iterable(map(_STAGING_KEYS, manifest))))
+        staging = staging_keys(manifest)
         return CheckpointResult(committed, staging, timer.total())
 
     async def _outcome(self, run: str, checkpoint_id: int, deadline_at: float) -> Checkpoint | None:
@@ -453,7 +406,7 @@ class Checkpointer:
         the outcome (committed by this write, or polled) for ``end_capture``."""
         run, checkpoint_id = projector.run, capture.checkpoint_id
         met_at = time.time()  # its first marker here: when the checkpoint was marked, near enough
-        delta: _Delta | None = None
+        delta: Delta | None = None
         committed = False
         try:
             pending = await self.catalog.get_checkpoint(run, checkpoint_id)
@@ -465,14 +418,21 @@ class Checkpointer:
                 await capture.reached.wait()
             if capture.waiting:
                 self._exports.open(projector, capture, deadline_at)
-            await _resolve(projector, capture, deadline, deadline_at - time.time())
+            await resolve_waits(projector, capture, deadline, deadline_at - time.time())
             if projector.closed.is_set():  # replaced: the new projector captures its own
                 return
             # A projector started while the checkpoint was pending (its partitions changed
             # owner) may own partitions whose former owner wrote their parts already.
             written = await self.catalog.written_parts(run, checkpoint_id)
-            done, delta, _ = await self._write_parts(
-                projector, capture, StageTimer(), None, met_at, written
+            done, delta, _ = await write_parts(
+                self.catalog,
+                self.replica_id,
+                projector,
+                capture,
+                StageTimer(),
+                None,
+                met_at,
+                written,
             )
             if done is None:
                 done = await self._outcome(run, checkpoint_id, deadline_at + self.grace_s)
@@ -494,7 +454,7 @@ class Checkpointer:
         finally:
             self._exports.close(run, capture)
             if committed:
-                _end(projector, capture, delta)
+                end_committed(projector, capture, delta)
             else:
                 projector.end_capture(capture, committed=False)
 
@@ -587,143 +547,3 @@ class Checkpointer:
             if not await self.log.trim(run, partition, before):
                 return
             trimmed[partition] = before
-
-
-async def _reach(projector: Projector, capture: CheckpointCapture, timeout_s: float) -> bool:
-    """Wait until the projector captured the markers in every partition it owns (True), or
-    gave the capture up (False): it was stopped for another one (the run's partitions changed
-    owner), or a newer capture replaced this one. ``unavailable`` past ``timeout_s``."""
-    waits = [
-        asyncio.ensure_future(event.wait())
-        for event in (capture.reached, capture.ended, projector.closed)
-    ]
-    try:
-        done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=FIRST_COMPLETED)
-    finally:
-        for waiting in waits:
-            waiting.cancel()
-    if capture.reached.is_set():
-        return True
-    if done:
-        return False
-    # Not there in time: a degraded projector, or one catching up with a long log.
-    health = projector.health
-    why = f" ({health.status}: {health.error})" if health.status != "ok" else ""
-    raise BackendUnavailable(
-        f"the projector of run {projector.run!r} did not reach the markers of checkpoint "
-        f"{capture.checkpoint_id} within {timeout_s} s{why}; retry",
-        run=projector.run,
-        health=health.view(),
-    )
-
-
-async def _resolve(
-    projector: Projector, capture: CheckpointCapture, deadline: float, wait_s: float
-) -> None:
-    """Wait up to ``wait_s`` for the capture's wait steps; then the rest restart (``deadline``
-    names the checkpoint's deadline in their reasons). A capture a newer checkpoint replaced
-    meanwhile (this one was aborted) waits no more: its parts are refused; nor does one whose
-    projector was stopped (the partitions changed owner: the new owners' capture waits)."""
-    if capture.waiting:
-        events = (capture.resolved, capture.ended, projector.closed)
-        waits = [asyncio.ensure_future(event.wait()) for event in events]
-        try:
-            await asyncio.wait(waits, timeout=max(0.0, wait_s), return_when=FIRST_COMPLETED)
-        finally:
-            for waiting in waits:
-                waiting.cancel()
-        if not any(event.is_set() for event in events):
-            name_expired_waits(projector, capture, deadline)
-            capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
-
-
-def _end(projector: Projector, capture: CheckpointCapture, delta: _Delta | None) -> None:
-    """The checkpoint committed: the projector's next manifest amends this one."""
-    if delta is None:
-        projector.end_capture(capture, committed=True)
-    else:
-        projector.end_capture(capture, committed=True, depth=delta.depth, amended=delta.amended)
-
-
-#: A chain of delta manifests is at most this many deltas long: the next manifest is whole.
-MAX_CHAIN_DEPTH = 16
-
-
-@dataclass(frozen=True, slots=True)
-class _Delta:
-    base: int
-    changed: list[ManifestEntry]
-    removed: list[ManifestEntry]
-    totals: dict[str, int]
-    depth: int
-    amended: int
-
-
-def _delta(
-    capture: CheckpointCapture, entries: list[ManifestEntry]
-) -> tuple[_Delta | None, StagingDelta | None]:
-    """What the manifest changes from its base's (None: write it whole, ``capture.whole``).
-    ``entries`` are the capture's: every live episode's without a base, else those whose
-    trackers changed. Whole when there is no base, when the chain is ``MAX_CHAIN_DEPTH`` deltas
-    long, or when its deltas would amend at least half as many entries as it holds: a read
-    composes at most 1.5x the manifest's entries, and a whole manifest's cost is spread over
-    the deltas before it. Sets ``capture.totals`` and ``capture.staging`` either way, from
-    what changed; with a base, also returns the staging keys that came and went since it."""
-    base = capture.base
-    if base is None:
-        whole = capture.compose()
-        capture.staging = Counter(chain.from_iterable(map(_STAGING_KEYS, entries)))
-        counts = Counter(map(_ACTION, entries))
-        capture.totals = {
-            **{action: counts[action] for action in ("continue", "restart", "finished")},
-            "size_bytes": sum(map(_SIZE, entries)),
-        }
-        return None, None
-    # Counts and staging references follow what changed (before ``compose`` amends the base).
-    before = base.entries
-    replaced = [before[episode] for episode in capture.entries if episode in before]
-    removed = [before[episode] for episode in capture.gone if episode in before]
-    totals, staging = dict(base.totals), base.staging
-    dropped: set[str] = set()
-    for entry in chain(replaced, removed):
-        totals[entry[2]] -= 1
-        totals["size_bytes"] -= entry[7]
-        for key in entry[6]:
-            if staging[key] > 1:
-                staging[key] -= 1
-            else:
-                del staging[key]
-                dropped.add(key)
-    added: list[str] = []
-    for entry in entries:
-        totals[entry[2]] += 1
-        totals["size_bytes"] += entry[7]
-        for key in entry[6]:
-            count = staging.get(key, 0)
-            staging[key] = count + 1
-            if not count:
-                if key in dropped:  # referenced before and after: no change
-                    dropped.discard(key)
-                else:
-                    added.append(key)
-    capture.totals, capture.staging = totals, staging
-    restaged = StagingDelta(base.checkpoint_id, tuple(added), tuple(dropped), len(staging))
-    whole = capture.compose()
-    amended = base.amended + len(entries) + len(removed)
-    if base.depth >= MAX_CHAIN_DEPTH or 2 * amended >= len(whole):
-        return None, restaged
-    delta = _Delta(base.checkpoint_id, entries, removed, totals, base.depth + 1, amended)
-    return delta, restaged
-
-
-def _manifest(capture: CheckpointCapture) -> tuple[list[PartitionOffset], list[ManifestEntry]]:
-    offsets = [
-        PartitionOffset(partition, marker, min(capture.needed.get(partition, marker), marker))
-        for partition, marker in sorted(capture.markers.items())
-    ]
-    entries = capture.entries
-    for episode, reason in capture.reasons.items():  # restarts only: a few, not every entry
-        entry = entries.get(episode)
-        if entry is not None and entry.action == "restart":
-            entries[episode] = entry._replace(reason=reason)
-    return offsets, list(entries.values())

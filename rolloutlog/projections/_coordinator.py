@@ -1,7 +1,8 @@
 """The coordinator: one per service. It owns a projector per run (started on first use, fed to
 the catalog by ``_feeders.py``) and hands checkpoints to ``_checkpointer.py`` and restores to
-``_restorer.py`` (which runs the pure planner of ``_planner.py``). Its read doors answer the API's
-questions about what the projectors track, so no other room reaches into projector state.
+``_restorer.py`` (the runner; each owner's part planned by ``_part_planner.py`` with ``core``'s
+pure planner, the projections served by ``_projection_server.py``). Its read doors answer the
+API's questions about what the projectors track, so no other room reaches into projector state.
 
 Each projector folds the partitions this replica owns (``_ownership.py``: catalog leases; a lone
 replica owns them all). When a run's owned partitions or their generations change, its projector
@@ -15,7 +16,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import Catalog, PartitionOwner
@@ -25,19 +26,20 @@ from rolloutlog.log import Log, partition_for, record_episode
 from rolloutlog.projections._checkpointer import (
     DEFAULT_WAIT_DEADLINE_S,
     Checkpointer,
+    CheckpointOptions,
     CheckpointResult,
 )
 from rolloutlog.projections._feeders import flush_episodes, record_episodes, record_quarantine
-from rolloutlog.projections._health import HealthReporter, RunHealthReport
+from rolloutlog.projections._health import HealthReporter, RunHealth, RunHealthReport
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, Ownership, default_replica_id
-from rolloutlog.projections._projector import Projector, RunHealth
-from rolloutlog.projections._restorer import (
-    DEFAULT_RESTORE_DEADLINE_S,
+from rolloutlog.projections._part_planner import PartPlanner
+from rolloutlog.projections._projection_server import (
     ProjectionCache,
+    ProjectionServer,
     RestoreLines,
-    Restorer,
-    RestoreResult,
 )
+from rolloutlog.projections._projector import Projector
+from rolloutlog.projections._restorer import DEFAULT_RESTORE_DEADLINE_S, Restorer, RestoreResult
 from rolloutlog.projections._start_plan import start_plan
 
 logger = logging.getLogger(__name__)
@@ -111,13 +113,15 @@ class Coordinator:
             log, catalog, self.projector, self._spawn, replica_id=self.replica_id
         )
         self._restorer = Restorer(
-            log,
-            catalog,
-            self.projectors,
-            self._restore_cache,
-            replica_id=self.replica_id,
+            PartPlanner(
+                log,
+                catalog,
+                self.projectors,
+                replica_id=self.replica_id,
+                owned_now=self._ownership.of,
+            ),
+            ProjectionServer(log, catalog, self.projectors, self._restore_cache),
             deadline_s=restore_deadline_s,
-            owned_now=self._ownership.of,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -270,28 +274,11 @@ class Coordinator:
         return await self._checkpointer.pending_exports(run, participant, wait_s)
 
     async def checkpoint(
-        self,
-        run: str,
-        controller_epoch: int,
-        *,
-        deadline_s: float | None = None,
-        wait: bool = True,
-        trigger: str = "request",
-        staging_since: int | None = None,
-        request_id: str | None = None,
+        self, run: str, controller_epoch: int, **options: Unpack[CheckpointOptions]
     ) -> CheckpointResult | int:
-        """Take a checkpoint. Returns the committed result, or (``wait=False`` while wait steps
-        are still open) the id of the checkpoint that stays ``pending`` and commits later.
-        ``request_id``: the client's id of the request (sent again: answered with its own)."""
-        return await self._checkpointer.checkpoint(
-            run,
-            controller_epoch,
-            deadline_s=deadline_s,
-            wait=wait,
-            trigger=trigger,
-            staging_since=staging_since,
-            request_id=request_id,
-        )
+        """Take a checkpoint (``Checkpointer.checkpoint``): the committed result, or the id of
+        the checkpoint left ``pending`` (``wait=False`` while wait steps are open)."""
+        return await self._checkpointer.checkpoint(run, controller_epoch, **options)
 
     async def restore(
         self,
@@ -333,18 +320,18 @@ class Coordinator:
     async def restore_projections(self, run: str, restore_id: int) -> dict[str, EpisodeProjection]:
         """Every continued episode's projection of a committed restore (recomputed after a
         service restart: deterministic from the log and the catalog)."""
-        return await self._restorer.restore_projections(run, restore_id)
+        return await self._restorer.projections.restore_projections(run, restore_id)
 
     async def restore_projection_lines(self, run: str, restore_id: int) -> RestoreLines:
         """``restore_projections`` as the routes serve them: NDJSON lines, streamed as they are
         built (cached, within the restore cache's byte budget)."""
-        return await self._restorer.projection_lines(run, restore_id)
+        return await self._restorer.projections.projection_lines(run, restore_id)
 
     async def checkpoint_projection(
         self, run: str, checkpoint_id: int, episode: str
     ) -> EpisodeProjection:
         """One episode's projection at a committed checkpoint's cut (no restore needed)."""
-        return await self._restorer.checkpoint_projection(run, checkpoint_id, episode)
+        return await self._restorer.projections.checkpoint_projection(run, checkpoint_id, episode)
 
     # -- run deletion ----------------------------------------------------------------------
 

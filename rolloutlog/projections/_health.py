@@ -14,6 +14,8 @@ the leases (``Catalog.cluster_view``) and judges each partition of a run (``run_
 - ``catching_up``, ``degraded``, ``stopped``: its owner's projector for the run says so.
 
 The asking replica judges its own partitions from its live report, never from the catalog's copy.
+A run projector's own health (``RunHealth``: ``ok``, ``degraded``, ``stopped``, which the
+projector sets) is ``_run_health``'s.
 """
 
 from __future__ import annotations
@@ -23,17 +25,23 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rolloutlog.catalog import ClusterView, ReplicaReport
 from rolloutlog.log import Log
-from rolloutlog.projections._projector import STARTING, Projector
+from rolloutlog.projections._run_health import STARTING, HealthStatus, RunHealth
+
+if TYPE_CHECKING:  # the projector reports its health with these: no import back at run time
+    from rolloutlog.projections._projector import Projector
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "STARTING",
     "Blocker",
     "HealthReporter",
+    "HealthStatus",
+    "RunHealth",
     "RunHealthReport",
     "own_blockers",
     "replica_report",

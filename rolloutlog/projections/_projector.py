@@ -8,6 +8,10 @@ fold's rules through ``EpisodeTracker``, and answers two questions of the coordi
   position in the partition's order (participants never pause; later events are simply after it);
 - at an ``attempt.started``: whether its restore committed (the coordinator says so; the record
   is written before the catalog commit, so the partition waits for the verdict).
+
+This module is the follow loop (start, catch-up, follow, quarantine, applying records); the
+manifest capture (``_capture.py``) and what a restore does to the trackers
+(``_restore_resets.py``) are the class's other two parts.
 """
 
 from __future__ import annotations
@@ -24,22 +28,18 @@ from collections.abc import (
     Callable,
     Container,
     Iterable,
-    Iterator,
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, cast
 
-from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import (
     QUARANTINE_FIRST_BYTES,
     EpisodeFinish,
     EpisodeStart,
-    ManifestEntry,
     QuarantinedRecord,
 )
-from rolloutlog.core import EpisodeProjection, EventFilters
+from rolloutlog.core import EventFilters
 from rolloutlog.errors import BackendUnavailable, RolloutlogError, RunLost, UnknownRun
 from rolloutlog.log import (
     Log,
@@ -48,18 +48,17 @@ from rolloutlog.log import (
     record_payload_start,
     record_restore_id,
 )
+from rolloutlog.projections._capture import CheckpointCapture, ManifestBase, ManifestCapture
+from rolloutlog.projections._feeders import Unrecorded
 from rolloutlog.projections._fold import select_records
 from rolloutlog.projections._quarantine import metadata_problem
+from rolloutlog.projections._restore_resets import RestoreReset, RestoreResets
+from rolloutlog.projections._run_health import STARTING, HealthStatus, RunHealth
+from rolloutlog.projections._start_plan import StartPlan
 from rolloutlog.projections._tracker import EpisodeTracker
 
 logger = logging.getLogger(__name__)
 
-#: How many committed checkpoints' entry versions a projector keeps (retention keeps two).
-_CAPTURES_KEPT = 2
-#: A checkpoint's ``Versions`` is flattened into one dict after this many layers.
-_VERSIONS_DEPTH = 8
-#: The longest a new capture waits for the outcome of the one before, whose parts are written.
-_OUTCOME_WAIT_S = 5.0
 #: The longest the projector applies records without letting the event loop run: a page holds up
 #: to 8 MiB of records, and a page of tiny events took seconds, /healthz included.
 _YIELD_EVERY_S = 0.02
@@ -68,236 +67,17 @@ __all__ = [
     "CheckpointCapture",
     "ManifestBase",
     "Projector",
+    "STARTING",
     "RestoreReset",
     "RunHealth",
     "StartPlan",
 ]
 
 
-class Versions(Mapping[str, int]):
-    """A committed checkpoint's entries' tracker versions (``CheckpointCapture.seen``, whole):
-    what its capture changed, laid over the previous checkpoint's. The previous one's stay
-    readable as they were (a restore pins its versions, ``Projector.pin_cut_states``) without a
-    copy of every live episode's version per checkpoint (64,000 of them took 3-5 ms of each
-    checkpoint's manifest stage); every ``_VERSIONS_DEPTH`` layers they are flattened into one
-    dict. Only ``get`` is cheap; the rest of ``Mapping`` flattens."""
-
-    __slots__ = ("_depth", "_own", "_parent")
-
-    def __init__(
-        self, own: dict[str, int | None], parent: Versions | None = None, depth: int = 0
-    ) -> None:
-        #: Each changed episode's version, or None: no longer in the manifest.
-        self._own = own
-        self._parent = parent
-        self._depth = depth
-
-    @classmethod
-    def over(cls, parent: Mapping[str, int], changes: dict[str, int | None]) -> Versions:
-        if isinstance(parent, Versions) and parent._depth < _VERSIONS_DEPTH:
-            return cls(changes, parent, parent._depth + 1)
-        flat = parent._flat() if isinstance(parent, Versions) else dict(parent)
-        for episode, version in changes.items():
-            if version is None:
-                flat.pop(episode, None)
-            else:
-                flat[episode] = version
-        return cls(cast(dict[str, int | None], flat))
-
-    def get(self, episode: str, default: Any = None) -> Any:
-        node: Versions | None = self
-        while node is not None:
-            version = node._own.get(episode, _ABSENT)
-            if version is not _ABSENT:
-                return default if version is None else version
-            node = node._parent
-        return default
-
-    def __getitem__(self, episode: str) -> int:
-        version = self.get(episode)
-        if version is None:
-            raise KeyError(episode)
-        return cast(int, version)
-
-    def _flat(self) -> dict[str, int]:
-        layers: list[dict[str, int | None]] = []
-        node: Versions | None = self
-        while node is not None:
-            layers.append(node._own)
-            node = node._parent
-        flat = cast(dict[str, int], dict(layers.pop()))  # the bottom layer holds no None
-        for layer in reversed(layers):
-            for episode, version in layer.items():
-                if version is None:
-                    flat.pop(episode, None)
-                else:
-                    flat[episode] = version
-        return flat
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._flat())
-
-    def __len__(self) -> int:
-        return len(self._flat())
-
-
-_ABSENT = object()
-
-
-@dataclass
-class CheckpointCapture:
-    """The projector's half of one checkpoint: filled in as each partition it owns reaches its
-    marker (the other partitions' owners capture theirs)."""
-
-    checkpoint_id: int
-    owned: frozenset[int]
-    markers: dict[int, int] = field(default_factory=dict)
-    entries: dict[str, ManifestEntry] = field(default_factory=dict)
-    #: Per partition, the earliest offset a live (continue or restart) episode needs.
-    needed: dict[int, int] = field(default_factory=dict)
-    #: Why an episode restarts, for those that do.
-    reasons: dict[str, str] = field(default_factory=dict)
-    #: Episodes whose cut waits for a boundary: episode → (owners awaited, marker offset).
-    waiting: dict[str, tuple[set[str], int]] = field(default_factory=dict)
-    #: Each entry's tracker version when it was decided (waits that expired are decided by the
-    #: clock: absent): an entry stands while its tracker stays at that version (the next
-    #: checkpoint keeps it; a restore pins it, see ``Projector.pin_cut_states``).
-    seen: dict[str, int] = field(default_factory=dict)
-    #: The committed checkpoint this one amends: ``entries`` then hold only the episodes whose
-    #: trackers changed since its markers, ``gone`` those of its entries no longer tracked.
-    base: ManifestBase | None = None
-    gone: list[str] = field(default_factory=list)
-    #: Set by ``compose``: the whole manifest, and each of its entries' ``seen`` version.
-    whole: dict[str, ManifestEntry] | None = None
-    whole_seen: Mapping[str, int] | None = None
-    #: The whole manifest's ``continue``/``restart``/``finished`` counts and ``size_bytes``,
-    #: and how many of its entries reference each staging key.
-    totals: dict[str, int] = field(default_factory=dict)
-    staging: dict[str, int] = field(default_factory=dict)
-
-    def compose(self) -> dict[str, ManifestEntry]:
-        """The whole manifest: the base's, amended in place by this capture's entries (no
-        Python pass over the live episodes; a base whose next checkpoint fails is dropped, see
-        ``Projector.end_capture``). ``seen`` is laid over the base's (``Versions``): the base's
-        stays as the versions of its own checkpoint (``pin_cut_states``)."""
-        if self.whole is not None:
-            return self.whole
-        base = self.base
-        if base is None:
-            self.whole, self.whole_seen = self.entries, self.seen
-            return self.entries
-        whole = base.entries
-        whole.update(self.entries)
-        changes: dict[str, int | None] = dict(self.seen)
-        for episode in self.gone:
-            whole.pop(episode, None)
-            changes[episode] = None
-        for episode in self.entries.keys() - self.seen.keys():  # waits that expired
-            changes[episode] = None
-        self.whole, self.whole_seen = whole, Versions.over(base.seen, changes)
-        return whole
-
-    reached: asyncio.Event = field(default_factory=asyncio.Event)
-    resolved: asyncio.Event = field(default_factory=asyncio.Event)
-    #: Set by ``Projector.end_capture``: the outcome is known.
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def _check(self) -> None:
-        if len(self.markers) == len(self.owned):
-            self.reached.set()
-            if not self.waiting:
-                self.resolved.set()
-
-    def expire_waits(self, reason: str) -> None:
-        """The deadline passed: every episode still waiting for its boundary restarts."""
-        for episode, (_, marker) in list(self.waiting.items()):
-            old = self.entries.get(episode)
-            if old is not None:
-                self.entries[episode] = old._replace(
-                    action="restart", cut_offset=marker, staging_keys=()
-                )
-                self.reasons.setdefault(episode, reason)  # a more precise one may be there
-        self.waiting.clear()
-        self.resolved.set()
-
-
-@dataclass(frozen=True, slots=True)
-class ManifestBase:
-    """The newest checkpoint this projector captured and saw commit: its whole manifest, and
-    how its stored manifest is chained (``depth`` deltas since a whole one, ``amended`` entries
-    written in those deltas)."""
-
-    checkpoint_id: int
-    entries: dict[str, ManifestEntry]
-    seen: Mapping[str, int]
-    #: Per partition, the ``replay_from`` it committed: a delta keeps the smaller of it and its
-    #: changed episodes' first offsets (never above the true one; exact again once whole).
-    needed: Mapping[int, int]
-    depth: int
-    amended: int
-    totals: Mapping[str, int]
-    staging: dict[str, int]
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreReset:
-    """What a committed restore does to one episode's tracker."""
-
-    action: str  # continue | restart | excluded
-    attempt: int
-    projection: EpisodeProjection | None = None
-    #: Instead of a projection: the episode's tracker, pinned at the cut (``pin_cut_states``).
-    pinned: EpisodeTracker | None = None
-
-
-#: How a run's projector is doing (``RunHealth.status``): ``ok``; ``degraded`` (it hit an error and
-#: retries with backoff: it recovers by itself); ``stopped`` (it cannot go on without an operator).
-HealthStatus = Literal["ok", "degraded", "stopped"]
-#: A projector's ``degraded`` error until its first catch-up with the log ended.
-STARTING = "starting: catching up with the log"
-
 #: Backoff of a projector that failed: transient errors from 0.1 s up to 5 s, others (a
 #: non-retriable error that persists) from 1 s up to 30 s; each delay jittered by half.
 _BACKOFF_TRANSIENT = (0.1, 5.0)
 _BACKOFF_PERSISTENT = (1.0, 30.0)
-
-
-@dataclass(frozen=True, slots=True)
-class RunHealth:
-    """A run projector's health, as ``GET /v1/runs/{run}`` and ``/readyz`` report it."""
-
-    status: HealthStatus
-    error: str | None
-    #: Since when (unix time) the status holds.
-    since: float
-
-    def view(self) -> dict[str, Any]:
-        return {"status": self.status, "error": self.error, "since": self.since}
-
-
-@dataclass(frozen=True, slots=True)
-class StartPlan:
-    """Where a projector starts and what the catalog says about what it will read."""
-
-    start_offsets: list[int]
-    committed_restores: Iterable[int] = ()
-    retired: Iterable[str] = ()
-    #: Episodes a committed restore continued or restarted, with the attempt it made current:
-    #: their trackers are rebuilt from their records with the fold's selection (the cut
-    #: truncation needs their history; a restarted one's records may start after its restore).
-    refold: Mapping[str, int] = field(default_factory=dict)
-    #: The latest committed checkpoint's markers: an episode that finished below its partition's
-    #: marker was reported by that checkpoint or an earlier one, and is not tracked again.
-    reported_below: Sequence[int] | None = None
-    #: Positions (partition, offset) the catalog has quarantined already.
-    quarantined: Iterable[tuple[int, int]] = ()
-    #: Restores still being planned by the partitions' owners: their verdict is
-    #: pending, so their ``attempt.started`` records wait for it (``end_restore``).
-    planning_restores: Iterable[int] = ()
-    #: The first checkpoint id not over when the plan was made (the pending one's, else the
-    #: next): catching up stops short of such a checkpoint's markers, so that they are met
-    #: caught up and captured (None: catching up reads to the log's end).
-    open_checkpoints_from: int | None = None
 
 
 def _transient(error: BaseException) -> bool:
@@ -311,7 +91,7 @@ def _describe(error: BaseException) -> str:
     return text if isinstance(error, RolloutlogError) else f"{type(error).__name__}: {text}"
 
 
-class Projector:
+class Projector(ManifestCapture, RestoreResets, Unrecorded):
     """Follows one run's partitions; one instance per run per service.
 
     ``start`` runs it under a supervisor: a failure (the log unreachable, a read error) makes it
@@ -343,35 +123,16 @@ class Projector:
         #: Episodes that need no tracking any more (reported finished, or excluded).
         self.retired: set[str] = set()
         self.committed_restores: set[int] = set()
-        #: Committed restores whose resets this projector applied itself (``end_restore``).
-        self._applied_restores: set[int] = set()
-        #: Per committed checkpoint this projector captured: its entries' tracker versions.
-        self._captured: dict[int, Mapping[str, int]] = {}
-        #: The newest committed capture, which the next checkpoint's manifest amends.
-        self._base: ManifestBase | None = None
         #: Per partition, the episodes whose trackers changed (or went) since the last marker
         #: captured there: all a capture that amends a base looks at.
         self._dirty: list[set[str]] = [set() for _ in range(partitions)]
-        self._pinned: list[EpisodeTracker] = []
-        #: Whose plan pinned ``_pinned`` (one restore at a time), and per in-flight restore the
-        #: holder of the pins it planned with.
-        self._pin_holder: object | None = None
-        self._pins_of: dict[int, object] = {}
-        self._inflight_restores: dict[int, asyncio.Future[bool]] = {}
-        self._restore_resets: dict[int, Mapping[str, RestoreReset] | None] = {}
-        self._capture: CheckpointCapture | None = None
-        #: The newest checkpoint id this projector has seen a capture or a marker of.
-        self._newest_checkpoint = 0
-        #: Told of each capture begun at a marker of another replica's checkpoint.
-        self.on_remote_capture: Callable[[CheckpointCapture], object] | None = None
+        self._init_captures()
+        self._init_restores()
         self._progress = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self.events_applied = 0
-        #: Starts and finishes not yet recorded in the catalog's episodes table (for analysts).
-        self.new_starts: list[EpisodeStart] = []
-        self.new_finishes: list[EpisodeFinish] = []
-        #: Quarantined records not yet recorded in the catalog, and every quarantined position.
-        self.new_quarantined: list[QuarantinedRecord] = []
+        self._init_unrecorded()
+        #: Every quarantined position.
         self.quarantined: set[tuple[int, int]] = set()
         self.quarantined_count = 0
         self.health = RunHealth("degraded", STARTING, time.time())
@@ -389,6 +150,12 @@ class Projector:
         self._held: set[int] = set()
         #: Set by ``stop``: this projector folds nothing more (a newer one may take over).
         self.closed = asyncio.Event()
+
+    @property
+    def owns_every_partition(self) -> bool:
+        """Whether this projector folds every partition of the run (a lone replica's does):
+        its part of a restore is then the whole plan."""
+        return self.owned >= frozenset(range(self.partitions))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -596,15 +363,20 @@ class Projector:
             async with asyncio.timeout(timeout_s), self._progress:
                 await self._progress.wait_for(lambda: reached() or self.health.status == "stopped")
         except TimeoutError as e:
-            health = self.health
-            why = f" ({health.status}: {health.error})" if health.status != "ok" else ""
-            raise BackendUnavailable(
-                f"the projector of run {self.run!r} did not reach the log's offsets within "
-                f"{timeout_s} s{why}; retry",
-                run=self.run,
-                health=health.view(),
-            ) from e
+            raise self.not_reached("the log's offsets", timeout_s) from e
         self.check_running()
+
+    def not_reached(self, what: str, timeout_s: float | None) -> BackendUnavailable:
+        """The error of a wait for this projector to reach ``what`` that took longer than
+        ``timeout_s`` (a degraded projector may get there later: its health says why)."""
+        health = self.health
+        why = f" ({health.status}: {health.error})" if health.status != "ok" else ""
+        return BackendUnavailable(
+            f"the projector of run {self.run!r} did not reach {what} within {timeout_s} s{why}; "
+            "retry",
+            run=self.run,
+            health=health.view(),
+        )
 
     def check_running(self) -> None:
         """``RunLost`` if the projector stopped (the run's log lost records)."""
@@ -716,20 +488,6 @@ class Projector:
             self._check_wait(capture, tracker, offset)
         return None
 
-    async def _after_verdict(
-        self, partition: int, meta: dict[str, Any], verdict: asyncio.Future[bool]
-    ) -> None:
-        if await verdict and meta["episode"] not in self.retired:
-            self._on_attempt_started(partition, meta)
-
-    def _on_attempt_started(self, partition: int, meta: dict[str, Any]) -> None:
-        """A committed restore's record (excluded episodes are retired before this)."""
-        tracker = self._tracker(meta["episode"], partition)
-        # The restore's own resets were applied when it committed (``end_restore``); what is left
-        # is a restore seen while catching up after a restart (the start-up refold handles it).
-        tracker.fence_to(meta["attempt"])
-        self._dirty[partition].add(meta["episode"])
-
     def begun_after(self, markers: Mapping[int, int], known: Container[str]) -> dict[str, int]:
         """Episodes of the owned partitions (with their current attempt) whose first event is at
         or past their partition's marker and that ``known`` (a checkpoint's manifest) does not
@@ -751,338 +509,8 @@ class Projector:
             self.by_partition[tracker.partition].pop(episode, None)
             self._dirty[tracker.partition].add(episode)
 
-    # -- checkpoints -----------------------------------------------------------------------
-
-    def begin_capture(self, checkpoint_id: int) -> CheckpointCapture:
-        """Register the checkpoint whose markers are about to be written (or, another replica's,
-        whose first marker in an owned partition is being applied). A capture still registered is of
-        an older checkpoint that is over (one is pending at a time): it ends uncommitted."""
-        if self._capture is not None:
-            self.end_capture(self._capture, committed=False)
-        capture = CheckpointCapture(checkpoint_id, self.owned, base=self._base)
-        capture._check()  # owning no partition, it has reached every marker it will
-        self._capture = capture
-        self._newest_checkpoint = max(self._newest_checkpoint, checkpoint_id)
-        return capture
-
-    def end_capture(
-        self, capture: CheckpointCapture, committed: bool, *, depth: int = 0, amended: int = 0
-    ) -> None:
-        """The checkpoint committed (finished episodes are reported: stop tracking them; its
-        manifest is stored ``depth`` deltas after a whole one, ``amended`` entries in those) or
-        not (the next manifest is written whole: a commit whose reply was lost may be in the
-        catalog all the same). A capture no longer registered (a newer one replaced it) changes
-        nothing: the base is the newest capture's business."""
-        capture.ended.set()
-        if self._capture is not capture:
-            return
-        self._capture = None
-        self._base = None
-        if committed:
-            whole = capture.whole if capture.whole is not None else capture.compose()
-            seen = capture.whole_seen if capture.whole_seen is not None else capture.seen
-            self._base = ManifestBase(
-                capture.checkpoint_id,
-                whole,
-                seen,
-                dict(capture.needed),
-                depth,
-                amended,
-                capture.totals,
-                capture.staging,
-            )
-            self._captured[capture.checkpoint_id] = seen
-            for old in sorted(self._captured)[:-_CAPTURES_KEPT]:
-                del self._captured[old]
-            for entry in capture.entries.values():
-                if entry.action == "finished":
-                    self._forget(entry.episode)
-                    self.retired.add(entry.episode)
-
-    def _on_marker(self, partition: int, offset: int, checkpoint_id: int) -> Awaitable[None] | None:
-        """A marker (of an owned partition: others are not captured here). The first one met
-        after catching up of a checkpoint newer than any known, with no capture registered for
-        it, begins a capture: another replica's checkpoint. While catching up none is captured
-        (the refold's buffers make trackers inexact there): the marker of a checkpoint that was
-        not over when the start was planned holds its partition there (``_read_to_end`` stops
-        short of it, and the follower meets it again caught up); any other is over already. A
-        capture still registered whose parts are written waits for its outcome first (returned
-        to await): it decides the new capture's base."""
-        if partition not in self.owned:
-            return None
-        capture = self._capture
-        newest = self._newest_checkpoint
-        if not self.caught_up:
-            if self._open_from is not None and checkpoint_id >= self._open_from:
-                self._held.add(partition)
-            else:
-                self._newest_checkpoint = max(newest, checkpoint_id)
-            return None
-        self._newest_checkpoint = max(newest, checkpoint_id)
-        if capture is None or capture.checkpoint_id != checkpoint_id:
-            if checkpoint_id <= newest or self.on_remote_capture is None:
-                return None  # a marker of a checkpoint that is over (aborted, or stale)
-            if capture is not None and capture.resolved.is_set() and not capture.ended.is_set():
-                return self._remote_after_outcome(partition, offset, checkpoint_id)
-            self._begin_remote(partition, offset, checkpoint_id)
-            return None
-        self._capture_at(capture, partition, offset)
-        return None
-
-    async def _remote_after_outcome(self, partition: int, offset: int, checkpoint_id: int) -> None:
-        await self.capture_outcome()
-        self._begin_remote(partition, offset, checkpoint_id)
-
-    def _begin_remote(self, partition: int, offset: int, checkpoint_id: int) -> None:
-        capture = self.begin_capture(checkpoint_id)
-        assert self.on_remote_capture is not None
-        self.on_remote_capture(capture)
-        self._capture_at(capture, partition, offset)
-
-    def _capture_at(self, capture: CheckpointCapture, partition: int, offset: int) -> None:
-        with collector_paused():
-            self._capture_partition(capture, partition, offset)
-        capture._check()
-
-    async def capture_outcome(self) -> None:
-        """Wait (up to ``_OUTCOME_WAIT_S``) for the registered capture, if its parts are written
-        (or being written), to learn its outcome: a checkpoint after it amends it only if it
-        committed. (One with parts still to write is over: a newer checkpoint began, so it
-        aborted; the next capture replaces it.)"""
-        capture = self._capture
-        if capture is not None and capture.resolved.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_OUTCOME_WAIT_S):
-                    await capture.ended.wait()
-
-    def _capture_partition(self, capture: CheckpointCapture, partition: int, offset: int) -> None:
-        capture.markers[partition] = offset
-        entries = capture.entries
-        dirty, self._dirty[partition] = self._dirty[partition], set()
-        trackers = self.by_partition[partition]
-        base = capture.base
-        needed = offset
-        pairs: Iterable[tuple[str, EpisodeTracker]] = trackers.items()
-        before: Mapping[str, int] = {}
-        if base is not None:
-            # What changed since the base's markers: the other entries stand (see ``seen``).
-            needed = min(offset, base.needed.get(partition, offset))
-            before = base.seen
-            pairs = [(e, trackers[e]) for e in dirty if e in trackers]
-            capture.gone.extend(e for e in dirty if e not in trackers and e in base.entries)
-        # One tuple per episode straight from the tracker's fields (``_entry`` inlined: on a
-        # first capture this loop runs for every live episode of the partition while the
-        # checkpoint waits); the action is the fold's capture rule (``EpisodeFold.at_cut``).
-        new, entry_type = tuple.__new__, ManifestEntry
-        seen = capture.seen
-        for episode, tracker in pairs:
-            version = tracker.version
-            if before.get(episode) == version:
-                continue  # a record it did not admit: its entry stands
-            decision = tracker.at_cut()
-            if decision is None:
-                if base is not None and episode in base.entries:
-                    capture.gone.append(episode)
-                continue
-            action, reason, waits = decision
-            if action == "finished":
-                entries[episode] = _entry(tracker, action, offset)
-                continue
-            first = tracker.first_offset
-            if first is not None and first < needed:
-                needed = first
-            if waits:
-                capture.waiting[episode] = (
-                    set(tracker.open_waits) | tracker.export_owners(),
-                    offset,
-                )
-            else:
-                seen[episode] = version
-                if reason is not None:
-                    capture.reasons[episode] = reason
-            entries[episode] = new(
-                entry_type,
-                (
-                    episode,
-                    tracker.attempt,
-                    action,
-                    partition,
-                    offset,
-                    tracker.last_stage,
-                    tracker.staging_keys_at_cut(),
-                    tracker.size_bytes,
-                    None,  # the reason, from ``capture.reasons`` when the manifest is written
-                ),
-            )
-        capture.needed[partition] = needed
-
-    def _check_wait(self, capture: CheckpointCapture, tracker: EpisodeTracker, offset: int) -> None:
-        owners, _ = capture.waiting[tracker.episode]
-        if owners & set(tracker.open_waits) or tracker.export_missing(
-            owners, capture.checkpoint_id
-        ):
-            return
-        del capture.waiting[tracker.episode]
-        # The awaited boundaries came: the capture rule again, the cut just past this record.
-        decision = tracker.at_cut(waits=False)
-        if decision is None:  # a restore reset it to nothing meanwhile: no entry, as at a marker
-            capture.entries.pop(tracker.episode, None)
-            base = capture.base
-            if base is not None and tracker.episode in base.entries:
-                capture.gone.append(tracker.episode)
-        else:
-            action, reason, _ = decision
-            if reason is not None:
-                capture.reasons[tracker.episode] = reason
-            if action != "finished":
-                capture.seen[tracker.episode] = tracker.version
-            capture.entries[tracker.episode] = _entry(tracker, action, offset + 1)
-        if not capture.waiting and len(capture.markers) == len(capture.owned):
-            capture.resolved.set()
-
-    # -- restores --------------------------------------------------------------------------
-
-    def begin_restore(
-        self,
-        restore_id: int,
-        resets: Mapping[str, RestoreReset] | None,
-        pins: object | None = None,
-    ) -> None:
-        """Register a restore before its ``attempt.started`` records are written (``pins``:
-        the holder of the trackers its plan pinned, released when it ends). With ``resets``
-        None (a restore that was planning when the projector started), only its verdict is
-        awaited: if it commits, its records fence their episodes as they are met."""
-        if restore_id not in self._inflight_restores:
-            self._inflight_restores[restore_id] = asyncio.get_running_loop().create_future()
-        self._restore_resets[restore_id] = resets
-        if pins is not None:
-            self._pins_of[restore_id] = pins
-
-    @property
-    def pending_restores(self) -> list[int]:
-        """Restores registered whose verdict is still out."""
-        return list(self._inflight_restores)
-
-    def end_restore(self, restore_id: int, committed: bool) -> None:
-        """The restore's catalog transaction committed (or failed): apply its resets at once (old
-        attempts' later records are fenced by the new attempt, and the new attempt writes nothing
-        before its ``attempt.started``), then release the partitions waiting for the verdict."""
-        future = self._inflight_restores.pop(restore_id, None)
-        resets = self._restore_resets.pop(restore_id, None)
-        pins = self._pins_of.pop(restore_id, None)
-        if committed:
-            self.committed_restores.add(restore_id)
-        if committed and resets is not None:
-            self._applied_restores.add(restore_id)
-            with collector_paused():
-                for episode, reset in resets.items():
-                    self._reset(episode, reset)
-        if pins is not None:
-            self.release_pins(pins)
-        if future is not None and not future.done():
-            future.set_result(committed)
-
-    def _reset(self, episode: str, reset: RestoreReset) -> None:
-        if reset.action == "excluded":
-            self._forget(episode)
-            self.retired.add(episode)
-            return
-        tracker = self._tracker(episode, partition_for(episode, self.partitions))
-        self._dirty[tracker.partition].add(episode)
-        if reset.action == "continue" and reset.pinned is not None:
-            tracker.continue_at_cut(reset.attempt)
-        elif reset.action == "continue" and reset.projection is not None:
-            tracker.continue_from(reset.projection, reset.attempt)
-        else:
-            tracker.restart(reset.attempt)
-
-    def pin_cut_states(
-        self, checkpoint_id: int, entries: Iterable[ManifestEntry], holder: object
-    ) -> dict[str, EpisodeTracker]:
-        """The trackers of the ``continue`` entries that have not changed since this projector
-        captured the checkpoint (and are exactly the fold's state), pinned for ``holder``: their
-        state at the cut stays readable (``pinned_state``) until ``release_pins(holder)`` (or
-        the end of the restore it began with them). A restore takes their verdicts from these
-        instead of replaying their records. None while another holder's pins are held (two
-        restores of a run planned at once: the later one replays)."""
-        versions = self._captured.get(checkpoint_id)
-        if versions is None or self._pinned:  # (its entries' versions: a continue's is the cut's)
-            return {}
-        trackers = self.trackers
-        out: dict[str, EpisodeTracker] = {}
-        for entry in entries:
-            tracker = trackers.get(entry.episode)
-            if (
-                tracker is not None
-                and tracker.exact
-                and not tracker.finished
-                and tracker.attempt == entry.attempt
-                and versions.get(entry.episode) == tracker.version
-            ):
-                tracker.pin()
-                out[entry.episode] = tracker
-        self._pinned.extend(out.values())
-        if out:
-            self._pin_holder = holder
-        return out
-
-    def release_pins(self, holder: object | None) -> None:
-        """The restore (or plan) that pinned trackers for ``holder`` ended (committed or not)."""
-        if holder is None or holder is not self._pin_holder:
-            return
-        for tracker in self._pinned:
-            tracker.unpin()
-        self._pinned.clear()
-        self._pin_holder = None
-
     def live_episodes(self) -> int:
         return sum(1 for tracker in self.trackers.values() if not tracker.finished)
-
-    # -- what the catalog's feeders take (``_feeders.py``) ------------------------------------
-
-    def has_new_episodes(self) -> bool:
-        return bool(self.new_starts or self.new_finishes)
-
-    def take_new_episodes(self, limit: int) -> tuple[list[EpisodeStart], list[EpisodeFinish]]:
-        """Up to ``limit`` starts and finishes not yet recorded, oldest first (taken off the
-        queue: ``put_back_new_episodes`` if the catalog did not take them)."""
-        starts, self.new_starts = self.new_starts[:limit], self.new_starts[limit:]
-        finishes, self.new_finishes = self.new_finishes[:limit], self.new_finishes[limit:]
-        return starts, finishes
-
-    def put_back_new_episodes(
-        self, starts: Sequence[EpisodeStart], finishes: Sequence[EpisodeFinish]
-    ) -> None:
-        """Back in front of the queue, in order (more may have been queued meanwhile)."""
-        self.new_starts[:0] = starts
-        self.new_finishes[:0] = finishes
-
-    def new_quarantine_batch(self, limit: int) -> list[QuarantinedRecord]:
-        """Up to ``limit`` quarantined records not yet recorded (``quarantine_recorded`` once
-        the catalog took them)."""
-        return self.new_quarantined[:limit]
-
-    def quarantine_recorded(self, count: int) -> None:
-        del self.new_quarantined[:count]
-
-    def drop_unrecorded(self) -> None:
-        """The run is deleted: nothing more for the catalog."""
-        self.new_starts.clear()
-        self.new_finishes.clear()
-        self.new_quarantined.clear()
-
-
-def _entry(tracker: EpisodeTracker, action: str, cut: int) -> ManifestEntry:
-    return ManifestEntry(
-        tracker.episode,
-        tracker.attempt,
-        action,  # type: ignore[arg-type]
-        tracker.partition,
-        cut,
-        tracker.last_stage,
-        tracker.staging_keys_at_cut(),
-        tracker.size_bytes,
-    )
 
 
 def _finish(

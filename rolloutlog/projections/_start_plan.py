@@ -3,13 +3,40 @@ that the log still holds what the catalog names (a run whose log lost records is
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
 from rolloutlog.catalog import Catalog, Restore
 from rolloutlog.core import replay_start
 from rolloutlog.errors import RunLost, UnknownRun
 from rolloutlog.log import Log
-from rolloutlog.projections._projector import StartPlan
 
-__all__ = ["all_restores", "start_plan"]
+__all__ = ["StartPlan", "all_restores", "start_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class StartPlan:
+    """Where a projector starts and what the catalog says about what it will read."""
+
+    start_offsets: list[int]
+    committed_restores: Iterable[int] = ()
+    retired: Iterable[str] = ()
+    #: Episodes a committed restore continued or restarted, with the attempt it made current:
+    #: their trackers are rebuilt from their records with the fold's selection (the cut
+    #: truncation needs their history; a restarted one's records may start after its restore).
+    refold: Mapping[str, int] = field(default_factory=dict)
+    #: The latest committed checkpoint's markers: an episode that finished below its partition's
+    #: marker was reported by that checkpoint or an earlier one, and is not tracked again.
+    reported_below: Sequence[int] | None = None
+    #: Positions (partition, offset) the catalog has quarantined already.
+    quarantined: Iterable[tuple[int, int]] = ()
+    #: Restores still being planned by the partitions' owners: their verdict is
+    #: pending, so their ``attempt.started`` records wait for it (``end_restore``).
+    planning_restores: Iterable[int] = ()
+    #: The first checkpoint id not over when the plan was made (the pending one's, else the
+    #: next): catching up stops short of such a checkpoint's markers, so that they are met
+    #: caught up and captured (None: catching up reads to the log's end).
+    open_checkpoints_from: int | None = None
 
 
 async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:

@@ -1,17 +1,20 @@
-"""What a pending checkpoint waits for, beside ``_checkpointer.py``: the causes of the waits
+"""What a pending checkpoint waits for, beside ``_checkpointer.py``: its owned partitions'
+markers (``reach_markers``) and its open wait steps (``resolve_waits``), the causes of the waits
 still open at its deadline, and the export requests of export-on-checkpoint sessions that the
 participants' long polls read (``GET …/checkpoints/pending/exports``)."""
 
 from __future__ import annotations
 
 import asyncio
+from asyncio import FIRST_COMPLETED
 from typing import Any
 
 from rolloutlog.core import not_exported_reason, wait_expired_reason
 from rolloutlog.log import capture_key
-from rolloutlog.projections._projector import CheckpointCapture, Projector
+from rolloutlog.projections._capture import CheckpointCapture
+from rolloutlog.projections._projector import Projector
 
-__all__ = ["ExportRequests", "name_expired_waits"]
+__all__ = ["ExportRequests", "name_expired_waits", "reach_markers", "resolve_waits"]
 
 
 def name_expired_waits(projector: Projector, capture: CheckpointCapture, deadline: float) -> None:
@@ -102,3 +105,44 @@ class ExportRequests:
                     await event.wait()
             except TimeoutError:
                 pass
+
+
+async def reach_markers(projector: Projector, capture: CheckpointCapture, timeout_s: float) -> bool:
+    """Wait until the projector captured the markers in every partition it owns (True), or
+    gave the capture up (False): it was stopped for another one (the run's partitions changed
+    owner), or a newer capture replaced this one. ``unavailable`` past ``timeout_s``."""
+    waits = [
+        asyncio.ensure_future(event.wait())
+        for event in (capture.reached, capture.ended, projector.closed)
+    ]
+    try:
+        done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+    if capture.reached.is_set():
+        return True
+    if done:
+        return False
+    # Not there in time: a degraded projector, or one catching up with a long log.
+    raise projector.not_reached(f"the markers of checkpoint {capture.checkpoint_id}", timeout_s)
+
+
+async def resolve_waits(
+    projector: Projector, capture: CheckpointCapture, deadline: float, wait_s: float
+) -> None:
+    """Wait up to ``wait_s`` for the capture's wait steps; then the rest restart (``deadline``
+    names the checkpoint's deadline in their reasons). A capture a newer checkpoint replaced
+    meanwhile (this one was aborted) waits no more: its parts are refused; nor does one whose
+    projector was stopped (the partitions changed owner: the new owners' capture waits)."""
+    if capture.waiting:
+        events = (capture.resolved, capture.ended, projector.closed)
+        waits = [asyncio.ensure_future(event.wait()) for event in events]
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, wait_s), return_when=FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+        if not any(event.is_set() for event in events):
+            name_expired_waits(projector, capture, deadline)
+            capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")

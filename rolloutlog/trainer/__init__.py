@@ -1,6 +1,7 @@
 """The trainer side of rolloutlog: REST clients, the checkpoint schedule, resuming a run."""
 
-from rolloutlog.trainer._client import DEFAULT_URL, AsyncTrainerClient, TrainerClient
+from rolloutlog.trainer._async_client import AsyncTrainerClient
+from rolloutlog.trainer._client import DEFAULT_URL, TrainerClient
 from rolloutlog.trainer._resume import Dispatch, ResumePlan, resume_run, resume_run_sync
 from rolloutlog.trainer._scheduler import CheckpointScheduler
 from rolloutlog.trainer._types import (

@@ -11,7 +11,8 @@ from typing import Any
 
 from rolloutlog._telemetry import traced
 from rolloutlog.errors import RolloutlogError, UnknownCheckpoint
-from rolloutlog.trainer._client import AsyncTrainerClient, TrainerClient
+from rolloutlog.trainer._async_client import AsyncTrainerClient
+from rolloutlog.trainer._client import TrainerClient
 from rolloutlog.trainer._types import EpisodeResult, RestoreEpisode, RestoreInfo
 
 __all__ = ["Dispatch", "ResumePlan", "resume_run", "resume_run_sync"]

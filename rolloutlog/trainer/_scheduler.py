@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from rolloutlog.errors import CheckpointInProgress, StaleController
-from rolloutlog.trainer._client import AsyncTrainerClient
+from rolloutlog.trainer._async_client import AsyncTrainerClient
 from rolloutlog.trainer._types import CheckpointInfo
 
 __all__ = ["CheckpointScheduler"]

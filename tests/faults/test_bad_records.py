@@ -242,7 +242,7 @@ def test_the_metadata_check_names_what_is_wrong() -> None:
 
 
 def test_the_metadata_check_follows_the_models() -> None:
-    """Derived from the models (``log/_shapes.py``): a required field must be there, a default
+    """Derived from the models (``core/_shapes.py``): a required field must be there, a default
     may be left out, None only where the model allows it."""
 
     def meta(event: Any, **data: Any) -> dict[str, Any]:

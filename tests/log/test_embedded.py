@@ -271,7 +271,7 @@ async def test_a_read_only_log_reads_beside_the_holder_and_refuses_writes(tmp_pa
 async def test_a_follower_at_the_tip_takes_the_committed_records_from_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rolloutlog.log import Record, embedded
+    from rolloutlog.log import Record, _run_file, embedded
 
     reads: list[list[tuple[int, int, int]]] = []
     read_ranges = embedded.read_ranges
@@ -283,7 +283,7 @@ async def test_a_follower_at_the_tip_takes_the_committed_records_from_memory(
         return read_ranges(conn, ranges, blobs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(embedded, "read_ranges", counted)
-    monkeypatch.setattr(embedded, "_TAIL_BYTES", 4 * 1000)  # 1,000 bytes a partition
+    monkeypatch.setattr(_run_file, "_TAIL_BYTES", 4 * 1000)  # 1,000 bytes a partition
     async with open_log(tmp_path) as log:
         assert isinstance(log, EmbeddedLog)
         await log.ensure_run("run", 4)
@@ -388,9 +388,9 @@ async def test_a_commit_group_cuts_a_partitions_records_into_segments_at_the_lim
 async def test_a_full_tail_keeps_the_newest_records_that_fit_half_its_share(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rolloutlog.log import Record, embedded
+    from rolloutlog.log import Record, _run_file
 
-    monkeypatch.setattr(embedded, "_TAIL_BYTES", 2 * 1000)  # 1,000 bytes a partition
+    monkeypatch.setattr(_run_file, "_TAIL_BYTES", 2 * 1000)  # 1,000 bytes a partition
     async with open_log(tmp_path) as log:
         assert isinstance(log, EmbeddedLog)
         await log.ensure_run("run", 2)

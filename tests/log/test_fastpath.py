@@ -1,4 +1,4 @@
-"""The append's fast path (``log/_fastpath.py``) against pydantic, envelope by envelope: whatever
+"""The append's fast path (``log.fast_record``, on the envelope checker ``core/_check.py``) against pydantic, envelope by envelope: whatever
 it accepts, the models accept and encode to the same record; valid envelopes of every client
 type take it."""
 
@@ -14,9 +14,8 @@ import pytest
 
 from rolloutlog.core._events import EVENT_CLASSES
 from rolloutlog.errors import InvalidEvent
-from rolloutlog.log import SERVICE_EVENT_TYPES, encode_event, encode_record
+from rolloutlog.log import SERVICE_EVENT_TYPES, encode_event, encode_record, fast_record
 from rolloutlog.log import validate_event as validate
-from rolloutlog.log._fastpath import fast_record
 from tests import factories as f
 
 
@@ -240,11 +239,11 @@ def _outcome_of(prepare: Any, body: bytes) -> Any:
 
 
 def test_the_remembered_names_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rolloutlog.log import _fastpath
+    from rolloutlog.core import _check
 
-    monkeypatch.setattr(_fastpath, "_KNOWN_MAX", 8)
+    monkeypatch.setattr(_check, "_KNOWN_MAX", 8)
     base = _valid()[2]
     for i in range(50):
         assert _agree(_set(base, ("episode",), f"bounded-{i}"))
         assert not _agree(_set(base, ("episode",), f"bounded-{i}-a1"))
-    assert len(_fastpath._EPISODES) <= 8
+    assert len(_check._EPISODES) <= 8

@@ -1,4 +1,4 @@
-"""The data shapes derived from the models (``log/_shapes.py``) and the two fast paths built on
+"""The data shapes derived from the models (``core/_shapes.py``) and the envelope checker built on
 them: every event type covered, in model order, and a field added to a model checked by the
 append's fast path, the projector's record check and the SDK's check without editing them."""
 
@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from rolloutlog.core._check import _CLIENT, _RECORD_TYPES
 from rolloutlog.core._events import EVENT_CLASSES
 from rolloutlog.core._shapes import (
     DATA_RULES,
@@ -20,8 +21,6 @@ from rolloutlog.core._shapes import (
     _payload_fields,
 )
 from rolloutlog.log import SERVICE_EVENT_TYPES
-from rolloutlog.log._fastpath import _DATA, _KEYS
-from rolloutlog.projections._quarantine import _ACCEPT, _FIELD_CHECKS
 
 
 def test_every_event_type_in_model_order() -> None:
@@ -85,17 +84,17 @@ def test_shapes_read_the_constraints() -> None:
     assert DATA_SHAPES["episode.finished"][0].json == "number"
 
 
-def test_both_fast_paths_are_built_from_the_shapes() -> None:
-    assert _DATA.keys() == EVENT_CLASSES.keys() - SERVICE_EVENT_TYPES
-    for kind, fields in _DATA.items():
+def test_the_checker_and_the_record_check_are_built_from_the_shapes() -> None:
+    assert _CLIENT.keys() == EVENT_CLASSES.keys() - SERVICE_EVENT_TYPES
+    for kind, spec in _CLIENT.items():
         metadata = [shape for shape in DATA_SHAPES[kind] if not shape.payload]
-        assert [(name, default) for name, _, default in fields] == [
-            (shape.name, shape.default) for shape in metadata
+        assert [(name, default, nullable) for name, _, default, nullable in spec.fields] == [
+            (shape.name, shape.default, shape.nullable) for shape in metadata
         ]
-        assert _KEYS[kind] == {shape.name for shape in DATA_SHAPES[kind]}
-    assert _ACCEPT.keys() == _FIELD_CHECKS.keys() == EVENT_CLASSES.keys()
-    for kind, checks in _FIELD_CHECKS.items():
-        assert [name for name, _ in checks] == [
+        assert spec.keys == {shape.name for shape in DATA_SHAPES[kind]}
+    assert _RECORD_TYPES.keys() == EVENT_CLASSES.keys()
+    for kind, fields in _RECORD_TYPES.items():
+        assert [name for name, _, _ in fields] == [
             shape.name for shape in DATA_SHAPES[kind] if not shape.payload
         ]
 
@@ -124,7 +123,7 @@ _NEW_FIELD = textwrap.dedent(
     # The package's import built the append's table already: derive it again.
     import importlib
     from rolloutlog.core import _shapes
-    from rolloutlog.log import _fastpath
+    from rolloutlog.core import _check
 
     import rolloutlog.core
     import rolloutlog.log
@@ -133,8 +132,13 @@ _NEW_FIELD = textwrap.dedent(
     for package in (rolloutlog.core, rolloutlog.log):
         package.DATA_SHAPES = _shapes.DATA_SHAPES
         package.DATA_RULES = _shapes.DATA_RULES
-    importlib.reload(_fastpath)
-    from rolloutlog.log._fastpath import fast_record
+    importlib.reload(_check)
+    from rolloutlog.log import _record
+
+    _record.check_envelope = rolloutlog.core.check_envelope = _check.check_envelope
+    rolloutlog.core.record_holds = _check.record_holds
+    rolloutlog.core.wrong_record_field = _check.wrong_record_field
+    from rolloutlog.log import fast_record
     from rolloutlog.projections._quarantine import metadata_problem
 
     good = {
@@ -163,14 +167,16 @@ _NEW_FIELD = textwrap.dedent(
         wrong = {**meta, "data": {**meta["data"], field: bad}}
         assert metadata_problem(wrong) == f"step.started: data.{field} has the wrong type"
 
-    from rolloutlog.participants._encoding import _DATA as sdk_checks
+    from rolloutlog.core import check_envelope
+
+    def sdk_check(data):
+        return check_envelope({**good, "data": data}) is not None
 
     built = {"owner": "env", "stage": "s", "mode": "wait", "note": None, "count": 2}
-    assert sdk_checks["step.started"](built)
-    assert not sdk_checks["step.started"]({**built, "count": -1})
-    assert not sdk_checks["step.started"]({k: v for k, v in built.items() if k != "note"})
-    assert not sdk_checks["step.started"]({**built, "count": 6})
-    assert sdk_checks["step.started"]({**built, "note": "n", "count": 6})
+    assert sdk_check(built)
+    assert not sdk_check({**built, "count": -1})
+    assert not sdk_check({**built, "count": 6})
+    assert sdk_check({**built, "note": "n", "count": 6})
     print("ok")
     """
 )

@@ -17,7 +17,8 @@ from typing import Any
 from rolloutlog.core._verify import verify_projection
 from rolloutlog.log import Event, encode_record, peek_record
 from rolloutlog.projections import EpisodeFold, EpisodeProjection, project_events
-from rolloutlog.projections._projector import CheckpointCapture, Projector
+from rolloutlog.projections._capture import CheckpointCapture
+from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._tracker import EpisodeTracker
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rolloutlog.api._http import dumps
 from rolloutlog.projections import CheckpointResult, ProjectionLine
-from rolloutlog.projections._restorer import ProjectionCache, RestoreLines
+from rolloutlog.projections._projection_server import ProjectionCache, RestoreLines
 from tests import factories as f
 from tests.projections.conftest import Service, open_service
 

@@ -20,8 +20,8 @@ from rolloutlog.core._planner import RestorePolicy
 from rolloutlog.errors import BackendUnavailable
 from rolloutlog.log import partition_for
 from rolloutlog.projections import Coordinator
+from rolloutlog.projections._part_planner import PlanRequest
 from rolloutlog.projections._projector import Projector
-from rolloutlog.projections._restorer import PlanRequest
 from tests import factories as f
 from tests.projections.conftest import Service, open_service
 

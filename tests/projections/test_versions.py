@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from rolloutlog.projections._projector import _VERSIONS_DEPTH, Versions
+from rolloutlog.projections._capture import _VERSIONS_DEPTH, Versions
 
 
 def test_each_checkpoint_reads_as_its_own_copy() -> None:
