@@ -171,20 +171,20 @@ class Service:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
-    def peak_rss_mb(self) -> float:
+    def _status_mb(self, field: str) -> float:
+        """A memory figure of the service's ``/proc/PID/status`` (``VmHWM``, ``VmRSS``) in MB."""
         assert self.proc is not None
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def peak_rss_mb(self) -> float:
+        return self._status_mb("VmHWM")
+
     def rss_mb(self) -> float:
-        """The service's resident set now (VmRSS)."""
-        assert self.proc is not None
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        """The service's resident set now."""
+        return self._status_mb("VmRSS")
 
     def reset_peak_rss(self) -> None:
         """Start VmHWM again from the current RSS (Linux: ``clear_refs`` 5), so that the next

@@ -1,5 +1,6 @@
-"""The service's malloc arena limit (``rolloutlog._malloc``): threads that allocate share the
-allowed arenas instead of getting one each (glibc's ``malloc_stats`` lists them)."""
+"""The service's hold on glibc's allocator (``rolloutlog._malloc``): threads that allocate share
+the allowed arenas instead of getting one each (glibc's ``malloc_stats`` lists them), and large
+blocks freed go back to the OS once the mmap threshold is fixed."""
 
 from __future__ import annotations
 
@@ -26,16 +27,21 @@ ctypes.CDLL(ctypes.util.find_library("c")).malloc_stats()
 """
 
 
-def _arenas(mode: str) -> int:
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
-    done = subprocess.run(
-        [sys.executable, "-c", _PROGRAM, mode],
+def _run(program: str, mode: str) -> subprocess.CompletedProcess[str]:
+    """``program`` in a fresh interpreter, without the operator's own ``MALLOC_*`` choices."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    return subprocess.run(
+        [sys.executable, "-c", program, mode],
         capture_output=True,
         text=True,
         env=env,
         check=True,
         timeout=60,
     )
+
+
+def _arenas(mode: str) -> int:
+    done = _run(_PROGRAM, mode)
     return sum(1 for line in done.stderr.splitlines() if line.startswith("Arena "))
 
 
@@ -72,16 +78,7 @@ print(before - rss_mb())
 
 
 def _released_mb(mode: str) -> float:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    done = subprocess.run(
-        [sys.executable, "-c", _MMAP_PROGRAM, mode],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-        timeout=60,
-    )
-    return float(done.stdout)
+    return float(_run(_MMAP_PROGRAM, mode).stdout)
 
 
 @pytest.mark.skipif(_malloc._LIBC is None, reason="not glibc: the service leaves malloc alone")
