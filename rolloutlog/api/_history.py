@@ -12,6 +12,7 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
 from rolloutlog.api._auth import ANALYST
+from rolloutlog.api._forks import episode_origin, mark_source_attempts
 from rolloutlog.api._http import json_response
 from rolloutlog.api._models import (
     EpisodeHistoryOut,
@@ -273,6 +274,7 @@ async def episode_history(
         [recorded.current_attempt if recorded else 0, tracked[0] if tracked else 0]
         + [e.attempt for _, e in plan_entries]
     )
+    origin = await episode_origin(service.catalog, run, recorded)
     page = [e for e in events if after is None or e["offset"] > after][:limit]
     more = len(page) == limit and page[-1]["offset"] != events[-1]["offset"]
     return json_response(
@@ -287,12 +289,16 @@ async def episode_history(
             "started_at": recorded.started_at if recorded else None,
             "finished_at": recorded.finished_at if recorded else None,
             "result": result_view(found[0]) if found else None,
-            "attempts": _attempts(
-                episode,
-                events,
-                plans,
-                [(offset, meta) for offset, meta, _, _ in decoded],
-                {restore_id for restore_id, _ in plan_entries},
+            "forked_from": origin,
+            "attempts": mark_source_attempts(
+                _attempts(
+                    episode,
+                    events,
+                    plans,
+                    [(offset, meta) for offset, meta, _, _ in decoded],
+                    {restore_id for restore_id, _ in plan_entries},
+                ),
+                origin,
             ),
             "checkpoints": [
                 {

@@ -25,6 +25,7 @@ __all__ = [
     "EpisodeList",
     "EpisodeOut",
     "ErrorOut",
+    "ForkSpec",
     "EventOut",
     "ManifestOut",
     "ParticipantList",
@@ -68,9 +69,20 @@ class _Response(BaseModel):
 # -- requests ----------------------------------------------------------------------------------
 
 
+class ForkSpec(_Request):
+    """Create the run as a fork of ``run``'s committed checkpoint: its live episodes (only
+    ``episodes`` when given) minus ``exclude``."""
+
+    run: RunName
+    checkpoint_id: Count | Literal["latest"] = "latest"
+    episodes: Annotated[list[Name], Field(min_length=1, max_length=1_000_000)] | None = None
+    exclude: Annotated[list[Name], Field(max_length=1_000_000)] = []
+
+
 class CreateRun(_Request):
     run: RunName
     partitions: Annotated[int, Field(ge=1, le=MAX_PARTITIONS)] | None = None
+    fork: ForkSpec | None = None
 
 
 class RegisterParticipant(_Request):
@@ -169,9 +181,24 @@ class RunHealthOut(_Response):
     cluster_unknown: str | None = None
 
 
+class ForkedFromOut(_Response):
+    run: str | None
+    checkpoint_id: int | None
+    at: float | None
+
+
+class ForkOut(_Response):
+    run: str
+    checkpoint_id: int | None
+    at: float | None
+
+
 class RunOut(_Response):
     run: str
     partitions: int
+    #: A fork's source (None: the run is no fork); a source's forks (``GET …/runs/{run}``).
+    forked_from: ForkedFromOut | None = None
+    forks: list[ForkOut] | None = None
     log_url: str | None = None
     controller_epoch: int = 0
     latest_checkpoint_id: int | None = None
@@ -418,6 +445,8 @@ class AttemptOut(_Response):
     checkpoint_id: int | None = None
     action: str | None = None
     resumed_from: dict[str, Any] | None = None
+    #: In a fork: whether the attempt happened in the source run, before the fork.
+    in_source: bool | None = None
 
 
 class EpisodeHistoryOut(_Response):
@@ -429,6 +458,9 @@ class EpisodeHistoryOut(_Response):
     partition: int
     status: str | None
     current_attempt: int
+    #: In a fork: the source run, checkpoint and the attempt the episode had there; its
+    #: attempts up to that one happened in the source (``in_source``).
+    forked_from: dict[str, Any] | None = None
     attempts: list[AttemptOut]
     checkpoints: list[ManifestEntryOut]
     restores: list[RestoreEpisodeOut]

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import Response
 
 from rolloutlog.api._auth import ANALYST, PARTICIPANT, TRAINER, Role, authorize_runs, runs_of
+from rolloutlog.api._forks import create_fork, fork_view, forked_from_view
 from rolloutlog.api._http import json_response, stream_ndjson, wants_ndjson
 from rolloutlog.api._models import (
     ControllerOut,
@@ -64,7 +65,11 @@ def _run_out(
     view = report.view(coordinator.replica_id)
     if view["since"] is None:
         view["since"] = summary.run.created_at
-    return {**run_view(summary, _live(service, run)), "health": view}
+    return {
+        **run_view(summary, _live(service, run)),
+        "health": view,
+        "forked_from": forked_from_view(summary.run),
+    }
 
 
 @router.post(
@@ -79,8 +84,12 @@ def _run_out(
     },
 )
 async def create_run(request: Request, body: CreateRun) -> Response:
-    await authorize_runs(request, Role.TRAINER, [body.run])
+    # A fork reads its source's checkpoint: the token holds the trainer role on both.
+    forked_from = [body.fork.run] if body.fork is not None else []
+    await authorize_runs(request, Role.TRAINER, [body.run, *forked_from])
     service = _service(request)
+    if body.fork is not None:
+        return await create_fork(service, body)
     try:
         await service.catalog.get_run(body.run)
         existed = True
@@ -129,7 +138,9 @@ async def get_run(request: Request, run: RunPath) -> Response:
     service = _service(request)
     summary = await service.catalog.run_summary(run)
     health = await service.coordinator.runs_health(run)
-    return json_response(_run_out(service, summary, health))
+    scope = await runs_of(request, Role.ANALYST)  # the forks the token may see
+    forks = [fork_view(f) for f in await service.catalog.forks_of(run) if scope.covers(f.run)]
+    return json_response({**_run_out(service, summary, health), "forks": forks})
 
 
 @router.delete(

@@ -11,6 +11,12 @@ import time
 from collections.abc import Callable
 
 from rolloutlog.catalog._catalog import Catalog
+from rolloutlog.catalog._forks import (
+    FORK_CHECKPOINT_ID,
+    FORK_RESTORE_ID,
+    ForkClaim,
+    inherited_restore,
+)
 from rolloutlog.catalog._leases import ClusterView, PartitionOwner, ReplicaReport
 from rolloutlog.catalog._migrate import head_revision
 from rolloutlog.catalog._registry import backend_for
@@ -54,7 +60,10 @@ __all__ = [
     "EpisodeFinish",
     "EpisodeStart",
     "EpisodeStatus",
+    "FORK_CHECKPOINT_ID",
+    "FORK_RESTORE_ID",
     "FinishedResult",
+    "ForkClaim",
     "ManifestAction",
     "ManifestEntry",
     "ParticipantKind",
@@ -74,6 +83,7 @@ __all__ = [
     "RunStats",
     "RunSummary",
     "head_revision",
+    "inherited_restore",
     "open_catalog",
 ]
 

@@ -17,6 +17,7 @@ from types import TracebackType
 
 from rolloutlog.catalog import _migrate
 from rolloutlog.catalog._checkpoint_ops import CheckpointOperations
+from rolloutlog.catalog._fork_ops import ForkOperations
 from rolloutlog.catalog._lease_ops import LeaseOperations
 from rolloutlog.catalog._registry import backend_for
 from rolloutlog.catalog._restore_ops import RestoreOperations
@@ -28,7 +29,12 @@ STOP_WAIT_S = 5.0
 
 
 class Catalog(
-    RunOperations, CheckpointOperations, RestoreOperations, ResultOperations, LeaseOperations
+    RunOperations,
+    CheckpointOperations,
+    RestoreOperations,
+    ResultOperations,
+    LeaseOperations,
+    ForkOperations,
 ):
     """The SQL catalog of one deployment. Use ``async with`` or ``start()``/``stop()``."""
 

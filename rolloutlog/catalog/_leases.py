@@ -25,7 +25,7 @@ from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog.catalog._backend import Backend
-from rolloutlog.catalog._schema import partition_leases, replicas, runs
+from rolloutlog.catalog._schema import RUN_VISIBLE, partition_leases, replicas, runs
 from rolloutlog.errors import LeaseLost
 
 __all__ = [
@@ -165,7 +165,7 @@ async def tick(
     owned: Owned = {}
     new: list[dict[str, object]] = []
     changed: list[dict[str, object]] = []
-    for row in await conn.execute(select(runs.c.run, runs.c.partitions)):
+    for row in await conn.execute(select(runs.c.run, runs.c.partitions).where(RUN_VISIBLE)):
         run, mine = row.run, held.get(row.run, {})
         run_leases = leases.get(run, {})
         current = {partition: owner for partition, (owner, _) in run_leases.items()}
@@ -324,7 +324,7 @@ async def cluster_view(
 ) -> ClusterView:
     """The leases of ``run`` (every run: None) with their owners' heartbeats and reports."""
     now = await backend.now(conn, clock)
-    run_query = select(runs.c.run, runs.c.partitions)
+    run_query = select(runs.c.run, runs.c.partitions).where(RUN_VISIBLE)
     lease_query = select(
         partition_leases.c.run,
         partition_leases.c.partition,

@@ -12,6 +12,7 @@ from sqlalchemy import Row, Select, Table, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog.catalog._schema import (
+    RUN_VISIBLE,
     checkpoint_offsets,
     checkpoint_parts,
     checkpoints,
@@ -89,14 +90,15 @@ def episode_from_row(row: Row[Any]) -> Episode:
 
 
 async def get_run(conn: AsyncConnection, run: str) -> Run:
-    row = (await conn.execute(select(runs).where(runs.c.run == run))).one_or_none()
+    query = select(runs).where(runs.c.run == run, RUN_VISIBLE)
+    row = (await conn.execute(query)).one_or_none()
     if row is None:
         raise UnknownRun(f"no run {run!r}", run=run)
     return run_from_row(row)
 
 
 async def list_runs(conn: AsyncConnection, after: str | None, limit: int) -> list[RunSummary]:
-    query = select(runs).order_by(runs.c.run).limit(limit)
+    query = select(runs).where(RUN_VISIBLE).order_by(runs.c.run).limit(limit)
     if after is not None:
         query = query.where(runs.c.run > after)
     return await summarize_runs(conn, [run_from_row(row) for row in await conn.execute(query)])

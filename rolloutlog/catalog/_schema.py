@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    or_,
     text,
 )
 
@@ -57,8 +58,19 @@ runs = Table(
     Column("last_checkpoint_id", BigInteger, nullable=False, server_default=text("0")),
     Column("last_restore_id", BigInteger, nullable=False, server_default=text("0")),
     Column("created_at", Double, nullable=False),
+    # A fork (migration 0012): the run and committed checkpoint it branched from, its request
+    # (JSON), and when it was created whole. While ``forked_at`` is NULL the fork is being
+    # created: the row only claims the name, and every read but the fork's own skips it.
+    Column("forked_from_run", Name, nullable=True),
+    Column("forked_from_checkpoint", BigInteger, nullable=True),
+    Column("forked_at", Double, nullable=True),
+    Column("fork_request", Text, nullable=True),
     CheckConstraint("partitions >= 1", name="partitions_positive"),
+    Index("ix_runs_forked_from_run", "forked_from_run"),
 )
+
+RUN_VISIBLE = or_(runs.c.forked_from_run.is_(None), runs.c.forked_at.is_not(None))
+"""The runs every read sees: all but forks still being created (``catalog/_forks.py``)."""
 
 participants = Table(
     "participants",
@@ -233,6 +245,9 @@ episodes = Table(
     Column("started_at", Double, nullable=True),
     Column("finished_at", Double, nullable=True),
     Column("updated_at", Double, nullable=False),
+    # In a fork (migration 0012): the attempt the episode had in the source at the fork (its
+    # attempts up to this one are the source's, copied); NULL otherwise.
+    Column("forked_attempt", Integer, nullable=True),
     CheckConstraint("status IN ('running', 'finished', 'excluded')", name="status_known"),
     ForeignKeyConstraint(["run"], ["runs.run"]),
     Index("ix_episodes_run_status_episode", "run", "status", "episode"),

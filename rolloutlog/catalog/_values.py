@@ -47,6 +47,10 @@ class Run:
     controller_epoch: int
     latest_checkpoint_id: int | None
     created_at: float
+    #: A fork's source run and checkpoint, and when it was created (None: no fork).
+    forked_from_run: str | None = None
+    forked_from_checkpoint: int | None = None
+    forked_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +207,8 @@ class Episode:
     started_at: float | None
     finished_at: float | None
     updated_at: float
+    #: In a fork: the attempt the episode had in the source at the fork (None otherwise).
+    forked_attempt: int | None = None
 
     @property
     def capture_key(self) -> str:

@@ -168,6 +168,8 @@ class ResourcesMiddleware:
     The session id is ``"<resources id>:<episode>"`` (stable across attempts, so a replacement
     finds its restored state under it); requests without a capture key pass through untouched,
     or are refused with ``rollout_id_required`` (outside the ``exempt`` prefixes).
+    ``resources_for`` (optional) picks the participant per request (a server that serves several
+    runs, a fork beside its run: each run's own ``Resources``); ``resources`` otherwise.
     """
 
     def __init__(
@@ -178,9 +180,11 @@ class ResourcesMiddleware:
         state: StateHook | None = None,
         rollout_id_required: bool = False,
         exempt: Sequence[str] = (),
+        resources_for: Callable[[Scope], Awaitable[Resources]] | None = None,
     ) -> None:
         self.app = app
         self.resources = resources
+        self.resources_for = resources_for
         self.state = state
         self.required = _Required(rollout_id_required, exempt)
 
@@ -207,8 +211,10 @@ class ResourcesMiddleware:
             return
         assert context is not None
         path: str = scope["path"]
-        resources = self.resources
-        sid = self.session_id(context)
+        resources = (
+            self.resources if self.resources_for is None else await self.resources_for(scope)
+        )
+        sid = f"{resources.id}:{context.episode}"
 
         async def recorded(message: Message) -> None:
             if message["type"] == "http.response.start" and message["status"] < 400:

@@ -22,6 +22,7 @@ from rolloutlog.projections._fold import (
     select_records,
     token_count,
 )
+from rolloutlog.projections._fork import ForkRequest, ForkResult
 from rolloutlog.projections._health import Blocker, RunHealthReport
 from rolloutlog.projections._health import summarize as summarize_health
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, default_replica_id
@@ -34,6 +35,8 @@ __all__ = [
     "CheckpointResult",
     "DEFAULT_LEASE_S",
     "Coordinator",
+    "ForkRequest",
+    "ForkResult",
     "RestoreResult",
     "RunHealthReport",
     "TrackedEpisode",

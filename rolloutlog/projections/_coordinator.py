@@ -30,6 +30,7 @@ from rolloutlog.projections._checkpointer import (
     CheckpointResult,
 )
 from rolloutlog.projections._feeders import flush_episodes, record_episodes, record_quarantine
+from rolloutlog.projections._fork import ForkRequest, ForkResult, fork_run
 from rolloutlog.projections._health import HealthReporter, RunHealth, RunHealthReport
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, Ownership, default_replica_id
 from rolloutlog.projections._part_planner import PartPlanner
@@ -37,6 +38,7 @@ from rolloutlog.projections._projection_server import (
     ProjectionCache,
     ProjectionServer,
     RestoreLines,
+    committed_checkpoint,
 )
 from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._restorer import DEFAULT_RESTORE_DEADLINE_S, Restorer, RestoreResult
@@ -189,6 +191,25 @@ class Coordinator:
         await self._ownership.tick()  # owned at once, not at the next heartbeat
         await self.projector(run)
         return actual
+
+    async def fork_run(
+        self, run: str, request: ForkRequest, partitions: int | None = None
+    ) -> ForkResult:
+        """Create ``run`` as a fork of another run's committed checkpoint (``_fork.py``), then
+        follow it as any run."""
+        async with self._run_locks[run]:
+            result = await fork_run(
+                self.log,
+                self.catalog,
+                run,
+                request,
+                committed_checkpoint=lambda source, ref: committed_checkpoint(
+                    self.catalog, source, ref
+                ),
+                partitions=partitions,
+            )
+        await self.create_run(run, result.run.partitions)
+        return result
 
     async def projector(self, run: str) -> Projector:
         """The run's projector (started on first use; ``UnknownRun`` for no such run). Waits up

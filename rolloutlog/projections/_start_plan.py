@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rolloutlog.catalog import Catalog, Restore
+from rolloutlog.catalog import FORK_RESTORE_ID, Catalog, Restore, inherited_restore
 from rolloutlog.core import replay_start
 from rolloutlog.errors import RunLost, UnknownRun
 from rolloutlog.log import Log
@@ -82,6 +82,8 @@ async def start_plan(log: Log, catalog: Catalog, run: str) -> StartPlan:
     restored: dict[str, int] = {}  # episode -> the attempt its latest restore made current
     retired: set[str] = set()
     for restore in sorted(restores, key=lambda r: r.restore_id):
+        if restore.restore_id == FORK_RESTORE_ID:
+            continue  # a fork's inherited restore: its records need no refold of their own
         for entry in await catalog.restore_episodes(run, restore.restore_id, limit=None):
             if entry.action == "excluded":
                 retired.add(entry.episode)
@@ -128,11 +130,15 @@ async def _check_log_holds(log: Log, run: str, checkpoint_id: int, markers: list
 
 
 async def all_restores(catalog: Catalog, run: str) -> list[Restore]:
+    """The run's committed restores; a fork's include the restore its copied records name
+    (``inherited_restore``)."""
     out: list[Restore] = []
     before: int | None = None
     while True:
         page = await catalog.list_restores(run, before=before, limit=500)
         out.extend(page)
         if len(page) < 500:
-            return out
+            break
         before = page[-1].restore_id
+    inherited = inherited_restore(await catalog.get_run(run))
+    return out if inherited is None else [*out, inherited]

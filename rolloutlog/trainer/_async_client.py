@@ -19,6 +19,7 @@ from rolloutlog.trainer._calls import (
     Call,
     Calls,
     CheckpointRef,
+    fork_call,
     ndjson_line,
     query,
 )
@@ -143,6 +144,22 @@ class AsyncTrainerClient(Calls):
     async def create_run(self, run: str, partitions: int | None = None) -> dict[str, Any]:
         body = query(run=run, partitions=partitions)
         result: dict[str, Any] = await self._send(Call("POST", "/v1/runs", json=body))
+        return result
+
+    async def fork_run(
+        self,
+        run: str,
+        source: str,
+        checkpoint_id: int | str = "latest",
+        *,
+        episodes: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """Create ``run`` as a fork of ``source``'s committed checkpoint (its live episodes, or
+        ``episodes``, minus ``exclude``); the reply's ``forked_from`` names the checkpoint. The
+        same fork again answers as created; ``resume_run(run)`` then continues them."""
+        call = fork_call(run, source, checkpoint_id, episodes, exclude)
+        result: dict[str, Any] = await self._send(call)
         return result
 
     async def get_run(self, run: str) -> dict[str, Any]:

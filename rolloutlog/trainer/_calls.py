@@ -28,7 +28,15 @@ from rolloutlog.trainer._types import (
 )
 from rolloutlog.wire import service_urls
 
-__all__ = ["EPISODES_PER_CALL", "Call", "Calls", "CheckpointRef", "ndjson_line", "query"]
+__all__ = [
+    "EPISODES_PER_CALL",
+    "Call",
+    "Calls",
+    "CheckpointRef",
+    "fork_call",
+    "ndjson_line",
+    "query",
+]
 
 CheckpointRef = int | Literal["latest"]
 #: Episode ids named in one results request (they travel in its URL).
@@ -52,6 +60,23 @@ class Call:
 
 def query(**values: Any) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
+
+
+def fork_call(
+    run: str,
+    source: str,
+    checkpoint_id: int | str,
+    episodes: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+) -> Call:
+    """``POST /v1/runs`` creating ``run`` as a fork of ``source``'s committed checkpoint."""
+    fork = query(
+        run=source,
+        checkpoint_id=checkpoint_id,
+        episodes=None if episodes is None else list(episodes),
+        exclude=None if exclude is None else list(exclude),
+    )
+    return Call("POST", "/v1/runs", json={"run": run, "fork": fork})
 
 
 def ndjson_line(raw: bytes | str) -> Any:

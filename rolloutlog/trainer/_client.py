@@ -26,6 +26,7 @@ from rolloutlog.trainer._calls import (
     Call,
     Calls,
     CheckpointRef,
+    fork_call,
     ndjson_line,
     query,
 )
@@ -145,6 +146,20 @@ class TrainerClient(Calls):
         result: dict[str, Any] = self._send(
             Call("POST", "/v1/runs", json=query(run=run, partitions=partitions))
         )
+        return result
+
+    def fork_run(
+        self,
+        run: str,
+        source: str,
+        checkpoint_id: int | str = "latest",
+        *,
+        episodes: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """``AsyncTrainerClient.fork_run``."""
+        call = fork_call(run, source, checkpoint_id, episodes, exclude)
+        result: dict[str, Any] = self._send(call)
         return result
 
     def get_run(self, run: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The ``rolloutlog`` command: ``serve`` the service, or talk to one.
 
     rolloutlog serve [--data-dir DIR] [--host H] [--port P] [--log URL] [--catalog URL] …
-    rolloutlog runs [list | show RUN | create RUN | delete RUN]
+    rolloutlog runs [list | show RUN | create RUN | fork SOURCE RUN | delete RUN]
     rolloutlog checkpoint RUN [--deadline S] [--no-wait] [--take-over | --epoch N]
     rolloutlog checkpoints RUN [ID|latest] [--status S] [--limit N]
     rolloutlog restore RUN [--checkpoint ID|latest] [--exclude EPISODE]… [--episodes]
@@ -25,6 +25,7 @@ client commands import nothing of the server's stack, so that the command starts
 
 from __future__ import annotations
 
+from rolloutlog.api.cli import _forks  # noqa: F401 - registers ``runs fork``
 from rolloutlog.api.cli._analyst import ANALYST_COMMANDS
 from rolloutlog.api.cli._commands import COMMANDS
 from rolloutlog.api.cli._main import cli, main

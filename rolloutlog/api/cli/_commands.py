@@ -17,6 +17,7 @@ from rolloutlog.api.cli._main import (
     CheckpointRef,
     CliError,
     DefaultGroup,
+    checkpoint_option,
     client_command,
     json_option,
     limit_option,
@@ -49,7 +50,7 @@ def _counts(info: Mapping[str, Any]) -> str:
 
 @click.group(cls=DefaultGroup, default="list")
 def runs() -> None:
-    """Runs: list them (the default), show, create or delete one."""
+    """Runs: list them (the default), show, create, fork or delete one."""
 
 
 RUN_COLUMNS: list[Column] = [
@@ -120,6 +121,7 @@ def runs_show(client: TrainerClient, run: str, stats: bool, as_json: bool) -> in
                 for b in health.get("held_back") or ()
             ),
             ("created", when(found["created_at"])),
+            *_lineage(found),
         ],
         stdout(),
     )
@@ -146,6 +148,17 @@ def runs_create(client: TrainerClient, run: str, partitions: int | None, as_json
     else:
         print(f"run {created['run']}: {created['partitions']} partitions", file=stdout())
     return EXIT_OK
+
+
+def _lineage(found: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``forked from SOURCE@CHECKPOINT`` and one ``fork`` row per fork of the run."""
+    rows: list[tuple[str, Any]] = []
+    origin = found.get("forked_from")
+    if origin:
+        rows.append(("forked from", f"{origin['run']}@{origin['checkpoint_id']}"))
+    for fork in found.get("forks") or ():
+        rows.append(("fork", f"{fork['run']} (from checkpoint {fork['checkpoint_id']})"))
+    return rows
 
 
 @runs.command("delete")
@@ -378,14 +391,7 @@ def _excluded(exclude: Sequence[str], exclude_file: Path | None) -> list[str]:
 
 @click.command()
 @run_argument
-@click.option(
-    "--checkpoint",
-    "checkpoint_id",
-    type=CheckpointRef(),
-    default="latest",
-    show_default=True,
-    help="Committed checkpoint to restore from: its id, or 'latest'.",
-)
+@checkpoint_option("Committed checkpoint to restore from: its id, or 'latest'.")
 @click.option(
     "--exclude",
     multiple=True,

@@ -151,6 +151,18 @@ json_option = click.option(
 )
 
 
+def checkpoint_option(help_text: str) -> Callable[[F], F]:
+    """``--checkpoint ID|latest`` (default ``latest``) as ``checkpoint_id``."""
+    return click.option(
+        "--checkpoint",
+        "checkpoint_id",
+        type=CheckpointRef(),
+        default="latest",
+        show_default=True,
+        help=help_text,
+    )
+
+
 def limit_option(default: int, help: str, most: int | None = None) -> Callable[[F], F]:
     """A listing's ``--limit``: at most ``most`` when the route caps it."""
     return click.option(

@@ -47,6 +47,11 @@ def parse(argv: Sequence[str]) -> ServerSettings:
     parser.add_argument("--token-rate", type=float, default=2000.0, help="tokens per second")
     parser.add_argument("--chunk-tokens", type=int, default=16)
     parser.add_argument("--policy-version", type=int, default=1)
+    parser.add_argument(
+        "--fork-policy-version",
+        type=int,
+        help="the policy version in any other run a rollout names (a fork beside --run)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="worker processes (policy)")
     parser.add_argument("--worker-ports", default="", help="P0,P1,…: each worker's own port")
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
@@ -81,6 +86,7 @@ def parse(argv: Sequence[str]) -> ServerSettings:
         token_rate=args.token_rate,
         chunk_tokens=args.chunk_tokens,
         policy_version=args.policy_version,
+        fork_policy_version=args.fork_policy_version,
         skip_restore=args.skip_restore,
         workers=args.workers,
         worker_index=args.worker_index,

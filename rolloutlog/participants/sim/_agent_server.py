@@ -34,9 +34,7 @@ def agent_server(settings: ServerSettings) -> SimServer:
     not sent), ``after_tool_round`` (snapshot durable). ``/sim/stats``: ``runs`` (capture key,
     resumed round or None, snapshots written, snapshots skipped).
     """
-    server = SimServer(settings, lambda t: Agent(t, settings.run, settings.participant_id))
-    agent = server.participant
-    assert isinstance(agent, Agent)
+    server = SimServer(settings, lambda t, run: Agent(t, run, settings.participant_id))
     assert settings.policy_urls, "the agent needs --policy-url"
     policy_urls = settings.policy_urls
     runs: list[dict[str, Any]] = []
@@ -50,12 +48,15 @@ def agent_server(settings: ServerSettings) -> SimServer:
         key = context.capture_key
         task = body["task"]
         restore_id = server.restore_id(request, body)
+        run_name = server.run_of(request)
+        agent = await server.participant_in(run_name)
+        assert isinstance(agent, Agent)
         sid = agent_session_id(context.episode)
         state: dict[str, Any] = {"round": 0, "turns": [], "calls": [], "tools": []}
         session: AgentSession | None = None
         resumed: int | None = None
         if context.attempt > 0:
-            projection = await server.projection(context.episode, restore_id)
+            projection = await server.projection(context.episode, restore_id, run_name)
             if projection is not None and projection.get("capture_key") == key:
                 session, restored, _ = agent.resume(projection, sid)
                 if restored is not None:
@@ -63,7 +64,13 @@ def agent_server(settings: ServerSettings) -> SimServer:
                     resumed = int(state["round"])
         if session is None:
             session = await agent.open_session(context, sid)
-        record = {"capture_key": key, "resumed": resumed, "snapshots": 0, "skipped": 0}
+        record = {
+            "run": run_name,
+            "capture_key": key,
+            "resumed": resumed,
+            "snapshots": 0,
+            "skipped": 0,
+        }
         runs.append(record)
         resources_url = settings.resources_urls[task["resources"]]
         rounds = int(task["rounds"])
@@ -86,6 +93,7 @@ def agent_server(settings: ServerSettings) -> SimServer:
                         "token_rate": task.get("token_rate"),
                     },
                     restore_id,
+                    run_name,
                 )
             ).json()
             state = {
@@ -97,7 +105,12 @@ def agent_server(settings: ServerSettings) -> SimServer:
                 break
             tool = (
                 await server.post(
-                    resources_url, "/tool", context, {"round": state["round"]}, restore_id
+                    resources_url,
+                    "/tool",
+                    context,
+                    {"round": state["round"]},
+                    restore_id,
+                    run_name,
                 )
             ).json()
             state = {**state, "round": state["round"] + 1, "tools": [*state["tools"], tool]}
@@ -115,6 +128,8 @@ def agent_server(settings: ServerSettings) -> SimServer:
     @app.post("/close")
     async def close(request: Request) -> dict[str, Any]:
         context = request_context(request)
+        agent = await server.participant_in(server.run_of(request))
+        assert isinstance(agent, Agent)
         session = AgentSession(agent, context, agent_session_id(context.episode))
         await session.close()
         return {"closed": session.session_id}

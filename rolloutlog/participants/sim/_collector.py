@@ -216,6 +216,14 @@ class Collector:
             self.rollouts[episode] = rollout
             self._enqueue(rollout)
 
+    def adopt(self, tasks: Iterable[Mapping[str, Any]]) -> None:
+        """Take over rollouts already under way elsewhere (a fork's episodes, forked from
+        another run's checkpoint): they wait, as interrupted, for ``restore`` to say how each
+        goes on in this run."""
+        for task in tasks:
+            episode = str(task["id"])
+            self.rollouts[episode] = Rollout(episode, dict(task), episode, status="interrupted")
+
     def _enqueue(self, rollout: Rollout, first: bool = False) -> None:
         if rollout.episode in self._queued:
             return
@@ -271,6 +279,7 @@ class Collector:
         rollout.history.append((rollout.capture_key, rollout.action))
         self._since_checkpoint.add(rollout.episode)
         body = {
+            "run": self.run_name,
             "task": rollout.task,
             "capture_key": rollout.capture_key,
             "action": rollout.action,

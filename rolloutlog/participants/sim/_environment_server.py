@@ -31,19 +31,18 @@ def environment_server(settings: ServerSettings) -> SimServer:
     (or resume) is not yet durable here. ``/sim/stats``: ``runs`` (capture key, resumed stage,
     stages run, reward).
     """
-    server = SimServer(settings, lambda t: Environment(t, settings.run, settings.participant_id))
-    env = server.participant
-    assert isinstance(env, Environment)
+    server = SimServer(settings, lambda t, run: Environment(t, run, settings.participant_id))
     assert settings.agent_url is not None
     agent_url = settings.agent_url
-    started: set[str] = set()
+    started: set[tuple[str, str]] = set()  # (run, capture key)
     runs: list[dict[str, Any]] = []
     server.stats = lambda: {"runs": runs, "started": len(started)}
     app = server.app
 
     @app.post("/sim/started")
     async def missing(body: dict[str, Any]) -> dict[str, Any]:
-        return {"missing": [key for key in body.get("keys", []) if key not in started]}
+        run = str(body.get("run") or settings.run)
+        return {"missing": [key for key in body.get("keys", []) if (run, key) not in started]}
 
     @app.post("/run")
     async def run(request: Request) -> dict[str, Any]:
@@ -52,13 +51,16 @@ def environment_server(settings: ServerSettings) -> SimServer:
         context = RolloutContext.of(str(body.get("capture_key") or task["id"]))
         key = context.capture_key
         restore_id = server.restore_id(None, body)
+        run_name = server.run_of(None, body)
+        env = await server.participant_in(run_name)
+        assert isinstance(env, Environment)
         resources_url = settings.resources_urls[task["resources"]]
         state: dict[str, Any] = {}
         stage = "seed"
         resumed: str | None = None
         episode: EnvironmentEpisode | None = None
         if body.get("action") == "continue" and context.attempt > 0:
-            projection = await server.projection(context.episode, restore_id)
+            projection = await server.projection(context.episode, restore_id, run_name)
             if projection is not None and projection.get("capture_key") == key:
                 resumed_at = env.resume(projection, task)
                 episode, stage = resumed_at.episode, resumed_at.stage
@@ -67,8 +69,13 @@ def environment_server(settings: ServerSettings) -> SimServer:
                 episode.set_verify_mode(state.get("verify"))
         if episode is None:
             episode = await env.start_episode(context, task)
-        started.add(key)
-        record: dict[str, Any] = {"capture_key": key, "resumed_stage": resumed, "stages": []}
+        started.add((run_name, key))
+        record: dict[str, Any] = {
+            "run": run_name,
+            "capture_key": key,
+            "resumed_stage": resumed,
+            "stages": [],
+        }
         runs.append(record)
         holds = server.holds
         for current in STAGES[STAGES.index(stage) :]:
@@ -77,17 +84,21 @@ def environment_server(settings: ServerSettings) -> SimServer:
             await holds.park(f"in:{current}", key)
             record["stages"].append(current)
             if current == "seed":
-                seeded = await server.post(resources_url, "/seed_session", context, {}, None)
+                seeded = await server.post(
+                    resources_url, "/seed_session", context, {}, None, run_name
+                )
                 state["session"] = seeded.json().get("session_id")
                 state["verify"] = episode.set_verify_mode(seeded.headers)
                 state["restart"] = seeded.headers.get("x-ng-checkpoint-restart") == "1"
                 await episode.boundary(current, state)
             elif current == "invoke_agent":
-                reply = await server.post(agent_url, "/run", context, {"task": task}, restore_id)
+                reply = await server.post(
+                    agent_url, "/run", context, {"task": task}, restore_id, run_name
+                )
                 state["response"] = reply.json()
                 await episode.boundary(current, state)
             elif current == "close_agent":
-                await server.post(agent_url, "/close", context, {}, restore_id)
+                await server.post(agent_url, "/close", context, {}, restore_id, run_name)
                 state["agent_closed"] = True
                 await episode.boundary(current, state)
             elif current == "verify":
@@ -97,11 +108,14 @@ def environment_server(settings: ServerSettings) -> SimServer:
                     context,
                     {"task": task, "response": state["response"]},
                     restore_id,
+                    run_name,
                 )
                 state["verdict"] = verdict.json()
                 await episode.boundary(current, state)
             else:
-                await server.post(resources_url, "/close_session", context, {}, restore_id)
+                await server.post(
+                    resources_url, "/close_session", context, {}, restore_id, run_name
+                )
                 await holds.park("before_finish", key)
                 reward = float(state["verdict"]["reward"])
                 result = {"verdict": state["verdict"], "answer": state["response"]["answer"]}

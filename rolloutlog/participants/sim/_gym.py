@@ -162,6 +162,7 @@ class Gym:
         verifier_verify: str = "replay",
         verify_delay_s: float = 0.0,
         policy_version: int = 1,
+        fork_policy_version: int | None = None,
         policy_workers: int = 1,
         service_args: tuple[str, ...] = (),
         startup_timeout_s: float = 60.0,
@@ -182,6 +183,9 @@ class Gym:
         self.verifier_verify = verifier_verify
         self.verify_delay_s = verify_delay_s
         self.policy_version = policy_version
+        #: The fork demo: the same participant processes also serve any other run a rollout
+        #: names (a fork of ``run``), the policy there at this version.
+        self.fork_policy_version = fork_policy_version
         self.service_args = service_args
         self.startup_timeout_s = startup_timeout_s
         self.service = _Process("service", free_port())
@@ -344,6 +348,8 @@ class Gym:
         if role == "policy":
             args += ["--token-rate", str(self.token_rate), "--chunk-tokens", str(self.chunk_tokens)]
             args += ["--policy-version", str(self.policy_version)]
+            if self.fork_policy_version is not None:
+                args += ["--fork-policy-version", str(self.fork_policy_version)]
             if self.policy_worker_ports:
                 ports = ",".join(map(str, self.policy_worker_ports))
                 args += ["--workers", str(len(self.policy_worker_ports)), "--worker-ports", ports]
@@ -469,11 +475,12 @@ class Gym:
             results.append(response.json())
         return results[0] if len(results) == 1 else merge_policy_stats(results)
 
-    def collector(self, **kwargs: Any) -> Collector:
-        """A ``Collector`` for this Gym's run and environment server."""
+    def collector(self, run: str | None = None, **kwargs: Any) -> Collector:
+        """A ``Collector`` for this Gym's run (or ``run``: a fork of it, served by the same
+        participant processes) and environment server."""
         from rolloutlog.participants.sim._collector import Collector
 
-        return Collector(self.service_url, self.run, [self.url("environment")], **kwargs)
+        return Collector(self.service_url, run or self.run, [self.url("environment")], **kwargs)
 
 
 def merge_policy_stats(workers: list[dict[str, Any]]) -> dict[str, Any]:

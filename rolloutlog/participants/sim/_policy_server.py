@@ -12,6 +12,7 @@ from fastapi import Request
 from rolloutlog.participants._ledger import LedgerStore, MemoryLedger, SharedLedger
 from rolloutlog.participants._participant import RolloutContext
 from rolloutlog.participants._policy import GenerationPrefix, Policy, fingerprint
+from rolloutlog.participants._transport import Transport
 from rolloutlog.participants.sim._model import (
     context_digest,
     reply_text,
@@ -54,28 +55,34 @@ def policy_server(settings: ServerSettings) -> SimServer:
         participant_id = f"{participant_id}.{worker}"
         if settings.ledger_path is not None:
             ledger = SharedLedger(settings.ledger_path, worker)
-    server = SimServer(
-        settings,
-        lambda transport: Policy(
-            transport,
-            settings.run,
-            participant_id,
-            policy_version=settings.policy_version,
-            chunk_tokens=settings.chunk_tokens,
-            ledger=ledger,
-        ),
-    )
-    policy = server.participant
-    assert isinstance(policy, Policy)
-    calls: list[dict[str, Any]] = []
-    installed: dict[str, int] = {}
-    #: capture key -> its restored projection, until its first call consumed the cut
-    cuts: dict[str, dict[str, Any]] = {}
-    fetched: set[str] = set()
-    locks: dict[str, asyncio.Lock] = {}
 
-    def keep(projection: dict[str, Any]) -> None:
-        key = str(projection["capture_key"])
+    def policy_in(transport: Transport, run: str) -> Policy:
+        # Another run (a fork beside this one) gets a ledger of its own, and the fork's
+        # policy version: capture keys repeat across runs, rows must not.
+        own = run == settings.run
+        version = settings.policy_version
+        if not own and settings.fork_policy_version is not None:
+            version = settings.fork_policy_version
+        return Policy(
+            transport,
+            run,
+            participant_id,
+            policy_version=version,
+            chunk_tokens=settings.chunk_tokens,
+            ledger=ledger if own else MemoryLedger(worker),
+        )
+
+    server = SimServer(settings, policy_in)
+    calls: list[dict[str, Any]] = []
+    #: per (run, capture key): rows installed; its restored projection until its first call
+    #: consumed the cut; whether it was fetched
+    installed: dict[tuple[str, str], int] = {}
+    cuts: dict[tuple[str, str], dict[str, Any]] = {}
+    fetched: set[tuple[str, str]] = set()
+    locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def keep(run: str, policy: Policy, projection: dict[str, Any]) -> None:
+        key = (run, str(projection["capture_key"]))
         installed[key] = policy.install(projection)
         fetched.add(key)
         if projection.get("generation_cut") is not None:
@@ -84,34 +91,46 @@ def policy_server(settings: ServerSettings) -> SimServer:
     async def bulk_install() -> None:
         if settings.restore_id is None:
             return
+        own = server.participant
+        assert isinstance(own, Policy)
         async for projection in server.restores.install(
             settings.run, settings.restore_id, kind="policy"
         ):
-            keep(projection)
+            keep(settings.run, own, projection)
 
     server.on_start.append(bulk_install)
 
-    async def ensure_restored(context: RolloutContext, restore_id: int | None) -> None:
-        key = context.capture_key
+    async def ensure_restored(
+        run: str, policy: Policy, context: RolloutContext, restore_id: int | None
+    ) -> None:
+        key = (run, context.capture_key)
         if context.attempt == 0 or key in fetched or restore_id is None:
             return
         lock = locks.setdefault(key, asyncio.Lock())
         async with lock:
             if key in fetched:
                 return
-            projection = await server.projection(context.episode, restore_id)
-            if projection is not None and projection.get("capture_key") == key:
-                keep(projection)
+            projection = await server.projection(context.episode, restore_id, run)
+            if projection is not None and projection.get("capture_key") == context.capture_key:
+                keep(run, policy, projection)
             fetched.add(key)
 
     def stats() -> dict[str, Any]:
+        policies = [p for p in server.runs.values() if isinstance(p, Policy)]
+        parents: dict[str, int] = {}
+        for p in policies:
+            for outcome, count in p.parents.items():
+                parents[outcome] = parents.get(outcome, 0) + count
         return {
             "worker": worker,
             "calls": calls,
-            "installed": installed,
-            "chunks_skipped": policy.chunks_skipped,
-            "cuts_refused": policy.cuts_refused,
-            "parents": policy.parents,
+            # this run's capture keys as before; another run's as "run/capture key"
+            "installed": {
+                (k if r == settings.run else f"{r}/{k}"): n for (r, k), n in installed.items()
+            },
+            "chunks_skipped": sum(p.chunks_skipped for p in policies),
+            "cuts_refused": sum(p.cuts_refused for p in policies),
+            "parents": parents,
         }
 
     server.stats = stats
@@ -122,6 +141,9 @@ def policy_server(settings: ServerSettings) -> SimServer:
         body = await request.json()
         context = request_context(request)
         key = context.capture_key
+        run = server.run_of(request)
+        policy = await server.participant_in(run)
+        assert isinstance(policy, Policy)
         turns: list[str] = list(body.get("turns", []))
         call_index = int(body.get("call_index", len(turns)))
         count = int(body["tokens"])
@@ -129,7 +151,7 @@ def policy_server(settings: ServerSettings) -> SimServer:
         constrained = policy.is_constrained(body, None if flag is None else bool(flag))
         rate = float(body.get("token_rate") or settings.token_rate)
         digest = request_digest(context.episode, call_index, count, constrained)
-        await ensure_restored(context, server.restore_id(request, body))
+        await ensure_restored(run, policy, context, server.restore_id(request, body))
         parent = None
         if turns:
             # the parent was called with every turn before its own reply (the last one)
@@ -138,7 +160,7 @@ def policy_server(settings: ServerSettings) -> SimServer:
             )
         parent_id = parent.call_id if parent is not None else None
         cut: GenerationPrefix | None = None
-        projection = cuts.pop(key, None)
+        projection = cuts.pop((run, key), None)
         if projection is not None and policy.claim_cut(key):
             cut = policy.validate_cut(projection, request_digest=digest)
         call_id = cut.call_id if cut is not None else f"{key}.c{call_index}"
@@ -156,6 +178,8 @@ def policy_server(settings: ServerSettings) -> SimServer:
             "t": time.time(),
             "worker": worker,
             "parent_worker": None if parent is None else parent.recorded_by,
+            "run": run,
+            "policy_version": policy.policy_version,
             "capture_key": key,
             "call_id": call_id,
             "parent_call_id": generation.parent_call_id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import os
 import sqlite3
@@ -16,13 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Scope
 
+from rolloutlog.errors import InvalidRequest
 from rolloutlog.participants._asgi import ResourcesMiddleware
 from rolloutlog.participants._participant import RolloutContext
 from rolloutlog.participants._sessions import Resources, SessionKey
 from rolloutlog.participants.sim._model import expected_answer
-from rolloutlog.participants.sim._runtime import ServerSettings, SimServer, request_context
+from rolloutlog.participants.sim._runtime import (
+    RUN_HEADER,
+    ServerSettings,
+    SimServer,
+    request_context,
+)
 
 __all__ = ["resources_server"]
 
@@ -49,34 +56,51 @@ def resources_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
         return _sandbox_server(settings)
     server = SimServer(
         settings,
-        lambda t: Resources(
+        lambda t, run: Resources(
             t,
-            settings.run,
+            run,
             settings.participant_id,
             mode=mode,  # type: ignore[arg-type]
             verify=settings.verify,  # type: ignore[arg-type]
         ),
     )
-    resources = server.participant
-    assert isinstance(resources, Resources)
-    sessions: dict[str, dict[str, Any]] = {}
-    restored: dict[str, int | None] = {}
-    verifies: list[str] = []
-    locks: dict[str, asyncio.Lock] = {}
+    own = server.participant
+    assert isinstance(own, Resources)
+    #: per (run, capture key): the live session; its restored counter; verifies in order
+    sessions: dict[tuple[str, str], dict[str, Any]] = {}
+    restored: dict[tuple[str, str], int | None] = {}
+    verifies: list[tuple[str, str]] = []
+    locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def shown(key: tuple[str, str]) -> str:
+        """This run's capture keys as they are; another run's as ``run/capture key``."""
+        return key[1] if key[0] == settings.run else f"{key[0]}/{key[1]}"
+
     server.stats = lambda: {
         "mode": mode,
         "verify": settings.verify,
-        "sessions": {k: v["counter"] for k, v in sessions.items()},
-        "restored": restored,
-        "verifies": verifies,
+        "sessions": {shown(k): v["counter"] for k, v in sessions.items()},
+        "restored": {shown(k): v for k, v in restored.items()},
+        "verifies": [shown(k) for k in verifies],
     }
     app = server.app
+    #: the run of the request being served (set by the middleware's ``resources_for``)
+    serving: contextvars.ContextVar[str] = contextvars.ContextVar("serving", default=settings.run)
+
+    async def resources_for(scope: Scope) -> Resources:
+        headers = dict(scope.get("headers", ()))
+        run = headers.get(RUN_HEADER.encode(), settings.run.encode()).decode("latin-1")
+        serving.set(run)
+        found = await server.participant_in(run)
+        assert isinstance(found, Resources)
+        return found
 
     def session_id(context: RolloutContext) -> str:
-        return f"{resources.id}:{context.episode}"
+        return f"{own.id}:{context.episode}"
 
     async def session(request: Request, context: RolloutContext) -> dict[str, Any]:
-        key = context.capture_key
+        run = server.run_of(request)
+        key = (run, context.capture_key)
         if key in sessions:
             return sessions[key]
         lock = locks.setdefault(key, asyncio.Lock())
@@ -85,9 +109,11 @@ def resources_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
                 state: dict[str, Any] = {"counter": 0}
                 if mode == "exported" and context.attempt > 0 and not settings.skip_restore:
                     projection = await server.projection(
-                        context.episode, server.restore_id(request)
+                        context.episode, server.restore_id(request), run
                     )
-                    if projection is not None and projection.get("capture_key") == key:
+                    if projection is not None and projection.get("capture_key") == key[1]:
+                        resources = await server.participant_in(run)
+                        assert isinstance(resources, Resources)
                         saved = resources.restored_state(projection, session_id(context))
                         if isinstance(saved, dict):
                             state = dict(saved)
@@ -96,12 +122,12 @@ def resources_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
         return sessions[key]
 
     async def state_hook(context: RolloutContext, sid: str) -> Any:
-        return sessions.get(context.capture_key, {"counter": 0})
+        return sessions.get((serving.get(), context.capture_key), {"counter": 0})
 
     @app.post("/seed_session")
     async def seed_session(request: Request) -> dict[str, Any]:
         context = request_context(request)
-        sessions[context.capture_key] = {"counter": 0}
+        sessions[(server.run_of(request), context.capture_key)] = {"counter": 0}
         return {"session_id": session_id(context)}
 
     @app.post("/tool")
@@ -131,17 +157,17 @@ def resources_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
             counter = (await session(request, context))["counter"]
             result["counter"] = counter
             right = right and counter == int(task["rounds"])
-        verifies.append(context.capture_key)
+        verifies.append((server.run_of(request), context.capture_key))
         return {"reward": 1.0 if right else 0.0, **result}
 
     @app.post("/close_session")
     async def close_session(request: Request) -> dict[str, Any]:
         context = request_context(request)
-        sessions.pop(context.capture_key, None)
+        sessions.pop((server.run_of(request), context.capture_key), None)
         return {"closed": session_id(context)}
 
     hook = state_hook if mode == "exported" else None
-    return server, ResourcesMiddleware(app, resources, state=hook)
+    return server, ResourcesMiddleware(app, own, state=hook, resources_for=resources_for)
 
 
 class SandboxStore:
@@ -220,9 +246,9 @@ def _sandbox_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
 
     server = SimServer(
         settings,
-        lambda t: Resources(
+        lambda t, run: Resources(
             t,
-            settings.run,
+            run,
             settings.participant_id,
             mode="checkpoint",
             verify=settings.verify,  # type: ignore[arg-type]
@@ -253,6 +279,11 @@ def _sandbox_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
     def session_id(context: RolloutContext) -> str:
         return f"{resources.id}:{context.episode}"
 
+    def own_run(request: Request) -> None:
+        # Its store and exports are its run's: a fork beside it is served by the other modes.
+        if server.run_of(request) != settings.run:
+            raise InvalidRequest("the sandbox server serves its own run only", field="run")
+
     async def counter_of(request: Request, context: RolloutContext) -> int:
         """The live counter; a replacement attempt's first request restores it."""
         key = context.capture_key
@@ -273,6 +304,7 @@ def _sandbox_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
 
     @app.post("/seed_session")
     async def seed_session(request: Request) -> dict[str, Any]:
+        own_run(request)
         context = request_context(request)
         await store.set(context.capture_key, 0)
         live.add(context.capture_key)
@@ -280,6 +312,7 @@ def _sandbox_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
 
     @app.post("/tool")
     async def tool(request: Request) -> dict[str, Any]:
+        own_run(request)
         context = request_context(request)
         await server.holds.park("in_tool", context.capture_key)
         sid = session_id(context)

@@ -31,10 +31,21 @@ from rolloutlog.participants._participant import Participant, RolloutContext
 from rolloutlog.participants._restore import Restores
 from rolloutlog.participants._transport import HttpTransport, KafkaTransport, Transport
 
-__all__ = ["RESTORE_HEADER", "Holds", "ServerSettings", "SimServer", "serve", "supervise"]
+__all__ = [
+    "RESTORE_HEADER",
+    "RUN_HEADER",
+    "Holds",
+    "ServerSettings",
+    "SimServer",
+    "serve",
+    "supervise",
+]
 
 #: The header that carries the restore a replacement attempt continues from between sim servers.
 RESTORE_HEADER = "x-sim-restore-id"
+#: The header that carries the run a rollout belongs to between sim servers (a process serves
+#: its own run and, for the fork demo, any other run a request names: a fork beside it).
+RUN_HEADER = "x-sim-run"
 
 
 @dataclass
@@ -61,6 +72,9 @@ class ServerSettings:
     token_rate: float = 2000.0
     chunk_tokens: int = 16
     policy_version: int = 1
+    #: The policy version this process serves in any run other than ``run`` (a fork beside it;
+    #: None: ``policy_version`` there too).
+    fork_policy_version: int | None = None
     skip_restore: bool = False
     #: worker processes (policy only): each serves ``port`` (SO_REUSEPORT) and its own
     #: ``worker_ports[i]`` (control routes, and the address a round-robin client uses)
@@ -185,10 +199,17 @@ class SimServer:
     &timeout_s=``) waits until an episode parks there, ``/sim/holds/release`` (POST) releases.
     """
 
-    def __init__(self, settings: ServerSettings, participant: Callable[[Transport], Participant]):
+    def __init__(
+        self, settings: ServerSettings, participant: Callable[[Transport, str], Participant]
+    ):
         self.settings = settings
         self.transport = make_transport(settings)
-        self.participant = participant(self.transport)
+        self._make = participant
+        self.participant = participant(self.transport, settings.run)
+        #: The participant of each run this process serves (its own run's is ``participant``;
+        #: another run's registers in that run when a request first names it).
+        self.runs: dict[str, Participant] = {settings.run: self.participant}
+        self._joining: dict[str, asyncio.Lock] = {}
         # The service's uvicorn drops idle connections after 5 s, httpx after 5 s too: expire
         # ours sooner so no request races the server closing its connection.
         self.service_client = httpx.AsyncClient(
@@ -238,6 +259,29 @@ class SimServer:
         # start): wait for the service and the run to exist.
         await self.participant.register(wait_s=timeout_s)
 
+    def run_of(self, request: Request | None = None, body: Any = None) -> str:
+        """The run a rollout request belongs to: the body's ``run``, else the ``x-sim-run``
+        header, else this process's run."""
+        if isinstance(body, dict) and body.get("run"):
+            return str(body["run"])
+        if request is not None and request.headers.get(RUN_HEADER):
+            return str(request.headers[RUN_HEADER])
+        return self.settings.run
+
+    async def participant_in(self, run: str) -> Participant:
+        """This process's participant in ``run``, registered there on first use (a fork's
+        participants register in the fork: their epochs are the fork's)."""
+        found = self.runs.get(run)
+        if found is not None:
+            return found
+        lock = self._joining.setdefault(run, asyncio.Lock())
+        async with lock:
+            if run not in self.runs:
+                joined = self._make(self.transport, run)
+                await joined.register(wait_s=30.0)
+                self.runs[run] = joined
+        return self.runs[run]
+
     def restore_id(self, request: Request | None = None, body: Any = None) -> int | None:
         """The restore a replacement attempt continues from: the request's (body or header),
         else the one this process was started with."""
@@ -247,21 +291,32 @@ class SimServer:
             return int(request.headers[RESTORE_HEADER])
         return self.settings.restore_id
 
-    async def projection(self, episode: str, restore_id: int | None) -> dict[str, Any] | None:
-        """One episode's projection of a restore (None when the restore did not continue it)."""
+    async def projection(
+        self, episode: str, restore_id: int | None, run: str | None = None
+    ) -> dict[str, Any] | None:
+        """One episode's projection of a restore of ``run`` (this process's by default; None
+        when the restore did not continue it)."""
         if restore_id is None:
             return None
         return await self.restores.continued(
-            self.settings.run, episode, restore_id, deadline_s=self.transport.deadline_s
+            run or self.settings.run, episode, restore_id, deadline_s=self.transport.deadline_s
         )
 
     async def post(
-        self, url: str, path: str, context: RolloutContext, body: Any, restore_id: int | None
+        self,
+        url: str,
+        path: str,
+        context: RolloutContext,
+        body: Any,
+        restore_id: int | None,
+        run: str | None = None,
     ) -> httpx.Response:
-        """A request to the next hop carrying the rollout context (and the restore id)."""
+        """A request to the next hop carrying the rollout context (the restore id, the run)."""
         headers = context_headers(context)
         if restore_id is not None:
             headers[RESTORE_HEADER] = str(restore_id)
+        if run is not None and run != self.settings.run:
+            headers[RUN_HEADER] = run
         response = await self.client.post(url + path, json=body, headers=headers)
         if response.status_code >= 400:
             raise _Downstream(response)

@@ -38,10 +38,14 @@ class DemoResult:
     checkpoint_counts: dict[str, int] = field(default_factory=dict)
     #: each participant's ``/sim/stats`` at the end (replacement processes'), by name
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: ``--fork``: the fork's report (its rollouts continued beside the run's)
+    fork: CollectorReport | None = None
+    #: the run the report is of (the participants' stats also hold a fork's rollouts)
+    run: str = "demo"
 
     @property
     def ok(self) -> bool:
-        return self.report.ok
+        return self.report.ok and (self.fork is None or self.fork.ok)
 
 
 class _Progress:
@@ -99,6 +103,7 @@ async def run_demo(
     policy_workers: int = 1,
     kill_service: bool = False,
     service_down_s: float = 5.0,
+    fork_policy_version: int | None = None,
     out: TextIO | None = None,
 ) -> DemoResult:
     """Run the demo; returns the collector's report with the checkpoint and restore figures."""
@@ -117,7 +122,9 @@ async def run_demo(
         catalog_url=catalog_url,
         participant_transport=participant_transport,
         policy_workers=policy_workers,
+        fork_policy_version=fork_policy_version,
     )
+    fork_report: CollectorReport | None = None
     async with gym:
         timings["start_s"] = gym.timings["start_s"]
         progress.say(
@@ -143,6 +150,9 @@ async def run_demo(
                 f"checkpoint {checkpoint.checkpoint_id} {checkpoint.status} in "
                 f"{timings['checkpoint_s'] * 1000:.0f} ms: {dict(checkpoint.counts)}"
             )
+            forked: list[dict[str, Any]] = []
+            if fork_policy_version is not None:
+                forked = await _fork(collector, run, checkpoint.checkpoint_id, tasks, progress)
             gym.kill_participants()
             progress.say(f"SIGKILLed {len(PARTICIPANTS)} participant process groups")
             t0 = time.perf_counter()
@@ -158,6 +168,15 @@ async def run_demo(
             timings["participants_restart_s"] = time.perf_counter() - t0
             progress.say(f"participants restarted in {timings['participants_restart_s']:.1f} s")
             collector.redispatch()
+            branch: Collector | None = None
+            if fork_policy_version is not None:
+                # The fork's rollouts go on beside the run's, in the same participant processes.
+                branch = gym.collector(f"{run}-fork", concurrency=concurrency)
+                await branch.setup()
+                branch.adopt(forked)
+                await branch.restore()
+                branch.redispatch()
+                fork_runner = asyncio.create_task(branch.run(timeout_s=300))
             if kill_service:
                 # mid-run: replacement rollouts (and new ones) in flight
                 left = rollouts - collector.counts()["done"]
@@ -173,14 +192,43 @@ async def run_demo(
                 timings["service_down_s"] = time.perf_counter() - t0
                 progress.say(f"service back after {timings['service_down_s']:.1f} s")
             report = await runner
+            if branch is not None:
+                fork_report = await fork_runner
+                await branch.close()
+                progress.say(
+                    f"fork {run}-fork (policy version {fork_policy_version}): "
+                    f"{fork_report.right}/{fork_report.rollouts} right, "
+                    f"{fork_report.continued} continued, {fork_report.restarted} restarted"
+                )
             progress.draw(collector)
             if progress.tty:
                 out.write("\n")
         stats = {name: await gym.stats(name) for name in PARTICIPANTS}
     timings["total_s"] = time.perf_counter() - began
-    result = DemoResult(report, timings, dict(plan.restore.counts), dict(checkpoint.counts), stats)
+    result = DemoResult(
+        report, timings, dict(plan.restore.counts), dict(checkpoint.counts), stats, fork_report, run
+    )
     _print_report(out, result)
     return result
+
+
+async def _fork(
+    collector: Collector,
+    run: str,
+    checkpoint_id: int,
+    tasks: Sequence[dict[str, Any]],
+    progress: _Progress,
+) -> list[dict[str, Any]]:
+    """Fork the run at the checkpoint (``--fork``): its live episodes but the sandbox's (whose
+    server serves its own run only); the forked episodes' tasks."""
+    trainer = collector.trainer
+    manifest = {e["episode"]: e["action"] async for e in trainer.manifest(run, checkpoint_id)}
+    by_id = {str(task["id"]): task for task in tasks}
+    live = [by_id[e] for e, action in manifest.items() if action != "finished" and e in by_id]
+    sandboxed = sorted(str(t["id"]) for t in live if t["resources"] == "sandbox")
+    created = await trainer.fork_run(f"{run}-fork", run, checkpoint_id, exclude=sandboxed or None)
+    progress.say(f"forked {run}-fork from checkpoint {checkpoint_id}: {created.get('counts')}")
+    return [t for t in live if t["resources"] != "sandbox"]
 
 
 @dataclass
@@ -302,7 +350,11 @@ def _print_report(out: TextIO, result: DemoResult) -> None:
     restored = result.stats.get("counter", {}).get("restored", {})
     policy = result.stats.get("policy", {})
     retried = sum(stats.get("appends_retried", 0) for stats in result.stats.values())
-    resumed = [r for r in result.stats.get("environment", {}).get("runs", []) if r["resumed_stage"]]
+    resumed = [
+        r
+        for r in result.stats.get("environment", {}).get("runs", [])
+        if r["resumed_stage"] and r.get("run", result.run) == result.run
+    ]
     DemoReport(
         rollouts=report.rollouts,
         finished=report.finished,
@@ -374,6 +426,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--service-down", type=float, default=5.0, help="seconds the killed service stays down"
     )
+    parser.add_argument(
+        "--fork",
+        type=int,
+        metavar="POLICY_VERSION",
+        dest="fork_policy_version",
+        help="also fork the run at its checkpoint and continue the fork beside it, in the same "
+        "participant processes, under this policy version",
+    )
     args = parser.parse_args(argv)
     data_dir = args.data_dir
     if data_dir is None and args.keep:
@@ -389,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy_workers=args.policy_workers,
             kill_service=args.kill_service,
             service_down_s=args.service_down,
+            fork_policy_version=args.fork_policy_version,
         )
     )
     if data_dir is not None:

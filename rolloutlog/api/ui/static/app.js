@@ -299,13 +299,20 @@ function runsView() {
     if (after) query.set("after", after);
     const page = await api(`/v1/runs?${query}`);
     const lags = await Promise.all(page.runs.map((r) => api(`/v1/runs/${enc(r.run)}/projector`).catch(() => null)));
-    body.replaceChildren(...page.runs.map((r, i) => {
+    const lagOf = new Map(page.runs.map((r, i) => [r.run, lags[i]]));
+    body.replaceChildren(...forkTree(page.runs).map(({ run: r, depth }) => {
+      const lag = lagOf.get(r.run);
+      const origin = r.forked_from;
       const health = r.health
         ? el("span", { title: heldBackSummary(r.health) }, badge(r.health.status))
         : el("span", { class: "muted" }, "–");
       const checkpoints = Object.values(r.counts.checkpoints || {}).reduce((a, b) => a + b, 0);
-      return el("tr", { "data-run": r.run },
-        td(el("a", { href: `/ui/runs/${enc(r.run)}` }, r.run)),
+      return el("tr", { "data-run": r.run, "data-depth": String(depth) },
+        td(el("span", { class: `fork-depth-${Math.min(depth, 6)}` },
+          depth ? el("span", { class: "muted" }, "↳ ") : "",
+          el("a", { href: `/ui/runs/${enc(r.run)}` }, r.run),
+          origin ? el("span", { class: "muted" }, " forked from ",
+            field("forked_from", `${origin.run}@${origin.checkpoint_id}`)) : "")),
         td(health),
         td(field("live_episodes", fmt.n(r.counts.live_episodes)), { class: "num" }),
         td(field("episodes", fmt.n(r.counts.episodes)), { class: "num" }),
@@ -313,13 +320,50 @@ function runsView() {
         td(field("checkpoints", fmt.n(checkpoints)), { class: "num" }),
         td(field("restores", fmt.n(r.counts.restores)), { class: "num" }),
         td(field("participants", fmt.n(r.counts.participants)), { class: "num" }),
-        td(field("lag", lags[i] ? fmt.n(lags[i].lag) : "–"), { class: "num" }),
+        td(field("lag", lag ? fmt.n(lag.lag) : "–"), { class: "num" }),
         td(r.partitions, { class: "num" }));
     }));
     pager.replaceChildren(page.next_after ? el("a", { href: `/ui?after=${enc(page.next_after)}` }, "next page →") : "");
     if (!page.runs.length) body.replaceChildren(el("tr", {}, el("td", { colspan: 10, class: "muted" }, "No runs yet.")));
   };
   return { render, refresh, live: true };
+}
+
+// Runs in page order, each fork right after its source (indented by its depth) when the source
+// is on the page too.
+function forkTree(runs) {
+  const names = new Set(runs.map((r) => r.run));
+  const children = new Map();
+  const roots = [];
+  for (const r of runs) {
+    const source = r.forked_from && names.has(r.forked_from.run) ? r.forked_from.run : null;
+    if (source === null) roots.push(r);
+    else children.set(source, [...(children.get(source) || []), r]);
+  }
+  const out = [];
+  const visit = (r, depth) => {
+    out.push({ run: r, depth });
+    for (const child of children.get(r.run) || []) visit(child, depth + 1);
+  };
+  roots.forEach((r) => visit(r, 0));
+  return out;
+}
+
+function lineage(run, info) {
+  const parts = [];
+  const origin = info.forked_from;
+  if (origin) {
+    parts.push(el("p", {}, "Forked from ",
+      el("a", { href: `/ui/runs/${enc(origin.run)}`, "data-field": "forked_from" }, origin.run),
+      ` at checkpoint ${origin.checkpoint_id}`,
+      origin.at ? el("span", { class: "muted" }, ` (${fmt.time(origin.at)})`) : ""));
+  }
+  if ((info.forks || []).length) {
+    parts.push(el("p", {}, "Forks: ", ...info.forks.flatMap((f, i) => [i ? ", " : "",
+      el("a", { href: `/ui/runs/${enc(f.run)}`, "data-fork": f.run }, f.run),
+      el("span", { class: "muted" }, ` (checkpoint ${f.checkpoint_id})`)])));
+  }
+  return parts;
 }
 
 // -- one run --------------------------------------------------------------------------------------
@@ -330,6 +374,7 @@ function runView(run) {
   const samples = [];  // (time, log records) for events/s
   const summary = el("div", { class: "cards", "data-testid": "summary" });
   const healthBox = el("div", { "data-testid": "health" });
+  const lineageBox = el("div", { "data-testid": "lineage" });
   const durations = chartBox("Checkpoint durations by stage (ms)", "chart-durations");
   const durationLegend = el("div");
   durations.box.append(durationLegend);
@@ -360,6 +405,7 @@ function runView(run) {
       card("projector lag", "lag", fmt.n(lag.lag)),
       card("events/s", "events_per_s", rateNow === null ? "–" : rateNow.toFixed(1)),
       card("last checkpoint", "duration_ms_last", fmt.ms(stats.checkpoints.duration_ms_last)));
+    lineageBox.replaceChildren(...lineage(run, info));
     const health = info.health || null;
     healthBox.replaceChildren(...(health
       ? [el("p", {}, "Health: ", badge(health.status), health.error ? ` ${health.error}` : "",
@@ -518,7 +564,7 @@ function runView(run) {
 
   const render = async () => {
     app.replaceChildren(
-      el("h1", {}, `Run ${run}`), healthBox, summary,
+      el("h1", {}, `Run ${run}`), lineageBox, healthBox, summary,
       el("h2", {}, "Charts"), el("div", { class: "charts" }, durations.box, rate.box, lagChart.box),
       el("h2", {}, "Checkpoints"), checkpointsBox,
       el("h2", {}, "Restores"), restoresBox, planBox,

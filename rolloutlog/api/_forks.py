@@ -1,0 +1,95 @@
+"""Forks over REST: ``POST /v1/runs`` with ``fork`` creates a run as a branch of another run's
+committed checkpoint (``projections/_fork.py``); a run's view says what it was forked from and
+lists its forks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import Response
+
+from rolloutlog.api._http import json_response
+from rolloutlog.api._models import CreateRun
+from rolloutlog.api._service import Service
+from rolloutlog.catalog import Catalog, Episode, Run
+from rolloutlog.core import capture_key
+from rolloutlog.projections import ForkRequest
+
+__all__ = [
+    "create_fork",
+    "episode_origin",
+    "fork_view",
+    "forked_from_view",
+    "mark_source_attempts",
+]
+
+
+async def create_fork(service: Service, body: CreateRun) -> Response:
+    """201 with the fork created, 200 when the same fork existed (``run_exists`` otherwise)."""
+    spec = body.fork
+    assert spec is not None
+    request = ForkRequest(
+        source=spec.run,
+        checkpoint=spec.checkpoint_id,
+        episodes=None if spec.episodes is None else tuple(spec.episodes),
+        exclude=tuple(spec.exclude),
+    )
+    result = await service.coordinator.fork_run(body.run, request, body.partitions)
+    reply: dict[str, Any] = {
+        "run": body.run,
+        "partitions": result.run.partitions,
+        "forked_from": result.forked_from(),
+    }
+    if result.counts:
+        reply["counts"] = result.counts
+    return json_response(reply, 201 if result.created else 200)
+
+
+def forked_from_view(run: Run) -> dict[str, Any] | None:
+    """``{"run", "checkpoint_id", "at"}`` of a fork, None for a run that is no fork."""
+    if run.forked_from_run is None:
+        return None
+    return {
+        "run": run.forked_from_run,
+        "checkpoint_id": run.forked_from_checkpoint,
+        "at": run.forked_at,
+    }
+
+
+async def episode_origin(
+    catalog: Catalog, run: str, episode: Episode | None
+) -> dict[str, Any] | None:
+    """Where a fork's episode came from: the source run, its checkpoint, the attempt it had
+    there and that attempt's capture key; None for an episode that was not forked."""
+    if episode is None or episode.forked_attempt is None:
+        return None
+    info = await catalog.get_run(run)
+    return {
+        "run": info.forked_from_run,
+        "checkpoint_id": info.forked_from_checkpoint,
+        "attempt": episode.forked_attempt,
+        "capture_key": capture_key(episode.episode, episode.forked_attempt),
+        "at": info.forked_at,
+    }
+
+
+def mark_source_attempts(
+    attempts: list[dict[str, Any]], origin: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """The history's attempts, those that happened in the source before the fork marked
+    ``in_source`` (their records are copies of the source's)."""
+    if origin is None:
+        return attempts
+    for attempt in attempts:
+        attempt["in_source"] = attempt["attempt"] <= origin["attempt"]
+        if attempt["in_source"]:
+            attempt["why"] = (
+                f"in run {origin['run']!r} before the fork of its checkpoint "
+                f"{origin['checkpoint_id']}: {attempt['why']}"
+            )
+    return attempts
+
+
+def fork_view(fork: Run) -> dict[str, Any]:
+    """One fork as its source lists it."""
+    return {"run": fork.run, "checkpoint_id": fork.forked_from_checkpoint, "at": fork.forked_at}
