@@ -39,11 +39,18 @@ CAUSES = {
         "built by replaying the checkpoint's records and folding them once the plan commits; "
         "then every projection line crosses HTTP and is decoded by the client, on the same 2 "
         "cores. Profiled (py-spy, S1 embedded): the fetch is bound by the service's one core, "
-        "~1.7 s of its CPU against the client's 0.55 s (orjson.loads, ~3 µs a line); of the "
+        "~1.7 s of its CPU against the client's 0.55 s (orjson.loads, ~30 µs a line); of the "
         "service's build the fold takes ~75% (the metadata peek ~15 µs per episode, the fold's "
         "state machine ~15, the projection ~10) and encoding the lines ~17% (~11 µs per "
-        "episode). S2's 350 MB of lines are bound by moving bytes on both sides (copies into "
-        "fresh memory, ~180 µs per 350 KB here, and httpx's 64 KB reads in the client)."
+        "episode). Split again with benchmarks/restore_fetch.py --profile (commit 6187bc6, per "
+        "S1 restore + fetch of 2.85 s service CPU under load): plan ~0.4 s on the event loop and "
+        "~0.3 s in the catalog's thread, the log read ~0.9 s (the floor's own work), the fold "
+        "~1.3 s, the line encoding ~0.3 s; the client's decoding alone (~0.45 s) is about the "
+        "floor's whole time, so 1.5x the floor leaves the plan and the build almost nothing. "
+        "S2's 350 MB of lines are bound by moving bytes on both sides (copies into "
+        "fresh memory, ~180 µs per 350 KB here, and httpx's 64 KB reads in the client, ~0.6 s "
+        "of its CPU per restore beside ~0.25 s decoding: more than reading and decoding the "
+        "same states from files takes)."
     ),
     "restore_and_fetch_vs_stop_the_world_restore": (
         "the stop-the-world restore reads and decodes one file per participant in process; "
@@ -74,9 +81,12 @@ CAUSES = {
         "the cache the fetches are served from) and the replay's pages and projection objects "
         "while the lines are built (~40 MB, freed after), over the interpreter and its libraries "
         "(~90 MB idle); the peak grows with live rollouts. On Kafka it also grew with the "
-        "restores taken: 386 MB over S1's 2 restores + fetches in a run of 2 (the suite's S1 and "
-        "S4, commit b832812), 428 MB over 5 here; not split further (the Kafka reads' buffers "
-        "are one candidate)."
+        "restores taken (386 MB over S1's 2 restores + fetches, 428 MB over 5, commit b832812): "
+        "a Kafka read's 4 MB Fetch pages moved glibc's mmap threshold up, so from the second "
+        "restore on they came from the heap and stayed; `rolloutlog serve` fixes the threshold "
+        "at 1 MB (rolloutlog/_malloc.py; the RSS after each of 4 fetches 381, 381, 406, 431 MB "
+        "before, 339, 330, 338, 342 MB after, benchmarks/restore_fetch.py, commit dfd50c0). "
+        "The RSS after each fetch of this run is listed above."
     ),
     "appends": (
         "service CPU per event on one event loop: the HTTP stack (the events route is served "
@@ -321,6 +331,13 @@ def measured_split(reason: str, results: dict[str, Any]) -> str:
                 f"{where}: {s1['restore_peak_rss_mb']:,.0f} MB from the first restore to the last "
                 f"fetch; {s1['service_peak_rss_mb']:,.0f} MB over the service's whole life (load, "
                 "checkpoints, restores, S4)"
+                + (
+                    "; its RSS after each fetch, in order: "
+                    + ", ".join(f"{mb:,.0f}" for mb in s1["rss_after_fetch_mb"])
+                    + " MB"
+                    if s1.get("rss_after_fetch_mb")
+                    else ""
+                )
             )
     if reason == "curve_flatness":
         for name, per in (results.get("curves") or {}).items():
@@ -749,6 +766,20 @@ def build(results: dict[str, Any], images: list[str], quick: bool) -> str:
             if parts:
                 w("")
                 w(f"{key}, the service's own stage timings (median ms): " + "; ".join(parts) + ".")
+        kinds = [
+            f"{key} {spread(f['restore_and_fetch_per_kind_s'])} ({f['per_kind_lines']:,} lines; "
+            f"the single stream {spread(f['restore_and_fetch_s'])}, {f['live']:,} lines)"
+            for key in ("S1", "S2", "S3")
+            for f in [per.get(key) or {}]
+            if "restore_and_fetch_per_kind_s" in f
+        ]
+        if kinds:
+            w("")
+            w(
+                "Restore + fetch with one fetcher per participant kind in parallel (environment, "
+                "policy, resources, agent; each stream holds what its kind restores), beside the "
+                "single stream the targets are measured on: " + "; ".join(kinds) + "."
+            )
         s4 = per.get("S4")
         if s4:
             a = s4["appends"]

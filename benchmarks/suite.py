@@ -171,12 +171,20 @@ class Service:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
-    def peak_rss_mb(self) -> float:
+    def _status_mb(self, field: str) -> float:
+        """A memory figure of the service's ``/proc/PID/status`` (``VmHWM``, ``VmRSS``) in MB."""
         assert self.proc is not None
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
+
+    def peak_rss_mb(self) -> float:
+        return self._status_mb("VmHWM")
+
+    def rss_mb(self) -> float:
+        """The service's resident set now."""
+        return self._status_mb("VmRSS")
 
     def reset_peak_rss(self) -> None:
         """Start VmHWM again from the current RSS (Linux: ``clear_refs`` 5), so that the next
@@ -336,6 +344,9 @@ async def reader(svc: Service) -> AsyncIterator[Any]:
 # -- one workload on one deployment ----------------------------------------------------------------
 
 
+#: Restores fetched by one fetcher per participant kind, per workload (after the single
+#: stream's; the suite's time budget allows one).
+PER_KIND_RUNS = 1
 #: How many live rollouts move on by one event between two measured checkpoints: the same
 #: count at every size, so the live-rollouts curve shows what a checkpoint costs per live
 #: rollout when what changed stays the same.
@@ -371,6 +382,7 @@ async def checkpoints_and_restores(
     workload: Workload,
     runs: int,
     restores: int,
+    per_kind: int = 0,
 ) -> dict[str, Any]:
     """Checkpoints as they happen in a live run, then restores.
 
@@ -383,6 +395,8 @@ async def checkpoints_and_restores(
        stream, decoded as a participant would); before each round but the first, a new
        checkpoint (every episode changed: the restore gave it a new attempt), whose time is
        ``checkpoint_after_restore_s``.
+    4. ``per_kind`` rounds of: a checkpoint, a restore and its fetch by one fetcher per
+       participant kind in parallel (``fetch_per_kind``: ``restore_and_fetch_per_kind_s``).
     """
     live = workload.live
     figures: dict[str, list[float]] = {}
@@ -410,6 +424,7 @@ async def checkpoints_and_restores(
             for stage, value in info.timings_ms.items():
                 stages["checkpoint"].setdefault(stage, []).append(float(value))
     svc.reset_peak_rss()
+    rss_after: list[float] = []
     for index in range(restores):
         if index:
             info = await checkpoint("checkpoint_after_restore_s")
@@ -437,10 +452,26 @@ async def checkpoints_and_restores(
         }.items():
             figures.setdefault(key, []).append(value)
         figures.setdefault("floor_mb", []).append(floor_bytes / 1e6)
+        rss_after.append(svc.rss_mb())
     out: dict[str, Any] = {key: summary(values) for key, values in figures.items()}
     # The service's peak RSS from the first restore to the last fetch (the checkpoint after a
     # restore included), not the load's.
     out["restore_peak_rss_mb"] = svc.peak_rss_mb()
+    # The service's RSS after each restore's fetch, in order: flat, or growing with restores.
+    out["rss_after_fetch_mb"] = rss_after
+    if per_kind:
+        # Beside the single stream: the same restore + fetch with one fetcher per participant
+        # kind in parallel, as real Gyms fetch (each kind's stream holds what it restores, so
+        # the kinds together receive more lines than the single stream).
+        seconds, lines = [], 0
+        for _ in range(per_kind):
+            info = await trainer.checkpoint(run)
+            t0 = time.perf_counter()
+            restored = await trainer.restore(run, checkpoint_id=info.checkpoint_id)
+            lines = await fetch_per_kind(trainer, run, restored.restore_id)
+            seconds.append(time.perf_counter() - t0)
+        out["restore_and_fetch_per_kind_s"] = summary(seconds)
+        out["per_kind_lines"] = lines
     out["churn"] = {"rollouts_per_checkpoint": CHURN_ROLLOUTS, "events": advanced}
     # The service's own stage timings (its reply's ``timings_ms``): where the time went.
     out["stages_ms"] = {
@@ -451,6 +482,20 @@ async def checkpoints_and_restores(
     out["service_cpu_s_per_checkpoint"] = cpu["checkpoint"] / runs
     out["service_cpu_s_per_restore_and_fetch"] = cpu["restore"] / max(1, restores)
     return out
+
+
+#: The participant kinds whose projections a restore serves (``kind=`` of the bulk route).
+KINDS = ("environment", "policy", "resources", "agent")
+
+
+async def fetch_per_kind(trainer: AsyncTrainerClient, run: str, restore_id: int) -> int:
+    """A restore's projections fetched by one fetcher per participant kind, in parallel (each
+    line decoded); returns the lines received in all."""
+
+    async def one(kind: str) -> int:
+        return sum([1 async for _ in trainer.projections(run, restore_id, kind=kind)])
+
+    return sum(await asyncio.gather(*(one(kind) for kind in KINDS)))
 
 
 def start_loader(cmd: list[str]) -> subprocess.Popen[bytes]:
@@ -522,7 +567,9 @@ async def measure_workload(
                 log(f"the service's log (last lines):\n{svc.log_tail()}")
                 raise
             load_cpu = svc.cpu_s() - cpu0
-            out = await checkpoints_and_restores(svc, trainer, run, workload, runs, restores)
+            out = await checkpoints_and_restores(
+                svc, trainer, run, workload, runs, restores, per_kind=PER_KIND_RUNS
+            )
             out.update(
                 {
                     "episodes": workload.count,

@@ -69,13 +69,13 @@ class _Builder:
         self.events.append(
             {
                 "v": 1,
-                "type": type_,
                 "episode": self.episode,
                 "attempt": 0,
                 "step": step,
                 "participant": {"id": pid, "kind": kind, "epoch": 1},
                 "seq": self.index * 100 + self.counts[pid],
                 "ts": TS,
+                "type": type_,
                 "data": data,
             }
         )
@@ -237,6 +237,7 @@ def churn_batch(writer: int, epoch: int, first: int, count: int) -> list[dict[st
             "v": 1,
             "episode": episode,
             "attempt": 0,
+            "step": None,
             "participant": {"id": pid, "kind": "environment", "epoch": epoch},
             "seq": seq,
             "ts": TS + seq,

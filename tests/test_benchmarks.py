@@ -5,6 +5,7 @@ directory holds each script's own output only, and nothing tracked is named afte
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
 import subprocess
 import sys
@@ -13,7 +14,13 @@ from pathlib import Path
 import orjson
 import pytest
 
-from rolloutlog.log import validate_event
+from rolloutlog.log import (
+    encode_record,
+    encode_record_dict,
+    record_episode,
+    split_record,
+    validate_event,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -39,6 +46,23 @@ def test_workloads_are_valid_and_deterministic() -> None:
     assert len(first) == 10
     rows = [e["data"] for e in first if e["type"] == "ledger.row"]
     assert rows[1]["digest"] == workloads.ledger_digest(rows[0]["digest"], rows[1]["token_ids"])
+
+
+def test_workload_records_are_the_ones_the_sdk_writes() -> None:
+    """The benchmarks append plain dicts without validation (``KafkaTransport(validate=False)``,
+    bulk preloads): their keys must come in the envelope model's order, or their records differ
+    from every SDK participant's and miss the record peeks' fast paths (``record_episode``)."""
+    workload = workloads.s1(3)
+    events = [event for episode in workload.episodes() for event in episode]
+    events += workload.advance(0, 2, 1) + workloads.s3(2, 1).advance(1, 2, 1)
+    events += workloads.churn_batch(0, 1, 1, 60)
+    events += [e for episode in workloads.s2(2, 512).episodes() for e in episode]
+    for event in events:
+        record = encode_record_dict(copy.deepcopy(event))
+        model = encode_record(validate_event(event))
+        assert list(split_record(record)[0]) == list(split_record(model)[0]), event["type"]
+        assert record.startswith(b'{"v":1,"episode":"')
+        assert record_episode(record) == event["episode"]
 
 
 def test_baselines_restore_what_they_stored(tmp_path: Path) -> None:

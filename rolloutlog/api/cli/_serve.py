@@ -166,12 +166,13 @@ def _serve(settings: Settings, listener: socket.socket) -> int:
 
     import uvicorn
 
-    from rolloutlog._malloc import limit_arenas
+    from rolloutlog._malloc import fix_mmap_threshold, limit_arenas
     from rolloutlog.api._app import create_app
     from rolloutlog.api._logging import configure_logging, uvicorn_log_config
     from rolloutlog.api._protocol import http_protocol
 
     limit_arenas()  # before any thread of the service starts (rolloutlog/_malloc.py)
+    fix_mmap_threshold()
     configure_logging(settings.log_level)
     # Before the log sizes its reader pool by the limit; said once the service is up (a failed
     # start is one line).
