@@ -1,4 +1,5 @@
-"""A fork resumed by the collector on real NeMo Gym 0.4.0 servers (embedded deployment).
+"""A fork resumed by the collector on real NeMo Gym 0.4.0 servers, on both deployments (on
+the distributed one every participant and the collector append straight to Kafka).
 
 Run ``a`` collects four rows on its Gym (a restart-only counter and a stateless multi-step
 environment behind the integration's SimpleAgent, its vllm_model policy at version 0 on the fake
@@ -25,11 +26,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import pytest_asyncio
 
 from rolloutlog.integrations.nemo_gym import episode_id
 from tests.api.conftest import TOKENS
-from tests.e2e._harness import Deployment, Service
+from tests.e2e._harness import Service
 from tests.integrations.nemo_gym._gym import (
     Backend,
     GymProcesses,
@@ -42,7 +42,7 @@ from tests.integrations.nemo_gym._gym import (
     steps_row,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SOURCE, FORK = "gym-a", "gym-a-b"
 ROWS = [counter_row(0), counter_row(1, right=False), steps_row(0, right=False), steps_row(1)]
 EXPECTED = {"t0-r0": 1.0, "t1-r0": 0.0, "t2-r0": 0.0, "t3-r0": 1.0}
@@ -62,6 +62,8 @@ class World:
     async def gym(self, run: str, policy_version: int) -> GymProcesses:
         """A set of NeMo Gym servers attached to ``run``, its policy at ``policy_version``."""
         config = gym_config(self.service.url, run, self.backend)
+        if self.service.deployment.distributed:
+            config["rolloutlog"]["kafka"] = self.service.deployment.log_url
         for agent in AGENTS:  # the integration's agent and policy: they record the calls
             config[agent]["responses_api_agents"]["simple_agent"]["rolloutlog"] = {
                 "server_class": "rolloutlog.integrations.nemo_gym:RolloutlogSimpleAgent"
@@ -82,6 +84,7 @@ class World:
             service_url=self.service.url,
             run=run,
             agents={agent: gym.url(agent) for agent in AGENTS},
+            kafka=self.service.deployment.log_url,
             options=options,
         )
 
@@ -102,19 +105,20 @@ class World:
             return reply.json()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def nemo(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World]:
-    gym_python()
-    workdir = tmp_path_factory.mktemp("nemo_gym_fork")
-    service = Service(Deployment("embedded", workdir / "data"), workdir)
-    await service.start()
-    backend = Backend(workdir)
+@pytest.fixture
+def venv() -> Path:
+    """The NeMo Gym venv (asked for first: without one, no service is started)."""
+    return gym_python()
+
+
+@pytest.fixture
+async def nemo(venv: Path, service: Service, tmp_path: Path) -> AsyncIterator[World]:
+    backend = Backend(tmp_path)
     try:
         await backend.start()
-        yield World(service, backend, workdir)
+        yield World(service, backend, tmp_path)
     finally:
         backend.stop()
-        service.stop()
 
 
 def versions(history: dict[str, Any]) -> set[tuple[int, int]]:
