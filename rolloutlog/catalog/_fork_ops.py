@@ -24,8 +24,10 @@ class ForkOperations(CatalogTransactions):
         partitions: int,
         log_url: str | None,
         request: dict[str, Any],
+        claimed_by: str | None = None,
     ) -> _forks.ForkClaim:
-        """Claim ``run`` for a fork of ``source``'s checkpoint (``_forks.claim``)."""
+        """Claim ``run`` for a fork of ``source``'s checkpoint for the replica ``claimed_by``
+        (``_forks.claim``)."""
         check_run_name(run)
         async with self._write() as conn:
             return await _forks.claim(
@@ -37,6 +39,9 @@ class ForkOperations(CatalogTransactions):
                 log_url=log_url,
                 request=request,
                 now=self._clock(),
+                backend=self._backend,
+                clock=self._clock,
+                claimed_by=claimed_by,
             )
 
     async def commit_fork(
@@ -45,6 +50,7 @@ class ForkOperations(CatalogTransactions):
         offsets: Sequence[PartitionOffset],
         entries: Sequence[ManifestEntry],
         first_offsets: dict[str, int],
+        claimed_by: str | None = None,
     ) -> Run:
         """Create the claimed fork ``run`` whole, in one transaction (``_forks.commit``)."""
 
@@ -58,16 +64,18 @@ class ForkOperations(CatalogTransactions):
                 first_offsets=first_offsets,
                 now=self._clock(),
                 keep_committed=self._keep_committed,
+                claimed_by=claimed_by,
             )
 
         created = await self._urgent_write(write)
         self._after_bulk_commit()
         return created
 
-    async def release_fork(self, run: str) -> bool:
-        """Drop the claim of a fork that was not created (``_forks.release``)."""
+    async def release_fork(self, run: str, claimed_by: str | None = None) -> bool:
+        """Drop the claim of a fork that was not created, if ``claimed_by`` holds it
+        (``_forks.release``)."""
         async with self._write() as conn:
-            return await _forks.release(conn, run)
+            return await _forks.release(conn, run, claimed_by)
 
     async def forks_of(self, run: str) -> list[Run]:
         """The forks created from ``run``, oldest first."""

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from rolloutlog.catalog import _manifests, _reads, _results, _writes
+from rolloutlog.catalog import _forks, _manifests, _reads, _results, _writes
 from rolloutlog.catalog._transactions import CatalogTransactions
 from rolloutlog.catalog._validate import check_count, check_episode, check_name, check_run_name
 from rolloutlog.catalog._values import (
@@ -89,6 +89,7 @@ class RunOperations(CatalogTransactions):
                     "now": self._clock(),
                 },
             )
+            await _forks.refuse_if_being_forked(conn, run)
             found = await _reads.get_run(conn, run)
         differs = {
             name: {"existing": existing, "requested": requested}

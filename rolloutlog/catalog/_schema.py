@@ -65,6 +65,10 @@ runs = Table(
     Column("forked_from_checkpoint", BigInteger, nullable=True),
     Column("forked_at", Double, nullable=True),
     Column("fork_request", Text, nullable=True),
+    # Who creates it (migration 0014): the replica holding the claim and its ``started_at``
+    # then (``catalog/_forks.py``); NULL once the fork is created whole.
+    Column("fork_claimed_by", Name, nullable=True),
+    Column("fork_claimer_started_at", Double, nullable=True),
     CheckConstraint("partitions >= 1", name="partitions_positive"),
     Index("ix_runs_forked_from_run", "forked_from_run"),
 )

@@ -207,6 +207,7 @@ class Coordinator:
                     self.catalog, source, ref
                 ),
                 partitions=partitions,
+                replica_id=self.replica_id,
             )
         await self.create_run(run, result.run.partitions)
         return result

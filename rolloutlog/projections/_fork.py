@@ -110,12 +110,16 @@ async def fork_run(
     *,
     committed_checkpoint: CommittedCheckpoint,
     partitions: int | None = None,
+    replica_id: str | None = None,
 ) -> ForkResult:
     """Create ``run`` as a fork (idempotent for the same request; ``RunExists`` for a run of
-    that name that is not this fork). ``committed_checkpoint`` resolves the source's checkpoint
-    as a restore does (``committed_checkpoint`` of ``_projection_server.py``)."""
-    async with _locks[run]:  # one try at a time in this process
-        return await _fork(log, catalog, run, request, committed_checkpoint, partitions)
+    that name that is not this fork) as the replica ``replica_id``, which holds the fork's
+    claim while it copies (another replica asked for the same fork meanwhile answers
+    ``fork_in_progress``, ``catalog/_forks.py``). ``committed_checkpoint`` resolves the
+    source's checkpoint as a restore does (``committed_checkpoint`` of
+    ``_projection_server.py``)."""
+    async with _locks[run]:  # one try at a time in this process; the claim fences replicas
+        return await _fork(log, catalog, run, request, committed_checkpoint, partitions, replica_id)
 
 
 async def _fork(
@@ -125,6 +129,7 @@ async def _fork(
     request: ForkRequest,
     committed_checkpoint: CommittedCheckpoint,
     partitions: int | None,
+    replica_id: str | None,
 ) -> ForkResult:
     source = await catalog.get_run(request.source)
     if partitions is not None and partitions != source.partitions:
@@ -147,9 +152,12 @@ async def _fork(
         partitions=source.partitions,
         log_url=log.url,
         request=request.as_json(),
+        claimed_by=replica_id,
     )
     if claimed.state == "created":
         return ForkResult(claimed.run, created=False)
+    if claimed.taken_over_from is not None:
+        logger.info("fork %s: took the claim over from %s", run, claimed.taken_over_from)
     try:
         if claimed.run.forked_from_checkpoint != checkpoint.checkpoint_id:
             # The retry of a claim made for an older "latest": the claim's checkpoint it is.
@@ -160,13 +168,21 @@ async def _fork(
                 await catalog.load_manifest(request.source, checkpoint.checkpoint_id), request
             )
         created, copied = await _copy_and_commit(
-            log, catalog, run, request, source, checkpoint, entries, committed_checkpoint
+            log,
+            catalog,
+            run,
+            request,
+            source,
+            checkpoint,
+            entries,
+            committed_checkpoint,
+            replica_id,
         )
     except BaseException:
         # Nothing of a refused or failed try stays: the name is free again (a crash leaves the
         # claim, and the next try of the same fork starts afresh).
         with contextlib.suppress(Exception):
-            await asyncio.shield(_release(log, catalog, run))
+            await asyncio.shield(_release(log, catalog, run, replica_id))
         raise
     counts = {
         "continue": sum(e.action == "continue" for e in copied.entries),
@@ -192,6 +208,7 @@ async def _copy_and_commit(
     checkpoint: Checkpoint,
     entries: list[ManifestEntry],
     committed_checkpoint: CommittedCheckpoint,
+    replica_id: str | None,
 ) -> tuple[Run, _Copied]:
     # What a crashed try left in the fork's log (nothing else knew of it) goes first.
     if await log.delete_run(run):
@@ -232,14 +249,15 @@ async def _copy_and_commit(
         for entry in entries
     ]
     first = {e: positions[0] for e, (_, positions) in copier.copied.items() if positions}
-    created = await catalog.commit_fork(run, offsets, forked, first)
+    created = await catalog.commit_fork(run, offsets, forked, first, claimed_by=replica_id)
     return created, _Copied(forked, copier.count)
 
 
-async def _release(log: Log, catalog: Catalog, run: str) -> None:
-    """Give up a claimed fork: its row, then its log (only while it is still being created:
-    a fork whose commit went through keeps both)."""
-    if await catalog.release_fork(run):
+async def _release(log: Log, catalog: Catalog, run: str, replica_id: str | None) -> None:
+    """Give up a claimed fork: its row, then its log (only while it is still being created
+    and the claim is still ``replica_id``'s: a fork whose commit went through keeps both, and
+    so does the claim another replica took over)."""
+    if await catalog.release_fork(run, claimed_by=replica_id):
         await log.delete_run(run)
 
 

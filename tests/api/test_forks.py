@@ -237,3 +237,26 @@ async def test_a_fork_of_chosen_episodes_and_what_it_refuses(api: Api) -> None:
         assert code(await api.call("GET", "/v1/runs/fork-x", "analyst", 404)) == "unknown_run"
     listed = (await api.call("GET", "/v1/runs", "analyst", 200)).json()["runs"]
     assert sorted(r["run"] for r in listed) == [FORK, SOURCE]
+
+
+async def test_a_plain_run_under_a_name_being_forked_is_refused_run_exists(api: Api) -> None:
+    await build_source(api)
+    # A fork's first step, left as a fork whose service died before its commit leaves it.
+    await api.service.catalog.claim_fork(
+        FORK,
+        source=SOURCE,
+        checkpoint_id=1,
+        partitions=4,
+        log_url=api.service.log.url,
+        request={"run": SOURCE, "checkpoint_id": 1, "episodes": None, "exclude": []},
+    )
+    for body in ({"run": FORK}, {"run": FORK, "partitions": 4}):
+        response = await api.call("POST", "/v1/runs", "trainer", 409, json=body)
+        assert code(response) == "run_exists"
+        details = response.json()["error"]["details"]
+        assert details["being_forked"] is True
+        assert details["settings"]["fork"]["existing"]["run"] == SOURCE
+    # Still unseen, still the fork's: the same fork asked goes on and creates it.
+    assert code(await api.call("GET", f"/v1/runs/{FORK}", "analyst", 404)) == "unknown_run"
+    created = await fork(api, expect=201, checkpoint_id=1)
+    assert created["forked_from"]["checkpoint_id"] == 1

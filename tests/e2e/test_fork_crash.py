@@ -156,6 +156,10 @@ async def test_a_fork_killed_before_its_commit_is_absent_then_created_whole(
     )
     assert other.status_code == 409, other.text
     assert other.json()["error"]["code"] == "run_exists"
+    # So is a plain run of that name: the name is being forked, not unknown.
+    plain = await call(service, "POST", "/v1/runs", json={"run": FORK})
+    assert plain.status_code == 409, plain.text
+    assert plain.json()["error"]["details"]["being_forked"] is True
 
     # The same fork again: created whole, from scratch.
     created = await trainer.fork_run(FORK, RUN, checkpoint_id)
