@@ -128,6 +128,9 @@ async def _collect_rows(
             checkpoint_every_s=args.checkpoint_every_s,
             deadline_s=args.deadline_s,
             partitions=args.partitions,
+            fork_from=args.fork_from,
+            fork_checkpoint=_checkpoint(args.fork_checkpoint),
+            policy_version=args.policy_version,
         )
         try:
             report = await collector.run(rows)
@@ -145,6 +148,10 @@ async def _collect_rows(
     if report.stopped:
         print("stopped on SIGTERM after its checkpoint; run the same command to resume")
     return 0
+
+
+def _checkpoint(value: str) -> int | str:
+    return value if value == "latest" else int(value)
 
 
 def _venv(args: argparse.Namespace) -> int:
@@ -207,6 +214,11 @@ def parser() -> argparse.ArgumentParser:
     collect.add_argument("--checkpoint-every-s", type=float)
     collect.add_argument("--deadline-s", type=float, help="a checkpoint's deadline")
     collect.add_argument("--partitions", type=int)
+    collect.add_argument("--fork-from", help="the run is a fork of this run (created if new)")
+    collect.add_argument(
+        "--fork-checkpoint", default="latest", help="the source's checkpoint id (or latest)"
+    )
+    collect.add_argument("--policy-version", type=int, help="the trainer's, for the restore")
     collect.set_defaults(func=_collect)
 
     venv = commands.add_parser("venv", help="build (once) the Python >= 3.12 NeMo Gym venv")

@@ -20,6 +20,12 @@ resume from their projection (an agent with session hooks resumes its loop; the 
 replays ``/run``), ``restart`` rows start over one attempt later, the rest start fresh. Rows are
 acknowledged (``ack_results``) once they are written and synced to disk.
 
+A fork (``fork_from``: the source run, ``fork_checkpoint``: its checkpoint; README "Resume a
+fork") is created by the first ``run`` (``fork_run``; the same fork again is a no-op) and resumed
+like a crash: its forked rows continue in it as its next attempt, into its own output; the
+dataset's other rows are not the fork's (``not_forked``), so they are left out. A run that is a
+fork is resumed the same way without ``fork_from``.
+
 A ``/run`` that fails without a reply (the Gym died: a connection error or a 5xx) interrupts the
 collection: dispatch stops, the rows in flight end, and ``run`` returns with ``interrupted`` set
 (the command exits 3): start the Gym again and run the same command to resume.
@@ -115,6 +121,8 @@ class CollectionReport:
     restarted: int = 0
     failed: int = 0
     already_done: int = 0
+    #: rows of a fork's dataset that its source did not hand it (finished, or not started)
+    not_forked: int = 0
     checkpoints: list[int] = field(default_factory=list)
     restore_id: int | None = None
     interrupted: list[str] = field(default_factory=list)
@@ -182,7 +190,9 @@ class GymCollector:
     environment participant's (``HttpTransport``/``KafkaTransport``), ``trainer``: the trainer
     client (checkpoints, restores, results), ``restores``: projections of continued rows;
     ``http``: the client ``/run`` is posted with (default: one of its own, no read timeout);
-    ``signals``: bind SIGUSR1/SIGTERM while ``run`` runs.
+    ``signals``: bind SIGUSR1/SIGTERM while ``run`` runs; ``fork_from``/``fork_checkpoint``:
+    the run is a fork of that run's checkpoint (``"latest"``: its newest committed one);
+    ``policy_version``: the trainer's, for the restore (``resume_run``).
     """
 
     def __init__(
@@ -201,6 +211,9 @@ class GymCollector:
         partitions: int | None = None,
         signals: bool = True,
         http: httpx.AsyncClient | None = None,
+        fork_from: str | None = None,
+        fork_checkpoint: int | str = "latest",
+        policy_version: int | None = None,
     ) -> None:
         self.run_name = run
         self.agents = dict(agents)
@@ -214,6 +227,9 @@ class GymCollector:
         self.deadline_s = deadline_s
         self.partitions = partitions
         self.signals = signals
+        self.fork_from = fork_from
+        self.fork_checkpoint = fork_checkpoint
+        self.policy_version = policy_version
         self._owns_http = http is None
         self.http = http or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
         self._unacknowledged: set[str] = set()
@@ -233,18 +249,17 @@ class GymCollector:
     async def run(self, rows: list[dict[str, Any]]) -> CollectionReport:
         """Collect every row not in the output yet (resuming the run's latest checkpoint)."""
         report = CollectionReport(rows=len(rows))
-        with contextlib.suppress(RunExists):
-            await self.trainer.create_run(self.run_name, partitions=self.partitions)
+        forked = await self._open_run()
         await self.env.register()
         done = _Output.done(self.output_path)
         output = _Output(self.output_path)
         try:
             began = time.perf_counter()
-            plan = await resume_run(self.trainer, self.run_name)
+            plan = await resume_run(self.trainer, self.run_name, policy_version=self.policy_version)
             report.resume_s = time.perf_counter() - began
             report.plan = plan
             report.restore_id = plan.restore_id
-            pending = self._plan(rows, plan, done, output, report)
+            pending = self._plan(rows, plan, done, output, report, forked)
             await self._acknowledge(output)
             scheduler = CheckpointScheduler(
                 self.trainer,
@@ -267,6 +282,20 @@ class GymCollector:
             output.close()
         return report
 
+    async def _open_run(self) -> bool:
+        """Create the run, or fork it (a no-op once it exists); whether it is a fork."""
+        try:
+            if self.fork_from is None:
+                await self.trainer.create_run(self.run_name, partitions=self.partitions)
+                return False
+            await self.trainer.fork_run(self.run_name, self.fork_from, self.fork_checkpoint)
+            return True
+        except RunExists:  # forked before ("latest" may have moved on since): it must be the fork
+            origin = (await self.trainer.get_run(self.run_name)).get("forked_from")
+            if self.fork_from is not None and (origin or {}).get("run") != self.fork_from:
+                raise
+            return origin is not None
+
     def _plan(
         self,
         rows: list[dict[str, Any]],
@@ -274,6 +303,7 @@ class GymCollector:
         done: set[str],
         output: _Output,
         report: CollectionReport,
+        forked: bool = False,
     ) -> list[_Rollout]:
         by_episode = {episode_id(row): row for row in rows}
         recovered: set[str] = set()
@@ -291,7 +321,9 @@ class GymCollector:
                 report.already_done += episode not in recovered
                 continue
             entry = dispatch.get(episode)
-            if entry is None:
+            if entry is None and forked:  # a fork holds only what its source handed it
+                report.not_forked += 1
+            elif entry is None:
                 pending.append(_Rollout(row, episode, episode))
             else:
                 pending.append(_Rollout(row, episode, entry.capture_key, entry.action))
@@ -445,6 +477,8 @@ def summary(report: CollectionReport) -> str:
         "restarted": report.restarted,
         "failed": report.failed,
     }
+    if report.not_forked:
+        counts["not forked"] = report.not_forked
     parts = [f"{name} {count}" for name, count in counts.items()]
     if report.checkpoints:
         parts.append(f"checkpoints {report.checkpoints}")

@@ -146,9 +146,11 @@ def start_collector(
     run: str,
     agents: dict[str, str],
     kafka: str | None = None,
+    options: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """``python -m rolloutlog.integrations.nemo_gym collect`` in its own session (the test's
-    venv, the checkout's code), over ``dataset`` into ``output``; ``agents``: name -> URL."""
+    venv, the checkout's code), over ``dataset`` into ``output``; ``agents``: name -> URL;
+    ``options``: more of its flags."""
     command = [sys.executable, "-m", "rolloutlog.integrations.nemo_gym", "collect"]
     command += ["--input", str(dataset), "--output", str(output), "--run", run]
     command += ["--url", service_url, "--token", TOKENS["admin"], "--concurrency", "8"]
@@ -156,6 +158,7 @@ def start_collector(
         command += ["--kafka", kafka]
     for name, url in agents.items():
         command += ["--agent-url", f"{name}={url}"]
+    command += options
     return spawn(command, log, {**os.environ, "PYTHONPATH": str(ROOT)})
 
 

@@ -15,6 +15,7 @@ import httpx
 import orjson
 import pytest
 
+from rolloutlog.errors import RunExists
 from rolloutlog.integrations.nemo_gym import GymCollector, episode_id, materialize_rows
 from rolloutlog.integrations.nemo_gym._collector import _Output
 from tests.integrations.nemo_gym._apps import FakeAgent
@@ -48,7 +49,6 @@ def test_rows_are_materialized_as_ng_collect_rollouts_does() -> None:
 def collector(world: World, agent: FakeAgent, output: Path, **options: Any) -> GymCollector:
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=agent.app))
     return GymCollector(
-        run=RUN,
         agents={AGENT: "http://agent.test"},
         output=output,
         transport=world.transport,
@@ -56,7 +56,7 @@ def collector(world: World, agent: FakeAgent, output: Path, **options: Any) -> G
         restores=world.restores,
         signals=False,
         http=http,
-        **{"concurrency": 4, **options},
+        **{"run": RUN, "concurrency": 4, **options},
     )
 
 
@@ -147,3 +147,38 @@ async def test_a_gym_that_fails_interrupts_the_collection(world: World, tmp_path
     again = await collector(world, agent, output).run(rows)
     assert again.complete and (again.already_done, again.written) == (1, 2)
     assert sorted(r["reward"] for r in written(output)) == [0.0, 1.0, 2.0]
+
+
+async def test_a_fork_collects_the_rows_in_flight_at_its_checkpoint(
+    world: World, tmp_path: Path
+) -> None:
+    """Rows 1 and 2 are in flight at the source's checkpoint: a collector of the fork (its own
+    agent: the source's is still busy with them) forks it and collects those two into its own
+    output, the others not being the fork's; run again it is done, though the source's latest
+    checkpoint moved on; a run that is no fork of that source is refused. The source then
+    finishes all its own rows."""
+    agent = FakeAgent()
+    agent.blocked = {1.0, 2.0}
+    rows = materialize_rows(dataset(4), agent=AGENT)
+    source_output, fork_output = tmp_path / "a.jsonl", tmp_path / "fork.jsonl"
+    source = asyncio.create_task(collector(world, agent, source_output).run(rows))
+    await until(lambda: len(agent.waiting) == 2)
+    await until(lambda: source_output.exists() and len(written(source_output)) == 2)
+    checkpoint = await world.trainer.checkpoint(RUN)
+    assert checkpoint.status == "committed"
+    fork = {"run": "fork", "fork_from": RUN, "fork_checkpoint": "latest"}
+    report = await collector(world, FakeAgent(), fork_output, **fork).run(rows)
+    assert (report.continued, report.not_forked, report.written) == (2, 2, 2)
+    assert sorted(r["reward"] for r in written(fork_output)) == [1.0, 2.0]
+    assert (await world.trainer.get_run("fork"))["forked_from"]["run"] == RUN
+    await world.trainer.checkpoint(RUN)  # "latest" is another checkpoint now
+    again = await collector(world, FakeAgent(), fork_output, **fork).run(rows)
+    assert (again.already_done, again.written, again.not_forked) == (2, 0, 2)
+    await world.trainer.create_run("plain")
+    with pytest.raises(RunExists):
+        await collector(world, FakeAgent(), tmp_path / "p.jsonl", **{**fork, "run": "plain"}).run(
+            rows
+        )
+    agent.release()
+    assert (await source).written == 4
+    assert sorted(r["reward"] for r in written(source_output)) == [0.0, 1.0, 2.0, 3.0]
