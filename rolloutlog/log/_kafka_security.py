@@ -16,6 +16,7 @@ log's ``url`` (``public_url``), in an error or in ``repr``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 from collections.abc import Mapping
@@ -48,6 +49,8 @@ OPTIONS = frozenset(
 _SECRETS = ("sasl_username", "sasl_password")
 #: How long ``diagnose`` waits for a TLS handshake.
 _PROBE_S = 5.0
+#: How long ``diagnose`` waits for its probe's socket to close.
+_CLOSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -175,18 +178,20 @@ class KafkaSecurity:
         bootstrap", which does not tell a wrong CA or password from a broker that is down."""
         if self.security_protocol == "PLAINTEXT":
             return None
-        from aiokafka.conn import create_conn
+        from aiokafka.conn import AIOKafkaConnection
 
         first = bootstrap_servers.split(",")[0].strip()
         host, _, port = first.rpartition(":")
+        conn: AIOKafkaConnection | None = None
         try:
+            conn = AIOKafkaConnection(
+                host.strip("[]"),
+                int(port),
+                request_timeout_ms=int(_PROBE_S * 1000),
+                **self.client_options(),
+            )
             async with asyncio.timeout(_PROBE_S):
-                conn = await create_conn(
-                    host.strip("[]"),
-                    int(port),
-                    request_timeout_ms=int(_PROBE_S * 1000),
-                    **self.client_options(),
-                )
+                await conn.connect()
         except ssl.SSLError as e:
             return f"TLS handshake with {first} failed: {_reason(e)}"
         except (ConnectionRefusedError, TimeoutError, ValueError, socket.gaierror):
@@ -199,8 +204,19 @@ class KafkaSecurity:
             return f"SASL {self.sasl_mechanism} authentication with {first} failed: {_sasl(e)}"
         except Exception as e:  # what the SASL exchange raised (aiokafka's errors vary)
             return f"SASL {self.sasl_mechanism} authentication with {first} failed: {_sasl(e)}"
-        conn.close()
+        finally:
+            if conn is not None:
+                await _closed(conn)
         return None
+
+
+async def _closed(conn: Any) -> None:
+    """The probe's connection closed, its socket too (bounded): aiokafka closes a connection
+    that failed without waiting for it, and a TLS transport lets its socket go only after its
+    shutdown, so a probe that returned at once left the socket open behind it."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(_CLOSE_S):
+            await conn.close()
 
 
 def _reason(error: BaseException) -> str:

@@ -154,8 +154,12 @@ class TlsProxy:
             self._loop.run_forever()
         finally:
             self._server.close()
-            for task in asyncio.all_tasks(self._loop):
+            tasks = asyncio.all_tasks(self._loop)
+            for task in tasks:
                 task.cancel()
+            # The connections' tasks end (closing their transports), then the transports'
+            # close callbacks run, before the loop is closed.
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             self._loop.run_until_complete(asyncio.sleep(0.05))
             self._loop.close()
 
@@ -177,4 +181,10 @@ class TlsProxy:
             finally:
                 sink.close()
 
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        try:
+            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        finally:
+            # Both sides closed whatever ended the pumps (a broker that drops a client mid-SASL,
+            # the proxy stopped under a live connection): no socket is left for the GC to warn of.
+            up_writer.close()
+            writer.close()
