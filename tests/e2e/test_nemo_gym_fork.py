@@ -151,7 +151,14 @@ async def test_the_collector_resumes_a_fork_on_its_own_gym(nemo: World) -> None:
             assert time.monotonic() < deadline, "no checkpoint on SIGUSR1"
             await asyncio.sleep(0.1)
         checkpoint = max(await committed(nemo, SOURCE))
-        history_before = {e: await nemo.get(f"{SOURCE}/episodes/{e}") for e in HELD.values()}
+        # The baseline once the catalog has recorded the held episodes' starts (its feeders do
+        # so within a second of the fold): nothing else may change in them while the fork runs.
+        while True:
+            history_before = {e: await nemo.get(f"{SOURCE}/episodes/{e}") for e in HELD.values()}
+            if all(h["started_at"] is not None for h in history_before.values()):
+                break
+            assert time.monotonic() < deadline, "the held episodes' starts are not recorded"
+            await asyncio.sleep(0.2)
 
         gyms.append(fork_gym := await nemo.gym(FORK, 1))  # the fork's own NeMo Gym processes
         options = ("--fork-from", SOURCE, "--fork-checkpoint", str(checkpoint))
