@@ -65,7 +65,7 @@ runs = Table(
     Column("forked_from_checkpoint", BigInteger, nullable=True),
     Column("forked_at", Double, nullable=True),
     Column("fork_request", Text, nullable=True),
-    # Who creates it (migration 0014): the replica holding the claim and its ``started_at``
+    # Who creates it (migration 0012): the replica holding the claim and its ``started_at``
     # then (``catalog/_forks.py``); NULL once the fork is created whole.
     Column("fork_claimed_by", Name, nullable=True),
     Column("fork_claimer_started_at", Double, nullable=True),

@@ -6,6 +6,12 @@ name; until ``forked_at`` is set the run is being created and nothing else sees 
 runs that are no fork. A fork's episodes say the attempt they had in the source at the fork
 (``episodes.forked_attempt``), for their history.
 
+Who creates a fork: ``runs.fork_claimed_by`` (the replica that claimed the name and copies the
+records) and ``fork_claimer_started_at`` (that replica's ``replicas.started_at`` then), so that
+two replicas asked for the same fork at once copy it once: the second answers "in progress"
+while the first is alive and takes the claim over once it is gone; the fork's commit checks the
+claim is still its own. NULL for runs that are no fork, and for forks created whole.
+
 Revision ID: 0012_forks
 Revises: 0011_replica_health
 Create Date: 2026-12-01
@@ -34,6 +40,8 @@ def upgrade() -> None:
     op.add_column("runs", sa.Column("forked_from_checkpoint", sa.BigInteger(), nullable=True))
     op.add_column("runs", sa.Column("forked_at", sa.Double(), nullable=True))
     op.add_column("runs", sa.Column("fork_request", sa.Text(), nullable=True))
+    op.add_column("runs", sa.Column("fork_claimed_by", name(), nullable=True))
+    op.add_column("runs", sa.Column("fork_claimer_started_at", sa.Double(), nullable=True))
     op.create_index("ix_runs_forked_from_run", "runs", ["forked_from_run"])
     op.add_column("episodes", sa.Column("forked_attempt", sa.Integer(), nullable=True))
 
@@ -41,6 +49,8 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_column("episodes", "forked_attempt")
     op.drop_index("ix_runs_forked_from_run", "runs")
+    op.drop_column("runs", "fork_claimer_started_at")
+    op.drop_column("runs", "fork_claimed_by")
     op.drop_column("runs", "fork_request")
     op.drop_column("runs", "forked_at")
     op.drop_column("runs", "forked_from_checkpoint")
