@@ -65,7 +65,7 @@ async def measure(workload: workloads.Workload, runs: int) -> dict[str, Any]:
                 lines = [
                     ProjectionLine.of(projection)
                     async for projection in replay_stream(
-                        log, RUN, manifest, {}, set(), attempts=attempts
+                        log, RUN, manifest, {}, set(), continuing_attempts=attempts
                     )
                 ]
                 wall.append(time.perf_counter() - t0)

@@ -234,7 +234,7 @@ class PartPlanner:
                     replay_start(checkpoint.offsets),
                     restores,
                     quarantined=projector.quarantined,
-                    attempts=new_attempts,
+                    continuing_attempts=new_attempts,
                 )
             timer.stage("replay")
             plan = plan_restore(

@@ -238,7 +238,7 @@ class ProjectionServer:
             replay_start(checkpoint.offsets),
             restores,
             quarantined=projector.quarantined if projector is not None else frozenset(),
-            attempts={e.episode: e.attempt for e in entries},
+            continuing_attempts={e.episode: e.attempt for e in entries},
         )
         try:
             request = (await self.catalog.get_restore_request(run, restore_id)).request
@@ -293,7 +293,7 @@ class ProjectionServer:
                 replay_start(checkpoint.offsets),
                 restores,
                 quarantined=projector.quarantined,
-                attempts=attempts,
+                continuing_attempts=attempts,
             )
             async for projection in stream:
                 yield projection
@@ -368,5 +368,5 @@ class ProjectionServer:
             replay_start(checkpoint.offsets),
             restores,
             quarantined=projector.quarantined if projector is not None else frozenset(),
-            attempts=attempts,
+            continuing_attempts=attempts,
         )

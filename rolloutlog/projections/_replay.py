@@ -33,11 +33,10 @@ async def replay_at_cuts(
     *,
     quarantined: Collection[tuple[int, int]] = frozenset(),
     continuing_attempts: Mapping[str, int] | None = None,
-    attempts: Mapping[str, int] | None = None,
 ) -> dict[str, EpisodeProjection]:
     """Fold every named episode at its cut; partitions are read in parallel from
     ``replay_from`` (``replay_start``). ``quarantined`` positions are skipped (the projector
-    skipped them); ``continuing_attempts`` (formerly ``attempts``) labels each projection with
+    skipped them); ``continuing_attempts`` labels each projection with
     the attempt that continues it. An episode with no records before its cut, or one the fold
     cannot apply, has no projection."""
     stream = replay_stream(
@@ -47,7 +46,7 @@ async def replay_at_cuts(
         replay_from,
         committed_restores,
         quarantined=quarantined,
-        continuing_attempts=attempts if attempts is not None else continuing_attempts,
+        continuing_attempts=continuing_attempts,
     )
     return {projection.episode: projection async for projection in stream}
 
@@ -61,10 +60,9 @@ async def replay_stream(
     *,
     quarantined: Collection[tuple[int, int]] = frozenset(),
     continuing_attempts: Mapping[str, int] | None = None,
-    attempts: Mapping[str, int] | None = None,
 ) -> AsyncIterator[EpisodeProjection]:
     """``replay_at_cuts``, one projection at a time as each is folded (in no fixed order)."""
-    continuing = attempts if attempts is not None else continuing_attempts
+    continuing = continuing_attempts
     by_partition: dict[int, dict[str, int]] = defaultdict(dict)
     attempts_at_cut: dict[str, int] = {}
     for entry in entries:
