@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from asyncio import FIRST_COMPLETED
+from collections.abc import Sequence
 from typing import Any
 
 from rolloutlog.core import not_exported_reason, wait_expired_reason
@@ -111,19 +112,9 @@ async def reach_markers(projector: Projector, capture: CheckpointCapture, timeou
     """Wait until the projector captured the markers in every partition it owns (True), or
     gave the capture up (False): it was stopped for another one (the run's partitions changed
     owner), or a newer capture replaced this one. ``unavailable`` past ``timeout_s``."""
-    waits = [
-        asyncio.ensure_future(event.wait())
-        for event in (capture.reached, capture.ended, projector.closed)
-    ]
-    try:
-        done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=FIRST_COMPLETED)
-    finally:
-        for waiting in waits:
-            waiting.cancel()
-    if capture.reached.is_set():
-        return True
-    if done:
-        return False
+    events = (capture.reached, capture.ended, projector.closed)
+    if await _first_set(events, timeout_s):
+        return capture.reached.is_set()
     # Not there in time: a degraded projector, or one catching up with a long log.
     raise projector.not_reached(f"the markers of checkpoint {capture.checkpoint_id}", timeout_s)
 
@@ -135,14 +126,18 @@ async def resolve_waits(
     names the checkpoint's deadline in their reasons). A capture a newer checkpoint replaced
     meanwhile (this one was aborted) waits no more: its parts are refused; nor does one whose
     projector was stopped (the partitions changed owner: the new owners' capture waits)."""
-    if capture.waiting:
-        events = (capture.resolved, capture.ended, projector.closed)
-        waits = [asyncio.ensure_future(event.wait()) for event in events]
-        try:
-            await asyncio.wait(waits, timeout=max(0.0, wait_s), return_when=FIRST_COMPLETED)
-        finally:
-            for waiting in waits:
-                waiting.cancel()
-        if not any(event.is_set() for event in events):
-            name_expired_waits(projector, capture, deadline)
-            capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
+    events = (capture.resolved, capture.ended, projector.closed)
+    if capture.waiting and not await _first_set(events, wait_s):
+        name_expired_waits(projector, capture, deadline)
+        capture.expire_waits(f"its wait step did not reach a boundary in {deadline} s")
+
+
+async def _first_set(events: Sequence[asyncio.Event], timeout_s: float) -> bool:
+    """Wait until one of ``events`` is set (True), or ``timeout_s`` passed with none (False)."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=max(0.0, timeout_s), return_when=FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+    return any(event.is_set() for event in events)
