@@ -38,7 +38,7 @@ async def create_fork(service: Service, body: CreateRun) -> Response:
     reply: dict[str, Any] = {
         "run": body.run,
         "partitions": result.run.partitions,
-        "forked_from": result.forked_from(),
+        "forked_from": forked_from_view(result.run),
     }
     if result.counts:
         reply["counts"] = result.counts

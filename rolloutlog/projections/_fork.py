@@ -88,18 +88,8 @@ class ForkResult:
     #: Forked episodes per action, and the records copied into the fork's log.
     counts: dict[str, int] = field(default_factory=dict)
 
-    def forked_from(self) -> dict[str, Any]:
-        info = self.run
-        return {
-            "run": info.forked_from_run,
-            "checkpoint_id": info.forked_from_checkpoint,
-            "at": info.forked_at,
-        }
-
 
 CommittedCheckpoint = Callable[[str, int | str], Awaitable[Checkpoint]]
-
-_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
 
 async def fork_run(
@@ -117,20 +107,8 @@ async def fork_run(
     claim while it copies (another replica asked for the same fork meanwhile answers
     ``fork_in_progress``, ``catalog/_forks.py``). ``committed_checkpoint`` resolves the
     source's checkpoint as a restore does (``committed_checkpoint`` of
-    ``_projection_server.py``)."""
-    async with _locks[run]:  # one try at a time in this process; the claim fences replicas
-        return await _fork(log, catalog, run, request, committed_checkpoint, partitions, replica_id)
-
-
-async def _fork(
-    log: Log,
-    catalog: Catalog,
-    run: str,
-    request: ForkRequest,
-    committed_checkpoint: CommittedCheckpoint,
-    partitions: int | None,
-    replica_id: str | None,
-) -> ForkResult:
+    ``_projection_server.py``). The caller holds the run's lock (``Coordinator.fork_run``): one
+    try at a time in this process; the claim fences replicas."""
     source = await catalog.get_run(request.source)
     if partitions is not None and partitions != source.partitions:
         raise InvalidRequest(
