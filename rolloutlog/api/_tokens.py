@@ -42,7 +42,6 @@ __all__ = [
     "RunScope",
     "TokenEntry",
     "Tokens",
-    "allows",
     "is_loopback_host",
 ]
 
@@ -68,11 +67,6 @@ IMPLIES: Mapping[Role, frozenset[Role]] = {
     Role.ANALYST: frozenset({Role.ANALYST}),
     Role.ADMIN: frozenset(Role),
 }
-
-
-def allows(granted: frozenset[Role], needed: Role) -> bool:
-    """Whether tokens of the ``granted`` roles may use a route that needs ``needed``."""
-    return any(needed in IMPLIES[role] for role in granted)
 
 
 @dataclass(frozen=True)
@@ -178,11 +172,6 @@ class Tokens:
     def enabled(self) -> bool:
         """False when no token is configured: authentication is off (loopback only)."""
         return bool(self.entries)
-
-    @property
-    def scoped(self) -> bool:
-        """Whether any token is scoped to some runs."""
-        return any(not entry.scope.every for entry in self.entries)
 
     def access_of(self, presented: str) -> Access:
         """What a presented token holds (no grant when it matches none)."""
