@@ -188,9 +188,6 @@ class ResourcesMiddleware:
         self.state = state
         self.required = _Required(rollout_id_required, exempt)
 
-    def session_id(self, context: RolloutContext) -> str:
-        return f"{self.resources.id}:{context.episode}"
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -214,7 +211,7 @@ class ResourcesMiddleware:
         resources = (
             self.resources if self.resources_for is None else await self.resources_for(scope)
         )
-        sid = f"{resources.id}:{context.episode}"
+        sid = resources.session_id(context)
 
         async def recorded(message: Message) -> None:
             if message["type"] == "http.response.start" and message["status"] < 400:

@@ -83,6 +83,10 @@ class Resources(Participant):
         self.exports = 0
         self._locks: dict[SessionKey, asyncio.Lock] = {}
 
+    def session_id(self, context: RolloutContext) -> str:
+        """The id of this server's session of ``context``'s episode (every attempt's)."""
+        return f"{self.id}:{context.episode}"
+
     def session_lock(self, key: str | RolloutContext, session_id: str) -> asyncio.Lock:
         """The lock ``export`` holds while it snapshots a session and appends the export. Under
         ``checkpoint``, hold it around each change of the session's outside state and its

@@ -96,7 +96,7 @@ def resources_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
         return found
 
     def session_id(context: RolloutContext) -> str:
-        return f"{own.id}:{context.episode}"
+        return own.session_id(context)
 
     async def session(request: Request, context: RolloutContext) -> dict[str, Any]:
         run = server.run_of(request)
@@ -276,8 +276,7 @@ def _sandbox_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
     server.on_start.append(start_exports)
     app = server.app
 
-    def session_id(context: RolloutContext) -> str:
-        return f"{resources.id}:{context.episode}"
+    session_id = resources.session_id
 
     def own_run(request: Request) -> None:
         # Its store and exports are its run's: a fork beside it is served by the other modes.
