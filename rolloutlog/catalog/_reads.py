@@ -97,11 +97,25 @@ async def get_run(conn: AsyncConnection, run: str) -> Run:
     return run_from_row(row)
 
 
-async def list_runs(conn: AsyncConnection, after: str | None, limit: int) -> list[RunSummary]:
-    query = select(runs).where(RUN_VISIBLE).order_by(runs.c.run).limit(limit)
-    if after is not None:
-        query = query.where(runs.c.run > after)
-    return await summarize_runs(conn, [run_from_row(row) for row in await conn.execute(query)])
+async def list_runs(
+    conn: AsyncConnection,
+    after: str | None,
+    limit: int,
+    keep: Callable[[str], bool] | None = None,
+) -> list[RunSummary]:
+    """Up to ``limit`` runs after ``after`` by name, only those ``keep`` keeps (read on page by
+    page until as many are kept or the runs end); only the kept ones are counted."""
+    found: list[Run] = []
+    while len(found) < limit:
+        query = select(runs).where(RUN_VISIBLE).order_by(runs.c.run).limit(limit)
+        if after is not None:
+            query = query.where(runs.c.run > after)
+        page = [run_from_row(row) for row in await conn.execute(query)]
+        found += page if keep is None else [run for run in page if keep(run.run)]
+        if len(page) < limit:
+            break
+        after = page[-1].run
+    return await summarize_runs(conn, found[:limit])
 
 
 async def summarize_runs(conn: AsyncConnection, found: list[Run]) -> list[RunSummary]:

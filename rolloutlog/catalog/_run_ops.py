@@ -4,7 +4,7 @@ composes them).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -114,10 +114,17 @@ class RunOperations(CatalogTransactions):
 
         return await self._query(query)
 
-    async def list_runs(self, *, after: str | None = None, limit: int = 100) -> list[RunSummary]:
-        """Runs with counts, by name; page with ``after=<last run's name>``."""
+    async def list_runs(
+        self,
+        *,
+        after: str | None = None,
+        limit: int = 100,
+        keep: Callable[[str], bool] | None = None,
+    ) -> list[RunSummary]:
+        """Runs with counts, by name; page with ``after=<last run's name>``; ``keep`` (a run's
+        name → whether to list it) filters before anything is counted."""
         check_count(limit, "limit", minimum=1)
-        return await self._query(lambda conn: _reads.list_runs(conn, after, limit))
+        return await self._query(lambda conn: _reads.list_runs(conn, after, limit, keep))
 
     async def register_participant(self, run: str, participant_id: str, kind: str) -> int:
         """Register (or re-register) a participant; return its new epoch (1, 2, …)."""
