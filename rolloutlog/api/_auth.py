@@ -80,11 +80,22 @@ async def access_if_any(request: Request) -> Access:
     if not tokens.enabled:
         return FULL_ACCESS
     presented = _presented(await _bearer(request))
-    return tokens.access_of(presented) if presented else Access()
+    return _lookup(request, tokens, presented) if presented else Access()
 
 
 def _presented(credentials: HTTPAuthorizationCredentials | None) -> str | None:
     return credentials.credentials if credentials is not None else None
+
+
+def _lookup(request: Request, tokens: Tokens, presented: str) -> Access:
+    """What ``presented`` holds, compared with the configured tokens once per request (a route's
+    role dependency and its check of the runs in its body ask again)."""
+    known: tuple[str, Access] | None = getattr(request.state, "token_access", None)
+    if known is not None and known[0] == presented:  # the same request's own header
+        return known[1]
+    access = tokens.access_of(presented)
+    request.state.token_access = (presented, access)
+    return access
 
 
 def _access(request: Request, presented: str | None, role: Role, runs: tuple[str, ...]) -> Access:
@@ -100,7 +111,7 @@ def _access(request: Request, presented: str | None, role: Role, runs: tuple[str
         return FULL_ACCESS
     if not presented:
         raise Unauthorized("a bearer token is required", role=role.value)
-    access = tokens.access_of(presented)
+    access = _lookup(request, tokens, presented)
     if not access.grants:
         raise Unauthorized("the bearer token is not valid", role=role.value)
     if not access.allows(role):
