@@ -17,6 +17,7 @@ from __future__ import annotations
 import ssl
 from collections.abc import Mapping
 
+from rolloutlog._tls import TlsFileError, client_context
 from rolloutlog.errors import ConfigurationError
 
 __all__ = ["MODES", "PARAMETERS", "ssl_argument"]
@@ -47,16 +48,13 @@ def ssl_argument(query: Mapping[str, str | tuple[str, ...]]) -> str | ssl.SSLCon
     if mode in ("disable", "allow", "prefer"):
         return mode
     try:
-        context = ssl.create_default_context(cafile=None if root in (None, "system") else root)
-        if "sslcert" in given:
-            context.load_cert_chain(given["sslcert"], given.get("sslkey"))
-    except (OSError, ssl.SSLError) as e:
+        cafile = None if root in (None, "system") else root
+        context = client_context(cafile, given.get("sslcert"), given.get("sslkey"))
+    except TlsFileError as e:
         files = ", ".join(
             f"{k}={given[k]}" for k in ("sslrootcert", "sslcert", "sslkey") if k in given
         )
-        raise ConfigurationError(
-            f"catalog URL TLS files ({files}): {getattr(e, 'strerror', None) or e}"
-        ) from None
+        raise ConfigurationError(f"catalog URL TLS files ({files}): {e.reason}") from None
     if mode == "require":
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from rolloutlog._tls import TlsFileError, client_context, reason
 from rolloutlog.errors import ConfigurationError
 
 __all__ = ["MECHANISMS", "OPTIONS", "PROTOCOLS", "KafkaSecurity", "public_url"]
@@ -140,18 +141,17 @@ class KafkaSecurity:
         if not self.tls:
             return None
         try:
-            context = ssl.create_default_context(cafile=self.ssl_cafile)
-        except (OSError, ssl.SSLError) as e:
-            raise ConfigurationError(f"kafka ssl_cafile {self.ssl_cafile}: {_reason(e)}") from None
-        context.check_hostname = self.ssl_check_hostname
-        if self.ssl_certfile:
-            try:
-                context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
-            except (OSError, ssl.SSLError) as e:
-                files = ", ".join(f for f in (self.ssl_certfile, self.ssl_keyfile) if f)
+            context = client_context(self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile)
+        except TlsFileError as e:
+            if e.which == "ca":
                 raise ConfigurationError(
-                    f"kafka ssl_certfile/ssl_keyfile {files}: {_reason(e)}"
+                    f"kafka ssl_cafile {self.ssl_cafile}: {e.reason}"
                 ) from None
+            files = ", ".join(f for f in (self.ssl_certfile, self.ssl_keyfile) if f)
+            raise ConfigurationError(
+                f"kafka ssl_certfile/ssl_keyfile {files}: {e.reason}"
+            ) from None
+        context.check_hostname = self.ssl_check_hostname
         return context
 
     def client_options(self) -> dict[str, Any]:
@@ -193,7 +193,7 @@ class KafkaSecurity:
             async with asyncio.timeout(_PROBE_S):
                 await conn.connect()
         except ssl.SSLError as e:
-            return f"TLS handshake with {first} failed: {_reason(e)}"
+            return f"TLS handshake with {first} failed: {reason(e)}"
         except (ConnectionRefusedError, TimeoutError, ValueError, socket.gaierror):
             return None  # not a question of TLS or SASL: the broker is unreachable
         except OSError as e:
@@ -219,15 +219,6 @@ async def _closed(conn: Any) -> None:
             await conn.close()
 
 
-def _reason(error: BaseException) -> str:
-    """An ``ssl``/OS error's own words, without errno noise."""
-    if isinstance(error, ssl.SSLCertVerificationError) and error.verify_message:
-        return f"certificate verify failed: {error.verify_message}"
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return str(error)
-
-
 def _sasl(error: BaseException) -> str:
     """A failed SASL exchange's cause: aiokafka's SCRAM client looks up the server's proof
     (``v=``) in a final message that holds an error (``e=unknown-user``, ``e=invalid-proof``)
@@ -243,7 +234,7 @@ def _read_secret(option: str, path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigurationError(f"kafka {option}: cannot read {path}: {_reason(e)}") from None
+        raise ConfigurationError(f"kafka {option}: cannot read {path}: {reason(e)}") from None
 
 
 def public_url(url: str) -> str:
