@@ -9,6 +9,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -143,3 +144,8 @@ async def time_catch_up(log: Any, run: str, partitions: int, records: int) -> tu
     assert projector.events_applied == records, (projector.events_applied, records)
     await projector.stop()
     return cpu / records * 1e6, records / wall
+
+
+def log(message: str) -> None:
+    """A line of a script's progress, with the time of day."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)

@@ -20,6 +20,8 @@ import asyncio
 import functools
 import hashlib
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from _common import summary
+from workloads import Workload, live_states
 
 from rolloutlog.log import Log, split_record
 
@@ -256,3 +260,55 @@ async def floor(log: Log, run: str, offsets: Iterable[Mapping[str, Any]]) -> tup
         *(one(o["partition"], o.get("replay_from") or 0, o["marker"]) for o in offsets)
     )
     return time.perf_counter() - t0, total
+
+
+def measure_baselines(
+    workload: Workload, episodes: list[list[Any]], runs: int, restores: int, eventsourcing: bool
+) -> dict[str, Any]:
+    states = live_states(episodes)
+    out: dict[str, Any] = {}
+    directory = Path(tempfile.mkdtemp(prefix="rolloutlog-baselines-"))
+    try:
+        stw, stw_restore, figures = [], [], []
+        for index in range(runs):
+            target = directory / f"stw{index}"
+            figures.append(asyncio.run(stop_the_world_checkpoint(states, target)))
+            stw.append(figures[-1]["checkpoint_s"])
+            seconds, restored = stop_the_world_restore(target)
+            assert restored == workload.live, (restored, workload.live)
+            stw_restore.append(seconds)
+            shutil.rmtree(target)
+        out["stop_the_world"] = {
+            "checkpoint_s": summary(stw),
+            "restore_s": summary(stw_restore),
+            **{
+                f"{key}": summary([f[key] for f in figures])
+                for key in ("park_s", "export_s", "resume_s")
+            },
+            "export_mb": figures[-1]["bytes"] / 1e6,
+        }
+        del states
+        if eventsourcing:
+            db = directory / "eventsourcing.sqlite3"
+            store_s, live = eventsourcing_store(db, episodes)
+            assert len(live) == workload.live
+            rebuilt = [eventsourcing_reconstruct(db, live) for _ in range(restores)]
+            out["eventsourcing"] = {"store_s": store_s, "reconstruct_s": summary(rebuilt)}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
+def stw_point(workload: Workload, runs: int) -> dict[str, Any]:
+    states = live_states(list(workload.episodes()))
+    directory = Path(tempfile.mkdtemp(prefix="rolloutlog-stw-"))
+    try:
+        times, restores = [], []
+        for index in range(runs):
+            target = directory / str(index)
+            times.append(asyncio.run(stop_the_world_checkpoint(states, target))["checkpoint_s"])
+            restores.append(stop_the_world_restore(target)[0])
+            shutil.rmtree(target)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return {"checkpoint_s": summary(times), "restore_s": summary(restores)}

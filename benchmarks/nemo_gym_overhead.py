@@ -54,7 +54,7 @@ from typing import Any
 
 import httpx
 from _common import DEPLOYMENTS, kafka_broker, percentile, save
-from suite import Deployment, Service, service
+from suite_service import Deployment, Service, service
 
 from rolloutlog.integrations.nemo_gym import rollout_cookies, rollout_headers
 from rolloutlog.integrations.nemo_gym._processes import FakeBackendProcess, GymProcesses

@@ -34,7 +34,7 @@ from typing import Any
 
 from _common import RESULTS, ROOT, kafka_broker, save, summary
 from replicas import RUN, Cluster
-from suite import PARTITIONS
+from suite_service import PARTITIONS
 
 from rolloutlog.trainer import AsyncTrainerClient
 

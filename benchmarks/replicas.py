@@ -59,7 +59,7 @@ from typing import Any
 
 import httpx
 from _common import ROOT, kafka_broker, save, serve_command, summary
-from suite import PARTITIONS, POSTGRES, _postgres_execute, sdk_load
+from suite_service import PARTITIONS, POSTGRES, postgres_execute, sdk_load
 from workloads import Workload, s1
 
 from rolloutlog.errors import RolloutlogError
@@ -74,7 +74,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 @dataclass
 class Deployment:
-    """What ``suite.sdk_load`` needs of a deployment: the Kafka log's URL."""
+    """What ``suite_service.sdk_load`` needs of a deployment: the Kafka log's URL."""
 
     kafka: str
     prefix: str = field(default_factory=lambda: f"r{uuid.uuid4().hex[:8]}.")
@@ -141,7 +141,7 @@ class Cluster:
     def __init__(self, kafka: str, count: int, lease_s: float) -> None:
         self.deployment = Deployment(kafka)
         self.schema = f"bench_{uuid.uuid4().hex[:12]}"
-        _postgres_execute(f'CREATE SCHEMA "{self.schema}"')
+        postgres_execute(f'CREATE SCHEMA "{self.schema}"')
         catalog = f"{POSTGRES}{'&' if '?' in POSTGRES else '?'}search_path={self.schema}"
         self.tmp = Path(tempfile.mkdtemp(prefix="rolloutlog-replicas-"))
         self.replicas = [
@@ -173,7 +173,7 @@ class Cluster:
         for replica in self.replicas:
             replica.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)
-        _postgres_execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
+        postgres_execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
 
     async def leases(self) -> dict[int, str | None]:
         import asyncpg

@@ -1,7 +1,7 @@
 """Restore + fetch of one or more workloads on one deployment, beside the baselines it is judged
-against, measured in the same run: the suite's own measurement (``suite.measure_workload``'s
-service, load and ``checkpoints_and_restores``) without the rest of the suite (no S4, no curves,
-no pyeventsourcing unless asked).
+against, measured in the same run: the suite's own measurement (the service, load and
+``checkpoints_and_restores`` of ``suite_workload.measure_workload``) without the rest of the suite
+(no S4, no curves, no pyeventsourcing unless asked).
 
 Per workload: restore (plan) and restore + fetch (the single stream, each line decoded, as the
 suite measures it), the floor, the stop-the-world restore (read + decode its files), their
@@ -36,7 +36,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import suite
+import suite_service
+import suite_workload
 from _common import kafka_broker, save, summary
 from baselines import stop_the_world_checkpoint, stop_the_world_restore
 from workloads import Workload, live_states, s1, s2, s3
@@ -67,26 +68,26 @@ def py_spy(pid: int, out: Path | None) -> Iterator[None]:
 
 
 async def measure(
-    deployment: suite.Deployment,
+    deployment: suite_service.Deployment,
     workload: Workload,
     runs: int,
     profile: Path | None,
     per_kind: bool,
 ) -> dict[str, Any]:
-    with suite.service(deployment) as svc:
+    with suite_service.service(deployment) as svc:
         run = f"{workload.name.lower()}-{uuid.uuid4().hex[:6]}"
         async with AsyncTrainerClient(svc.url) as trainer:
-            await trainer.create_run(run, suite.PARTITIONS)
+            await trainer.create_run(run, suite_service.PARTITIONS)
             await trainer.take_over(run)
-            episodes, load_s = await suite.sdk_load(svc, run, workload)
-            await suite.caught_up(trainer, run, workload.live)
+            episodes, load_s = await suite_service.sdk_load(svc, run, workload)
+            await suite_service.caught_up(trainer, run, workload.live)
             spy = profile / f"{workload.name}-{deployment.name}-service.json" if profile else None
             client_profile = cProfile.Profile() if profile else None
             cpu0 = time.process_time()
             with py_spy(svc.proc.pid if svc.proc else 0, spy):
                 if client_profile:
                     client_profile.enable()
-                out = await suite.checkpoints_and_restores(
+                out = await suite_workload.checkpoints_and_restores(
                     svc, trainer, run, workload, runs, runs, per_kind=runs if per_kind else 0
                 )
                 if client_profile:
@@ -133,7 +134,7 @@ def main() -> None:
     results: dict[str, Any] = {"runs": args.runs, "backend": args.backend, "workloads": {}}
     with kafka_broker(args.backend == "kafka") as kafka:
         for name in args.workloads.split(","):
-            deployment = suite.Deployment(args.backend, kafka)
+            deployment = suite_service.Deployment(args.backend, kafka)
             figures = asyncio.run(
                 measure(deployment, made[name](), args.runs, args.profile, args.fetchers == "kind")
             )

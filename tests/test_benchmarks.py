@@ -136,6 +136,7 @@ def test_report_names_missed_targets() -> None:
 
 def test_report_covers_both_deployments_curves_and_the_http_append() -> None:
     import suite
+    import suite_curves
 
     def point(checkpoint: float) -> dict[str, dict[str, float]]:
         return {
@@ -151,7 +152,7 @@ def test_report_covers_both_deployments_curves_and_the_http_append() -> None:
             "live_rollouts": {"1000": point(0.03), "64000": point(largest)},
             "state_bytes": {"1024": point(0.03), "1048576": point(0.04)},
             "state_rollouts": 200,
-            "runs": suite.CURVE_RUNS,
+            "runs": suite_curves.CURVE_RUNS,
         }
 
     results = {
