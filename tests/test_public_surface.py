@@ -188,6 +188,7 @@ SURFACES: dict[str, list[str]] = {
     ],
     "rolloutlog.projections": [
         "Blocker",
+        "BlockerState",
         "BoundaryView",
         "CUT_DISPOSITIONS",
         "CheckpointResult",

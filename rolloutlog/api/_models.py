@@ -12,6 +12,7 @@ from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutlog.log import MAX_PARTITIONS, NAME_PATTERN
+from rolloutlog.projections import BlockerState
 
 __all__ = [
     "AppendOut",
@@ -149,15 +150,7 @@ class BlockerOut(_Response):
 
     partition: int
     replica: str | None = None
-    state: Literal[
-        "unowned",
-        "lease_expired",
-        "unresponsive",
-        "starting",
-        "catching_up",
-        "degraded",
-        "stopped",
-    ]
+    state: BlockerState
     reason: str
     since: float | None = None
     #: Records of the partition its owner has not applied yet (while catching up or degraded).

@@ -23,13 +23,14 @@ from rolloutlog.projections._fold import (
     token_count,
 )
 from rolloutlog.projections._fork import ForkRequest, ForkResult
-from rolloutlog.projections._health import Blocker, RunHealthReport
+from rolloutlog.projections._health import Blocker, BlockerState, RunHealthReport
 from rolloutlog.projections._health import summarize as summarize_health
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, default_replica_id
 from rolloutlog.projections._restorer import RestoreResult
 
 __all__ = [
     "Blocker",
+    "BlockerState",
     "BoundaryView",
     "CUT_DISPOSITIONS",
     "CheckpointResult",
