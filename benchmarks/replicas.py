@@ -169,6 +169,11 @@ class Cluster:
                 raise RuntimeError("replicas did not become ready")
             time.sleep(0.1)
 
+    def print_logs(self) -> None:
+        """Every replica's last log lines, on stderr (when a measurement failed)."""
+        for replica in self.replicas:
+            print(f"--- {replica.replica_id}\n{replica.log_tail()}", file=sys.stderr)
+
     def remove(self) -> None:
         for replica in self.replicas:
             replica.stop()
@@ -470,8 +475,7 @@ async def membership(kafka: str, lease_s: float, workload: Workload) -> dict[str
         finally:
             await client.stop()
     except BaseException:
-        for replica in cluster.replicas:
-            print(f"--- {replica.replica_id}\n{replica.log_tail()}", file=sys.stderr)
+        cluster.print_logs()
         raise
     finally:
         cluster.remove()
@@ -540,8 +544,7 @@ def main() -> None:
                 cluster.start()
                 figures = asyncio.run(measure(cluster, workload, args.runs))
             except BaseException:
-                for replica in cluster.replicas:
-                    print(f"--- {replica.replica_id}\n{replica.log_tail()}", file=sys.stderr)
+                cluster.print_logs()
                 raise
             finally:
                 cluster.remove()
