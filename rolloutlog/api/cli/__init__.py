@@ -27,12 +27,16 @@ from __future__ import annotations
 
 from rolloutlog.api.cli import _forks  # noqa: F401 - registers ``runs fork``
 from rolloutlog.api.cli._analyst import ANALYST_COMMANDS
-from rolloutlog.api.cli._commands import COMMANDS
+from rolloutlog.api.cli._checkpoints import checkpoint, checkpoints
+from rolloutlog.api.cli._episodes import episode, episodes
 from rolloutlog.api.cli._main import cli, main
+from rolloutlog.api.cli._restores import restore, restores
 from rolloutlog.api.cli._results import results
+from rolloutlog.api.cli._runs import runs
 from rolloutlog.api.cli._serve import GC_THRESHOLDS, serve
 
 __all__ = ["GC_THRESHOLDS", "cli", "main"]
 
-for _command in [serve, *COMMANDS, results, *ANALYST_COMMANDS]:
+_CLIENT_COMMANDS = [runs, checkpoint, checkpoints, restore, restores, episodes, episode, results]
+for _command in [serve, *_CLIENT_COMMANDS, *ANALYST_COMMANDS]:
     cli.add_command(_command)

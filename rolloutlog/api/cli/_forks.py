@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import click
 
-from rolloutlog.api.cli._commands import _counts, runs
 from rolloutlog.api.cli._main import (
     EXIT_OK,
     checkpoint_option,
@@ -16,7 +15,8 @@ from rolloutlog.api.cli._main import (
     json_option,
     run_argument,
 )
-from rolloutlog.api.cli._output import json_line, stdout
+from rolloutlog.api.cli._output import json_line, stdout, tally
+from rolloutlog.api.cli._runs import runs
 
 if TYPE_CHECKING:
     from rolloutlog.trainer import TrainerClient
@@ -70,7 +70,7 @@ def runs_fork(
         return EXIT_OK
     origin = created["forked_from"]
     counts = created.get("counts")
-    what = f": {_counts(counts)}" if counts else " (it existed)"
+    what = f": {tally(counts)}" if counts else " (it existed)"
     print(
         f"run {created['run']} forked from {origin['run']}@{origin['checkpoint_id']}{what}",
         file=stdout(),

@@ -13,7 +13,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from click.shell_completion import CompletionItem
@@ -22,6 +22,9 @@ from rolloutlog import __version__
 from rolloutlog.api._env import file_value
 from rolloutlog.errors import ConfigurationError, RolloutlogError
 from rolloutlog.wire import DEFAULT_URL
+
+if TYPE_CHECKING:
+    from rolloutlog.trainer import TrainerClient
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -35,6 +38,8 @@ __all__ = [
     "DefaultGroup",
     "cli",
     "client_command",
+    "controller_epoch",
+    "controller_options",
     "json_option",
     "main",
     "run_argument",
@@ -172,6 +177,41 @@ def limit_option(default: int, help: str, most: int | None = None) -> Callable[[
         show_default=True,
         help=help,
     )
+
+
+def controller_options(f: Any) -> Any:
+    """``--take-over`` or ``--epoch N``: the controller a command acts as (see
+    ``controller_epoch``)."""
+    f = click.option(
+        "--epoch",
+        type=click.IntRange(min=1),
+        help="Act as this controller epoch (default: the run's current one).",
+    )(f)
+    return click.option(
+        "--take-over",
+        is_flag=True,
+        help="Take over the run's controller first (fences the running trainer).",
+    )(f)
+
+
+def controller_epoch(client: TrainerClient, run: str, take_over: bool, epoch: int | None) -> int:
+    """The controller epoch to act with: taken over, given, or the run's current one."""
+    if take_over and epoch is not None:
+        raise click.UsageError(
+            "--take-over and --epoch exclude each other", click.get_current_context()
+        )
+    if take_over:
+        return client.take_over(run)
+    if epoch is not None:
+        return epoch
+    current = int(client.get_run(run)["controller_epoch"])
+    if current == 0:
+        raise CliError(
+            "invalid_request",
+            f"run {run!r} has no controller yet: pass --take-over (or --epoch N)",
+            EXIT_REFUSED,
+        )
+    return current
 
 
 def client_command(f: Callable[..., int]) -> Callable[..., int]:

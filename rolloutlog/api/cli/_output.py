@@ -26,6 +26,7 @@ __all__ = [
     "listing",
     "stdout",
     "table",
+    "tally",
     "when",
 ]
 
@@ -62,6 +63,11 @@ def fields(pairs: Iterable[tuple[str, Any]], out: TextIO) -> None:
     width = max((len(name) for name, _ in rows), default=0)
     for name, value in rows:
         print(f"  {name.ljust(width)}  {value}", file=out)
+
+
+def tally(counts: Mapping[str, Any]) -> str:
+    """Counts as ``key=value`` pairs: ``continue=3 restart=1``."""
+    return " ".join(f"{key}={value}" for key, value in counts.items())
 
 
 def json_line(value: Any, out: TextIO) -> None:
