@@ -1,7 +1,8 @@
-"""The analysts' dashboard at ``/ui``: one HTML shell, a stylesheet and a script, all served
-from the package (nothing from a CDN).
+"""The analysts' dashboard at ``/ui``: one HTML shell, a stylesheet and three plain scripts
+(DOM and API helpers, the charts, the pages; loaded in that order), all served from the package
+(nothing from a CDN).
 
-The pages hold no data: the script reads everything from the REST API with the analyst's
+The pages hold no data: the scripts read everything from the REST API with the analyst's
 token (typed once, kept in the tab's ``sessionStorage``), so what the dashboard shows is what
 the API answers, and the pages themselves are public like ``/docs``.
 """

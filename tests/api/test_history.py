@@ -102,4 +102,10 @@ async def test_openapi_tags_every_route_and_states_its_role(api: Api) -> None:
     assert "cdn" not in docs.text.lower()
     bundle = await api.client.get("/docs/assets/swagger-ui-bundle.js")
     assert bundle.status_code == 200
-    assert (await api.client.get("/ui/static/app.js")).status_code == 200
+    shell = (await api.client.get("/ui")).text
+    scripts = ["/ui/static/base.js", "/ui/static/charts.js", "/ui/static/app.js"]
+    assert [line for line in shell.splitlines() if "<script" in line] == [
+        f'<script src="{script}" defer></script>' for script in scripts
+    ]  # in this order: each script uses what the ones before it declare
+    for script in scripts:
+        assert (await api.client.get(script)).status_code == 200

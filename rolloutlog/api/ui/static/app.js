@@ -1,137 +1,10 @@
 // rolloutlog's analyst dashboard: plain JavaScript over the REST API (no framework, no build).
 // Every number shown comes from one API reply; nothing is computed on the server for the page.
+// The pages and the router; base.js (DOM, formats, the API) and charts.js load before it.
 "use strict";
 
-const TOKEN_KEY = "rolloutlog.token";
 const REFRESH_MS = 3000;
 const PAGE = 100;
-const STAGE_COLORS = ["#2f6fdf", "#1f8a4c", "#b7791f", "#8e44ad", "#c53030", "#16a2b8", "#6b7385"];
-
-// -- helpers ----------------------------------------------------------------------------------
-
-function el(tag, attrs, ...children) {
-  const node = document.createElement(tag);
-  for (const [key, value] of Object.entries(attrs || {})) {
-    if (value === null || value === undefined || value === false) continue;
-    if (key === "onclick" || key === "oninput" || key === "onchange" || key === "onsubmit") {
-      node.addEventListener(key.slice(2), value);
-    } else {
-      node.setAttribute(key, value === true ? "" : String(value));
-    }
-  }
-  for (const child of children.flat()) {
-    if (child === null || child === undefined) continue;
-    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
-  }
-  return node;
-}
-
-function svg(tag, attrs, ...children) {
-  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
-  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, String(value));
-  for (const child of children.flat()) {
-    if (child !== null && child !== undefined) {
-      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
-    }
-  }
-  return node;
-}
-
-const fmt = {
-  n: (v) => (v === null || v === undefined ? "–" : Number(v).toLocaleString("en-US")),
-  ms: (v) => (v === null || v === undefined ? "–" : `${Number(v).toFixed(1)} ms`),
-  time: (v) => (v ? new Date(v * 1000).toISOString().replace("T", " ").slice(0, 19) : "–"),
-  bytes: (v) => {
-    if (v === null || v === undefined) return "–";
-    const units = ["B", "kB", "MB", "GB"];
-    let value = Number(v);
-    let unit = 0;
-    while (value >= 1000 && unit < units.length - 1) { value /= 1000; unit += 1; }
-    return `${unit ? value.toFixed(1) : value} ${units[unit]}`;
-  },
-};
-
-function badge(text) {
-  return el("span", { class: `badge ${text}` }, text);
-}
-
-function field(name, value) {
-  // data-field marks a number the browser tests compare with the API's reply.
-  return el("span", { "data-field": name }, value);
-}
-
-function card(label, name, value) {
-  return el("div", { class: "card" }, el("div", { class: "value" }, field(name, value)),
-    el("div", { class: "label" }, label));
-}
-
-function table(headers, rows, attrs) {
-  return el("table", attrs || {},
-    el("thead", {}, el("tr", {}, headers.map((h) => el("th", { class: h.num ? "num" : null }, h.label || h)))),
-    el("tbody", {}, rows));
-}
-
-// What holds a run back, on any replica: one row per partition and the replica that holds it.
-function heldBackTable(health) {
-  const blockers = health.held_back || [];
-  if (!blockers.length) return el("p", { class: "muted", "data-testid": "held-back-none" }, "Nothing holds the run back.");
-  return el("table", { "data-testid": "held-back" },
-    el("thead", {}, el("tr", {}, ["partition", "replica", "state", "lag", "since", "reason"].map((h) => el("th", {}, h)))),
-    el("tbody", {}, blockers.map((b) => el("tr", { "data-partition": b.partition },
-      td(field("partition", b.partition), { class: "num" }),
-      td(field("replica", b.replica ?? "nobody")),
-      td(badge(b.state)),
-      td(field("lag", fmt.n(b.lag)), { class: "num" }),
-      td(fmt.time(b.since)),
-      td(b.reason)))));
-}
-
-function heldBackSummary(health) {
-  const blockers = health.held_back || [];
-  if (!blockers.length) return "nothing holds the run back";
-  return "held back by " + blockers.map((b) => `partition ${b.partition} (${b.replica ?? "nobody"}: ${b.state})`).join(", ");
-}
-
-function td(value, attrs) {
-  return el("td", attrs || {}, value);
-}
-
-function enc(part) {
-  return encodeURIComponent(part);
-}
-
-// -- the API ----------------------------------------------------------------------------------
-
-class ApiError extends Error {
-  constructor(status, body) {
-    super(body && body.error ? `${body.error.code}: ${body.error.message}` : `HTTP ${status}`);
-    this.status = status;
-    this.code = body && body.error ? body.error.code : null;
-    this.details = (body && body.error && body.error.details) || {};
-  }
-}
-
-async function api(path) {
-  const headers = { Accept: "application/json" };
-  const token = sessionStorage.getItem(TOKEN_KEY);
-  if (token) headers.Authorization = `Bearer ${token}`;
-  const reply = await fetch(path, { headers });
-  const body = await reply.json().catch(() => null);
-  if (!reply.ok) throw new ApiError(reply.status, body);
-  return body;
-}
-
-let schemaPaths = null;
-
-async function hasRoute(path) {
-  // Routes other work adds later (the quarantine listing) are used only once the service
-  // documents them, so that an older service is never asked for a missing route.
-  if (schemaPaths === null) {
-    const schema = await fetch("/openapi.json").then((r) => r.json());
-    schemaPaths = new Set(Object.keys(schema.paths || {}));
-  }
-  return schemaPaths.has(path);
-}
 
 // -- the page -----------------------------------------------------------------------------------
 
@@ -190,91 +63,27 @@ async function route() {
   if (view.live) timer = setTimeout(tick, REFRESH_MS);
 }
 
-// -- charts (hand-written SVG: three small charts do not need a library) ------------------------
+// -- health -------------------------------------------------------------------------------------
 
-function chartBox(title, testid) {
-  const box = el("div", { class: "chart", "data-testid": testid }, el("h3", {}, title));
-  const area = svg("svg", { viewBox: "0 0 400 160", preserveAspectRatio: "none" });
-  box.append(area);
-  return { box, area };
+// What holds a run back, on any replica: one row per partition and the replica that holds it.
+function heldBackTable(health) {
+  const blockers = health.held_back || [];
+  if (!blockers.length) return el("p", { class: "muted", "data-testid": "held-back-none" }, "Nothing holds the run back.");
+  return el("table", { "data-testid": "held-back" },
+    el("thead", {}, el("tr", {}, ["partition", "replica", "state", "lag", "since", "reason"].map((h) => el("th", {}, h)))),
+    el("tbody", {}, blockers.map((b) => el("tr", { "data-partition": b.partition },
+      td(field("partition", b.partition), { class: "num" }),
+      td(field("replica", b.replica ?? "nobody")),
+      td(badge(b.state)),
+      td(field("lag", fmt.n(b.lag)), { class: "num" }),
+      td(fmt.time(b.since)),
+      td(b.reason)))));
 }
 
-function axisMax(values) {
-  const max = Math.max(1, ...values);
-  const pow = 10 ** Math.floor(Math.log10(max));
-  return Math.ceil(max / pow) * pow;
-}
-
-function drawBars(area, bars, stages, unit) {
-  // bars: [{label, parts: {stage: value}}], stacked in the order of `stages`.
-  area.replaceChildren();
-  const totals = bars.map((b) => stages.reduce((s, k) => s + (b.parts[k] || 0), 0));
-  const top = axisMax(totals);
-  const left = 40, bottom = 140, height = 125, width = 355;
-  area.append(svg("text", { x: 2, y: 20 }, `${top} ${unit}`), svg("text", { x: 2, y: bottom }, `0`));
-  area.append(svg("line", { x1: left, y1: bottom, x2: left + width, y2: bottom, stroke: "#dfe3ea" }));
-  const step = width / Math.max(bars.length, 1);
-  bars.forEach((bar, i) => {
-    let y = bottom;
-    stages.forEach((stage, s) => {
-      const value = bar.parts[stage] || 0;
-      const h = (value / top) * height;
-      y -= h;
-      area.append(svg("rect", { x: left + i * step + 1, y, width: Math.max(step - 2, 1), height: h,
-        fill: STAGE_COLORS[s % STAGE_COLORS.length] }, svg("title", {}, `${bar.label} ${stage}: ${value.toFixed(1)} ${unit}`)));
-    });
-    if (bars.length <= 20) area.append(svg("text", { x: left + i * step + 2, y: 155 }, bar.label));
-  });
-}
-
-function drawLine(area, points, unit) {
-  area.replaceChildren();
-  const left = 40, bottom = 140, height = 125, width = 355;
-  const top = axisMax(points.map((p) => p.y));
-  area.append(svg("text", { x: 2, y: 20 }, `${top.toFixed(top < 10 ? 1 : 0)} ${unit}`), svg("text", { x: 2, y: bottom }, "0"));
-  area.append(svg("line", { x1: left, y1: bottom, x2: left + width, y2: bottom, stroke: "#dfe3ea" }));
-  if (points.length < 2) {
-    area.append(svg("text", { x: left + 10, y: 80 }, "collecting…"));
-    return;
-  }
-  const x0 = points[0].x, span = Math.max(points[points.length - 1].x - x0, 1e-9);
-  const path = points.map((p, i) => `${i ? "L" : "M"}${(left + ((p.x - x0) / span) * width).toFixed(1)},${(bottom - (p.y / top) * height).toFixed(1)}`).join(" ");
-  area.append(svg("path", { d: path, fill: "none", stroke: STAGE_COLORS[0], "stroke-width": 2 }));
-  area.append(svg("text", { x: left + width - 90, y: 12 }, `now ${points[points.length - 1].y.toFixed(1)} ${unit}`));
-}
-
-function legend(stages) {
-  return el("div", { class: "legend" }, stages.map((s, i) => {
-    const swatch = el("i");
-    swatch.style.background = STAGE_COLORS[i % STAGE_COLORS.length];
-    return el("span", {}, swatch, s);
-  }));
-}
-
-function stageBar(timings, stages, total, scale) {
-  const bar = el("div", { class: "stagebar", title: stages.map((s) => `${s}: ${fmt.ms(timings[s] || 0)}`).join(", ") });
-  stages.forEach((stage, i) => {
-    const part = el("span");
-    part.style.width = `${((timings[stage] || 0) / scale) * 100}%`;
-    part.style.background = STAGE_COLORS[i % STAGE_COLORS.length];
-    bar.append(part);
-  });
-  return bar;
-}
-
-function totalMs(timings) {
-  if (timings.total !== undefined) return timings.total;
-  return Object.values(timings).reduce((a, b) => a + b, 0);
-}
-
-function stagesOf(items) {
-  const stages = [];
-  for (const item of items) {
-    for (const key of Object.keys(item.timings_ms || {})) {
-      if (key !== "total" && !stages.includes(key)) stages.push(key);
-    }
-  }
-  return stages;
+function heldBackSummary(health) {
+  const blockers = health.held_back || [];
+  if (!blockers.length) return "nothing holds the run back";
+  return "held back by " + blockers.map((b) => `partition ${b.partition} (${b.replica ?? "nobody"}: ${b.state})`).join(", ");
 }
 
 // -- runs ---------------------------------------------------------------------------------------
