@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from tests import factories as f
+from tests._services import ROOT
 from tests.api.conftest import Api, open_api, settings_for
 
 SOURCE, FORK = "src", "fork-1"
@@ -32,6 +33,12 @@ async def projection(api: Api, run: str, episode: str, query: str) -> dict[str, 
     url = f"/v1/runs/{run}/episodes/{episode}/projection?{query}"
     body: dict[str, Any] = (await api.call("GET", url, "participant", 200)).json()
     return body
+
+
+def history_doc() -> str:
+    """docs/api.md's paragraph on an episode's history."""
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    return text.split("**An episode's history**", 1)[1].split("\n\n", 1)[0]
 
 
 def state_of(p: dict[str, Any]) -> dict[str, Any]:
@@ -181,6 +188,9 @@ async def test_a_fork_holds_the_sources_live_episodes_and_continues_them_as_its_
         assert attempts[0]["in_source"] and attempts[1]["in_source"]
         assert not attempts[2]["in_source"] and attempts[2]["restore_id"] == 1
         assert attempts[1]["why"].startswith(f"in run {SOURCE!r} before the fork")
+        documented = history_doc()  # docs/api.md names what an analyst reads here
+        for key in [*history["forked_from"], "forked_from", "in_source"]:
+            assert f'"{key}"' in documented or f"`{key}`" in documented, key
         source_history = (
             await api.call("GET", f"/v1/runs/{SOURCE}/episodes/again", "analyst", 200)
         ).json()
