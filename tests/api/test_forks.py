@@ -270,3 +270,45 @@ async def test_a_plain_run_under_a_name_being_forked_is_refused_run_exists(api: 
     assert code(await api.call("GET", f"/v1/runs/{FORK}", "analyst", 404)) == "unknown_run"
     created = await fork(api, expect=201, checkpoint_id=1)
     assert created["forked_from"]["checkpoint_id"] == 1
+
+
+async def test_a_forks_restore_continues_and_restarts_as_its_sources_would_for_the_same_reasons(
+    api: Api,
+) -> None:
+    """The fork's checkpoint 1 and its first restore carry the source's actions and restart
+    reasons for the same cut: an episode whose restart-only session was open there restarts in
+    both runs, for the same reason, and the other continues in both."""
+    api.run = SOURCE
+    await api.create_run(SOURCE, partitions=4)
+    await api.register()
+    await api.register("res-0", "resources")
+    await api.take_over()
+    await api.append(
+        f.started("goes-on"),
+        f.boundary("goes-on", "seed", {"turn": 1}),
+        f.started("starts-over"),
+        f.session_started("starts-over", "s1", "restart_only"),
+        f.boundary("starts-over", "seed", {"turn": 1}),
+    )
+    checkpoint = await api.checkpoint()
+    await fork(api, checkpoint_id=checkpoint["checkpoint_id"])
+
+    async def entries(url: str) -> dict[str, tuple[str, str | None]]:
+        body = (await api.call("GET", url, "trainer", 200)).json()
+        return {e["episode"]: (e["action"], e["reason"]) for e in body["episodes"]}
+
+    manifest = f"/v1/runs/{SOURCE}/checkpoints/{checkpoint['checkpoint_id']}/manifest"
+    theirs = await entries(manifest)
+    assert await entries(f"/v1/runs/{FORK}/checkpoints/1/manifest") == theirs
+    restored = {}
+    for run in (SOURCE, FORK):
+        api.run = run
+        await api.take_over()
+        restore = await api.restore(
+            checkpoint_id=checkpoint["checkpoint_id"] if run == SOURCE else 1
+        )
+        restored[run] = await entries(f"/v1/runs/{run}/restores/{restore['restore_id']}/episodes")
+    assert restored[FORK] == restored[SOURCE]
+    action, reason = restored[FORK]["starts-over"]
+    assert action == "restart" and reason, restored
+    assert restored[FORK]["goes-on"] == ("continue", None)
