@@ -196,7 +196,8 @@ class ForkOut(_Response):
 class RunOut(_Response):
     run: str
     partitions: int
-    #: A fork's source (None: the run is no fork); a source's forks (``GET …/runs/{run}``).
+    #: A fork's source (None: the run is no fork; its ``run`` None: out of the token's
+    #: scope); a source's forks the token reads (``GET …/runs/{run}``).
     forked_from: ForkedFromOut | None = None
     forks: list[ForkOut] | None = None
     log_url: str | None = None
@@ -459,7 +460,8 @@ class EpisodeHistoryOut(_Response):
     status: str | None
     current_attempt: int
     #: In a fork: the source run, checkpoint and the attempt the episode had there; its
-    #: attempts up to that one happened in the source (``in_source``).
+    #: attempts up to that one happened in the source (``in_source``). Its ``run`` is None
+    #: to a token that holds no role on the source.
     forked_from: dict[str, Any] | None = None
     attempts: list[AttemptOut]
     checkpoints: list[ManifestEntryOut]
