@@ -47,6 +47,9 @@ async def create_fork(service: Service, body: CreateRun) -> Response:
     }
     if result.counts:
         reply["counts"] = result.counts
+    # What the fork's checkpoint 1 references, as a checkpoint's reply lists them: the
+    # trainer's token store keeps each while a run's latest checkpoint lists it.
+    reply["staging_keys"] = result.staging_keys
     return json_response(reply, 201 if result.created else 200)
 
 

@@ -200,6 +200,9 @@ class RunOut(_Response):
     #: scope); a source's forks the token reads (``GET …/runs/{run}``).
     forked_from: ForkedFromOut | None = None
     forks: list[ForkOut] | None = None
+    #: A fork's creation reply: every staging key its checkpoint 1 references (null once that
+    #: checkpoint is no longer kept), as a checkpoint's reply lists them.
+    staging_keys: list[str] | None = None
     log_url: str | None = None
     controller_epoch: int = 0
     latest_checkpoint_id: int | None = None

@@ -109,6 +109,13 @@ async def test_a_fork_holds_the_sources_live_episodes_and_continues_them_as_its_
 
         created = await fork(api, checkpoint_id="latest")
         assert created["partitions"] == 4
+        # The staging keys of the fork's checkpoint 1, listed as a checkpoint's reply lists
+        # them: the source's keys of the episodes forked, unrenamed (its ledger rows name them).
+        first = await api.service.catalog.load_manifest(FORK, 1)
+        keys = {key for entry in first for key in entry.staging_keys}
+        assert keys == {"stage-live-c1", "stage-live-c3"}
+        assert sorted(created["staging_keys"]) == sorted(keys)
+        assert len(created["staging_keys"]) == len(keys)
         assert created["forked_from"]["run"] == SOURCE
         assert created["forked_from"]["checkpoint_id"] == latest["checkpoint_id"]
         assert created["forked_from"]["at"] is not None
@@ -141,6 +148,7 @@ async def test_a_fork_holds_the_sources_live_episodes_and_continues_them_as_its_
         # The same fork again: 200, the same; another fork under the name: 409.
         again = await fork(api, expect=200, checkpoint_id="latest")
         assert again["forked_from"] == created["forked_from"]
+        assert sorted(again["staging_keys"]) == sorted(keys)
         other = await api.call(
             "POST",
             "/v1/runs",
@@ -229,6 +237,10 @@ async def test_a_fork_of_chosen_episodes_and_what_it_refuses(api: Api) -> None:
     ).json()["episodes"]
     assert sorted(e["episode"] for e in manifest) == ["again", "live"]
     assert created["counts"]["continue"] == 2
+    assert sorted(created["staging_keys"]) == ["stage-live-c1", "stage-live-c3"]
+    # Without the episode whose ledger rows have keys, the fork's checkpoint 1 lists none.
+    keyless = await fork(api, "fork-3", exclude=["live"])
+    assert keyless["staging_keys"] == []
     # Finished or unknown episodes, an unknown source or checkpoint: nothing is created.
     for spec, status, error in (
         ({"episodes": ["done"]}, 404, "unknown_episode"),
@@ -246,7 +258,7 @@ async def test_a_fork_of_chosen_episodes_and_what_it_refuses(api: Api) -> None:
         assert code(response) == error, spec
         assert code(await api.call("GET", "/v1/runs/fork-x", "analyst", 404)) == "unknown_run"
     listed = (await api.call("GET", "/v1/runs", "analyst", 200)).json()["runs"]
-    assert sorted(r["run"] for r in listed) == [FORK, SOURCE]
+    assert sorted(r["run"] for r in listed) == [FORK, "fork-3", SOURCE]
 
 
 async def test_a_plain_run_under_a_name_being_forked_is_refused_run_exists(api: Api) -> None:
