@@ -5,7 +5,8 @@ A token holds its role for every run or for those its scope names (``_tokens.Run
 route whose path names a run (``/v1/runs/{run}/…``) needs the role on that run, a request that
 names more (creating a run, forking one into another) needs it on every one of them
 (``authorize_runs``), and a listing shows what the token holds the role for (``runs_of``). A
-token out of its scope gets ``403 forbidden``, whether the run exists or not.
+token out of its scope gets ``403 forbidden``, whether the run exists or not, and a reply names
+another run (a fork's source) only if the token holds a role on it (``runs_known``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "authorize_runs",
     "public",
     "require",
+    "runs_known",
     "runs_of",
 ]
 
@@ -71,6 +73,12 @@ async def authorize_runs(request: Request, role: Role, runs: Iterable[str]) -> A
 async def runs_of(request: Request, role: Role) -> RunScope:
     """The runs the request's token holds ``role`` for (every run for an unscoped token)."""
     return (await authorize_runs(request, role, ())).runs_for(role)
+
+
+async def runs_known(request: Request) -> RunScope:
+    """The runs whose names a reply may show the request's token: those it holds any role
+    for (every run for an unscoped token). A fork's source out of them is not named."""
+    return (await authorize_runs(request, Role.ANALYST, ())).runs_held()
 
 
 async def access_if_any(request: Request) -> Access:

@@ -11,7 +11,7 @@ import orjson
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
-from rolloutlog.api._auth import ANALYST
+from rolloutlog.api._auth import ANALYST, runs_known
 from rolloutlog.api._forks import episode_origin, mark_source_attempts
 from rolloutlog.api._http import json_response
 from rolloutlog.api._models import (
@@ -274,7 +274,7 @@ async def episode_history(
         [recorded.current_attempt if recorded else 0, tracked[0] if tracked else 0]
         + [e.attempt for _, e in plan_entries]
     )
-    origin = await episode_origin(service.catalog, run, recorded)
+    origin = await episode_origin(service.catalog, run, recorded, await runs_known(request))
     page = [e for e in events if after is None or e["offset"] > after][:limit]
     more = len(page) == limit and page[-1]["offset"] != events[-1]["offset"]
     return json_response(

@@ -189,9 +189,13 @@ class ForkOut(_Response):
 class RunOut(_Response):
     run: str
     partitions: int
-    #: A fork's source (None: the run is no fork); a source's forks (``GET …/runs/{run}``).
+    #: A fork's source (None: the run is no fork; its ``run`` None: out of the token's
+    #: scope); a source's forks the token reads (``GET …/runs/{run}``).
     forked_from: ForkedFromOut | None = None
     forks: list[ForkOut] | None = None
+    #: A fork's creation reply: every staging key its checkpoint 1 references (null once that
+    #: checkpoint is no longer kept), as a checkpoint's reply lists them.
+    staging_keys: list[str] | None = None
     log_url: str | None = None
     controller_epoch: int = 0
     latest_checkpoint_id: int | None = None
@@ -452,7 +456,8 @@ class EpisodeHistoryOut(_Response):
     status: str | None
     current_attempt: int
     #: In a fork: the source run, checkpoint and the attempt the episode had there; its
-    #: attempts up to that one happened in the source (``in_source``).
+    #: attempts up to that one happened in the source (``in_source``). Its ``run`` is None
+    #: to a token that holds no role on the source.
     forked_from: dict[str, Any] | None = None
     attempts: list[AttemptOut]
     checkpoints: list[ManifestEntryOut]

@@ -8,7 +8,15 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import Response
 
-from rolloutlog.api._auth import ANALYST, PARTICIPANT, TRAINER, Role, authorize_runs, runs_of
+from rolloutlog.api._auth import (
+    ANALYST,
+    PARTICIPANT,
+    TRAINER,
+    Role,
+    authorize_runs,
+    runs_known,
+    runs_of,
+)
 from rolloutlog.api._forks import create_fork, fork_view, forked_from_view
 from rolloutlog.api._http import json_response, stream_ndjson, wants_ndjson
 from rolloutlog.api._models import (
@@ -53,10 +61,14 @@ def _live(service: Service, run: str) -> int | None:
 
 
 def _run_out(
-    service: Service, summary: RunSummary, health: Mapping[str, RunHealthReport]
+    service: Service,
+    summary: RunSummary,
+    health: Mapping[str, RunHealthReport],
+    shown: RunScope,
 ) -> dict[str, Any]:
     """A run's view with its health across replicas (``health``: from ``runs_health``): which
-    partitions and replicas hold it back, and this replica's own projector (``local``)."""
+    partitions and replicas hold it back, and this replica's own projector (``local``); a
+    fork's source is named if the token holds it (``shown``)."""
     run = summary.run.run
     coordinator = service.coordinator
     report = health.get(run)
@@ -68,7 +80,7 @@ def _run_out(
     return {
         **run_view(summary, _live(service, run)),
         "health": view,
-        "forked_from": forked_from_view(summary.run),
+        "forked_from": forked_from_view(summary.run, shown),
     }
 
 
@@ -104,9 +116,10 @@ async def list_runs(request: Request, after: After = None, limit: Limit = 100) -
     service = _service(request)
     summaries = await _visible_runs(service, await runs_of(request, Role.ANALYST), after, limit)
     health = await service.coordinator.runs_health()
+    shown = await runs_known(request)
     return json_response(
         {
-            "runs": [_run_out(service, s, health) for s in summaries],
+            "runs": [_run_out(service, s, health, shown) for s in summaries],
             "next_after": summaries[-1].run.run if len(summaries) == limit else None,
         }
     )
@@ -133,7 +146,8 @@ async def get_run(request: Request, run: RunPath) -> Response:
     health = await service.coordinator.runs_health(run)
     scope = await runs_of(request, Role.ANALYST)  # the forks the token may see
     forks = [fork_view(f) for f in await service.catalog.forks_of(run) if scope.covers(f.run)]
-    return json_response({**_run_out(service, summary, health), "forks": forks})
+    view = _run_out(service, summary, health, await runs_known(request))
+    return json_response({**view, "forks": forks})
 
 
 @router.delete(

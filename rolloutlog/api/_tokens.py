@@ -137,6 +137,14 @@ class Access:
             for role, scope in self.grants
         )
 
+    def runs_held(self) -> RunScope:
+        """The runs the token holds any role for: the run names a reply may show it (a run
+        named only by a fork's lineage is left out of a reply to a token that holds none)."""
+        found = NO_RUN
+        for _, scope in self.grants:
+            found = found.union(scope)
+        return found
+
     def runs_for(self, needed: Role) -> RunScope:
         """The runs the token holds ``needed`` for (``NO_RUN`` when none)."""
         found = NO_RUN

@@ -48,6 +48,7 @@ from rolloutlog.log import (
     record_episode,
     record_restore_id,
 )
+from rolloutlog.projections._manifest_writer import staging_keys
 from rolloutlog.projections._start_plan import all_restores
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,10 @@ class ForkResult:
     created: bool
     #: Forked episodes per action, and the records copied into the fork's log.
     counts: dict[str, int] = field(default_factory=dict)
+    #: Every staging key the fork's checkpoint 1 references, as a checkpoint's reply lists
+    #: them (the source's keys, unrenamed: ledger rows name them); None once that checkpoint
+    #: is no longer kept (the fork's later checkpoints list theirs).
+    staging_keys: tuple[str, ...] | None = None
 
 
 CommittedCheckpoint = Callable[[str, int | str], Awaitable[Checkpoint]]
@@ -133,7 +138,7 @@ async def fork_run(
         claimed_by=replica_id,
     )
     if claimed.state == "created":
-        return ForkResult(claimed.run, created=False)
+        return ForkResult(claimed.run, created=False, staging_keys=await _first_keys(catalog, run))
     if claimed.taken_over_from is not None:
         logger.info("fork %s: took the claim over from %s", run, claimed.taken_over_from)
     try:
@@ -174,7 +179,17 @@ async def fork_run(
         checkpoint.checkpoint_id,
         counts,
     )
-    return ForkResult(created, created=True, counts=counts)
+    return ForkResult(
+        created, created=True, counts=counts, staging_keys=staging_keys(copied.entries)
+    )
+
+
+async def _first_keys(catalog: Catalog, run: str) -> tuple[str, ...] | None:
+    """The staging keys of the fork's checkpoint 1, None once it is no longer kept."""
+    try:
+        return staging_keys(await catalog.load_manifest(run, FORK_CHECKPOINT_ID))
+    except UnknownCheckpoint:
+        return None
 
 
 async def _copy_and_commit(

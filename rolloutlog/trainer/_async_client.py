@@ -156,8 +156,11 @@ class AsyncTrainerClient(Calls):
         exclude: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """Create ``run`` as a fork of ``source``'s committed checkpoint (its live episodes, or
-        ``episodes``, minus ``exclude``); the reply's ``forked_from`` names the checkpoint. The
-        same fork again answers as created; ``resume_run(run)`` then continues them."""
+        ``episodes``, minus ``exclude``); the reply's ``forked_from`` names the checkpoint and
+        its ``staging_keys`` every staging key the fork's checkpoint 1 references (as
+        ``CheckpointInfo.staging_keys`` does a checkpoint's; null once that checkpoint is no
+        longer kept). The same fork again answers as created; ``resume_run(run)`` then
+        continues them."""
         call = fork_call(run, source, checkpoint_id, episodes, exclude)
         result: dict[str, Any] = await self._send(call)
         return result

@@ -157,7 +157,8 @@ class TrainerClient(Calls):
         episodes: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
     ) -> dict[str, Any]:
-        """``AsyncTrainerClient.fork_run``."""
+        """``AsyncTrainerClient.fork_run`` (the reply's ``staging_keys``: those of the fork's
+        checkpoint 1)."""
         call = fork_call(run, source, checkpoint_id, episodes, exclude)
         result: dict[str, Any] = self._send(call)
         return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -310,6 +311,31 @@ def test_every_route_with_every_role_in_and_out_of_its_scope(
     if method == "POST" and path == "/v1/runs":
         made = client.get("/v1/runs", params={"limit": 10_000}, headers=bearer("admin")).json()
         assert not [r["run"] for r in made["runs"] if r["run"].startswith(f"{outside}-new")]
+
+
+def test_every_configured_token_is_compared_in_constant_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A presented token is compared with every configured one, scoped or not, by
+    ``hmac.compare_digest`` and nothing else, whether it matches the first, the last or none:
+    how long a check takes does not say which configured token, or how much of one, matched."""
+    tokens = Tokens.from_file(scoped_token_file(tmp_path / "tokens.toml")).merged(
+        Tokens.from_env(SCOPED_ENV)
+    )
+    configured = [entry.token for entry in tokens.entries]
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def compare_digest(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr("rolloutlog.api._tokens.hmac.compare_digest", compare_digest)
+    first, last = configured[0].decode(), configured[-1].decode()
+    for presented in (first, last, first[:-1] + "x", "not-a-token-of-this-service"):
+        compared.clear()
+        tokens.access_of(presented)
+        assert compared == [(presented.encode(), token) for token in configured], presented
 
 
 def test_scoped_tokens_from_toml_json_and_the_environment(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from tests import factories as f
+from tests._services import ROOT
 from tests.api.conftest import Api, open_api, settings_for
 
 SOURCE, FORK = "src", "fork-1"
@@ -32,6 +33,12 @@ async def projection(api: Api, run: str, episode: str, query: str) -> dict[str, 
     url = f"/v1/runs/{run}/episodes/{episode}/projection?{query}"
     body: dict[str, Any] = (await api.call("GET", url, "participant", 200)).json()
     return body
+
+
+def history_doc() -> str:
+    """docs/api.md's paragraph on an episode's history."""
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    return text.split("**An episode's history**", 1)[1].split("\n\n", 1)[0]
 
 
 def state_of(p: dict[str, Any]) -> dict[str, Any]:
@@ -102,6 +109,13 @@ async def test_a_fork_holds_the_sources_live_episodes_and_continues_them_as_its_
 
         created = await fork(api, checkpoint_id="latest")
         assert created["partitions"] == 4
+        # The staging keys of the fork's checkpoint 1, listed as a checkpoint's reply lists
+        # them: the source's keys of the episodes forked, unrenamed (its ledger rows name them).
+        first = await api.service.catalog.load_manifest(FORK, 1)
+        keys = {key for entry in first for key in entry.staging_keys}
+        assert keys == {"stage-live-c1", "stage-live-c3"}
+        assert sorted(created["staging_keys"]) == sorted(keys)
+        assert len(created["staging_keys"]) == len(keys)
         assert created["forked_from"]["run"] == SOURCE
         assert created["forked_from"]["checkpoint_id"] == latest["checkpoint_id"]
         assert created["forked_from"]["at"] is not None
@@ -134,6 +148,7 @@ async def test_a_fork_holds_the_sources_live_episodes_and_continues_them_as_its_
         # The same fork again: 200, the same; another fork under the name: 409.
         again = await fork(api, expect=200, checkpoint_id="latest")
         assert again["forked_from"] == created["forked_from"]
+        assert sorted(again["staging_keys"]) == sorted(keys)
         other = await api.call(
             "POST",
             "/v1/runs",
@@ -181,6 +196,9 @@ async def test_a_fork_holds_the_sources_live_episodes_and_continues_them_as_its_
         assert attempts[0]["in_source"] and attempts[1]["in_source"]
         assert not attempts[2]["in_source"] and attempts[2]["restore_id"] == 1
         assert attempts[1]["why"].startswith(f"in run {SOURCE!r} before the fork")
+        documented = history_doc()  # docs/api.md names what an analyst reads here
+        for key in [*history["forked_from"], "forked_from", "in_source"]:
+            assert f'"{key}"' in documented or f"`{key}`" in documented, key
         source_history = (
             await api.call("GET", f"/v1/runs/{SOURCE}/episodes/again", "analyst", 200)
         ).json()
@@ -219,6 +237,10 @@ async def test_a_fork_of_chosen_episodes_and_what_it_refuses(api: Api) -> None:
     ).json()["episodes"]
     assert sorted(e["episode"] for e in manifest) == ["again", "live"]
     assert created["counts"]["continue"] == 2
+    assert sorted(created["staging_keys"]) == ["stage-live-c1", "stage-live-c3"]
+    # Without the episode whose ledger rows have keys, the fork's checkpoint 1 lists none.
+    keyless = await fork(api, "fork-3", exclude=["live"])
+    assert keyless["staging_keys"] == []
     # Finished or unknown episodes, an unknown source or checkpoint: nothing is created.
     for spec, status, error in (
         ({"episodes": ["done"]}, 404, "unknown_episode"),
@@ -236,7 +258,7 @@ async def test_a_fork_of_chosen_episodes_and_what_it_refuses(api: Api) -> None:
         assert code(response) == error, spec
         assert code(await api.call("GET", "/v1/runs/fork-x", "analyst", 404)) == "unknown_run"
     listed = (await api.call("GET", "/v1/runs", "analyst", 200)).json()["runs"]
-    assert sorted(r["run"] for r in listed) == [FORK, SOURCE]
+    assert sorted(r["run"] for r in listed) == [FORK, "fork-3", SOURCE]
 
 
 async def test_a_plain_run_under_a_name_being_forked_is_refused_run_exists(api: Api) -> None:
@@ -260,3 +282,45 @@ async def test_a_plain_run_under_a_name_being_forked_is_refused_run_exists(api: 
     assert code(await api.call("GET", f"/v1/runs/{FORK}", "analyst", 404)) == "unknown_run"
     created = await fork(api, expect=201, checkpoint_id=1)
     assert created["forked_from"]["checkpoint_id"] == 1
+
+
+async def test_a_forks_restore_continues_and_restarts_as_its_sources_would_for_the_same_reasons(
+    api: Api,
+) -> None:
+    """The fork's checkpoint 1 and its first restore carry the source's actions and restart
+    reasons for the same cut: an episode whose restart-only session was open there restarts in
+    both runs, for the same reason, and the other continues in both."""
+    api.run = SOURCE
+    await api.create_run(SOURCE, partitions=4)
+    await api.register()
+    await api.register("res-0", "resources")
+    await api.take_over()
+    await api.append(
+        f.started("goes-on"),
+        f.boundary("goes-on", "seed", {"turn": 1}),
+        f.started("starts-over"),
+        f.session_started("starts-over", "s1", "restart_only"),
+        f.boundary("starts-over", "seed", {"turn": 1}),
+    )
+    checkpoint = await api.checkpoint()
+    await fork(api, checkpoint_id=checkpoint["checkpoint_id"])
+
+    async def entries(url: str) -> dict[str, tuple[str, str | None]]:
+        body = (await api.call("GET", url, "trainer", 200)).json()
+        return {e["episode"]: (e["action"], e["reason"]) for e in body["episodes"]}
+
+    manifest = f"/v1/runs/{SOURCE}/checkpoints/{checkpoint['checkpoint_id']}/manifest"
+    theirs = await entries(manifest)
+    assert await entries(f"/v1/runs/{FORK}/checkpoints/1/manifest") == theirs
+    restored = {}
+    for run in (SOURCE, FORK):
+        api.run = run
+        await api.take_over()
+        restore = await api.restore(
+            checkpoint_id=checkpoint["checkpoint_id"] if run == SOURCE else 1
+        )
+        restored[run] = await entries(f"/v1/runs/{run}/restores/{restore['restore_id']}/episodes")
+    assert restored[FORK] == restored[SOURCE]
+    action, reason = restored[FORK]["starts-over"]
+    assert action == "restart" and reason, restored
+    assert restored[FORK]["goes-on"] == ("continue", None)

@@ -98,30 +98,53 @@ def test_serve_refuses_to_start_with_a_wrong_ca_in_one_line(
     ) in line
 
 
+#: The SASL_SSL settings as the README's Security section gives them: its ``serve`` example
+#: (flags, the password in ``ROLLOUTLOG_KAFKA_SASL_PASSWORD_FILE``), its Compose example
+#: (variables, the secrets as files) and the log URL's query.
+SASL_SSL_FORMS = ("flags", "variables", "url")
+
+
+def _sasl_ssl_settings(
+    form: str, bootstrap: str, ca: Path, user: Path, secret: Path
+) -> tuple[dict[str, str], list[str]]:
+    """The environment and the flags of ``rolloutlog serve`` for one of ``SASL_SSL_FORMS``."""
+    log = f"kafka://{bootstrap}?request_timeout_ms=5000"
+    if form == "flags":
+        env = {"ROLLOUTLOG_KAFKA_SASL_PASSWORD_FILE": str(secret)}
+        flags = ["--log", log, "--kafka-security-protocol", "SASL_SSL"]
+        flags += ["--kafka-sasl-mechanism", "SCRAM-SHA-512", "--kafka-sasl-username", "rolloutlog"]
+        return env, [*flags, "--kafka-ssl-cafile", str(ca)]
+    if form == "variables":
+        env = {
+            "ROLLOUTLOG_LOG_URL": log,
+            "ROLLOUTLOG_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "ROLLOUTLOG_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+            "ROLLOUTLOG_KAFKA_SASL_USERNAME_FILE": str(user),
+            "ROLLOUTLOG_KAFKA_SASL_PASSWORD_FILE": str(secret),
+            "ROLLOUTLOG_KAFKA_SSL_CAFILE": str(ca),
+        }
+        return env, []
+    query = (
+        "&security_protocol=SASL_SSL&sasl_mechanism=SCRAM-SHA-512"
+        f"&sasl_username_file={user}&sasl_password_file={secret}&ssl_cafile={ca}"
+    )
+    return {}, ["--log", log + query]
+
+
+@pytest.mark.parametrize("form", SASL_SSL_FORMS)
 def test_serve_with_sasl_ssl_settings_authenticates_and_keeps_the_password_out(
-    sasl_broker: TlsBroker, certificates: Certificates, tmp_path: Path
+    sasl_broker: TlsBroker, certificates: Certificates, tmp_path: Path, form: str
 ) -> None:
-    """The documented SASL_SSL settings, the secrets as files: the service reaches the broker
-    over TLS and runs the SCRAM exchange, which this broker refuses (it has no users: see
-    ``test_kafka_tls``); its one line names that, and no output holds the password."""
+    """The documented SASL_SSL settings, each way the README gives them: the service reaches
+    the broker over TLS and runs the SCRAM exchange, which this broker refuses (it has no users:
+    see ``test_kafka_tls``); its one line names that, and no output holds the password."""
     password = "pw-" + uuid.uuid4().hex
     secret = tmp_path / "kafka_password"
     secret.write_text(password + "\n")
     user = tmp_path / "kafka_username"
     user.write_text("rolloutlog\n")
-    line, output = refused_start(
-        tmp_path,
-        {
-            "ROLLOUTLOG_LOG_URL": f"kafka://{sasl_broker.bootstrap}?request_timeout_ms=5000",
-            "ROLLOUTLOG_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
-            "ROLLOUTLOG_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
-            "ROLLOUTLOG_KAFKA_SASL_USERNAME_FILE": str(user),
-            "ROLLOUTLOG_KAFKA_SASL_PASSWORD_FILE": str(secret),
-            "ROLLOUTLOG_KAFKA_SSL_CAFILE": str(certificates.ca.cert),
-        },
-        "--log-level",
-        "debug",
-    )
+    env, flags = _sasl_ssl_settings(form, sasl_broker.bootstrap, certificates.ca.cert, user, secret)
+    line, output = refused_start(tmp_path, env, *flags, "--log-level", "debug")
     assert (
         f"cannot start: invalid_configuration: SASL SCRAM-SHA-512 authentication with "
         f"{sasl_broker.bootstrap} failed: the broker refused the credentials"

@@ -2,10 +2,12 @@
 test CA's certificate (``conftest``), reached only over TLS.
 
 What cannot be exercised here (README, Security): a successful SASL login. Tansu 0.6 (the only
-broker installable here) keeps SCRAM users in its storage, and in memory storage (its only
-store built in besides S3) a user can only be created while authentication is off — and then
-it offers no SASL mechanism at all. So the tests show the SASL exchange reaching the broker
-over TLS and its refusal reported in one line; the success path is aiokafka's own SCRAM code.
+broker installable here) creates SCRAM users through the broker (``tansu user create``), which
+refuses that request before a login while ``--authentication`` is on; without it the broker
+takes the user but offers no SASL mechanism at all. Users stay in the broker process's memory
+(its S3 storage keeps topics only), so no second broker can pick them up. So the tests show the
+SASL exchange reaching the broker over TLS and its refusal reported in one line; the success
+path is aiokafka's own SCRAM code.
 """
 
 from __future__ import annotations

@@ -333,3 +333,21 @@ async def test_a_checkpoint_reply_lists_what_changed_and_the_client_composes_eve
     fourth = await trainer.checkpoint("run", controller_epoch=other.controller_epochs["run"])
     assert "staging_keys_added" not in fourth.raw
     assert sorted(fourth.staging_keys or ()) == ["stage-a-c1", "stage-c-c1"]
+
+
+async def test_a_forks_reply_lists_the_staging_keys_of_its_checkpoint_1(
+    api: Api, trainer: AsyncTrainerClient
+) -> None:
+    """As a checkpoint's reply lists its keys: the fork's first checkpoint references the
+    source's keys of the episodes forked (unrenamed), and the fork's next checkpoint lists the
+    same while nothing changed."""
+    from tests.api.test_forks import SOURCE, build_source
+
+    await build_source(api)
+    forked = await trainer.fork_run("fork-1", SOURCE, exclude=["again"])
+    assert sorted(forked["staging_keys"]) == ["stage-live-c1", "stage-live-c3"]
+    none = await trainer.fork_run("fork-2", SOURCE, episodes=["again", "other"])
+    assert none["staging_keys"] == []
+    await trainer.take_over("fork-1")
+    first = await trainer.checkpoint("fork-1")
+    assert sorted(first.staging_keys or ()) == sorted(forked["staging_keys"])

@@ -1,6 +1,7 @@
 """The dashboard with a token scoped to some runs, in a real browser against a real server: the
-runs page lists the token's runs only, a run of its scope opens as with any token, and a run out
-of it shows the refusal and what to do (no page error, no request off the service)."""
+runs page lists the token's runs only, a run of its scope opens as with any token, a fork of a run
+out of it does not name its source (no link either), and a run out of it shows the refusal and
+what to do (no page error, no request off the service)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from tests.api.test_auth import SCOPED, scoped_server
 from tests.api.test_e2e import Server
 
 INSIDE, OUTSIDE = "exp-shown", "other-hidden"
+#: A fork of ``OUTSIDE`` in the token's scope.
+FORK = "exp-fork-of-hidden"
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,14 @@ def scoped(chromium: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             client.post(
                 f"/v1/runs/{run}/events", json=events, headers=bearer("participant")
             ).raise_for_status()
+        epoch = client.post(f"/v1/runs/{OUTSIDE}/controller", headers=bearer("admin")).json()
+        client.post(
+            f"/v1/runs/{OUTSIDE}/checkpoints", json=epoch, headers=bearer("admin")
+        ).raise_for_status()
+        forked = client.post(
+            "/v1/runs", json={"run": FORK, "fork": {"run": OUTSIDE}}, headers=bearer("trainer")
+        )
+        assert forked.status_code == 201, forked.text
         yield server
 
 
@@ -69,8 +80,28 @@ async def test_a_scoped_token_sees_its_runs_and_is_told_about_the_others(
             page.on("response", on_response)
             await page.goto(f"{scoped.url}/ui")
             await page.wait_for_selector(f'tr[data-run="{INSIDE}"]')
-            assert await page.locator("tr[data-run]").count() == 1
+            rows = await page.locator("tr[data-run]").evaluate_all(
+                "rows => rows.map(r => r.dataset.run)"
+            )
+            assert sorted(rows) == [FORK, INSIDE]
             assert await page.locator(f'tr[data-run="{OUTSIDE}"]').count() == 0
+            origin = await page.inner_text(f'tr[data-run="{FORK}"] [data-field="forked_from"]')
+            assert origin == "checkpoint 1 of a run out of this token's scope", origin
+            await page.wait_for_load_state("networkidle")
+            await page.click(f'tr[data-run="{FORK}"] a')
+            await page.wait_for_url(f"**/ui/runs/{FORK}")
+            await page.wait_for_selector("tr[data-checkpoint]")
+            lineage = page.locator("[data-testid=lineage]")
+            text = await lineage.inner_text()
+            assert text.startswith("Forked from a run out of this token's scope at checkpoint 1"), (
+                text
+            )
+            assert await lineage.locator("a").count() == 0
+            assert OUTSIDE not in await page.content()
+            assert "null" not in text
+            await page.wait_for_load_state("networkidle")
+            await page.goto(f"{scoped.url}/ui")
+            await page.wait_for_selector(f'tr[data-run="{INSIDE}"]')
             await page.click(f'tr[data-run="{INSIDE}"] a')
             await page.wait_for_url(f"**/ui/runs/{INSIDE}")
             await page.wait_for_selector("tr[data-participant]")

@@ -126,11 +126,18 @@ def runs_create(client: TrainerClient, run: str, partitions: int | None, as_json
 
 
 def _lineage(found: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """``forked from SOURCE@CHECKPOINT`` and one ``fork`` row per fork of the run."""
+    """``forked from SOURCE@CHECKPOINT`` (the checkpoint alone when the token holds no role
+    on the source, whose name the service then leaves out) and one ``fork`` row per fork."""
     rows: list[tuple[str, Any]] = []
     origin = found.get("forked_from")
     if origin:
-        rows.append(("forked from", f"{origin['run']}@{origin['checkpoint_id']}"))
+        source = origin["run"]
+        shown = (
+            f"{source}@{origin['checkpoint_id']}"
+            if source is not None
+            else f"checkpoint {origin['checkpoint_id']} of a run out of this token's scope"
+        )
+        rows.append(("forked from", shown))
     for fork in found.get("forks") or ():
         rows.append(("fork", f"{fork['run']} (from checkpoint {fork['checkpoint_id']})"))
     return rows

@@ -5,6 +5,9 @@
 
 const REFRESH_MS = 3000;
 const PAGE = 100;
+// What a fork's source is called when the service leaves its name out (the token holds no role
+// on it).
+const HIDDEN_SOURCE = "a run out of this token's scope";
 
 // -- the page -----------------------------------------------------------------------------------
 
@@ -121,7 +124,7 @@ function runsView() {
           depth ? el("span", { class: "muted" }, "↳ ") : "",
           el("a", { href: `/ui/runs/${enc(r.run)}` }, r.run),
           origin ? el("span", { class: "muted" }, " forked from ",
-            field("forked_from", `${origin.run}@${origin.checkpoint_id}`)) : "")),
+            field("forked_from", forkedFrom(origin))) : "")),
         td(health),
         td(field("live_episodes", fmt.n(r.counts.live_episodes)), { class: "num" }),
         td(field("episodes", fmt.n(r.counts.episodes)), { class: "num" }),
@@ -158,12 +161,21 @@ function forkTree(runs) {
   return out;
 }
 
+// A fork's source as SOURCE@CHECKPOINT; the service leaves the name out (null) to a token that
+// holds no role on the source.
+function forkedFrom(origin) {
+  return origin.run === null ? `checkpoint ${origin.checkpoint_id} of ${HIDDEN_SOURCE}`
+    : `${origin.run}@${origin.checkpoint_id}`;
+}
+
 function lineage(run, info) {
   const parts = [];
   const origin = info.forked_from;
   if (origin) {
     parts.push(el("p", {}, "Forked from ",
-      el("a", { href: `/ui/runs/${enc(origin.run)}`, "data-field": "forked_from" }, origin.run),
+      origin.run === null
+        ? el("span", { class: "muted", "data-field": "forked_from" }, HIDDEN_SOURCE)
+        : el("a", { href: `/ui/runs/${enc(origin.run)}`, "data-field": "forked_from" }, origin.run),
       ` at checkpoint ${origin.checkpoint_id}`,
       origin.at ? el("span", { class: "muted" }, ` (${fmt.time(origin.at)})`) : ""));
   }
