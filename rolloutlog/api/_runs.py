@@ -39,7 +39,7 @@ from rolloutlog.api._service import Service
 from rolloutlog.api._tokens import RunScope
 from rolloutlog.api._views import episode_view, participant_view, run_view, tracked_view
 from rolloutlog.catalog import Episode, RunSummary
-from rolloutlog.errors import UnknownRun
+from rolloutlog.errors import RunExists, UnknownRun
 from rolloutlog.projections import RunHealthReport, summarize_health
 
 __all__ = ["router"]
@@ -107,8 +107,29 @@ async def create_run(request: Request, body: CreateRun) -> Response:
         existed = True
     except UnknownRun:
         existed = False
-    partitions = await service.coordinator.create_run(body.run, body.partitions)
+    try:
+        partitions = await service.coordinator.create_run(body.run, body.partitions)
+    except RunExists as e:
+        raise await _source_hidden(request, e) from e
     return json_response({"run": body.run, "partitions": partitions}, 200 if existed else 201)
+
+
+async def _source_hidden(request: Request, refusal: RunExists) -> RunExists:
+    """A name being forked is refused naming the fork's source only to a token that holds a
+    role on the source (as ``forked_from`` does)."""
+    existing = refusal.details.get("settings", {}).get("fork", {}).get("existing") or {}
+    source = existing.get("run")
+    if not refusal.details.get("being_forked") or source is None:
+        return refusal
+    if (await runs_known(request)).covers(source):
+        return refusal
+    return RunExists(
+        f"run {refusal.details.get('run')!r} is being created as a fork",
+        **{
+            **refusal.details,
+            "settings": {"fork": {"existing": {**existing, "run": None}, "requested": None}},
+        },
+    )
 
 
 @router.get("/v1/runs", summary="Runs with counts", response_model=RunList, dependencies=ANALYST)

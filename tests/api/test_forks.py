@@ -4,14 +4,16 @@ own restores, and never reads its source again (the source may go on, or be dele
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from rolloutlog.api import Tokens
 from tests import factories as f
 from tests._services import ROOT
-from tests.api.conftest import Api, open_api, settings_for
+from tests.api.conftest import TOKENS, Api, open_api, settings_for
 
 SOURCE, FORK = "src", "fork-1"
 
@@ -282,6 +284,37 @@ async def test_a_plain_run_under_a_name_being_forked_is_refused_run_exists(api: 
     assert code(await api.call("GET", f"/v1/runs/{FORK}", "analyst", 404)) == "unknown_run"
     created = await fork(api, expect=201, checkpoint_id=1)
     assert created["forked_from"]["checkpoint_id"] == 1
+
+
+async def test_a_name_being_forked_is_refused_without_the_source_to_a_token_out_of_its_scope(
+    tmp_path: Path,
+) -> None:
+    """The refusal of a plain run under a name being forked names the fork's source only to a
+    token that holds a role on it (as ``forked_from`` does)."""
+    scoped = "trainer-of-fork-runs-01"
+    tokens = {**TOKENS, "trainer": [TOKENS["trainer"], {"token": scoped, "runs": ["fork-*"]}]}
+    settings = settings_for(tmp_path / "data")
+    settings = dataclasses.replace(settings, tokens=Tokens.from_mapping(tokens, "test"))
+    async with open_api(settings) as api:
+        await build_source(api)
+        await api.service.catalog.claim_fork(
+            FORK,
+            source=SOURCE,
+            checkpoint_id=1,
+            partitions=4,
+            log_url=api.service.log.url,
+            request={"run": SOURCE, "checkpoint_id": 1, "episodes": None, "exclude": []},
+        )
+        for token, shown in ((scoped, None), (TOKENS["trainer"], SOURCE)):
+            response = await api.client.post(
+                "/v1/runs", json={"run": FORK}, headers={"Authorization": f"Bearer {token}"}
+            )
+            assert response.status_code == 409, response.text
+            error = response.json()["error"]
+            assert error["code"] == "run_exists"
+            assert error["details"]["being_forked"] is True
+            assert error["details"]["settings"]["fork"]["existing"]["run"] == shown
+            assert (SOURCE in error["message"]) is (shown is not None)
 
 
 async def test_a_forks_restore_continues_and_restarts_as_its_sources_would_for_the_same_reasons(
