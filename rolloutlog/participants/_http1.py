@@ -7,19 +7,24 @@ with httpx, a request of 200 events cost the participant ~1 ms of CPU, about 5 u
 an idle machine, more than the rest of the SDK's pipeline. This sends a prebuilt header block and the body in one write and parses the status line, the
 headers it needs (``content-length``, ``transfer-encoding: chunked``, ``connection: close``) and
 the body. Every connection problem is ``BackendUnavailable`` (retriable): the transport sends the
-same request again, which the log folds once (``seq``). A reused connection that the server
-closed while idle is reopened at once for the same request.
+same request again, which the log folds once (``seq``). A connection idle longer than
+``CLIENT_KEEPALIVE_S`` is closed rather than reused (the service closes idle ones after
+``SERVICE_KEEPALIVE_S``: one reused at that moment would be reset under the request), and a
+reused connection that ended or was reset before the first byte of the reply (the server
+closed it while idle) is reopened at once for the same request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 
 from rolloutlog.errors import BackendUnavailable
+from rolloutlog.wire import CLIENT_KEEPALIVE_S
 
 __all__ = ["Http1Connection", "direct_http_url"]
 
@@ -39,7 +44,7 @@ def direct_http_url(url: str) -> bool:
 
 
 class _Stale(Exception):
-    """A reused connection ended before the first byte of the reply."""
+    """A reused connection ended, or was reset, before the first byte of the reply."""
 
 
 class Http1Connection:
@@ -58,6 +63,8 @@ class Http1Connection:
         self._headers = ("\r\n".join(lines) + "\r\n").encode("latin-1")
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        #: When the connection's last reply was read (``time.monotonic``).
+        self._idle_since = 0.0
 
     async def post(self, path: str, body: bytes, content_type: str) -> tuple[int, bytes]:
         head = b"POST %b HTTP/1.1\r\n%bContent-Type: %b\r\nContent-Length: %d\r\n\r\n" % (
@@ -66,6 +73,8 @@ class Http1Connection:
             content_type.encode(),
             len(body),
         )
+        if self._writer is not None and time.monotonic() - self._idle_since > CLIENT_KEEPALIVE_S:
+            self.close()  # the service may be closing it right now
         while True:
             reused = self._writer is not None
             try:
@@ -102,20 +111,23 @@ class Http1Connection:
     async def _exchange(self, head: bytes, body: bytes) -> tuple[int, bytes]:
         reader, writer = self._reader, self._writer
         assert reader is not None and writer is not None
-        writer.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            writer.write(body)
-        await writer.drain()
+        try:
+            writer.write(head + body if len(body) < 65536 else head)
+            if len(body) >= 65536:
+                writer.write(body)
+            await writer.drain()
+            raw = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as e:
+            if not e.partial:
+                raise _Stale() from e
+            raise
+        except (ConnectionResetError, BrokenPipeError) as e:
+            raise _Stale() from e
         while True:
-            try:
-                raw = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError as e:
-                if not e.partial:
-                    raise _Stale() from e
-                raise
             status, fields = _parse_head(raw)
             if status >= 200:
                 break  # 1xx (never asked for) are skipped
+            raw = await reader.readuntil(b"\r\n\r\n")
         if fields.get("transfer-encoding", "").lower() == "chunked":
             content = await _read_chunked(reader)
         elif "content-length" in fields:
@@ -125,6 +137,7 @@ class Http1Connection:
             fields["connection"] = "close"
         if fields.get("connection", "").lower() == "close" or raw.startswith(b"HTTP/1.0"):
             self.close()
+        self._idle_since = time.monotonic()
         return status, content
 
     def close(self) -> None:

@@ -61,7 +61,7 @@ from rolloutlog.log import (
 )
 from rolloutlog.participants._encoding import check_built, encode_record_fast, encode_wire
 from rolloutlog.participants._http1 import Http1Connection, direct_http_url
-from rolloutlog.wire import NDJSON, service_urls
+from rolloutlog.wire import CLIENT_KEEPALIVE_S, NDJSON, service_urls
 
 __all__ = ["DEFAULT_DEADLINE_S", "FailureCallback", "HttpTransport", "KafkaTransport", "Transport"]
 
@@ -404,7 +404,11 @@ class _Rest:
         # One URL (a balancer, or the first of a ``ROLLOUTLOG_URL`` list the trainer shares).
         self.url = service_urls(url)[0]
         self.owns_client = client is None
-        self.client = client or httpx.AsyncClient(base_url=self.url, timeout=60.0)
+        self.client = client or httpx.AsyncClient(
+            base_url=self.url,
+            timeout=60.0,
+            limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S),
+        )
         self.prefix = "" if client is None or url is None else self.url
         token = token if token is not None else os.environ.get("ROLLOUTLOG_TOKEN")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}

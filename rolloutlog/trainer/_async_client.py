@@ -39,7 +39,7 @@ from rolloutlog.trainer._types import (
     RestoreInfo,
     error_from_response,
 )
-from rolloutlog.wire import NDJSON, NdjsonSplitter
+from rolloutlog.wire import CLIENT_KEEPALIVE_S, NDJSON, NdjsonSplitter
 
 __all__ = ["AsyncTrainerClient"]
 
@@ -60,7 +60,11 @@ class AsyncTrainerClient(Calls):
         self._owns_client = client is None
         base = self.url if self._urls is None else ""
         self.timeout_s = timeout_s
-        self._client = client or httpx.AsyncClient(base_url=base, timeout=timeout_s)
+        self._client = client or httpx.AsyncClient(
+            base_url=base,
+            timeout=timeout_s,
+            limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S),
+        )
 
     async def start(self) -> None:
         """Nothing to open (httpx connects lazily); here for the lifecycle's symmetry."""

@@ -46,7 +46,7 @@ from rolloutlog.trainer._types import (
     RestoreInfo,
     error_from_response,
 )
-from rolloutlog.wire import DEFAULT_URL, NDJSON, NdjsonSplitter
+from rolloutlog.wire import CLIENT_KEEPALIVE_S, DEFAULT_URL, NDJSON, NdjsonSplitter
 
 __all__ = ["DEFAULT_URL", "TrainerClient"]
 
@@ -67,7 +67,11 @@ class TrainerClient(Calls):
         self._owns_client = client is None
         base = self.url if self._urls is None else ""
         self.timeout_s = timeout_s
-        self._client = client or httpx.Client(base_url=base, timeout=timeout_s)
+        self._client = client or httpx.Client(
+            base_url=base,
+            timeout=timeout_s,
+            limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S),
+        )
 
     def close(self) -> None:
         if self._owns_client:

@@ -31,6 +31,7 @@ from typing import IO, Any
 import httpx
 import orjson
 
+from rolloutlog.wire import CLIENT_KEEPALIVE_S
 from tests._services import ROOT, free_port
 from tests.api.conftest import TOKENS
 
@@ -651,7 +652,11 @@ class Appends:
         self.run = run
         self.acked: list[Acked] = []
         self.refused: list[tuple[str, int, str]] = []
-        self.client = httpx.AsyncClient(timeout=30)
+        # Idle connections expire before the service closes them (``wire.CLIENT_KEEPALIVE_S``):
+        # an append between checkpoints that wait seconds would otherwise race that close.
+        self.client = httpx.AsyncClient(
+            timeout=30, limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S)
+        )
 
     async def post(self, replica: Service, events: list[dict[str, Any]]) -> bool:
         """Append ``events`` (all or none) through ``replica``; True when acknowledged."""

@@ -58,6 +58,7 @@ import httpx
 from rolloutlog.errors import RolloutlogError, UnknownRun
 from rolloutlog.log import open_log, partition_for
 from rolloutlog.trainer import AsyncTrainerClient
+from rolloutlog.wire import CLIENT_KEEPALIVE_S
 from tests import factories as f
 from tests.api.conftest import TOKENS, wire
 from tests.e2e._harness import (
@@ -233,7 +234,9 @@ class Workload:
 
     def __post_init__(self) -> None:
         self.appends = Appends(RUN)
-        self.http = httpx.AsyncClient(timeout=5)
+        self.http = httpx.AsyncClient(
+            timeout=5, limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S)
+        )
 
     @property
     def members(self) -> list[Replica]:

@@ -13,7 +13,7 @@ from rolloutlog.participants.sim import Gym
 from rolloutlog.trainer import AsyncTrainerClient
 from tests.api.conftest import TOKENS
 from tests.e2e._gym import Episodes, gym_for
-from tests.e2e._harness import Deployment, Puppet, Replicas, Service, kafka_log_url
+from tests.e2e._harness import Appends, Deployment, Puppet, Replicas, Service, kafka_log_url
 
 RUN = "crash"
 
@@ -67,6 +67,17 @@ async def service(deployment: Deployment, tmp_path: Path) -> AsyncIterator[Servi
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture
+async def appends() -> AsyncIterator[Appends]:
+    """Appends to ``RUN`` over HTTP; its client is closed however the test ends (one a failed
+    assertion left open was collected during a later test, whose warnings check failed)."""
+    made = Appends(RUN)
+    try:
+        yield made
+    finally:
+        await made.close()
 
 
 @pytest.fixture

@@ -58,12 +58,11 @@ async def wait_step_owned_by(appends: Appends, replicas: Replicas, name: str) ->
 
 @pytest.mark.timeout(120)
 async def test_a_killed_requesters_checkpoint_is_superseded(
-    three: Replicas, deployment: Deployment
+    three: Replicas, deployment: Deployment, appends: Appends
 ) -> None:
     """The requester (also the owner of the wait step's partition, which holds its checkpoint
     pending for 30 s) is SIGKILLed: a trainer client given every URL gets the next checkpoint
     committed within the lease plus a few seconds: never the dead one's whole deadline."""
-    appends = Appends(RUN)
     async with trainers(three.members) as clients:
         await setup_run(three, clients, three.members)
         epoch = clients[three.members[0].url].controller_epochs[RUN]
@@ -88,18 +87,16 @@ async def test_a_killed_requesters_checkpoint_is_superseded(
         print(f"killed requester -> next checkpoint committed in {took_s:.2f} s")
         survivor = next(r for r in three.members if r is not victim)
         await assert_folded(clients[survivor.url], appends, deployment.log_url or "")
-    await appends.close()
 
 
 @pytest.mark.timeout(120)
 async def test_an_owner_paused_past_its_lease_is_taken_over_within_the_deadline(
-    three: Replicas, deployment: Deployment
+    three: Replicas, deployment: Deployment, appends: Appends
 ) -> None:
     """r3 is SIGSTOPped for 8.1 s just before a checkpoint (deadline 8 s) is asked of r1: its
     partitions' markers wait for their new owners, whose projectors start afresh, meet them
     caught up and write their parts; the checkpoint commits within its deadline."""
     r1, r2, r3 = three.members
-    appends = Appends(RUN)
     async with trainers(three.members) as clients:
         await setup_run(three, clients, three.members)
         for index in range(9):
@@ -133,14 +130,14 @@ async def test_an_owner_paused_past_its_lease_is_taken_over_within_the_deadline(
         assert "r3" not in {owner for owner, _ in parts.values()}, parts
         print(f"owner paused -> checkpoint committed in {took_s:.2f} s (deadline 8 s)")
         await assert_folded(clients[r2.url], appends, deployment.log_url or "")
-    await appends.close()
 
 
 @pytest.mark.timeout(120)
-async def test_a_controller_race_answers_commits_or_stale_controller(three: Replicas) -> None:
+async def test_a_controller_race_answers_commits_or_stale_controller(
+    three: Replicas, appends: Appends
+) -> None:
     """Two trainers, each given every URL, take the controller over and ask for a checkpoint
     in turn as fast as they can: each answer is a commit or ``409 stale_controller``."""
-    appends = Appends(RUN)
     async with trainers(three.members) as clients:
         await setup_run(three, clients, three.members)
         for index in range(6):
@@ -169,18 +166,16 @@ async def test_a_controller_race_answers_commits_or_stale_controller(three: Repl
         assert "committed" in outcomes, outcomes
         assert time.monotonic() - started < 8 * (1.5 + 10)
         print("controller race:", outcomes)
-    await appends.close()
 
 
 @pytest.mark.timeout(150)
 async def test_a_client_with_every_url_keeps_checkpointing_through_a_kill(
-    three: Replicas, deployment: Deployment
+    three: Replicas, deployment: Deployment, appends: Appends
 ) -> None:
     """A trainer given the three URLs checkpoints every 0.5 s (deadline 8 s); r2 is SIGKILLed
     and restarted under its id: every call commits, none takes longer than its deadline plus
     the grace, and the ids only grow."""
     r1, r2, r3 = three.members
-    appends = Appends(RUN)
     async with trainers(three.members) as clients:
         await setup_run(three, clients, three.members)
         epoch = clients[r1.url].controller_epochs[RUN]
@@ -213,4 +208,3 @@ async def test_a_client_with_every_url_keeps_checkpointing_through_a_kill(
         assert longest < 8 + 10, longest
         print(f"{len(ids)} checkpoints through a kill and a restart; longest {longest:.2f} s")
         await assert_folded(clients[r3.url], appends, deployment.log_url or "")
-    await appends.close()

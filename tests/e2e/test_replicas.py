@@ -136,11 +136,12 @@ async def assert_folded(
 # -- the tests ----------------------------------------------------------------------------------
 
 
-async def test_three_replicas_serve_every_route(three: Replicas, deployment: Deployment) -> None:
+async def test_three_replicas_serve_every_route(
+    three: Replicas, deployment: Deployment, appends: Appends
+) -> None:
     """Appends through all three; a checkpoint requested from r1 has a part per partition, each
     by its owner; a restore requested from r2 commits; r3 serves its projections."""
     r1, r2, r3 = three.members
-    appends = Appends(RUN)
     async with trainers(three.members) as clients:
         leases = await setup_run(three, clients, three.members)
         assert {owner for owner, _ in leases.values()} == {"r1", "r2", "r3"}
@@ -179,15 +180,15 @@ async def test_three_replicas_serve_every_route(three: Replicas, deployment: Dep
             await appends.ok(three.members[index % 3], wire(event))
         await assert_folded(clients[r3.url], appends, deployment.log_url or "")
     assert not appends.refused
-    await appends.close()
 
 
-async def test_sigkill_mid_checkpoint(three: Replicas, deployment: Deployment) -> None:
+async def test_sigkill_mid_checkpoint(
+    three: Replicas, deployment: Deployment, appends: Appends
+) -> None:
     """The replica that requested a checkpoint, and owns the partition a wait step holds it
     pending in, is SIGKILLed: its partitions are owned again within the lease; the checkpoint
     commits whole or ends uncommitted (never partial, never ``latest``); the next one, from
     another replica, commits with parts by the survivors only."""
-    appends = Appends(RUN)
     async with trainers(three.members) as clients:
         leases = await setup_run(three, clients, three.members)
         for index in range(6):
@@ -223,15 +224,15 @@ async def test_sigkill_mid_checkpoint(three: Replicas, deployment: Deployment) -
         last = await assert_folded(clients[survivors[1].url], appends, deployment.log_url or "")
         parts = (await three.catalog.checkpoint(RUN, last.checkpoint_id))["parts"]
         assert parts == await three.catalog.leases(RUN)  # by the survivors, at their generations
-    await appends.close()
 
 
-async def test_sigkill_mid_restore(three: Replicas, deployment: Deployment) -> None:
+async def test_sigkill_mid_restore(
+    three: Replicas, deployment: Deployment, appends: Appends
+) -> None:
     """The replica that took a restore is SIGKILLed while the other owners' plan parts wait on
     the catalog (held by the test): the request never commits (aborted past its deadline by a
     survivor); a restore requested again from another replica commits, and a third serves it."""
     r1, r2, r3 = three.members
-    appends = Appends(RUN)
     async with trainers(three.members) as clients:
         await setup_run(three, clients, three.members)
         for index in range(9):
@@ -292,10 +293,11 @@ async def test_sigkill_mid_restore(three: Replicas, deployment: Deployment) -> N
             assert projection["capture_key"] == f"{episode}-a{attempts[episode]}"
             assert projection["boundaries"]["environment"]["stage"] == "seed"
         await assert_folded(clients[r3.url], appends, deployment.log_url or "")
-    await appends.close()
 
 
-async def test_sigstop_zombie_is_fenced(three: Replicas, deployment: Deployment) -> None:
+async def test_sigstop_zombie_is_fenced(
+    three: Replicas, deployment: Deployment, appends: Appends
+) -> None:
     """r3 is SIGSTOPped in the middle of writing its part of a checkpoint (the test holds the
     run's catalog row, so r3's transaction is provably open), and its partitions move to r1 and
     r2 at new generations. SIGCONT: r3's write goes on and is refused (``LeaseLost``, in its
@@ -303,7 +305,6 @@ async def test_sigstop_zombie_is_fenced(three: Replicas, deployment: Deployment)
     not at all; r3 rejoins at new generations and the next checkpoint commits with its parts."""
     r1, r2, r3 = three.members
     catalog = three.catalog
-    appends = Appends(RUN)
     async with trainers(three.members) as clients:
         before = await setup_run(three, clients, three.members)
         for index in range(6):
@@ -372,7 +373,6 @@ async def test_sigstop_zombie_is_fenced(three: Replicas, deployment: Deployment)
         last = await assert_folded(clients[r3.url], appends, deployment.log_url or "")
         parts = (await catalog.checkpoint(RUN, last.checkpoint_id))["parts"]
         assert parts == back, (parts, back)
-    await appends.close()
 
 
 class ReplicaGym(Gym):
@@ -442,13 +442,14 @@ async def test_gym_on_two_replicas_one_killed_mid_run(
         replicas.stop()
 
 
-async def test_one_replica_without_replica_flags(deployment: Deployment, tmp_path: Path) -> None:
+async def test_one_replica_without_replica_flags(
+    deployment: Deployment, tmp_path: Path, appends: Appends
+) -> None:
     """``serve --log kafka://… --catalog postgresql…`` with no replica flag is one replica named
     ``<hostname>:<port>`` that owns every partition; SIGKILLed and restarted on its port, it
     takes its partitions back at once (a new generation, no lease to wait out)."""
     service = Service(deployment, tmp_path)
     await service.start()
-    appends = Appends(RUN)
     catalog = CatalogView(deployment.catalog_url or "")
     try:
         async with trainers([service]) as clients:
@@ -477,4 +478,3 @@ async def test_one_replica_without_replica_flags(deployment: Deployment, tmp_pat
             assert time.monotonic() - ready < 6.0
     finally:
         service.stop()
-        await appends.close()

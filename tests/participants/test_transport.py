@@ -23,6 +23,7 @@ from rolloutlog.participants import (
 from rolloutlog.participants._http1 import Http1Connection, direct_http_url
 from rolloutlog.participants._transport import _Pending
 from rolloutlog.trainer import AsyncTrainerClient
+from rolloutlog.wire import SERVICE_KEEPALIVE_S
 from tests._services import free_port
 from tests.api.conftest import TOKENS
 from tests.api.test_e2e import Server, running_server
@@ -239,14 +240,18 @@ async def test_an_invalid_event_fails_alone(world: World) -> None:
 
 class Relay:
     """A TCP relay in front of a real server that can cut its client connections (as a server
-    closing idle keep-alive connections does) or swallow the next reply after the server
-    handled the request (a reply lost on the way)."""
+    closing idle keep-alive connections does), swallow the next reply after the server handled
+    the request (a reply lost on the way), or reset a connection whose next request arrives
+    ``idle_reset_s`` or more after its last reply, unanswered (a server closing an idle
+    connection just as a request arrives on it)."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.connections = 0
         self.posts = 0
         self.lose_reply = False
+        self.idle_reset_s: float | None = None
+        self.resets = 0
         self.clients: list[asyncio.StreamWriter] = []
         self.upstreams: list[asyncio.StreamWriter] = []
         self.handlers: list[asyncio.Task[None]] = []
@@ -276,9 +281,20 @@ class Relay:
         self.handlers.append(asyncio.current_task())  # type: ignore[arg-type]
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
         self.upstreams.append(up_writer)
+        loop = asyncio.get_running_loop()
+        replied: list[float] = []  # when the last reply went out
 
         async def upstream() -> None:
             while data := await reader.read(65536):
+                idle_reset_s = self.idle_reset_s
+                if (
+                    idle_reset_s is not None
+                    and replied
+                    and loop.time() - replied[0] >= idle_reset_s
+                ):
+                    self.resets += 1
+                    writer.transport.abort()
+                    break
                 self.posts += data.count(b"POST /v1/runs/")
                 up_writer.write(data)
             up_writer.close()
@@ -291,6 +307,7 @@ class Relay:
                     break
                 writer.write(data)
                 await writer.drain()
+                replied[:] = [loop.time()]
         except OSError:
             pass
         finally:
@@ -353,6 +370,36 @@ async def test_the_lean_connection_reconnects_retries_and_reports_refusals(
         async with httpx.AsyncClient(base_url=server.url, headers=headers) as client:
             projection = (await client.get(path)).raise_for_status().json()
         assert [row["call_id"] for row in projection["ledger"]] == ["c1"]
+    await relay.stop()
+
+
+@pytest.mark.slow
+async def test_clients_let_idle_connections_go_before_the_service_closes_them(
+    server: Server,
+) -> None:
+    """The service closes a connection idle for ``SERVICE_KEEPALIVE_S``; a request that arrives
+    on it about then may be reset unanswered (here made certain: the relay resets a request
+    arriving in the last half second before the service would close the connection itself).
+    The trainer client, the SDK's REST calls and its event appends never reuse a connection
+    that old: nothing is reset, nothing retried."""
+    relay = Relay(server.port)
+    url = await relay.start()
+    trainer = AsyncTrainerClient(url, token=TOKENS["trainer"])
+    async with trainer, HttpTransport(url, token=TOKENS["participant"], backoff_s=0.01) as t:
+        assert t._events is not None  # the lean connection, not httpx
+        await trainer.create_run(RUN, partitions=2)
+        await trainer.take_over(RUN)
+        env = Environment(t, RUN, "env-0")
+        await env.register()
+        episode = await env.start_episode("e1", {"prompt": "p"})
+        await episode.boundary("seed", {"turn": 0})
+        relay.idle_reset_s = SERVICE_KEEPALIVE_S - 0.5
+        await asyncio.sleep(SERVICE_KEEPALIVE_S - 0.25)
+        checkpoint = await trainer.checkpoint(RUN)
+        await Environment(t, RUN, "env-1").register()
+        await episode.boundary("invoke_agent", {"turn": 1})
+        assert checkpoint.status == "committed"
+        assert relay.resets == 0 and t.stats.retries == 0
     await relay.stop()
 
 

@@ -170,6 +170,7 @@ def _serve(settings: Settings, listener: socket.socket) -> int:
     from rolloutlog.api._app import create_app
     from rolloutlog.api._logging import configure_logging, uvicorn_log_config
     from rolloutlog.api._protocol import http_protocol
+    from rolloutlog.wire import SERVICE_KEEPALIVE_S
 
     limit_arenas()  # before any thread of the service starts (rolloutlog/_malloc.py)
     fix_mmap_threshold()
@@ -195,6 +196,8 @@ def _serve(settings: Settings, listener: socket.socket) -> int:
         # uvicorn starts: a start-up failure is then one line on stderr, not a logged traceback.
         lifespan="off",
         server_header=False,
+        # The clients (``wire.CLIENT_KEEPALIVE_S``) let idle connections go before this.
+        timeout_keep_alive=SERVICE_KEEPALIVE_S,
     )
     server = uvicorn.Server(config)
     # An append allocates thousands of short-lived objects (envelopes, records, the projector's

@@ -19,6 +19,7 @@ import httpx
 from rolloutlog.errors import RolloutlogError, RunExists
 from rolloutlog.participants.sim._model import expected_reward
 from rolloutlog.trainer import AsyncTrainerClient, CheckpointInfo, ResumePlan, resume_run
+from rolloutlog.wire import CLIENT_KEEPALIVE_S
 
 __all__ = ["Collector", "CollectorReport", "Rollout"]
 
@@ -128,10 +129,9 @@ class Collector:
         self.env_urls = list(env_urls)
         self.concurrency = concurrency
         self.partitions = partitions
-        # expire idle connections before the service's uvicorn does (5 s), so no request
-        # races the server closing its end
+        # Idle connections expire before the service closes them (``wire.CLIENT_KEEPALIVE_S``).
         self._service_http = httpx.AsyncClient(
-            timeout=300.0, limits=httpx.Limits(keepalive_expiry=2.0)
+            timeout=300.0, limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S)
         )
         self.trainer = AsyncTrainerClient(service_url, token=token, client=self._service_http)
         self.http = httpx.AsyncClient(

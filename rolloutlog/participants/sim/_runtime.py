@@ -30,6 +30,7 @@ from rolloutlog.participants._asgi import (
 from rolloutlog.participants._participant import Participant, RolloutContext
 from rolloutlog.participants._restore import Restores
 from rolloutlog.participants._transport import HttpTransport, KafkaTransport, Transport
+from rolloutlog.wire import CLIENT_KEEPALIVE_S
 
 __all__ = [
     "RESTORE_HEADER",
@@ -210,10 +211,9 @@ class SimServer:
         #: another run's registers in that run when a request first names it).
         self.runs: dict[str, Participant] = {settings.run: self.participant}
         self._joining: dict[str, asyncio.Lock] = {}
-        # The service's uvicorn drops idle connections after 5 s, httpx after 5 s too: expire
-        # ours sooner so no request races the server closing its connection.
+        # Idle connections expire before the service closes them (``wire.CLIENT_KEEPALIVE_S``).
         self.service_client = httpx.AsyncClient(
-            timeout=60.0, limits=httpx.Limits(keepalive_expiry=2.0)
+            timeout=60.0, limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S)
         )
         self.restores = Restores(
             settings.service_url, token=settings.token, client=self.service_client
