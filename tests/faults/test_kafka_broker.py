@@ -304,12 +304,6 @@ async def test_reads_of_a_long_partition_reach_its_end_on_a_starved_broker(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1])
-@pytest.mark.xfail(
-    strict=False,
-    reason="known liveness bug, not fixed yet: on Tansu with the other core busy, one follower "
-    "of four can stall after the 8.1 s freeze at a stale end (no error, no restart) and not "
-    "reach the log's end within 20 s (1 of 3 full CI runs); replay with this seed",
-)
 async def test_follows_from_any_offset_reach_the_end_through_resets_and_a_frozen_reader(
     kafka: FaultyKafka, seed: int
 ) -> None:
