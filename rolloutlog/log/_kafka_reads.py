@@ -12,6 +12,12 @@ an error (``BackendUnavailable``, retriable). Growing the page for it instead, a
 grown page, is what used to kill followers under load: every transient empty answer doubled the
 page until it passed its limit ("no complete record batch in 67371008 bytes").
 
+For the same few milliseconds Tansu can answer with a batch but without the one below it (from
+1172: the batches at 1172 and 1180, not 1176). A run's topic is never compacted, so its offsets
+follow each other without gaps: ``parse_records`` stops at such a hole, the cursor hands over
+what came before it and asks again from the hole, as after an empty answer. Stepping over it,
+as over a compaction gap, lost the left-out records to the follower.
+
 Tansu also answers with nothing below the high-water mark when a Fetch's ``max_wait`` ran out
 before it found the batches: it lists a partition's batches for as long as the wait lasts. A
 cursor known to be behind the high-water mark therefore asks with a long wait
@@ -385,9 +391,11 @@ class KafkaReads:
                 )
             cursor.page_bytes = parsed.truncated
             return _AGAIN
-        return self._still_empty(
-            topic, cursor, now, f"no records below the high-water mark {answer.highwater}"
-        )
+        if parsed.hole >= 0:
+            why = f"the broker's answers leave out offsets {offset} to {parsed.hole - 1}"
+        else:
+            why = f"no records below the high-water mark {answer.highwater}"
+        return self._still_empty(topic, cursor, now, why)
 
     def _still_empty(self, topic: ReadTopic, cursor: _Cursor, now: float, why: str) -> int:
         """An answer without records that should have had some: wait and ask again, up to the

@@ -304,25 +304,38 @@ class Parsed(NamedTuple):
     #: Declared size of a batch the record set holds only the start of (0 when none): the
     #: broker cut it at the page size, so only a larger page can read it.
     truncated: int
+    #: Base offset of a batch past ``following`` that the record set holds after a hole (-1
+    #: when none): the broker left out the batch (or batches) at ``following``.
+    hole: int = -1
 
 
 def parse_records(data: bytes | None, offset: int, end: int) -> Parsed:
     """``(offset, value)`` of the records of a fetched record set with ``offset <= o < end``,
-    and the offset to fetch next (past whole batches: compaction gaps and control batches are
-    stepped over). A truncated last batch is left for the next fetch; when it is the only
-    batch, ``truncated`` says how large it is."""
+    and the offset to fetch next (past whole batches; control batches are stepped over). A
+    truncated last batch is left for the next fetch; when it is the only batch, ``truncated``
+    says how large it is.
+
+    A run's topic is never compacted, so its batches follow each other without gaps; a batch
+    that starts past where the read is (the first one past ``offset``, a later one past the end
+    of the one before) follows a batch the broker left out: Tansu, under concurrent appends,
+    lists a batch before the one below it for a few milliseconds. The records stop there and
+    ``following`` is the hole's start, to be asked for again."""
     records: list[tuple[int, bytes]] = []
     following = offset
     if not data:
-        return Parsed(records, following, 0)
+        return Parsed(records, following, 0, -1)
     batches = MemoryRecords(data)
     append = records.append
     whole = 0
+    hole = -1
     while batches.has_next():
         batch = batches.next_batch()
         if batch is None:
             break
         whole += 1
+        if batch.base_offset > following:
+            hole = batch.base_offset
+            break
         if not batch.validate_crc():
             raise LogError(f"corrupt record batch at offset {batch.base_offset}")
         if not batch.is_control_batch:
@@ -344,4 +357,4 @@ def parse_records(data: bytes | None, offset: int, end: int) -> Parsed:
     if whole == 0 and len(data) >= _BATCH_LENGTH.size:
         # base offset (int64) then the length of the rest of the batch (int32)
         truncated = _BATCH_LENGTH.unpack_from(data)[1] + _BATCH_LENGTH.size
-    return Parsed(records, following, truncated)
+    return Parsed(records, following, truncated, hole)
