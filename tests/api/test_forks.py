@@ -263,9 +263,10 @@ async def test_a_fork_of_chosen_episodes_and_what_it_refuses(api: Api) -> None:
     assert sorted(r["run"] for r in listed) == [FORK, "fork-3", SOURCE]
 
 
-async def test_a_plain_run_under_a_name_being_forked_is_refused_run_exists(api: Api) -> None:
+async def source_with_an_unfinished_fork(api: Api) -> None:
+    """``build_source`` and a fork's first step (its claim), left as a fork whose service died
+    before its commit leaves it."""
     await build_source(api)
-    # A fork's first step, left as a fork whose service died before its commit leaves it.
     await api.service.catalog.claim_fork(
         FORK,
         source=SOURCE,
@@ -274,6 +275,10 @@ async def test_a_plain_run_under_a_name_being_forked_is_refused_run_exists(api: 
         log_url=api.service.log.url,
         request={"run": SOURCE, "checkpoint_id": 1, "episodes": None, "exclude": []},
     )
+
+
+async def test_a_plain_run_under_a_name_being_forked_is_refused_run_exists(api: Api) -> None:
+    await source_with_an_unfinished_fork(api)
     for body in ({"run": FORK}, {"run": FORK, "partitions": 4}):
         response = await api.call("POST", "/v1/runs", "trainer", 409, json=body)
         assert code(response) == "run_exists"
@@ -296,15 +301,7 @@ async def test_a_name_being_forked_is_refused_without_the_source_to_a_token_out_
     settings = settings_for(tmp_path / "data")
     settings = dataclasses.replace(settings, tokens=Tokens.from_mapping(tokens, "test"))
     async with open_api(settings) as api:
-        await build_source(api)
-        await api.service.catalog.claim_fork(
-            FORK,
-            source=SOURCE,
-            checkpoint_id=1,
-            partitions=4,
-            log_url=api.service.log.url,
-            request={"run": SOURCE, "checkpoint_id": 1, "episodes": None, "exclude": []},
-        )
+        await source_with_an_unfinished_fork(api)
         for token, shown in ((scoped, None), (TOKENS["trainer"], SOURCE)):
             response = await api.client.post(
                 "/v1/runs", json={"run": FORK}, headers={"Authorization": f"Bearer {token}"}
