@@ -347,7 +347,14 @@ SURFACES: dict[str, list[str]] = {
         "error_from_body",
         "error_from_wire",
     ],
-    "rolloutlog.wire": ["DEFAULT_URL", "NDJSON", "NdjsonSplitter", "service_urls"],
+    "rolloutlog.wire": [
+        "CLIENT_KEEPALIVE_S",
+        "DEFAULT_URL",
+        "NDJSON",
+        "NdjsonSplitter",
+        "SERVICE_KEEPALIVE_S",
+        "service_urls",
+    ],
     "rolloutlog.integrations.nemo_gym": [
         "CAPTURE_KEY_COOKIE",
         "RESTORE_COOKIE",
