@@ -5,6 +5,7 @@ attached, without the launcher."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -101,10 +102,10 @@ async def test_stock_ng_run_serves_the_servers_with_rolloutlog_attached(tmp_path
     finally:
         if ng_run is not None:
             ng_run.send_signal(signal.SIGINT)  # ng_run stops its servers and its Ray cluster
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 await asyncio.to_thread(ng_run.wait, 60)
-            except subprocess.TimeoutExpired:
-                kill_group(ng_run.pid)
-                ng_run.wait()
+            # Its servers' shells outlive it in its process group: they go with the group.
+            kill_group(ng_run.pid)
+            ng_run.wait()
         backend.stop()
         service.stop()
