@@ -232,13 +232,7 @@ def plan_restore(
         if tracker is not None:
             reason = tracker.pinned_state().verdict()
             if reason is None:
-                episodes.append(
-                    PlannedEpisode(
-                        RestoreEntry(episode, previous, previous + 1, "continue"),
-                        entry.cut_offset,
-                        from_pin=True,
-                    )
-                )
+                episodes.append(_continue(episode, previous, entry.cut_offset, from_pin=True))
             else:
                 episodes.append(_restart(episode, previous, reason))
             continue
@@ -251,13 +245,7 @@ def plan_restore(
                 projection, reason = apply_policy(projection, policy_version, max_policy_lag)
         if reason is None and projection is not None:
             kept[episode] = projection
-            episodes.append(
-                PlannedEpisode(
-                    RestoreEntry(episode, previous, previous + 1, "continue"),
-                    entry.cut_offset,
-                    projection=projection,
-                )
-            )
+            episodes.append(_continue(episode, previous, entry.cut_offset, projection=projection))
         else:
             episodes.append(_restart(episode, previous, reason))
     after_markers = begun_after_reason(checkpoint_id)
@@ -268,6 +256,20 @@ def plan_restore(
         else:
             episodes.append(_restart(episode, previous, after_markers))
     return plan
+
+
+def _continue(
+    episode: str,
+    previous: int,
+    cut: int,
+    *,
+    projection: EpisodeProjection | None = None,
+    from_pin: bool = False,
+) -> PlannedEpisode:
+    """``episode`` continues from ``cut`` as its next attempt: from its replayed
+    ``projection``, or from its pinned tracker (``from_pin``)."""
+    entry = RestoreEntry(episode, previous, previous + 1, "continue")
+    return PlannedEpisode(entry, cut, projection=projection, from_pin=from_pin)
 
 
 def _excluded(episode: str, previous: int) -> PlannedEpisode:
