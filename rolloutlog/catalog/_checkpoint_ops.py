@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog.catalog import _manifests, _reads, _requesters
 from rolloutlog.catalog._checkpoint_commit import CheckpointParts, write_checkpoint_parts_rows
-from rolloutlog.catalog._schema import checkpoints, runs
+from rolloutlog.catalog._schema import checkpoints
 from rolloutlog.catalog._transactions import CatalogTransactions
 from rolloutlog.catalog._validate import (
     check_count,
@@ -26,7 +26,7 @@ from rolloutlog.catalog._values import (
     ManifestEntry,
     PartitionOffset,
 )
-from rolloutlog.catalog._writes import drop_checkpoint_parts, lock_run
+from rolloutlog.catalog._writes import drop_checkpoint_parts, lock_run, open_checkpoint
 from rolloutlog.errors import (
     CheckpointInProgress,
     CheckpointNotPending,
@@ -88,22 +88,17 @@ class CheckpointOperations(CatalogTransactions):
                     self._clock(),
                 )
             started_at = await _requesters.requester_incarnation(conn, requested_by)
-            await conn.execute(
-                update(runs).where(runs.c.run == run).values(last_checkpoint_id=checkpoint_id)
-            )
-            await conn.execute(
-                insert(checkpoints).values(
-                    run=run,
-                    checkpoint_id=checkpoint_id,
-                    status="pending",
-                    trigger=trigger,
-                    controller_epoch=controller_epoch,
-                    deadline_s=deadline_s,
-                    requested_at=self._clock(),
-                    requested_by=requested_by or None,
-                    requester_started_at=started_at,
-                    request_id=request_id,
-                )
+            await open_checkpoint(
+                conn,
+                run,
+                checkpoint_id,
+                trigger=trigger,
+                controller_epoch=controller_epoch,
+                deadline_s=deadline_s,
+                requested_at=self._clock(),
+                requested_by=requested_by or None,
+                requester_started_at=started_at,
+                request_id=request_id,
             )
             return checkpoint_id
 

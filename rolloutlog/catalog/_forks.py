@@ -32,9 +32,9 @@ from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._checkpoint_commit import CheckpointParts, write_checkpoint_parts_rows
 from rolloutlog.catalog._reads import run_from_row
 from rolloutlog.catalog._requesters import requester_gone, requester_incarnation
-from rolloutlog.catalog._schema import RUN_VISIBLE, checkpoints, episodes, participants, runs
+from rolloutlog.catalog._schema import RUN_VISIBLE, episodes, participants, runs
 from rolloutlog.catalog._values import ManifestEntry, PartitionOffset, Restore, Run
-from rolloutlog.catalog._writes import delete_run_rows, lock_run
+from rolloutlog.catalog._writes import delete_run_rows, lock_run, open_checkpoint
 from rolloutlog.errors import BackendUnavailable, InvalidRequest, RunExists, UnknownRun
 
 __all__ = [
@@ -224,18 +224,8 @@ async def commit(
         raise InvalidRequest(f"run {run!r} is no fork being created", run=run)
     await _check_holder(conn, run, row, claimed_by)
     source = row.forked_from_run
-    await conn.execute(
-        update(runs).where(runs.c.run == run).values(last_checkpoint_id=FORK_CHECKPOINT_ID)
-    )
-    await conn.execute(
-        insert(checkpoints).values(
-            run=run,
-            checkpoint_id=FORK_CHECKPOINT_ID,
-            status="pending",
-            trigger="fork",
-            controller_epoch=0,
-            requested_at=now,
-        )
+    await open_checkpoint(
+        conn, run, FORK_CHECKPOINT_ID, trigger="fork", controller_epoch=0, requested_at=now
     )
     await write_checkpoint_parts_rows(
         conn,

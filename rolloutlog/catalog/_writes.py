@@ -1,13 +1,13 @@
 """The run-row lock every fencing write takes first, retention, and the small writes beside the
-two commits (``_checkpoint_commit.py``, ``_restore_commit.py``): dropping an aborted
-checkpoint's parts, quarantined records, a run's deletion."""
+two commits (``_checkpoint_commit.py``, ``_restore_commit.py``): opening a checkpoint, dropping
+an aborted checkpoint's parts, quarantined records, a run's deletion."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import delete, select, text, tuple_, update
+from sqlalchemy import delete, insert, select, text, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rolloutlog.catalog import _reads
@@ -76,6 +76,19 @@ async def lock_run(conn: AsyncConnection, run: str, controller_epoch: int | None
                 current_epoch=current,
             )
     return row
+
+
+async def open_checkpoint(
+    conn: AsyncConnection, run: str, checkpoint_id: int, **values: Any
+) -> None:
+    """Make ``checkpoint_id`` the run's last checkpoint and insert its row, pending, with
+    ``values`` (``trigger``, ``controller_epoch``, ``requested_at``...)."""
+    await conn.execute(
+        update(runs).where(runs.c.run == run).values(last_checkpoint_id=checkpoint_id)
+    )
+    await conn.execute(
+        insert(checkpoints).values(run=run, checkpoint_id=checkpoint_id, status="pending", **values)
+    )
 
 
 async def pending_checkpoint(conn: AsyncConnection, run: str, checkpoint_id: int) -> Any:
