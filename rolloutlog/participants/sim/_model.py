@@ -135,6 +135,20 @@ def expected_answer(task: Mapping[str, Any]) -> str:
     return answer_of(expected_turns(task))
 
 
+def verdict(
+    task: Mapping[str, Any], response: Mapping[str, Any], counter: int | None
+) -> dict[str, Any]:
+    """A tool server's verify reply for ``response`` to ``task``: reward 1.0 when the answer is
+    ``expected_answer`` and the session's ``counter`` (None: a stateless server keeps none)
+    reached the task's rounds, else 0.0 (``expected_reward``)."""
+    answer_ok = response.get("answer") == expected_answer(task)
+    right = answer_ok and (counter is None or counter == int(task["rounds"]))
+    result: dict[str, Any] = {"reward": 1.0 if right else 0.0, "answer_ok": answer_ok}
+    if counter is not None:
+        result["counter"] = counter
+    return result
+
+
 def expected_reward(task: Mapping[str, Any]) -> float:
     """The reward a correctly run (or correctly restored) episode of ``task`` gets: 1.0. A wrong
     answer, or a counter that missed increments (state not restored), gets 0.0."""

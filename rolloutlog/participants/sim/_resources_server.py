@@ -23,7 +23,7 @@ from rolloutlog.errors import InvalidRequest
 from rolloutlog.participants._asgi import ResourcesMiddleware
 from rolloutlog.participants._participant import RolloutContext
 from rolloutlog.participants._sessions import Resources, SessionKey
-from rolloutlog.participants.sim._model import expected_answer
+from rolloutlog.participants.sim._model import verdict
 from rolloutlog.participants.sim._runtime import (
     RUN_HEADER,
     ServerSettings,
@@ -151,14 +151,9 @@ def resources_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
         delay = float(task.get("verify_delay_s") or settings.verify_delay_s)
         if delay:
             await asyncio.sleep(delay)
-        right = response.get("answer") == expected_answer(task)
-        result: dict[str, Any] = {"answer_ok": right}
-        if mode != "stateless":
-            counter = (await session(request, context))["counter"]
-            result["counter"] = counter
-            right = right and counter == int(task["rounds"])
+        counter = None if mode == "stateless" else (await session(request, context))["counter"]
         verifies.append((server.run_of(request), context.capture_key))
-        return {"reward": 1.0 if right else 0.0, **result}
+        return verdict(task, response, counter)
 
     @app.post("/close_session")
     async def close_session(request: Request) -> dict[str, Any]:
@@ -327,11 +322,9 @@ def _sandbox_server(settings: ServerSettings) -> tuple[SimServer, ASGIApp]:
         body = await request.json()
         task, response = body["task"], body["response"]
         await server.holds.park("in_verify", context.capture_key)
-        answer_ok = response.get("answer") == expected_answer(task)
         counter = await counter_of(request, context)
         verifies.append(context.capture_key)
-        right = answer_ok and counter == int(task["rounds"])
-        return {"reward": 1.0 if right else 0.0, "answer_ok": answer_ok, "counter": counter}
+        return verdict(task, response, counter)
 
     @app.post("/close_session")
     async def close_session(request: Request) -> dict[str, Any]:
