@@ -37,6 +37,7 @@ SURFACES: dict[str, list[str]] = {
     "rolloutlog.core": [
         "RestoreTransition",
         "BoundaryView",
+        "check_controller_epoch",
         "check_envelope",
         "record_holds",
         "envelope_holds",

@@ -29,7 +29,8 @@ from rolloutlog.catalog._schema import (
     runs,
 )
 from rolloutlog.catalog._values import QUARANTINE_FIRST_BYTES, QuarantinedRecord
-from rolloutlog.errors import CheckpointNotPending, StaleController, UnknownRun
+from rolloutlog.core import check_controller_epoch
+from rolloutlog.errors import CheckpointNotPending, UnknownRun
 
 # ``offset`` is an SQL keyword: quoted.
 _QUARANTINE = text(
@@ -60,21 +61,7 @@ async def lock_run(conn: AsyncConnection, run: str, controller_epoch: int | None
     if row is None:
         raise UnknownRun(f"no run {run!r}", run=run)
     if controller_epoch is not None:
-        current = int(row.controller_epoch)
-        if current == 0:
-            raise StaleController(
-                f"run {run!r} has no controller yet: take over the controller first",
-                run=run,
-                controller_epoch=controller_epoch,
-                current_epoch=current,
-            )
-        if controller_epoch != current:
-            raise StaleController(
-                f"controller epoch {controller_epoch} of run {run!r} is stale (current: {current})",
-                run=run,
-                controller_epoch=controller_epoch,
-                current_epoch=current,
-            )
+        check_controller_epoch(run, controller_epoch, int(row.controller_epoch))
     return row
 
 

@@ -50,6 +50,7 @@ from rolloutlog.core._events import (
     StepStarted,
     StepStartedData,
 )
+from rolloutlog.core._fencing import check_controller_epoch
 from rolloutlog.core._filters import EventFilters
 from rolloutlog.core._ids import (
     NAME_PATTERN,
@@ -186,6 +187,7 @@ __all__ = [
     "StepStarted",
     "StepStartedData",
     "capture_key",
+    "check_controller_epoch",
     "check_envelope",
     "record_holds",
     "compose_state",

@@ -18,8 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rolloutlog.catalog import Checkpoint, Restore, RestoreEntry, Run
-from rolloutlog.core import PlannedEpisode, RestorePolicy
-from rolloutlog.errors import StaleController
+from rolloutlog.core import PlannedEpisode, RestorePolicy, check_controller_epoch
 from rolloutlog.log import Record, attempt_started_record, partition_for
 from rolloutlog.projections._part_planner import PartPlanner, PlanPart, PlanRequest
 from rolloutlog.projections._projection_server import (
@@ -221,14 +220,7 @@ class Restorer:
     async def _fenced_run(self, run: str, controller_epoch: int) -> Run:
         """The run, if ``controller_epoch`` is its controller's (``StaleController``)."""
         info = await self.catalog.get_run(run)
-        if info.controller_epoch != controller_epoch:
-            raise StaleController(
-                f"controller epoch {controller_epoch} is stale; run {run!r} is at "
-                f"{info.controller_epoch}",
-                run=run,
-                controller_epoch=controller_epoch,
-                current=info.controller_epoch,
-            )
+        check_controller_epoch(run, controller_epoch, info.controller_epoch)
         return info
 
     async def _write_attempts(
