@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import os
@@ -10,7 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +150,43 @@ async def time_catch_up(log: Any, run: str, partitions: int, records: int) -> tu
 def log(message: str) -> None:
     """A line of a script's progress, with the time of day."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Until ``url``'s ``/readyz`` answers 200; ``RuntimeError`` if ``proc`` exits first or
+    ``timeout_s`` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"the service at {url} did not become ready")
+        time.sleep(0.1)
+
+
+async def append_in_chunks(
+    append: Callable[[str, list[Any]], Awaitable[Any]],
+    run: str,
+    episodes: Iterable[Sequence[Any]],
+    chunk_size: int,
+    window: int,
+) -> None:
+    """Append the episodes' events to ``run`` in chunks of about ``chunk_size`` events, with at
+    most ``window`` appends in flight."""
+    pending: list[asyncio.Future[Any]] = []
+    chunk: list[Any] = []
+    for events in episodes:
+        chunk.extend(events)
+        if len(chunk) >= chunk_size:
+            pending.append(asyncio.ensure_future(append(run, chunk)))
+            chunk = []
+        if len(pending) >= window:
+            await pending.pop(0)
+    if chunk:
+        pending.append(asyncio.ensure_future(append(run, chunk)))
+    await asyncio.gather(*pending)

@@ -38,8 +38,7 @@ import time
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any
 
-import httpx
-from _common import ROOT, kafka_broker, save, serve_command, summary
+from _common import ROOT, kafka_broker, save, serve_command, summary, wait_ready
 
 from rolloutlog.log import Position
 from rolloutlog.participants import Environment, HttpTransport, KafkaTransport, Transport
@@ -83,16 +82,7 @@ def server(log_url: str | None) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(0.1)
+        wait_ready(url, proc, 30)
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -4,13 +4,12 @@ folded from offset 0 by fresh projectors, without a service.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import time
 import uuid
 from typing import Any
 
-from _common import summary
+from _common import append_in_chunks, summary
 from suite_service import PARTITIONS
 from workloads import Workload
 
@@ -25,18 +24,7 @@ async def fold_rate(kafka: str, workload: Workload, runs: int) -> dict[str, Any]
     run = f"fold-{uuid.uuid4().hex[:6]}"
     async with open_log(f"kafka://{kafka}?topic_prefix=f{uuid.uuid4().hex[:8]}.") as log:
         await log.ensure_run(run, PARTITIONS)
-        pending: list[asyncio.Future[Any]] = []
-        chunk: list[dict[str, Any]] = []
-        for events in workload.episodes():
-            chunk.extend(events)
-            if len(chunk) >= 2000:
-                pending.append(asyncio.ensure_future(log.append(run, chunk)))
-                chunk = []
-            if len(pending) >= 8:
-                await pending.pop(0)
-        if chunk:
-            pending.append(asyncio.ensure_future(log.append(run, chunk)))
-        await asyncio.gather(*pending)
+        await append_in_chunks(log.append, run, workload.episodes(), chunk_size=2000, window=8)
         records = sum(await log.end_offsets(run))
         rates, seconds = [], []
         for _ in range(runs):

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-from _common import ROOT, serve_command
+from _common import ROOT, append_in_chunks, serve_command, wait_ready
 from workloads import Workload
 
 from rolloutlog.log import open_log
@@ -83,16 +82,7 @@ class Service:
                 stdout=subprocess.DEVNULL,
                 stderr=errors,
             )
-        deadline = time.monotonic() + 180  # a 64,000-episode catch-up on a busy machine
-        while True:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("the service did not become ready")
-            time.sleep(0.1)
+        wait_ready(self.url, self.proc, 180)  # a 64,000-episode catch-up on a busy machine
 
     @property
     def log_path(self) -> Path:
@@ -205,18 +195,7 @@ async def sdk_load(svc: Service, run: str, workload: Workload) -> tuple[list[lis
             for pid, kind in participants:
                 if pid.endswith(f"-{shard}"):
                     await t.register(run, pid, kind)
-            pending: list[asyncio.Future[Any]] = []
-            chunk: list[dict[str, Any]] = []
-            for events in mine:
-                chunk.extend(events)
-                if len(chunk) >= 400:
-                    pending.append(asyncio.ensure_future(t.append(run, chunk)))
-                    chunk = []
-                if len(pending) >= 8:
-                    await pending.pop(0)
-            if chunk:
-                pending.append(asyncio.ensure_future(t.append(run, chunk)))
-            await asyncio.gather(*pending)
+            await append_in_chunks(t.append, run, mine, chunk_size=400, window=8)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(shard, mine) for shard, mine in shards.items()))
@@ -238,18 +217,7 @@ async def bulk_preload(svc: Service, run: str, workload: Workload) -> tuple[floa
         open_log(url) as log,
         KafkaTransport(log, validate=False, max_batch=4096) as preload,
     ):
-        pending: list[asyncio.Future[Any]] = []
-        chunk: list[dict[str, Any]] = []
-        for events in workload.episodes():
-            chunk.extend(events)
-            if len(chunk) >= 4000:
-                pending.append(asyncio.ensure_future(preload.append(run, chunk)))
-                chunk = []
-            if len(pending) >= 4:
-                await pending.pop(0)
-        if chunk:
-            pending.append(asyncio.ensure_future(preload.append(run, chunk)))
-        await asyncio.gather(*pending)
+        await append_in_chunks(preload.append, run, workload.episodes(), chunk_size=4000, window=4)
     elapsed = time.perf_counter() - t0
     t0 = time.perf_counter()
     svc.start()
