@@ -110,19 +110,23 @@ async def create_run(request: Request, body: CreateRun) -> Response:
     try:
         partitions = await service.coordinator.create_run(body.run, body.partitions)
     except RunExists as e:
-        raise await _source_hidden(request, e) from e
+        hidden = await _source_hidden(request, e)
+        if hidden is None:
+            raise
+        raise hidden from e
     return json_response({"run": body.run, "partitions": partitions}, 200 if existed else 201)
 
 
-async def _source_hidden(request: Request, refusal: RunExists) -> RunExists:
+async def _source_hidden(request: Request, refusal: RunExists) -> RunExists | None:
     """A name being forked is refused naming the fork's source only to a token that holds a
-    role on the source (as ``forked_from`` does)."""
+    role on the source (as ``forked_from`` does): the refusal without it, or None to keep
+    ``refusal`` as it is."""
     existing = refusal.details.get("settings", {}).get("fork", {}).get("existing") or {}
     source = existing.get("run")
     if not refusal.details.get("being_forked") or source is None:
-        return refusal
+        return None
     if (await runs_known(request)).covers(source):
-        return refusal
+        return None
     return RunExists(
         f"run {refusal.details.get('run')!r} is being created as a fork",
         **{
