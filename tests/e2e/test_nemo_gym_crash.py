@@ -250,6 +250,15 @@ async def test_nemo_gym_rollouts_in_flight_survive_sigkill_of_every_process_grou
     kill_group(collector.pid)
     processes.kill()
     collector.wait()
+    # The parked call's client is gone: give the backend time to see its socket close (the
+    # call then ends where it was parked) before it is released, or it may stream on into the
+    # dead socket and log more tokens than the client ever read.
+    held = prompt("steps-cut")
+    for _ in range(100):  # 10 s at most
+        calls = backend.calls()[before:]
+        if any(c["prompt"] == held and c["turn"] == 1 and "generated" in c for c in calls):
+            break
+        await asyncio.sleep(0.1)
     await backend.release()  # the parked call answers a dead socket
     crashed = len(backend.calls())
     await processes.launch()
