@@ -2,11 +2,15 @@
 before HTTP (the part that follows the plan's commit).
 
 S1's or S2's episodes (``workloads``) are appended straight into an embedded log (no service),
-then ``replay_stream`` replays every episode at the log's end and each projection is encoded as
-the restore's cache keeps it (``ProjectionLine.of``), the lines held until the end as the cache
-holds them. Figures per workload: CPU seconds of this process (the log's reader threads
-included) and wall seconds, each the median of ``--runs`` builds, and the process's peak RSS so
-far (the workload's generation and the earlier workloads included).
+then every episode's projection at the log's end is built two ways and encoded as the restore's
+cache keeps it (``ProjectionLine.of``), the lines held until the end as the cache holds them:
+**replay** (``replay_stream``: the records read and folded again, what a restore does for the
+episodes its plan could not pin) and **compose** (``compose_stream``: read back from the
+positions the projector's trackers keep, what a restore of a checkpoint this service captured
+does; the trackers are folded beforehand, untimed, as the projector folds them). Both give the
+same lines (checked). Figures per workload and path: CPU seconds of this process (the log's
+reader threads included) and wall seconds, each the median of ``--runs`` builds, and the
+process's peak RSS so far (the workload's generation and the earlier workloads included).
 
 On a shared machine wall time mostly measures the neighbours; compare CPU figures of runs
 interleaved in the same window (e.g. this script from two checkouts, alternately).
@@ -28,10 +32,11 @@ import workloads
 from _common import save, summary
 
 from rolloutlog.catalog import ManifestEntry
-from rolloutlog.core._model import ProjectionLine
-from rolloutlog.log import open_log, partition_for
+from rolloutlog.core import Composition, ProjectionLine, composition_of
+from rolloutlog.log import open_log, partition_for, peek_record
 from rolloutlog.participants import KafkaTransport
-from rolloutlog.projections._replay import replay_stream
+from rolloutlog.projections._replay import Composable, compose_stream, replay_stream
+from rolloutlog.projections._tracker import EpisodeTracker
 
 PARTITIONS = 16
 RUN = "build"
@@ -57,23 +62,68 @@ async def measure(workload: workloads.Workload, runs: int) -> dict[str, Any]:
                 for name in names
                 for p in [partition_for(name, PARTITIONS)]
             ]
-            attempts = dict.fromkeys(names, 1)
-            cpu, wall, rss = [], [], []
-            for _ in range(runs):
-                gc.collect()
-                c0, t0 = time.process_time(), time.perf_counter()
-                lines = [
-                    ProjectionLine.of(projection)
-                    async for projection in replay_stream(
-                        log, RUN, manifest, {}, set(), continuing_attempts=attempts
-                    )
-                ]
-                wall.append(time.perf_counter() - t0)
-                cpu.append(time.process_time() - c0)
-                rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-                assert len(lines) == len(names), (len(lines), len(names))
-                del lines
-    return {"cpu_s": summary(cpu), "wall_s": summary(wall), "peak_rss_mb": max(rss)}
+            composables = await _composables(log, manifest, ends)
+            assert len(composables) == len(names)
+            figures: dict[str, Any] = {}
+            built: dict[str, list[bytes]] = {}
+            for path in ("replay", "compose"):
+                cpu, wall, rss = [], [], []
+                for _ in range(runs):
+                    gc.collect()
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    if path == "replay":
+                        stream = replay_stream(log, RUN, manifest, {}, set())
+                    else:
+                        stream = compose_stream(log, RUN, composables, _resolve, [])
+                    lines = [ProjectionLine.of(projection) async for projection in stream]
+                    wall.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
+                    rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                    assert len(lines) == len(names), (len(lines), len(names))
+                    built[path] = sorted(line.line for line in lines)
+                    del lines
+                figures[path] = {
+                    "cpu_s": summary(cpu),
+                    "wall_s": summary(wall),
+                    "peak_rss_mb": max(rss),
+                }
+            assert built["replay"] == built["compose"]
+    return figures
+
+
+async def _composables(
+    log: Any, manifest: list[ManifestEntry], ends: list[int]
+) -> list[Composable]:
+    """Every episode's tracker folded as the projector folds it, ready to compose."""
+    trackers: dict[str, EpisodeTracker] = {}
+    for entry in manifest:
+        trackers.setdefault(entry.episode, EpisodeTracker(entry.episode, entry.cut_partition))
+    for partition in range(PARTITIONS):
+        async for page in log.read_pages(RUN, partition, 0, ends[partition]):
+            for offset, record in page:
+                meta, start = peek_record(record)
+                trackers[meta["episode"]].observe(offset, meta, record, start)
+    out = []
+    for entry in manifest:
+        tracker = trackers[entry.episode]
+        composition = composition_of(tracker)
+        assert composition is not None
+        positions = composition.positions()
+        out.append(
+            Composable(
+                entry.episode,
+                entry.cut_partition,
+                entry.cut_offset,
+                positions,
+                tracker,
+                tracker.version,
+            )
+        )
+    return out
+
+
+def _resolve(item: Composable) -> Composition | None:
+    return composition_of(item.state)
 
 
 def main() -> None:
@@ -85,12 +135,14 @@ def main() -> None:
     made = {"S1": workloads.s1, "S2": workloads.s2}
     results: dict[str, Any] = {}
     for name in args.workloads.split(","):
-        results[name] = figures = asyncio.run(measure(made[name](), args.runs))
-        print(
-            f"{name}: cpu {figures['cpu_s']['median'] * 1e3:.0f} ms, wall "
-            f"{figures['wall_s']['median'] * 1e3:.0f} ms, peak RSS {figures['peak_rss_mb']:.0f} MB",
-            flush=True,
-        )
+        results[name] = paths = asyncio.run(measure(made[name](), args.runs))
+        for path, figures in paths.items():
+            print(
+                f"{name} {path}: cpu {figures['cpu_s']['median'] * 1e3:.0f} ms, wall "
+                f"{figures['wall_s']['median'] * 1e3:.0f} ms, peak RSS "
+                f"{figures['peak_rss_mb']:.0f} MB",
+                flush=True,
+            )
     print(f"saved {save(args.save_as, {'runs': args.runs, 'workloads': results})}")
 
 

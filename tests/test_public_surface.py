@@ -44,6 +44,8 @@ SURFACES: dict[str, list[str]] = {
         "wrong_record_field",
         "CUT_DISPOSITIONS",
         "EpisodeFold",
+        "Composition",
+        "composition_of",
         "EpisodeProjection",
         "EventFilters",
         "GenerationCut",

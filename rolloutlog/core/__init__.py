@@ -9,6 +9,7 @@ the service — can build on it, and it can be used and tested without any I/O l
 """
 
 from rolloutlog.core._check import check_envelope, envelope_holds, record_holds, wrong_record_field
+from rolloutlog.core._compose import Composition, composition_of
 from rolloutlog.core._cuts import (
     CUT_DISPOSITIONS,
     planned_cut_dispositions,
@@ -115,6 +116,8 @@ __all__ = [
     "BoundaryView",
     "CUT_DISPOSITIONS",
     "EpisodeFold",
+    "Composition",
+    "composition_of",
     "EpisodeProjection",
     "EventFilters",
     "GenerationCut",

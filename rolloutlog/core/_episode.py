@@ -46,8 +46,9 @@ _CONTINUE: CutDecision = ("continue", None, False)
 _WAIT: CutDecision = ("continue", None, True)
 _NOTHING_YET: CutDecision = ("restart", "the attempt has recorded nothing yet", False)
 
-#: A pending session change: (type, data, state's raw JSON when kept, state's size, writer).
-_SessionChange = tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]
+#: A pending session change: (type, data, state's raw JSON when kept, state's size, writer, its
+#: record's offset).
+_SessionChange = tuple[str, dict[str, Any], bytes | None, int, dict[str, Any], int]
 _NO_CALLS: frozenset[str] = frozenset()
 
 
@@ -71,6 +72,7 @@ class EpisodeFold(AttemptRules):
     __slots__ = (
         "_cut_staging",
         "_pending_ledger",
+        "_pending_ledger_offsets",
         "_pending_staging",
         "_state_at_pin",
         "_tail_chunks",
@@ -80,6 +82,7 @@ class EpisodeFold(AttemptRules):
         "episode",
         "events",
         "keep_payloads",
+        "ledger_offsets",
         "lineage",
         "pinned",
         "result",
@@ -87,6 +90,7 @@ class EpisodeFold(AttemptRules):
         "session_bytes",
         "sessions",
         "staging_keys",
+        "task_offset",
     )
 
     #: The fields that make the state (set below the class).
@@ -106,6 +110,8 @@ class EpisodeFold(AttemptRules):
         self.first_offset: int | None = None
         self.first_ts: float | None = None
         self.task: Opaque | None = None
+        #: The offset of the ``episode.started`` record the task is read from.
+        self.task_offset: int | None = None
         self.task_digest: str | None = None
         self.deadline_s: float | None = None
         self.boundaries: dict[str, BoundaryView] = {}
@@ -115,12 +121,17 @@ class EpisodeFold(AttemptRules):
         #: The stage of the environment's latest boundary.
         self.last_stage: str | None = None
         self.sessions: dict[str, SessionView] = {}
+        self.session_offsets = None
         #: Exports of ``checkpoint`` sessions (see ``SessionRules._export``; None until the first).
         self.exports = None
         #: A ``restart_only`` session is open in the committed prefix.
         self.restart_only_open = False
         #: Committed ledger rows (kept with payloads only, else None: ``lineage`` judges them).
         self.ledger: list[LedgerEntry] | None = [] if self.keep_payloads else None
+        #: The committed rows' record offsets, in ledger order (None until the first): with the
+        #: other positions kept here (``task_offset``, the boundaries' offsets,
+        #: ``session_offsets``, the tail's chunks'), what ``composition`` reads a projection from.
+        self.ledger_offsets: list[int] | None = None
         #: The committed rows' staging keys, in order, without repeats.
         self.staging_keys: list[str] = []
         self.lineage: Lineage | None = None if self.keep_payloads else Lineage()
@@ -146,6 +157,7 @@ class EpisodeFold(AttemptRules):
         # episode mostly waits with none, and each empty list was 56 bytes).
         self._pending_sessions: list[_SessionChange] | None = None
         self._pending_ledger: list[LedgerEntry] | None = [] if self.keep_payloads else None
+        self._pending_ledger_offsets: list[int] | None = None
         self._pending_staging: list[str] | None = None
         # (One list for every call rather than a list per call: a live episode's tail mostly
         # holds one call's chunks, and a dict of lists cost it ~190 bytes more.)
@@ -226,6 +238,10 @@ class EpisodeFold(AttemptRules):
                 self.open_waits.pop(data["owner"], None)
         elif kind == "ledger.row":
             self._ledger_row(data, record, start)
+            if self._pending_ledger_offsets is None:
+                self._pending_ledger_offsets = [offset]
+            else:
+                self._pending_ledger_offsets.append(offset)
         elif kind == "generation.chunk":
             call_id = intern(data["call_id"])
             parent = data.get("parent_call_id")
@@ -239,7 +255,7 @@ class EpisodeFold(AttemptRules):
                 data["policy_version"],
                 staging_key,
             )
-            chunk = (data["start"], tokens, bool(data.get("done")), facts, kept, call_id)
+            chunk = (data["start"], tokens, bool(data.get("done")), facts, kept, call_id, offset)
             tail = self._tail_chunks
             # Its call's only chunk so far? (The last chunk answers for a call's streamed
             # chunks; the others are looked through only when calls interleave.)
@@ -254,11 +270,11 @@ class EpisodeFold(AttemptRules):
             if kind == "session.state" and self.keep_payloads and start < len(record):
                 kept = record[start:] if start else record
             if kind == "session.state" and data.get("checkpoint_id") is not None:
-                self._export(data, kept, len(record) - start)
+                self._export(data, kept, len(record) - start, offset)
                 return
             if self.exports and data["session_id"] in self.exports:
                 self._export_changed(data["session_id"])
-            change = (kind, data, kept, len(record) - start, meta["participant"])
+            change = (kind, data, kept, len(record) - start, meta["participant"], offset)
             if self._pending_sessions is None:
                 self._pending_sessions = [change]
             else:
@@ -266,6 +282,7 @@ class EpisodeFold(AttemptRules):
         elif kind == "episode.started":
             self._commit(offset)
             self._task(data, record, start)
+            self.task_offset = offset
         elif kind == "episode.finished":
             self.finished = True
             self.finished_offset = offset
@@ -341,6 +358,13 @@ class EpisodeFold(AttemptRules):
         elif self._pending_ledger and self.ledger is not None:
             self.ledger.extend(self._pending_ledger)
             self._pending_ledger.clear()
+        pending_offsets = self._pending_ledger_offsets
+        if pending_offsets:
+            if self.ledger_offsets is None:
+                self.ledger_offsets = pending_offsets
+            else:
+                self.ledger_offsets.extend(pending_offsets)
+            self._pending_ledger_offsets = None
         if self._tail_chunks:
             self._tail_chunks.clear()
         self._tail_constrained = _NO_CALLS
@@ -355,6 +379,7 @@ class EpisodeFold(AttemptRules):
         if self._pending_ledger:
             self._pending_ledger.clear()
         self._pending_staging = None
+        self._pending_ledger_offsets = None
         if self.lineage is not None:
             self.lineage.drop_tail()
 

@@ -22,23 +22,36 @@ class SessionRules:
     ``checkpoint`` sessions' exports."""
 
     # Set by ``EpisodeFold._clear``; here as they are replaced here (None until the first).
-    __slots__ = ("_pending_sessions", "boundary_deltas", "exports", "restart_only_open")
+    __slots__ = (
+        "_pending_sessions",
+        "boundary_deltas",
+        "exports",
+        "restart_only_open",
+        "session_offsets",
+    )
     boundary_deltas: dict[str, tuple[bytes, ...]] | None
     exports: dict[str, tuple[int, bool, bool]] | None
+    #: Per open session with a recorded state, the offset of the record its state is read from
+    #: (None until the first): where a restore reads the state when it composes a projection
+    #: from the records (``EpisodeFold.composition``) rather than folding them again.
+    session_offsets: dict[str, int] | None
     boundaries: dict[str, BoundaryView]
     boundary_bytes: dict[str, int]
     sessions: dict[str, SessionView]
     session_bytes: dict[str, int]
     finished: bool
     restart_only_open: bool
-    _pending_sessions: list[tuple[str, dict[str, Any], bytes | None, int, dict[str, Any]]] | None
+    _pending_sessions: (
+        list[tuple[str, dict[str, Any], bytes | None, int, dict[str, Any], int]] | None
+    )
 
     def _commit_sessions(self) -> None:
         """A boundary commits the tail's session changes (the views, their sizes, and whether a
         ``restart_only`` session is open)."""
         sessions, sizes = self.sessions, self.session_bytes
+        offsets = self.session_offsets
         modes_changed = False
-        for kind, data, kept, size, who in self._pending_sessions or ():
+        for kind, data, kept, size, who, offset in self._pending_sessions or ():
             sid = data["session_id"]
             if kind == "session.state":
                 state = Opaque(kept) if kept is not None else None
@@ -50,12 +63,15 @@ class SessionRules:
                 elif current[3] == "checkpoint":
                     continue  # a change mark: the state is the export's
                 elif state is current[5]:  # no state kept (sizes only): the view stands
-                    sizes[sid] = size
-                    continue
+                    view = None
                 else:
                     view = (sid, current[1], current[2], current[3], current[4], state)
-                sessions[sid] = _new(SessionView, view)
+                if view is not None:
+                    sessions[sid] = _new(SessionView, view)
                 sizes[sid] = size
+                if offsets is None:
+                    self.session_offsets = offsets = {}
+                offsets[sid] = offset
             elif kind == "session.started":
                 mode = intern(data.get("mode", "restart_only"))
                 verify = intern(data.get("verify", "wait"))
@@ -63,10 +79,14 @@ class SessionRules:
                 view = (sid, intern(who["kind"]), intern(who["id"]), mode, verify, None)
                 sessions[sid] = _new(SessionView, view)
                 sizes[sid] = 0
+                if offsets:
+                    offsets.pop(sid, None)
                 modes_changed = True
             else:
                 sessions.pop(sid, None)
                 sizes.pop(sid, None)
+                if offsets:
+                    offsets.pop(sid, None)
                 modes_changed = True
         self._pending_sessions = None
         if modes_changed:
@@ -94,11 +114,12 @@ class SessionRules:
         view = (data["stage"], data.get("next"), base, meta.get("step"), offset)
         self.boundaries[owner] = _new(BoundaryView, view)
         self.boundary_bytes[owner] = self.boundary_bytes.get(owner, 0) + size
-        if delta is not None:
-            deltas = self.boundary_deltas
-            if deltas is None:
-                self.boundary_deltas = deltas = {}
-            deltas[owner] = (*deltas.get(owner, ()), delta.raw)
+        deltas = self.boundary_deltas
+        if deltas is None:
+            self.boundary_deltas = deltas = {}
+        # Without payloads (a tracker) each delta leaves an empty mark: the owner's state is then
+        # not its view's record alone, which a composition (``core._compose``) must know.
+        deltas[owner] = (*deltas.get(owner, ()), delta.raw if delta is not None else b"")
 
     def _composed_boundaries(self) -> dict[str, BoundaryView]:
         """The boundaries with each owner's deltas composed onto its last whole state."""
@@ -119,7 +140,7 @@ class SessionRules:
     # mark came after the export. ``exports``: session → (checkpoint id, waits for a boundary,
     # changed after the export).
 
-    def _export(self, data: dict[str, Any], kept: bytes | None, size: int) -> None:
+    def _export(self, data: dict[str, Any], kept: bytes | None, size: int, offset: int) -> None:
         sid = data["session_id"]
         current = self.sessions.get(sid)
         if current is None:  # not open in the committed prefix: its episode replays the opening
@@ -128,6 +149,9 @@ class SessionRules:
         view = (sid, current[1], current[2], current[3], current[4], state)
         self.sessions[sid] = _new(SessionView, view)
         self.session_bytes[sid] = size
+        if self.session_offsets is None:
+            self.session_offsets = {}
+        self.session_offsets[sid] = offset
         marks = any(c[1]["session_id"] == sid for c in self._pending_sessions or ())
         if self.exports is None:
             self.exports = {}

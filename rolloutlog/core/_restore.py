@@ -299,7 +299,7 @@ class AttemptRules(SessionRules):
         if cut is not None:
             facts = (cut.parent_call_id, cut.request_digest, cut.policy_version, cut.staging_key)
             tokens = orjson.dumps(list(cut.token_ids)) if keep else None
-            chunk = (0, len(cut.token_ids), cut.terminal, facts, tokens, cut.call_id)
+            chunk = (0, len(cut.token_ids), cut.terminal, facts, tokens, cut.call_id, None)
             self._tail_chunks.append(chunk)
             self._latest_call = cut.call_id
             self._cut_staging_known = False

@@ -15,8 +15,9 @@ __all__ = ["CallFacts", "Chunk", "CutChunks", "cut_chunks", "generation_cut"]
 #: alive (~300 bytes an episode in the projector).
 CallFacts = tuple[str | None, str, int, str | None]
 #: One generation chunk in the tail: (start, token count, done, its call's facts, its token ids'
-#: raw JSON when the state keeps payloads, its call id).
-Chunk = tuple[int, int, bool, CallFacts, bytes | None, str]
+#: raw JSON when the state keeps payloads, its call id, its record's offset (None for a chunk a
+#: state took from a projection)).
+Chunk = tuple[int, int, bool, CallFacts, bytes | None, str, int | None]
 #: A tail's generation cut: (call id, the chunks that make its durable prefix, terminal, the
 #: chunk that describes it, problem).
 CutChunks = tuple[str, list[Chunk], bool, Chunk, str | None]

@@ -10,19 +10,27 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 from rolloutlog import _malloc
+from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry
 from rolloutlog.core import (
+    Composition,
     EpisodeProjection,
     ProjectionLine,
     RestorePolicy,
     apply_policy,
+    composition_of,
     replay_start,
 )
 from rolloutlog.errors import InvalidRequest, UnknownCheckpoint, UnknownEpisode, UnknownRestore
 from rolloutlog.log import Log
 from rolloutlog.projections._part_planner import PlanPart, PlanRequest
 from rolloutlog.projections._projector import Projector
-from rolloutlog.projections._replay import replay_at_cuts, replay_stream
+from rolloutlog.projections._replay import (
+    Composable,
+    compose_stream,
+    replay_at_cuts,
+    replay_stream,
+)
 from rolloutlog.projections._start_plan import all_restores
 
 __all__ = ["ProjectionCache", "ProjectionServer", "RestoreLines", "committed_checkpoint"]
@@ -272,24 +280,75 @@ class ProjectionServer:
         manifest: Sequence[ManifestEntry],
         part: PlanPart,
     ) -> AsyncIterator[EpisodeProjection]:
-        """A plan's continued projections: the plan's own when it replayed them, else from a
-        replay of their records (what ``_replay_restore`` reads once the restore is
-        committed)."""
+        """A plan's continued projections: the plan's own when it replayed them; composed from
+        the records their trackers' positions name when its pins held them (the trackers were
+        reset to the new attempts at the commit, and are read here before anything else runs);
+        else from a replay of their records (what ``_replay_restore`` reads once the restore
+        is committed)."""
         attempts = {
             p.entry.episode: p.entry.attempt
             for p in part.plan.episodes
             if p.entry.action == "continue"
         }
+        kept = part.plan.projections
         if part.pins is None:
-            kept = part.plan.projections
             return _each(kept[e] for e in attempts if e in kept)
+        cuts = {e.episode: e for e in manifest if e.episode in attempts}
+        planned = [kept[e] for e in attempts if e in kept]
+        # The trackers' states are the projections now (reset to the new attempts at the
+        # commit); each composition is taken when its records are read, if its tracker has not
+        # moved on by then (the new attempt's records came), else it is replayed.
+        composable: list[Composable] = []
+        replay: list[ManifestEntry] = []
+        with collector_paused():
+            for episode, attempt in attempts.items():
+                entry = cuts.get(episode)
+                if episode in kept or entry is None:
+                    continue
+                reset = part.resets.get(episode)
+                tracker = projector.trackers.get(episode)
+                composition = (
+                    composition_of(tracker)
+                    if reset is not None
+                    and reset.pinned is not None
+                    and tracker is not None
+                    and tracker.attempt == attempt
+                    else None
+                )
+                if composition is None:
+                    replay.append(entry)
+                    continue
+                composable.append(
+                    Composable(
+                        episode,
+                        entry.cut_partition,
+                        entry.cut_offset,
+                        composition.positions(),
+                        tracker,  # type: ignore[arg-type]
+                        tracker.version,  # type: ignore[union-attr]
+                    )
+                )
 
-        async def replayed() -> AsyncIterator[EpisodeProjection]:
+        def resolve(item: Composable) -> Composition | None:
+            state = item.state
+            if projector.trackers.get(item.episode) is not state or state.version != item.version:
+                return None
+            return composition_of(state)
+
+        async def composed() -> AsyncIterator[EpisodeProjection]:
+            async for projection in _each(planned):
+                yield projection
+            failed: list[str] = []
+            async for projection in compose_stream(self.log, run, composable, resolve, failed):
+                yield projection
+            replay.extend(cuts[e] for e in failed)
+            if not replay:
+                return
             restores = {r.restore_id for r in await all_restores(self.catalog, run)}
             stream = replay_stream(
                 self.log,
                 run,
-                [e for e in manifest if e.episode in attempts],
+                replay,
                 replay_start(checkpoint.offsets),
                 restores,
                 quarantined=projector.quarantined,
@@ -298,7 +357,7 @@ class ProjectionServer:
             async for projection in stream:
                 yield projection
 
-        return replayed()
+        return composed()
 
     def _build(
         self, run: str, restore_id: int, projections: AsyncIterator[EpisodeProjection]

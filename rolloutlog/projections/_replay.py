@@ -11,17 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import ManifestEntry
-from rolloutlog.core import EpisodeProjection
-from rolloutlog.log import Log, record_episode
+from rolloutlog.core import Composition, EpisodeFold, EpisodeProjection
+from rolloutlog.log import Log, peek_record, record_episode, record_payload_start
 from rolloutlog.projections._fold import project_raw
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["replay_at_cuts", "replay_stream"]
+__all__ = ["Composable", "compose_stream", "replay_at_cuts", "replay_stream"]
 
 
 async def replay_at_cuts(
@@ -68,10 +69,9 @@ async def replay_stream(
     for entry in entries:
         by_partition[entry.cut_partition][entry.episode] = entry.cut_offset
         attempts_at_cut[entry.episode] = entry.attempt
-    ready: asyncio.Queue[list[EpisodeProjection] | BaseException | None] = asyncio.Queue()
 
     def fold(
-        episodes: Sequence[str], cuts: dict[str, int], records: dict[str, list[tuple[int, bytes]]]
+        episodes: Sequence[str], cuts: Mapping[str, int], records: dict[str, Any]
     ) -> list[EpisodeProjection]:
         out: list[EpisodeProjection] = []
         with collector_paused():
@@ -96,41 +96,159 @@ async def replay_stream(
                     logger.exception("run %s: could not fold episode %s", run, episode)
         return out
 
-    async def one(partition: int, cuts: dict[str, int]) -> None:
+    def collect(partition: int, cuts: Mapping[str, int]) -> _Collect:
+        records: dict[str, list[tuple[int, bytes]]] = {episode: [] for episode in cuts}
+
+        def take(page: Sequence[tuple[int, bytes]]) -> None:
+            for item in page:
+                if quarantined and (partition, item[0]) in quarantined:
+                    continue  # the projector skipped it: so does the fold
+                try:
+                    episode = record_episode(item[1])
+                except ValueError:  # not an envelope (the projector quarantines it)
+                    continue
+                wanted = records.get(episode)  # type: ignore[arg-type]
+                if wanted is not None:
+                    wanted.append(item)
+
+        return take, lambda episodes: fold(episodes, cuts, records)
+
+    reads = {
+        partition: _PartitionRead(replay_from.get(partition, 0), cuts, collect(partition, cuts))
+        for partition, cuts in by_partition.items()
+    }
+    async for projection in _read_partitions(log, run, reads):
+        yield projection
+
+
+async def compose_stream(
+    log: Log,
+    run: str,
+    wanted: Sequence[Composable],
+    resolve: Callable[[Composable], Composition | None],
+    failed: list[str],
+) -> AsyncIterator[EpisodeProjection]:
+    """The projections of ``wanted`` composed from the records at their positions as the reads
+    pass them (partitions in parallel, in no fixed order): nothing is folded again
+    (``rolloutlog.core._compose``). Each composition is taken (``resolve``) only once its
+    records are read, so that nothing is copied ahead; an episode whose composition is gone by
+    then (its state moved on) or whose records are not what it says is added to ``failed`` (for
+    a replay) instead."""
+    by_partition: dict[int, dict[str, Composable]] = defaultdict(dict)
+    for item in wanted:
+        by_partition[item.partition][item.episode] = item
+
+    def collect(mine: Mapping[str, Composable]) -> _Collect:
+        # Every record an episode's projection reads, by offset (each belongs to one episode).
+        needed: dict[int, bytes | None] = {}
+        for item in mine.values():
+            needed.update(dict.fromkeys(item.positions))
+
+        def take(page: Sequence[tuple[int, bytes]]) -> None:
+            for offset, record in page:
+                if offset in needed:
+                    needed[offset] = record
+
+        def compose(episodes: Sequence[str]) -> list[EpisodeProjection]:
+            out = []
+            with collector_paused():
+                for episode in episodes:
+                    item = mine[episode]
+                    composition = resolve(item)
+                    if composition is None or composition.positions() != item.positions:
+                        failed.append(episode)
+                    else:
+                        try:
+                            out.append(
+                                composition.project(
+                                    needed,  # type: ignore[arg-type]
+                                    item.cut,
+                                    record_payload_start,
+                                    peek_record,
+                                )
+                            )
+                        except Exception:  # a record that is not what the tracker saw
+                            logger.exception("run %s: could not compose episode %s", run, episode)
+                            failed.append(episode)
+                    for offset in item.positions:
+                        needed.pop(offset, None)
+            return out
+
+        return take, compose
+
+    reads = {}
+    for partition, mine in by_partition.items():
+        # An episode is whole once the read has passed its last position.
+        ends = {e: max(item.positions, default=-1) + 1 for e, item in mine.items()}
+        first = min(min(item.positions, default=0) for item in mine.values())
+        reads[partition] = _PartitionRead(first, ends, collect(mine))
+    async for projection in _read_partitions(log, run, reads):
+        yield projection
+
+
+class Composable(NamedTuple):
+    """An episode ``compose_stream`` composes: where its records are, and the state its
+    composition is taken from once they are read (as it was at ``version``)."""
+
+    episode: str
+    partition: int
+    cut: int
+    #: The offsets of its records (``Composition.positions`` when it was chosen).
+    positions: list[int]
+    state: EpisodeFold
+    version: int
+
+
+#: How a partition's read hands its records over: ``take`` a page, then ``emit`` the episodes
+#: whose records the read has passed (their projections).
+_Collect = tuple[
+    Callable[[Sequence[tuple[int, bytes]]], None],
+    Callable[[Sequence[str]], list[EpisodeProjection]],
+]
+
+
+class _PartitionRead(NamedTuple):
+    #: Where the read starts.
+    start: int
+    #: Per episode, the offset past its last record: once the read is past it, the episode is
+    #: whole (the read ends at the largest).
+    ends: Mapping[str, int]
+    collect: _Collect
+
+
+async def _read_partitions(
+    log: Log, run: str, reads: Mapping[int, _PartitionRead]
+) -> AsyncIterator[EpisodeProjection]:
+    """Read each partition's range (in parallel), hand its pages to its ``collect`` and yield
+    the projections it emits as the read passes each episode's end."""
+    ready: asyncio.Queue[list[EpisodeProjection] | BaseException | None] = asyncio.Queue()
+
+    async def one(read: _PartitionRead, partition: int) -> None:
         try:
-            records: dict[str, list[tuple[int, bytes]]] = {episode: [] for episode in cuts}
-            # Episodes by cut: once the read is past an episode's cut it has all its records.
-            by_cut = sorted(cuts, key=cuts.__getitem__)
+            take, emit = read.collect
+            ends = read.ends
+            # Episodes by end: once the read is past an episode's end it has all its records.
+            by_end = sorted(ends, key=ends.__getitem__)
             done = 0
-            end = cuts[by_cut[-1]]
-            start = replay_from.get(partition, 0)
-            async for page in log.read_pages(run, partition, start, end):
-                for item in page:
-                    if quarantined and (partition, item[0]) in quarantined:
-                        continue  # the projector skipped it: so does the fold
-                    try:
-                        episode = record_episode(item[1])
-                    except ValueError:  # not an envelope (the projector quarantines it)
-                        continue
-                    wanted = records.get(episode)  # type: ignore[arg-type]
-                    if wanted is not None:
-                        wanted.append(item)
+            end = ends[by_end[-1]]
+            async for page in log.read_pages(run, partition, read.start, end):
+                take(page)
                 if not page:
                     continue
                 last = page[-1][0]
                 passed = done
-                while passed < len(by_cut) and cuts[by_cut[passed]] <= last:
+                while passed < len(by_end) and ends[by_end[passed]] <= last:
                     passed += 1
                 if passed > done:
-                    ready.put_nowait(fold(by_cut[done:passed], cuts, records))
+                    ready.put_nowait(emit(by_end[done:passed]))
                     done = passed
-            ready.put_nowait(fold(by_cut[done:], cuts, records))
+            ready.put_nowait(emit(by_end[done:]))
             ready.put_nowait(None)
         except BaseException as e:  # handed to the reader, which raises it
             ready.put_nowait(e)
             raise
 
-    tasks = [asyncio.create_task(one(p, cuts)) for p, cuts in by_partition.items()]
+    tasks = [asyncio.create_task(one(read, p)) for p, read in reads.items() if read.ends]
     try:
         running = len(tasks)
         while running:

@@ -1,0 +1,163 @@
+"""A projection composed from the records its tracker's positions name (``core._compose``) is the
+fold's projection, line for line, and a restore serves composed lines without folding again.
+
+- random episodes (ledger rows right and wrong, generation chunks with gaps, sessions opened,
+  changed and ended, boundaries of two owners, tasks, restores committed or not), composed at
+  every cut from the projector's tracker and folded in full: the same NDJSON line;
+- a service's restore whose plan pinned the trackers composes every continued projection (no
+  replay runs) and serves the lines a replay of the log gives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rolloutlog.core import Composition, ProjectionLine, composition_of
+from rolloutlog.log import (
+    Event,
+    encode_record,
+    peek_record,
+    record_payload_start,
+    validate_event,
+)
+from rolloutlog.projections import CheckpointResult, project_events
+from rolloutlog.projections import _projection_server as projection_server
+from tests import factories as f
+from tests.projections.both_modes import follow
+from tests.projections.conftest import open_service
+from tests.projections.test_fast_paths import _scenario, lineage_stream
+
+RES = f.participant("resources", "res-0", 1)
+AGENT = f.participant("agent", "agent-0", 1)
+
+
+def _ended(episode: str, session_id: str, **kw: Any) -> Event:
+    return validate_event(f.envelope("session.ended", episode, {"session_id": session_id}, **kw))
+
+
+def _agent_boundary(episode: str, stage: str, **kw: Any) -> Event:
+    data = {"owner": "agent-1", "stage": stage, "next": None, "state": None}
+    return validate_event(f.envelope("step.boundary", episode, data, who=AGENT, **kw))
+
+
+def _composed_line(composition: Composition, events: list[Event], cut: int) -> bytes:
+    records = {offset: encode_record(event) for offset, event in enumerate(events)}
+    wanted = {offset: records[offset] for offset in composition.positions()}
+    projection = composition.project(wanted, cut, record_payload_start, peek_record)
+    return ProjectionLine.of(projection).line
+
+
+@settings(max_examples=400, deadline=None)
+@given(lineage_stream(), st.integers(0, 24))
+def test_a_composed_projection_is_the_folds_line_for_line(
+    stream: tuple[list[Event], set[int]], cut: int
+) -> None:
+    events, committed = stream
+    offsets = list(enumerate(events))
+    tracker = follow("e", offsets, cut, committed, keep_payloads=False)
+    composition = composition_of(tracker)
+    if composition is None:
+        # Only what a tracker cannot compose: not exactly the fold's state, finished, or
+        # nothing recorded yet.
+        assert not tracker.exact or tracker.finished or tracker.first_offset is None
+        return
+    assert all(offset < cut for offset in composition.positions())
+    folded = project_events("e", offsets, cut, committed)
+    assert _composed_line(composition, events, cut) == ProjectionLine.of(folded).line
+
+
+def test_sessions_and_boundaries_come_from_their_latest_records() -> None:
+    """A session's state from its latest committed state (not the tail's), one ended and one
+    opened again without a state, two owners' boundaries, a step in flight."""
+    events = [
+        f.started("e", seq=1),
+        f.session_started("e", "s1", "exported", who=RES, seq=1),
+        f.session_state("e", "s1", {"n": 1}, who=RES, seq=2),
+        f.boundary("e", "seed", {"turn": 1}, seq=2),
+        f.session_state("e", "s1", {"n": 2}, who=RES, seq=3),
+        f.session_started("e", "s2", "exported", who=RES, seq=4),
+        f.session_state("e", "s2", {"m": 1}, who=RES, seq=5),
+        f.boundary("e", "invoke_agent", {"turn": 2}, seq=3),
+        _ended("e", "s2", who=RES, seq=6),
+        f.session_started("e", "s2", "exported", who=RES, seq=7),
+        _agent_boundary("e", "invoke_agent", seq=1),
+        f.session_state("e", "s1", {"n": 3}, who=RES, seq=8),  # the tail: dropped
+        f.chunk("e", "c1", 0, 3),
+    ]
+    offsets = list(enumerate(events))
+    for cut in range(1, len(events) + 1):
+        tracker = follow("e", offsets, cut, None, keep_payloads=False)
+        composition = composition_of(tracker)
+        assert composition is not None
+        folded = project_events("e", offsets, cut)
+        assert _composed_line(composition, events, cut) == ProjectionLine.of(folded).line
+    sessions = folded.to_json()["sessions"]
+    assert sessions["s1"]["state"].raw == b'{"n":2}'
+    assert sessions["s2"]["state"] is None
+
+
+def test_what_cannot_be_composed_is_left_to_a_replay() -> None:
+    """Delta boundaries compose onto their base in a replay; a state continued from a
+    projection has no positions."""
+    events = [
+        f.started("e", seq=1),
+        f.boundary("e", "seed", {"turn": 1}, seq=2),
+        f.boundary("e", "invoke_agent", {"$delta": {"set": {"turn": 2}}}, seq=3),
+    ]
+    tracker = follow("e", list(enumerate(events)), len(events), None, keep_payloads=False)
+    assert tracker.boundary_deltas
+    assert composition_of(tracker) is None
+    projection = project_events("e", list(enumerate(events[:2])), 2)
+    tracker.continue_from(projection, 1)
+    assert composition_of(tracker) is None
+
+
+async def test_a_pinned_restore_serves_composed_lines_that_a_replay_gives(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    composed: list[int] = []
+    replayed: list[int] = []
+    real_compose, real_replay = projection_server.compose_stream, projection_server.replay_stream
+
+    def count_compose(*args: Any, **kw: Any) -> Any:
+        composed.append(len(args[2]))
+        return real_compose(*args, **kw)
+
+    def count_replay(*args: Any, **kw: Any) -> Any:
+        replayed.append(len(args[2]))
+        return real_replay(*args, **kw)
+
+    monkeypatch.setattr(projection_server, "compose_stream", count_compose)
+    monkeypatch.setattr(projection_server, "replay_stream", count_replay)
+    service = await open_service(tmp_path)
+    try:
+        for events in _scenario():
+            await service.append(*events)
+        await service.append(
+            f.started("g", seq=1),
+            f.session_started("g", "s1", "exported", who=RES, seq=1),
+            f.session_state("g", "s1", {"n": 1}, who=RES, seq=2),
+            f.boundary("g", "seed", {"turn": 1}, seq=2),
+            f.ledger_row("g", "c1", [1, 2, 3]),
+            f.boundary("g", "invoke_agent", {"turn": 2}, seq=3),
+            f.chunk("g", "c2", 0, 4),
+        )
+        checkpoint = await service.checkpoint()
+        assert isinstance(checkpoint, CheckpointResult)
+        restored = await service.restore()
+        restore_id = restored.restore.restore_id
+        lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
+        served = {episode: line.line for episode, line in (await lines.complete()).items()}
+        continued = {e.episode for e in restored.entries if e.action == "continue"}
+        assert set(served) == continued == {"a", "e", "g"}
+        assert composed == [3] and replayed == []  # every continued projection composed
+        service.coordinator._restore_cache.forget_run(service.run)
+        again = await service.coordinator.restore_projections(service.run, restore_id)
+        assert replayed == [3]
+        assert served == {e: ProjectionLine.of(p).line for e, p in again.items()}
+    finally:
+        await service.close()
