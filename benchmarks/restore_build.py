@@ -108,7 +108,7 @@ async def _composables(
         tracker = trackers[entry.episode]
         composition = composition_of(tracker)
         assert composition is not None
-        positions = composition.positions()
+        positions = tuple(composition.positions())
         out.append(
             Composable(
                 entry.episode,

@@ -323,7 +323,7 @@ class ProjectionServer:
                         episode,
                         entry.cut_partition,
                         entry.cut_offset,
-                        composition.positions(),
+                        tuple(composition.positions()),
                         tracker,  # type: ignore[arg-type]
                         tracker.version,  # type: ignore[union-attr]
                     )
