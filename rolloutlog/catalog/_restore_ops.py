@@ -70,7 +70,7 @@ class RestoreOperations(CatalogTransactions):
                     conn, run, restore.restore_id, "committed", now, None
                 )
             await _results.drop_abandoned(
-                conn, run, [e.episode for e in entries if e.action != "excluded"]
+                conn, self._backend, run, [e.episode for e in entries if e.action != "excluded"]
             )
             unacknowledged = await _results.count_unacknowledged(conn, run)
         self._after_bulk_commit()
