@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from sqlalchemy import Table
+from sqlalchemy import ColumnElement, Table
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -53,6 +53,13 @@ class Backend:
     ) -> None:
         """Insert rows given column-wise (``columns[i]`` holds column ``names[i]`` of every row)
         inside ``conn``'s open transaction."""
+        raise NotImplementedError
+
+    def among(self, column: ColumnElement[Any], values: Sequence[str]) -> ColumnElement[bool]:
+        """``column IN values`` with every value in one bound parameter: a restore's commit
+        names 16,000 episodes, and SQLAlchemy's expanding ``IN`` spent ~50 ms (SQLite) to
+        ~110 ms (PostgreSQL) rendering and binding them one by one, and needed batches under
+        the database's parameter limit."""
         raise NotImplementedError
 
     #: Whether ``write_in_one_hop`` can run a write transaction.

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import asyncpg  # type: ignore[import-untyped]
-from sqlalchemy import Table, event, text
+from sqlalchemy import ARRAY, ColumnElement, Table, Text, any_, bindparam, event, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -114,6 +114,10 @@ class PostgresBackend(Backend):
         await driver.copy_records_to_table(
             table.name, records=zip(*columns, strict=True), columns=list(names)
         )
+
+    def among(self, column: ColumnElement[Any], values: Sequence[str]) -> ColumnElement[bool]:
+        """``column = ANY($n)``, the values one ``text[]`` (asyncpg encodes it in one go)."""
+        return column == any_(bindparam(None, list(values), type_=ARRAY(Text)))
 
     async def lock_migrations(self, conn: AsyncConnection) -> None:
         await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})

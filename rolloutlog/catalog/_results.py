@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from rolloutlog.catalog._backend import Backend
 from rolloutlog.catalog._schema import checkpoint_offsets, checkpoints, episodes, results
 from rolloutlog.catalog._values import EpisodeFinish, FinishedResult
 from rolloutlog.errors import UnknownCheckpoint
@@ -87,16 +88,16 @@ async def record(
         await conn.execute(_UPSERT, kept)
 
 
-async def drop_abandoned(conn: AsyncConnection, run: str, abandoned: Sequence[str]) -> None:
+async def drop_abandoned(
+    conn: AsyncConnection, backend: Backend, run: str, abandoned: Sequence[str]
+) -> None:
     """A restore's part: the results of the attempts it continued or restarted (``abandoned``)
     are gone. Named by the plan, not joined against its fresh ``restore_episodes`` rows: on
     PostgreSQL that join was planned blind (neither table analyzed yet) as a nested loop, 6-12 s
     for S3's 2,000 results and 15,686 continued episodes."""
-    for start in range(0, len(abandoned), _IN_BATCH):
+    if abandoned:
         await conn.execute(
-            delete(results).where(
-                results.c.run == run, results.c.episode.in_(abandoned[start : start + _IN_BATCH])
-            )
+            delete(results).where(results.c.run == run, backend.among(results.c.episode, abandoned))
         )
 
 

@@ -30,7 +30,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, cast
 
-from sqlalchemy import Table, create_engine, event
+import orjson
+from sqlalchemy import (
+    ColumnElement,
+    Table,
+    Text,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    literal_column,
+    select,
+)
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -166,6 +177,13 @@ class SQLiteBackend(Backend):
             sql = f'INSERT INTO "{table.name}" ({quoted}) VALUES {",".join([one_row] * rows)}'
             cursor = await driver.execute(sql, flat[start * width : (start + rows) * width])
             await cursor.close()
+
+    def among(self, column: ColumnElement[Any], values: Sequence[str]) -> ColumnElement[bool]:
+        """The values as one JSON array, unpacked by ``json_each`` (SQLite's JSON functions are
+        built in since 3.38, and compiled in by default before): the lookups stay index
+        probes."""
+        names = bindparam(None, orjson.dumps(list(values)).decode(), type_=Text)
+        return column.in_(select(literal_column("value")).select_from(func.json_each(names)))
 
     def driver_errors(self) -> tuple[type[BaseException], ...]:
         return (sqlite3.Error,)
