@@ -256,7 +256,7 @@ class Projector(ManifestCapture, RestoreResets, Unrecorded):
         """Read (for real: this is also how a restarted projector knows it reads again) every
         owned partition up to the log's current end, other writers' records included (other
         replicas write markers and appends into every partition). The next partition's read is
-        opened while the current one is folded (``PagesAhead``)."""
+        opened while the current one is folded where that hides a wait (``PagesAhead``)."""
         ends = await self.log.latest_offsets(self.run)
         applied = self.applied
         held = self._held
@@ -264,7 +264,7 @@ class Projector(ManifestCapture, RestoreResets, Unrecorded):
 
         def read(partition: int) -> PagesAhead:
             pages = self.log.read_pages(self.run, partition, applied[partition], ends[partition])
-            return PagesAhead(pages)
+            return PagesAhead(pages, self.log.read_ahead)
 
         ahead = read(todo[0]) if todo else None
         try:

@@ -3,7 +3,8 @@ it folds one partition after the other, and a read only asks for its next page w
 current one is folded (``Log.read_pages``), so the first Fetch of each partition was waited
 for with nothing else to do. Catching up S1's 160,000 records from Tansu, those 16 waits were
 about a fifth of the time; opening the next partition's read while folding the current one
-overlaps them with the fold."""
+overlaps them with the fold. On the embedded log a first page is a local read, no wait:
+it opens none ahead (``Log.read_ahead``)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,15 @@ async def _next(pages: AsyncIterator[Page]) -> Page | None:
 
 
 class PagesAhead:
-    """``pages``, its first page asked for at once (a task); ``aclose`` when not read to the
-    end (it also ends a first read nobody awaited)."""
+    """``pages``, its first page asked for at once (a task) when ``ahead`` (``Log.read_ahead``),
+    else when first iterated; ``aclose`` when not read to the end (it also ends a first read
+    nobody awaited)."""
 
-    def __init__(self, pages: AsyncIterator[Page]) -> None:
+    def __init__(self, pages: AsyncIterator[Page], ahead: bool) -> None:
         self._pages = pages
-        self._first: asyncio.Future[Page | None] | None = asyncio.ensure_future(_next(pages))
+        self._first: asyncio.Future[Page | None] | None = (
+            asyncio.ensure_future(_next(pages)) if ahead else None
+        )
 
     def __aiter__(self) -> PagesAhead:
         return self
