@@ -50,6 +50,10 @@ class Log(abc.ABC):
 
     url: str
     max_record_bytes: int
+    #: Whether a reader folding partition after partition should open the next one's read before
+    #: it needs it: a read's first page is a round trip to a broker (Kafka), not a local page,
+    #: which is no wait, and an early read would hold a second file connection per run.
+    read_ahead: bool = False
 
     async def __aenter__(self) -> Self:
         await self.start()

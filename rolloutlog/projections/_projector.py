@@ -24,6 +24,7 @@ import math
 import random
 import time
 from collections.abc import (
+    AsyncIterator,
     Awaitable,
     Callable,
     Container,
@@ -33,6 +34,7 @@ from collections.abc import (
 )
 from typing import Any, cast
 
+from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import (
     QUARANTINE_FIRST_BYTES,
     EpisodeFinish,
@@ -52,6 +54,7 @@ from rolloutlog.projections._capture import CheckpointCapture, ManifestBase, Man
 from rolloutlog.projections._feeders import Unrecorded
 from rolloutlog.projections._fold import select_records
 from rolloutlog.projections._quarantine import metadata_problem
+from rolloutlog.projections._read_ahead import PagesAhead
 from rolloutlog.projections._restore_resets import RestoreReset, RestoreResets
 from rolloutlog.projections._run_health import STARTING, HealthStatus, RunHealth
 from rolloutlog.projections._start_plan import StartPlan
@@ -252,35 +255,54 @@ class Projector(ManifestCapture, RestoreResets, Unrecorded):
     async def _read_to_end(self) -> None:
         """Read (for real: this is also how a restarted projector knows it reads again) every
         owned partition up to the log's current end, other writers' records included (other
-        replicas write markers and appends into every partition)."""
+        replicas write markers and appends into every partition). The next partition's read is
+        opened while the current one is folded where that hides a wait (``PagesAhead``)."""
         ends = await self.log.latest_offsets(self.run)
         applied = self.applied
         held = self._held
-        for partition in sorted(self.owned):
-            if applied[partition] < ends[partition] and partition not in held:
-                pages = self.log.read_pages(
-                    self.run, partition, applied[partition], ends[partition]
-                )
-                async for page in pages:
-                    for offset, record in page:
-                        if offset < applied[partition]:
-                            continue
-                        verdict = self._take(partition, offset, record)
-                        if verdict is not None:
-                            await verdict
-                        if partition in held:  # an open checkpoint's marker: met again later
-                            self.events_applied -= 1
-                            break
-                        applied[partition] = offset + 1
-                    if partition in held:
-                        aclose = getattr(pages, "aclose", None)
-                        if aclose is not None:
-                            await aclose()
-                        break
-            if partition not in held:
-                applied[partition] = max(applied[partition], ends[partition])
+        todo = [p for p in sorted(self.owned) if applied[p] < ends[p] and p not in held]
+
+        def read(partition: int) -> PagesAhead:
+            pages = self.log.read_pages(self.run, partition, applied[partition], ends[partition])
+            return PagesAhead(pages, self.log.read_ahead)
+
+        ahead = read(todo[0]) if todo else None
+        try:
+            for following, partition in enumerate(todo, 1):
+                pages, ahead = ahead, read(todo[following]) if following < len(todo) else None
+                assert pages is not None
+                try:
+                    await self._catch_up(partition, pages)
+                finally:
+                    await pages.aclose()
+                if partition not in held:
+                    applied[partition] = max(applied[partition], ends[partition])
+        finally:
+            if ahead is not None:
+                await ahead.aclose()
         async with self._progress:
             self._progress.notify_all()
+
+    async def _catch_up(
+        self, partition: int, pages: AsyncIterator[list[tuple[int, bytes]]]
+    ) -> None:
+        """Fold one partition's pages, up to a held marker if it meets one."""
+        applied = self.applied
+        held = self._held
+        async for page in pages:
+            # A page's records mostly make trackers that live on: collections while folding it
+            # walked the growing heap again and again (a tenth of a catch-up's time).
+            with collector_paused():
+                for offset, record in page:
+                    if offset < applied[partition]:
+                        continue
+                    verdict = self._take(partition, offset, record)
+                    if verdict is not None:
+                        await verdict
+                    if partition in held:  # an open checkpoint's marker: met again later
+                        self.events_applied -= 1
+                        return
+                    applied[partition] = offset + 1
 
     def _finish_catch_up(self) -> None:
         for episode, records in self._buffered.items():
