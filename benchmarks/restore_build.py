@@ -32,7 +32,7 @@ import workloads
 from _common import save, summary
 
 from rolloutlog.catalog import ManifestEntry
-from rolloutlog.core import Composition, ProjectionLine, composition_of
+from rolloutlog.core import ProjectionLine, composable, projection_positions
 from rolloutlog.log import open_log, partition_for, peek_record
 from rolloutlog.participants import KafkaTransport
 from rolloutlog.projections._replay import Composable, compose_stream, replay_stream
@@ -74,7 +74,7 @@ async def measure(workload: workloads.Workload, runs: int) -> dict[str, Any]:
                     if path == "replay":
                         stream = replay_stream(log, RUN, manifest, {}, set())
                     else:
-                        stream = compose_stream(log, RUN, composables, _resolve, [])
+                        stream = compose_stream(log, RUN, composables, _current, [])
                     lines = [ProjectionLine.of(projection) async for projection in stream]
                     wall.append(time.perf_counter() - t0)
                     cpu.append(time.process_time() - c0)
@@ -106,9 +106,8 @@ async def _composables(
     out = []
     for entry in manifest:
         tracker = trackers[entry.episode]
-        composition = composition_of(tracker)
-        assert composition is not None
-        positions = tuple(composition.positions())
+        assert composable(tracker)
+        positions = tuple(projection_positions(tracker))
         out.append(
             Composable(
                 entry.episode,
@@ -122,8 +121,8 @@ async def _composables(
     return out
 
 
-def _resolve(item: Composable) -> Composition | None:
-    return composition_of(item.state)
+def _current(item: Composable) -> bool:
+    return True
 
 
 def main() -> None:

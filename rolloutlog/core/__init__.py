@@ -9,7 +9,7 @@ the service — can build on it, and it can be used and tested without any I/O l
 """
 
 from rolloutlog.core._check import check_envelope, envelope_holds, record_holds, wrong_record_field
-from rolloutlog.core._compose import Composition, composition_of
+from rolloutlog.core._compose import composable, compose_projection, projection_positions
 from rolloutlog.core._cuts import (
     CUT_DISPOSITIONS,
     planned_cut_dispositions,
@@ -116,8 +116,9 @@ __all__ = [
     "BoundaryView",
     "CUT_DISPOSITIONS",
     "EpisodeFold",
-    "Composition",
-    "composition_of",
+    "composable",
+    "compose_projection",
+    "projection_positions",
     "EpisodeProjection",
     "EventFilters",
     "GenerationCut",

@@ -13,12 +13,12 @@ from rolloutlog import _malloc
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import Catalog, Checkpoint, ManifestEntry
 from rolloutlog.core import (
-    Composition,
     EpisodeProjection,
     ProjectionLine,
     RestorePolicy,
     apply_policy,
-    composition_of,
+    composable,
+    projection_positions,
     replay_start,
 )
 from rolloutlog.errors import InvalidRequest, UnknownCheckpoint, UnknownEpisode, UnknownRestore
@@ -32,6 +32,7 @@ from rolloutlog.projections._replay import (
     replay_stream,
 )
 from rolloutlog.projections._start_plan import all_restores
+from rolloutlog.projections._tracker import EpisodeTracker
 
 __all__ = ["ProjectionCache", "ProjectionServer", "RestoreLines", "committed_checkpoint"]
 
@@ -296,50 +297,54 @@ class ProjectionServer:
         cuts = {e.episode: e for e in manifest if e.episode in attempts}
         planned = [kept[e] for e in attempts if e in kept]
         # The trackers' states are the projections now (reset to the new attempts at the
-        # commit); each composition is taken when its records are read, if its tracker has not
-        # moved on by then (the new attempt's records came), else it is replayed.
-        composable: list[Composable] = []
+        # commit): noted here, before the reply lets the new attempts write, each with its
+        # version; composed in the build, if the tracker has not moved on by then (the new
+        # attempt's records came), else replayed.
+        chosen: list[tuple[ManifestEntry, EpisodeTracker, int]] = []
         replay: list[ManifestEntry] = []
-        with collector_paused():
-            for episode, attempt in attempts.items():
-                entry = cuts.get(episode)
-                if episode in kept or entry is None:
-                    continue
-                reset = part.resets.get(episode)
-                tracker = projector.trackers.get(episode)
-                composition = (
-                    composition_of(tracker)
-                    if reset is not None
-                    and reset.pinned is not None
-                    and tracker is not None
-                    and tracker.attempt == attempt
-                    else None
-                )
-                if composition is None:
-                    replay.append(entry)
-                    continue
-                composable.append(
-                    Composable(
-                        episode,
-                        entry.cut_partition,
-                        entry.cut_offset,
-                        tuple(composition.positions()),
-                        tracker,  # type: ignore[arg-type]
-                        tracker.version,  # type: ignore[union-attr]
-                    )
-                )
+        for episode, attempt in attempts.items():
+            entry = cuts.get(episode)
+            if episode in kept or entry is None:
+                continue
+            reset = part.resets.get(episode)
+            tracker = projector.trackers.get(episode)
+            if (
+                reset is None
+                or reset.pinned is None
+                or tracker is None
+                or tracker.attempt != attempt
+            ):
+                replay.append(entry)
+            else:
+                chosen.append((entry, tracker, tracker.version))
 
-        def resolve(item: Composable) -> Composition | None:
+        def current(item: Composable) -> bool:
             state = item.state
-            if projector.trackers.get(item.episode) is not state or state.version != item.version:
-                return None
-            return composition_of(state)
+            return projector.trackers.get(item.episode) is state and state.version == item.version
 
         async def composed() -> AsyncIterator[EpisodeProjection]:
             async for projection in _each(planned):
                 yield projection
+            wanted: list[Composable] = []
+            with collector_paused():
+                for entry, tracker, version in chosen:
+                    if tracker.version == version and composable(tracker):
+                        positions = tuple(projection_positions(tracker))
+                        wanted.append(
+                            Composable(
+                                entry.episode,
+                                entry.cut_partition,
+                                entry.cut_offset,
+                                positions,
+                                tracker,
+                                version,
+                            )
+                        )
+                    else:
+                        replay.append(entry)
+            chosen.clear()
             failed: list[str] = []
-            async for projection in compose_stream(self.log, run, composable, resolve, failed):
+            async for projection in compose_stream(self.log, run, wanted, current, failed):
                 yield projection
             replay.extend(cuts[e] for e in failed)
             if not replay:

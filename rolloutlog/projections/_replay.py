@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import ManifestEntry
-from rolloutlog.core import Composition, EpisodeFold, EpisodeProjection
+from rolloutlog.core import EpisodeFold, EpisodeProjection, compose_projection
 from rolloutlog.log import Log, peek_record, record_episode, record_payload_start
 from rolloutlog.projections._fold import project_raw
 
@@ -133,15 +133,15 @@ async def compose_stream(
     log: Log,
     run: str,
     wanted: Sequence[Composable],
-    resolve: Callable[[Composable], Composition | None],
+    current: Callable[[Composable], bool],
     failed: list[str],
 ) -> AsyncIterator[EpisodeProjection]:
     """The projections of ``wanted`` composed from the records at their positions as the reads
     pass them (partitions in parallel, in no fixed order): nothing is folded again
-    (``rolloutlog.core._compose``). Each composition is taken (``resolve``) only once its
-    records are read, so that nothing is copied ahead; an episode whose composition is gone by
-    then (its state moved on) or whose records are not what it says is added to ``failed`` (for
-    a replay) instead."""
+    (``rolloutlog.core._compose``). Each projection is composed from its state once its records
+    are read, so that nothing is copied ahead; an episode whose state is no longer ``current``
+    by then (it moved on) or whose records are not what it says is added to ``failed`` (for a
+    replay) instead."""
     by_partition: dict[int, dict[str, Composable]] = defaultdict(dict)
     for item in wanted:
         by_partition[item.partition][item.episode] = item
@@ -165,15 +165,11 @@ async def compose_stream(
             # their projections' payload copies all held at once cost more than the lines.
             for episode in episodes:
                 item = mine[episode]
-                composition = resolve(item)
                 projection = None
-                if composition is not None and tuple(composition.positions()) == item.positions:
+                if current(item):
                     try:
-                        projection = composition.project(
-                            needed,
-                            item.cut,
-                            record_payload_start,
-                            peek_record,
+                        projection = compose_projection(
+                            item.state, needed, item.cut, record_payload_start, peek_record
                         )
                     except Exception:  # a record that is not what the tracker saw
                         logger.exception("run %s: could not compose episode %s", run, episode)
@@ -200,12 +196,12 @@ async def compose_stream(
 
 class Composable(NamedTuple):
     """An episode ``compose_stream`` composes: where its records are, and the state its
-    composition is taken from once they are read (as it was at ``version``)."""
+    projection is composed from once they are read (as it was at ``version``)."""
 
     episode: str
     partition: int
     cut: int
-    #: The offsets of its records (``Composition.positions`` when it was chosen).
+    #: The offsets of its records (``projection_positions`` of its state at ``version``).
     positions: tuple[int, ...]
     state: EpisodeFold
     version: int

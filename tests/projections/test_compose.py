@@ -16,7 +16,13 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolloutlog.core import Composition, ProjectionLine, composition_of
+from rolloutlog.core import (
+    EpisodeFold,
+    ProjectionLine,
+    composable,
+    compose_projection,
+    projection_positions,
+)
 from rolloutlog.log import (
     Event,
     encode_record,
@@ -44,10 +50,10 @@ def _agent_boundary(episode: str, stage: str, **kw: Any) -> Event:
     return validate_event(f.envelope("step.boundary", episode, data, who=AGENT, **kw))
 
 
-def _composed_line(composition: Composition, events: list[Event], cut: int) -> bytes:
+def _composed_line(state: EpisodeFold, events: list[Event], cut: int) -> bytes:
     records = {offset: encode_record(event) for offset, event in enumerate(events)}
-    wanted = {offset: records[offset] for offset in composition.positions()}
-    projection = composition.project(wanted, cut, record_payload_start, peek_record)
+    wanted = {offset: records[offset] for offset in projection_positions(state)}
+    projection = compose_projection(state, wanted, cut, record_payload_start, peek_record)
     return ProjectionLine.of(projection).line
 
 
@@ -59,15 +65,14 @@ def test_a_composed_projection_is_the_folds_line_for_line(
     events, committed = stream
     offsets = list(enumerate(events))
     tracker = follow("e", offsets, cut, committed, keep_payloads=False)
-    composition = composition_of(tracker)
-    if composition is None:
+    if not composable(tracker):
         # Only what a tracker cannot compose: not exactly the fold's state, finished, or
         # nothing recorded yet.
         assert not tracker.exact or tracker.finished or tracker.first_offset is None
         return
-    assert all(offset < cut for offset in composition.positions())
+    assert all(offset < cut for offset in projection_positions(tracker))
     folded = project_events("e", offsets, cut, committed)
-    assert _composed_line(composition, events, cut) == ProjectionLine.of(folded).line
+    assert _composed_line(tracker, events, cut) == ProjectionLine.of(folded).line
 
 
 def test_sessions_and_boundaries_come_from_their_latest_records() -> None:
@@ -91,10 +96,9 @@ def test_sessions_and_boundaries_come_from_their_latest_records() -> None:
     offsets = list(enumerate(events))
     for cut in range(1, len(events) + 1):
         tracker = follow("e", offsets, cut, None, keep_payloads=False)
-        composition = composition_of(tracker)
-        assert composition is not None
+        assert composable(tracker)
         folded = project_events("e", offsets, cut)
-        assert _composed_line(composition, events, cut) == ProjectionLine.of(folded).line
+        assert _composed_line(tracker, events, cut) == ProjectionLine.of(folded).line
     sessions = folded.to_json()["sessions"]
     assert sessions["s1"]["state"].raw == b'{"n":2}'
     assert sessions["s2"]["state"] is None
@@ -110,10 +114,10 @@ def test_what_cannot_be_composed_is_left_to_a_replay() -> None:
     ]
     tracker = follow("e", list(enumerate(events)), len(events), None, keep_payloads=False)
     assert tracker.boundary_deltas
-    assert composition_of(tracker) is None
+    assert not composable(tracker)
     projection = project_events("e", list(enumerate(events[:2])), 2)
     tracker.continue_from(projection, 1)
-    assert composition_of(tracker) is None
+    assert not composable(tracker)
 
 
 async def test_a_pinned_restore_serves_composed_lines_that_a_replay_gives(
