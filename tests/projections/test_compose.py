@@ -30,7 +30,7 @@ from rolloutlog.log import (
     record_payload_start,
     validate_event,
 )
-from rolloutlog.projections import CheckpointResult, project_events
+from rolloutlog.projections import CheckpointResult, _replay, project_events
 from rolloutlog.projections import _projection_server as projection_server
 from tests import factories as f
 from tests.projections.both_modes import follow
@@ -162,6 +162,40 @@ async def test_a_pinned_restore_serves_composed_lines_that_a_replay_gives(
         service.coordinator._restore_cache.forget_run(service.run)
         again = await service.coordinator.restore_projections(service.run, restore_id)
         assert replayed == [3]
+        assert served == {e: ProjectionLine.of(p).line for e, p in again.items()}
+    finally:
+        await service.close()
+
+
+async def test_an_episode_that_cannot_be_composed_at_its_turn_is_replayed(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A tracker that moved on before its records were read, or records that are not what it
+    says (both made to happen here: the second composition fails): that episode is replayed,
+    and every line is still the replay's."""
+    real = _replay.compose_projection
+    calls: list[str] = []
+
+    def fail_once(state: Any, *args: Any) -> Any:
+        calls.append(state.episode)
+        if len(calls) == 2:
+            raise KeyError("a record that is not what the tracker saw")
+        return real(state, *args)
+
+    monkeypatch.setattr(_replay, "compose_projection", fail_once)
+    service = await open_service(tmp_path)
+    try:
+        for events in _scenario():
+            await service.append(*events)
+        checkpoint = await service.checkpoint()
+        assert isinstance(checkpoint, CheckpointResult)
+        restored = await service.restore()
+        restore_id = restored.restore.restore_id
+        lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
+        served = {episode: line.line for episode, line in (await lines.complete()).items()}
+        assert len(calls) == 2 and set(served) == {"a", "e"}
+        service.coordinator._restore_cache.forget_run(service.run)
+        again = await service.coordinator.restore_projections(service.run, restore_id)
         assert served == {e: ProjectionLine.of(p).line for e, p in again.items()}
     finally:
         await service.close()
