@@ -5,7 +5,7 @@ read them back (``Catalog`` composes them).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rolloutlog.catalog import _reads, _restore_requests, _results
@@ -29,7 +29,6 @@ class RestoreOperations(CatalogTransactions):
         timings_ms: Mapping[str, float] | None = None,
         restore_id: int | None = None,
         fences: Mapping[str, Mapping[int, int]] | None = None,
-        before_commit: Callable[[], Awaitable[object]] | None = None,
     ) -> Restore:
         """Commit a restore plan and make its new attempts current, in one transaction.
 
@@ -47,12 +46,6 @@ class RestoreOperations(CatalogTransactions):
         episodes of the manifest (others, begun after its markers, may be restarted or
         excluded), never continue a finished or restart-only episode, and start from each
         episode's current attempt.
-
-        ``before_commit`` is awaited inside the transaction once its checks and writes are done,
-        just before it commits: what must be durable before the restore is (the restorer's
-        ``attempt.started`` records, appended meanwhile). If it raises, nothing commits and its
-        error is raised (a rolloutlog error as it is, as the log's are; others are read as the
-        catalog's).
         """
         check_timings(timings_ms)
         check_plan(entries)
@@ -80,8 +73,6 @@ class RestoreOperations(CatalogTransactions):
                 conn, self._backend, run, [e.episode for e in entries if e.action != "excluded"]
             )
             unacknowledged = await _results.count_unacknowledged(conn, run)
-            if before_commit is not None:
-                await before_commit()
         self._after_bulk_commit()
         return dataclasses.replace(restore, unacknowledged_results=unacknowledged)
 

@@ -35,8 +35,6 @@ __all__ = ["DEFAULT_RESTORE_DEADLINE_S", "RestoreResult", "Restorer"]
 #: How long the owners of a restore's partitions have to plan their parts: past it any replica
 #: aborts the request (its requester waits as long for their parts).
 DEFAULT_RESTORE_DEADLINE_S = 60.0
-#: ``attempt.started`` records per log append.
-_ATTEMPTS_PER_APPEND = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,41 +196,24 @@ class Restorer:
         fences: Mapping[str, Mapping[int, int]],
         timer: StageTimer,
     ) -> tuple[Restore, tuple[RestoreEntry, ...]]:
-        """Write the plan's ``attempt.started`` records and commit it (one transaction, fenced
-        by each planner's lease generations): the restore and its entries.
-
-        The records are appended while the transaction checks and writes the plan, and it
-        commits only once they are all written (``before_commit``): a committed restore has
-        every record in the log, and a failed append rolls the transaction back. The
-        ``attempts`` stage is the append's own time, ``commit`` the transaction's (they
-        overlap)."""
+        """Write the plan's ``attempt.started`` records, then commit it (one transaction,
+        fenced by each planner's lease generations): the restore and its entries."""
         # The id was reserved (``open_restore``) before any record names it: a restore that
         # dies before its commit leaves attempt records under an id no later one can commit.
-        writing = asyncio.ensure_future(
-            self._write_attempts(
-                run.run, run.partitions, restore_id, checkpoint_id, planned, controller_epoch, timer
-            )
+        await self._write_attempts(
+            run.run, run.partitions, restore_id, checkpoint_id, planned, controller_epoch
         )
+        timer.stage("attempts")
         entries = tuple(p.entry for p in planned)
-        try:
-            restore = await self.catalog.commit_restore(
-                run.run,
-                controller_epoch,
-                checkpoint_id,
-                entries,
-                timings_ms=timer.total(),
-                restore_id=restore_id,
-                fences={r: g for r, g in fences.items() if g},
-                before_commit=lambda: writing,
-            )
-        finally:
-            # A transaction that failed first leaves the append to end before the request is
-            # aborted (its records then change nothing); an append that failed is the cause.
-            if not writing.done():
-                await asyncio.wait([writing])
-            failure = None if writing.cancelled() else writing.exception()
-            if failure is not None:
-                raise failure
+        restore = await self.catalog.commit_restore(
+            run.run,
+            controller_epoch,
+            checkpoint_id,
+            entries,
+            timings_ms=timer.total(),
+            restore_id=restore_id,
+            fences={r: g for r, g in fences.items() if g},
+        )
         timer.stage("commit")
         return restore, entries
 
@@ -250,33 +231,28 @@ class Restorer:
         checkpoint_id: int,
         plan: Sequence[PlannedEpisode],
         controller_epoch: int,
-        timer: StageTimer,
     ) -> None:
-        """One ``attempt.started`` per planned episode (``attempt_started_record``), in appends
-        of 4,096 (each built just before it: the transaction's statements run between); their
-        time is the ``attempts`` stage (``StageTimer.beside``)."""
-        started = time.perf_counter()
+        """One ``attempt.started`` per planned episode (``attempt_started_record``)."""
         now = time.time()
-        for start in range(0, len(plan), _ATTEMPTS_PER_APPEND):
-            records = [
-                Record(
-                    partition_for(planned.entry.episode, partitions),
-                    planned.entry.episode.encode(),
-                    attempt_started_record(
-                        planned.entry.episode,
-                        planned.entry.attempt,
-                        restore_id=restore_id,
-                        checkpoint_id=checkpoint_id,
-                        previous_attempt=planned.entry.previous_attempt,
-                        cut=planned.cut,
-                        controller_epoch=controller_epoch,
-                        ts=now,
-                    ),
-                )
-                for planned in plan[start : start + _ATTEMPTS_PER_APPEND]
-            ]
-            await self.log.append_records(run, records)
-        timer.beside("attempts", time.perf_counter() - started)
+        records = [
+            Record(
+                partition_for(planned.entry.episode, partitions),
+                planned.entry.episode.encode(),
+                attempt_started_record(
+                    planned.entry.episode,
+                    planned.entry.attempt,
+                    restore_id=restore_id,
+                    checkpoint_id=checkpoint_id,
+                    previous_attempt=planned.entry.previous_attempt,
+                    cut=planned.cut,
+                    controller_epoch=controller_epoch,
+                    ts=now,
+                ),
+            )
+            for planned in plan
+        ]
+        for start in range(0, len(records), 4096):
+            await self.log.append_records(run, records[start : start + 4096])
 
     async def _abort(self, run: str, restore_id: int, error: BaseException) -> None:
         """Abort a request that failed before its commit (best effort: else at its deadline)."""

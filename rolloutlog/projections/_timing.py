@@ -33,13 +33,6 @@ class StageTimer:
             self.parent.record(name, now - self.last)
         self.last = now
 
-    def beside(self, name: str, seconds: float) -> None:
-        """A stage that ran beside the others and just ended, ``seconds`` long: recorded as its
-        own, while the time it overlapped stays in the stage that ``stage`` ends next."""
-        self.stages[name] = round(seconds * 1000, 3)
-        if self.parent is not None:
-            self.parent.record(name, seconds)
-
     def total(self) -> dict[str, float]:
         return {**self.stages, "total": round((time.perf_counter() - self.started) * 1000, 3)}
 

@@ -9,12 +9,7 @@ from typing import Any
 
 import pytest
 
-from rolloutlog.errors import (
-    BackendUnavailable,
-    StaleController,
-    UnknownCheckpoint,
-    UnknownEpisode,
-)
+from rolloutlog.errors import StaleController, UnknownCheckpoint, UnknownEpisode
 from rolloutlog.log import validate_event
 from rolloutlog.projections import CheckpointResult
 from tests import factories as f
@@ -318,42 +313,6 @@ async def test_a_restore_that_fails_commits_nothing(
         "a"
     ]
     assert projection.boundaries["environment"].stage == "invoke_agent"
-
-
-async def test_a_restore_whose_attempt_records_fail_commits_nothing(
-    service: Service, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The records are appended while the commit's transaction runs: an append that fails
-    rolls it back, after the transaction has written its rows."""
-    await service.append(f.started("a"), f.boundary("a", "seed"))
-    await committed(service)
-    commit_restore = service.catalog.commit_restore
-    transaction_waited = asyncio.Event()
-
-    async def waited(*args: Any, **kw: Any) -> Any:
-        before_commit = kw["before_commit"]
-
-        async def noted() -> object:
-            transaction_waited.set()
-            return await before_commit()
-
-        return await commit_restore(*args, **{**kw, "before_commit": noted})
-
-    async def broken(*args: object, **kw: object) -> None:
-        await asyncio.sleep(0.05)
-        raise BackendUnavailable("the log went away")
-
-    monkeypatch.setattr(service.catalog, "commit_restore", waited)
-    monkeypatch.setattr(service.log, "append_records", broken)
-    with pytest.raises(BackendUnavailable, match="the log went away"):
-        await service.restore()
-    assert transaction_waited.is_set()
-    monkeypatch.undo()
-    assert await service.catalog.list_restores("run") == []
-    assert set((await service.catalog.current_attempts("run")).values()) <= {0}
-    result = await service.restore()
-    [entry] = result.entries
-    assert (entry.previous_attempt, entry.attempt) == (0, 1)
 
 
 async def test_verification_failure_restarts_instead_of_continuing(service: Service) -> None:
