@@ -815,6 +815,30 @@ async def test_a_restore_may_restart_or_exclude_episodes_begun_after_the_markers
     assert (await catalog.commit_restore(RUN, epoch, checkpoint_id, again)).restore_id == 2
 
 
+async def test_a_restore_sets_each_status_and_names_the_stale_episode(catalog: Catalog) -> None:
+    epoch = await controlled_run(catalog)
+    entries = make_entries(10)
+    checkpoint_id = await commit(catalog, epoch, entries)
+    first = restore_plan(entries)
+    first[2] = first[2]._replace(action="excluded")
+    await catalog.commit_restore(RUN, epoch, checkpoint_id, first)
+    # The excluded episode runs again, a running one is excluded, the others stay running.
+    again = restore_plan(entries, previous=1)
+    again[5] = again[5]._replace(action="excluded")
+    # A stale entry after others that agree: nothing changes, and the error names it.
+    stale = [*again[:-1], again[-1]._replace(previous_attempt=0)]
+    with pytest.raises(InvalidRequest) as raised:
+        await catalog.commit_restore(RUN, epoch, checkpoint_id, stale)
+    assert raised.value.details["episode"] == again[-1].episode
+    assert set((await catalog.current_attempts(RUN)).values()) == {1}
+    await catalog.commit_restore(RUN, epoch, checkpoint_id, again)
+    assert set((await catalog.current_attempts(RUN)).values()) == {2}
+    statuses = {e.episode: e.status for e in await catalog.list_episodes(RUN)}
+    assert statuses[again[2].episode] == "running"
+    assert statuses[again[5].episode] == "excluded"
+    assert {statuses[e.episode] for i, e in enumerate(again) if i != 5} == {"running"}
+
+
 async def test_attempts_must_move_forward(catalog: Catalog) -> None:
     epoch = await controlled_run(catalog)
     checkpoint_id = await commit(catalog, epoch, make_entries(2))
