@@ -136,6 +136,17 @@ def _decode(body: Mapping[str, Any]) -> tuple[list[PlannedEpisode], set[str]]:
 Plan = tuple[Sequence[PlannedEpisode], dict[str, int], dict[str, dict[int, int]]]
 
 
+async def plan_inputs(
+    catalog: Catalog, run: str, checkpoint_id: int
+) -> tuple[list[ManifestEntry], dict[str, int]]:
+    """The manifest of a committed checkpoint and the run's current attempts, read at once
+    (neither waits for the other: attempts change only when a restore commits, and a plan
+    made from attempts a later restore changed is refused as stale by its commit)."""
+    return await asyncio.gather(
+        catalog.load_manifest(run, checkpoint_id), catalog.current_attempts(run)
+    )
+
+
 class PartPlanner:
     """Plans a service's parts of restores: its own requests' in-process, other replicas'
     requests' through ``poll``."""
@@ -168,11 +179,13 @@ class PartPlanner:
         projector: Projector,
         checkpoint: Checkpoint,
         manifest: Sequence[ManifestEntry],
+        current: Mapping[str, int],
         request: PlanRequest,
         timer: StageTimer | None = None,
     ) -> PlanPart:
-        """Plan the restore of ``checkpoint`` (whose manifest is ``manifest``) for the
-        partitions the projector owns. A projector owning them all checks the exclusions (a
+        """Plan the restore of ``checkpoint`` (whose manifest is ``manifest``; the run's
+        current attempts are ``current``, both from ``plan_inputs``) for the partitions the
+        projector owns. A projector owning them all checks the exclusions (a
         mistyped one fails before any replay); an owner of some leaves the names it does not
         know to the requester's check over every part."""
         run, partitions, owned = projector.run, projector.partitions, projector.owned
@@ -193,7 +206,6 @@ class PartPlanner:
 
         if not whole:
             manifest = [e for e in manifest if mine(e.episode)]
-        current = await self.catalog.current_attempts(run)
         excluded = {e for e in request.exclude if mine(e)}
         known = {entry.episode for entry in manifest}
         # Episodes begun after the markers are not in the checkpoint; their events belong to the
@@ -436,10 +448,10 @@ class PartPlanner:
         run, restore_id = request.run, request.restore_id
         try:
             checkpoint = await self.catalog.get_checkpoint(run, request.checkpoint_id)
-            manifest = await self.catalog.load_manifest(run, request.checkpoint_id)
+            manifest, current = await plan_inputs(self.catalog, run, request.checkpoint_id)
             with collector_paused():
                 part = await self.plan_part(
-                    projector, checkpoint, manifest, PlanRequest.from_json(request.request)
+                    projector, checkpoint, manifest, current, PlanRequest.from_json(request.request)
                 )
             projector.begin_restore(restore_id, part.resets, part.pins)
             # Parts a previous projector of this replica wrote (at generations still valid, or

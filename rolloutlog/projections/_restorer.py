@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from rolloutlog.catalog import Checkpoint, Restore, RestoreEntry, Run
 from rolloutlog.core import PlannedEpisode, RestorePolicy, check_controller_epoch
 from rolloutlog.log import Record, attempt_started_record, partition_for
-from rolloutlog.projections._part_planner import PartPlanner, PlanPart, PlanRequest
+from rolloutlog.projections._part_planner import PartPlanner, PlanPart, PlanRequest, plan_inputs
 from rolloutlog.projections._projection_server import (
     ProjectionServer,
     committed_checkpoint,
@@ -118,16 +118,21 @@ class Restorer:
         # This restore supersedes the run's earlier ones: their projections go now rather than
         # sit beside this one's replay (rebuilt from the log if still asked for).
         self.projections.cache.forget_run(run)
-        manifest = await self.catalog.load_manifest(run, checkpoint.checkpoint_id)
+        manifest, current = await plan_inputs(self.catalog, run, checkpoint.checkpoint_id)
         alone = projector.owns_every_partition
-        plan_part = self.planner.plan_part
-        part = await plan_part(projector, checkpoint, manifest, request, timer) if alone else None
+
+        async def plan_part() -> PlanPart:
+            return await self.planner.plan_part(
+                projector, checkpoint, manifest, current, request, timer
+            )
+
+        part = await plan_part() if alone else None
         restore_id = await self._open(projector, controller_epoch, checkpoint, request, part)
         committed = begun = False
         self._requesting[(run, restore_id)] = projector
         try:
             if part is None:
-                part = await plan_part(projector, checkpoint, manifest, request, timer)
+                part = await plan_part()
             projector.begin_restore(restore_id, part.resets, part.pins)
             begun = True
             planned, cuts, fences = await self.planner.gather(
