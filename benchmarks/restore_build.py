@@ -32,7 +32,7 @@ import workloads
 from _common import save, summary
 
 from rolloutlog.catalog import ManifestEntry
-from rolloutlog.core import ProjectionLine, composable, projection_positions
+from rolloutlog.core import ProjectionLine, composable
 from rolloutlog.log import open_log, partition_for, peek_record
 from rolloutlog.participants import KafkaTransport
 from rolloutlog.projections._replay import Composable, compose_stream, replay_stream
@@ -107,17 +107,7 @@ async def _composables(
     for entry in manifest:
         tracker = trackers[entry.episode]
         assert composable(tracker)
-        positions = tuple(projection_positions(tracker))
-        out.append(
-            Composable(
-                entry.episode,
-                entry.cut_partition,
-                entry.cut_offset,
-                positions,
-                tracker,
-                tracker.version,
-            )
-        )
+        out.append(Composable.of(entry, tracker))
     return out
 
 

@@ -18,7 +18,6 @@ from rolloutlog.core import (
     RestorePolicy,
     apply_policy,
     composable,
-    projection_positions,
     replay_start,
 )
 from rolloutlog.errors import InvalidRequest, UnknownCheckpoint, UnknownEpisode, UnknownRestore
@@ -329,17 +328,7 @@ class ProjectionServer:
             with collector_paused():
                 for entry, tracker, version in chosen:
                     if tracker.version == version and composable(tracker):
-                        positions = tuple(projection_positions(tracker))
-                        wanted.append(
-                            Composable(
-                                entry.episode,
-                                entry.cut_partition,
-                                entry.cut_offset,
-                                positions,
-                                tracker,
-                                version,
-                            )
-                        )
+                        wanted.append(Composable.of(entry, tracker))
                     else:
                         replay.append(entry)
             chosen.clear()

@@ -24,7 +24,12 @@ from typing import Any, NamedTuple
 
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import ManifestEntry
-from rolloutlog.core import EpisodeFold, EpisodeProjection, compose_projection
+from rolloutlog.core import (
+    EpisodeFold,
+    EpisodeProjection,
+    compose_projection,
+    projection_positions,
+)
 from rolloutlog.log import Log, peek_record, record_episode, record_payload_start
 from rolloutlog.projections._fold import project_raw
 
@@ -205,6 +210,18 @@ class Composable(NamedTuple):
     positions: tuple[int, ...]
     state: EpisodeFold
     version: int
+
+    @classmethod
+    def of(cls, entry: ManifestEntry, state: EpisodeFold) -> Composable:
+        """The episode of ``entry`` composed from ``state`` as it is now (``composable``)."""
+        return cls(
+            entry.episode,
+            entry.cut_partition,
+            entry.cut_offset,
+            tuple(projection_positions(state)),
+            state,
+            state.version,
+        )
 
 
 #: How a partition's read hands its records over: ``take`` a page, then ``emit`` the episodes

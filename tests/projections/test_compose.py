@@ -120,6 +120,23 @@ def test_what_cannot_be_composed_is_left_to_a_replay() -> None:
     assert not composable(tracker)
 
 
+async def _restored_and_served(service: Any) -> tuple[Any, dict[str, bytes]]:
+    """A checkpoint and a restore of it, with the lines the restore serves by episode."""
+    checkpoint = await service.checkpoint()
+    assert isinstance(checkpoint, CheckpointResult)
+    restored = await service.restore()
+    restore_id = restored.restore.restore_id
+    lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
+    return restored, {episode: line.line for episode, line in (await lines.complete()).items()}
+
+
+async def _replayed_lines(service: Any, restore_id: int) -> dict[str, bytes]:
+    """The restore's lines rebuilt by a replay of the log (its cache dropped first)."""
+    service.coordinator._restore_cache.forget_run(service.run)
+    again = await service.coordinator.restore_projections(service.run, restore_id)
+    return {episode: ProjectionLine.of(p).line for episode, p in again.items()}
+
+
 async def test_a_pinned_restore_serves_composed_lines_that_a_replay_gives(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -150,19 +167,14 @@ async def test_a_pinned_restore_serves_composed_lines_that_a_replay_gives(
             f.boundary("g", "invoke_agent", {"turn": 2}, seq=3),
             f.chunk("g", "c2", 0, 4),
         )
-        checkpoint = await service.checkpoint()
-        assert isinstance(checkpoint, CheckpointResult)
-        restored = await service.restore()
+        restored, served = await _restored_and_served(service)
         restore_id = restored.restore.restore_id
-        lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
-        served = {episode: line.line for episode, line in (await lines.complete()).items()}
         continued = {e.episode for e in restored.entries if e.action == "continue"}
         assert set(served) == continued == {"a", "e", "g"}
         assert composed == [3] and replayed == []  # every continued projection composed
-        service.coordinator._restore_cache.forget_run(service.run)
-        again = await service.coordinator.restore_projections(service.run, restore_id)
+        again = await _replayed_lines(service, restore_id)
         assert replayed == [3]
-        assert served == {e: ProjectionLine.of(p).line for e, p in again.items()}
+        assert served == again
     finally:
         await service.close()
 
@@ -170,9 +182,9 @@ async def test_a_pinned_restore_serves_composed_lines_that_a_replay_gives(
 async def test_an_episode_that_cannot_be_composed_at_its_turn_is_replayed(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    """A tracker that moved on before its records were read, or records that are not what it
-    says (both made to happen here: the second composition fails): that episode is replayed,
-    and every line is still the replay's."""
+    """Records that are not what a tracker says (made to happen here: the second composition
+    fails; a tracker that moved on before its records were read takes the same way out): that
+    episode is replayed, and every line is still the replay's."""
     real = _replay.compose_projection
     calls: list[str] = []
 
@@ -187,15 +199,10 @@ async def test_an_episode_that_cannot_be_composed_at_its_turn_is_replayed(
     try:
         for events in _scenario():
             await service.append(*events)
-        checkpoint = await service.checkpoint()
-        assert isinstance(checkpoint, CheckpointResult)
-        restored = await service.restore()
+        restored, served = await _restored_and_served(service)
         restore_id = restored.restore.restore_id
-        lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
-        served = {episode: line.line for episode, line in (await lines.complete()).items()}
         assert len(calls) == 2 and set(served) == {"a", "e"}
-        service.coordinator._restore_cache.forget_run(service.run)
-        again = await service.coordinator.restore_projections(service.run, restore_id)
-        assert served == {e: ProjectionLine.of(p).line for e, p in again.items()}
+        again = await _replayed_lines(service, restore_id)
+        assert served == again
     finally:
         await service.close()
