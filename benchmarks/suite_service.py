@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 from _common import ROOT, append_in_chunks, serve_command, wait_ready
 from workloads import Workload
 
@@ -236,6 +237,29 @@ async def caught_up(
         if time.perf_counter() - t0 > timeout_s:
             raise RuntimeError(f"projector did not catch up: {counts} (want {live} live)")
         await asyncio.sleep(0.1)
+
+
+async def prepared(svc: Service, run: str, checkpoint_id: int, timeout_s: float = 60) -> str:
+    """Wait until the service has prepared the lines of checkpoint ``checkpoint_id``'s restore
+    (``rolloutlog_prepared_projection_lines``, off the checkpoint's path) or given up on them;
+    returns the prepare's state (``ready``, ``skipped``, ``failed``; ``none`` when there is
+    none, as on a replica that did not capture the checkpoint whole)."""
+    wanted = {"run": run, "checkpoint_id": str(checkpoint_id)}
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(base_url=svc.url, timeout=30) as client:
+        while True:
+            state = "none"
+            for line in (await client.get("/metrics")).text.splitlines():
+                if line.startswith("rolloutlog_prepared_projection_lines{"):
+                    pairs = line[line.index("{") + 1 : line.rindex("}")].split('",')
+                    labels = dict(p.rstrip('"').split('="', 1) for p in pairs)
+                    if wanted.items() <= labels.items():
+                        state = labels["state"]
+            if state != "preparing":
+                return state
+            if time.perf_counter() - t0 > timeout_s:
+                raise RuntimeError(f"checkpoint {checkpoint_id}'s prepare did not end")
+            await asyncio.sleep(0.1)  # (a scrape costs the service a little)
 
 
 @contextlib.asynccontextmanager

@@ -22,6 +22,7 @@ from suite_service import (
     Deployment,
     Service,
     caught_up,
+    prepared,
     reader,
     sdk_load,
     service,
@@ -79,18 +80,20 @@ async def checkpoints_and_restores(
        whole manifest is written (``checkpoint_cold_s``).
     2. ``runs`` rounds of: ``CHURN_ROLLOUTS`` live rollouts advance (untimed), then a checkpoint
        (request → committed: ``checkpoint_s``).
-    3. ``restores`` rounds of: floor (read + split what a restore of the newest checkpoint
-       replays), restore (request → committed plan), fetching every projection of it (NDJSON
-       stream, decoded as a participant would); before each round but the first, a new
-       checkpoint (every episode changed: the restore gave it a new attempt), whose time is
-       ``checkpoint_after_restore_s``.
+    3. ``restores`` rounds of: the wait for the checkpoint's lines to be prepared (the service
+       starts that 1 s after the commit, off its path: ``prepare_s`` from the checkpoint's
+       reply, ``service_cpu_s_per_prepare``), floor (read + split what a restore of the newest
+       checkpoint replays), restore (request → committed plan), fetching every projection of
+       it (NDJSON stream, decoded as a participant would); before each round but the first, a
+       new checkpoint (every episode changed: the restore gave it a new attempt), whose time
+       is ``checkpoint_after_restore_s``.
     4. ``per_kind`` rounds of: a checkpoint, a restore and its fetch by one fetcher per
        participant kind in parallel (``fetch_per_kind``: ``restore_and_fetch_per_kind_s``).
     """
     live = workload.live
     figures: dict[str, list[float]] = {}
     stages: dict[str, dict[str, list[float]]] = {"checkpoint": {}, "restore": {}}
-    cpu = {"checkpoint": 0.0, "restore": 0.0}
+    cpu = {"checkpoint": 0.0, "restore": 0.0, "prepare": 0.0}
 
     async def checkpoint(figure: str) -> Any:
         before = svc.cpu_s()
@@ -114,9 +117,18 @@ async def checkpoints_and_restores(
                 stages["checkpoint"].setdefault(stage, []).append(float(value))
     svc.reset_peak_rss()
     rss_after: list[float] = []
+    states: list[str] = []
     for index in range(restores):
         if index:
             info = await checkpoint("checkpoint_after_restore_s")
+        # The restore's lines are prepared off the checkpoint's path once it commits: a crash
+        # comes between checkpoints, so a restore meets them ready. Waited for here (its time
+        # from the checkpoint's reply, ``prepare_s``), before the floor reads the log beside it.
+        t0, before = time.perf_counter(), svc.cpu_s()
+        states.append(await prepared(svc, run, info.checkpoint_id))
+        if index:
+            figures.setdefault("prepare_s", []).append(time.perf_counter() - t0)
+            cpu["prepare"] += svc.cpu_s() - before
         async with reader(svc) as log:
             floor_s, floor_bytes = await floor(log, run, info.offsets)
         before = svc.cpu_s()
@@ -148,6 +160,9 @@ async def checkpoints_and_restores(
     out["restore_peak_rss_mb"] = svc.peak_rss_mb()
     # The service's RSS after each restore's fetch, in order: flat, or growing with restores.
     out["rss_after_fetch_mb"] = rss_after
+    # What each restore met of its checkpoint's prepare (``ready``, or ``skipped``: its lines
+    # would not fit the service's budget, and the restore composes them after its commit).
+    out["prepared"] = states
     if per_kind:
         # Beside the single stream: the same restore + fetch with one fetcher per participant
         # kind in parallel, as real Gyms fetch (each kind's stream holds what it restores, so
@@ -155,6 +170,7 @@ async def checkpoints_and_restores(
         seconds, lines = [], 0
         for _ in range(per_kind):
             info = await trainer.checkpoint(run)
+            await prepared(svc, run, info.checkpoint_id)
             t0 = time.perf_counter()
             restored = await trainer.restore(run, checkpoint_id=info.checkpoint_id)
             lines = await fetch_per_kind(trainer, run, restored.restore_id)
@@ -170,6 +186,8 @@ async def checkpoints_and_restores(
     out["stages_ms"]["cold_checkpoint"] = cold_stages
     out["service_cpu_s_per_checkpoint"] = cpu["checkpoint"] / runs
     out["service_cpu_s_per_restore_and_fetch"] = cpu["restore"] / max(1, restores)
+    # What preparing a checkpoint's lines cost the service (off the checkpoint's path).
+    out["service_cpu_s_per_prepare"] = cpu["prepare"] / max(1, restores - 1)
     return out
 
 

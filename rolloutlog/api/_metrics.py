@@ -133,7 +133,26 @@ class _Projectors(Collector):
         )
         for run, count in sorted(coordinator.owned_partition_counts().items()):
             owned.add_metric([run], count)
-        yield from (live, applied, quarantined, healthy, end, offset, lag, inflight, owned)
+        prepared = GaugeMetricFamily(
+            "rolloutlog_prepared_projection_lines",
+            "Lines of the run's newest committed checkpoint prepared for its restore, by the "
+            "prepare's state (preparing, ready, skipped: over the budget, failed).",
+            labels=["run", "checkpoint_id", "state"],
+        )
+        for run, lines in sorted(coordinator.preparer.status().items()):
+            prepared.add_metric([run, str(lines.checkpoint_id), lines.state], len(lines.lines))
+        yield from (
+            live,
+            applied,
+            quarantined,
+            healthy,
+            end,
+            offset,
+            lag,
+            inflight,
+            owned,
+            prepared,
+        )
 
 
 class Metrics:

@@ -275,6 +275,15 @@ class ProjectionLine(NamedTuple):
             else "continued",
         )
 
+    def as_attempt(self, attempt: int, *, was: int) -> ProjectionLine:
+        """This line (of attempt ``was``) as attempt ``attempt``'s: a restore continues a
+        projection prepared at the cut, in which only the attempt and its capture key change
+        (``to_json``'s first fields; the rest of the line is kept as it is)."""
+        head = _line_head(self.episode, was)
+        if not self.line.startswith(head):
+            raise ValueError(f"the line of {self.episode!r} is not attempt {was}'s")
+        return self._replace(line=_line_head(self.episode, attempt) + self.line[len(head) :])
+
     def matches(self, kind: str | None, participant: str | None) -> bool:
         """The bulk route's filter: does this projection hold something for that participant?
 
@@ -294,3 +303,10 @@ class ProjectionLine(NamedTuple):
         if kind == "agent" and self.agent_boundary:
             return True
         return any(k == kind for k, _ in self.sessions)
+
+
+def _line_head(episode: str, attempt: int) -> bytes:
+    """The start of a ``ProjectionLine`` up to its ``capture_key`` (``to_json``'s first three
+    fields, as orjson writes them), with the comma that follows."""
+    head = {"episode": episode, "attempt": attempt, "capture_key": capture_key(episode, attempt)}
+    return orjson.dumps(head)[:-1] + b","

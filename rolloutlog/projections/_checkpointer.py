@@ -37,6 +37,7 @@ from rolloutlog.projections._manifest_writer import (
     staging_keys,
     write_parts,
 )
+from rolloutlog.projections._prepared import RestorePreparer
 from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._timing import StageTimer, backoff_s
 from rolloutlog.projections._waits import ExportRequests, reach_markers, resolve_waits
@@ -101,8 +102,11 @@ class Checkpointer:
         *,
         replica_id: str = "",
         grace_s: float = GRACE_S,
+        preparer: RestorePreparer | None = None,
     ) -> None:
         self.log = log
+        #: Prepares a restore's lines once a checkpoint captured whole commits.
+        self._preparer = preparer
         self.catalog = catalog
         self._projector = projector
         self._spawn = spawn
@@ -175,6 +179,8 @@ class Checkpointer:
                 raise
             return answered
         await projector.capture_outcome()  # of a checkpoint another replica committed just now
+        if self._preparer is not None:
+            self._preparer.cancel(run)  # the previous checkpoint's: it would hold the loop
         timer.stage("begin")
         deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
         capture = projector.begin_capture(checkpoint_id)
@@ -319,6 +325,8 @@ class Checkpointer:
         end_committed(projector, capture, delta)
         if whole:
             self._staged[run] = checkpoint_id
+            if self._preparer is not None:
+                self._preparer.start(projector, capture)
         self._spawn_trim(run)
         return CheckpointResult(
             committed, staging, timer.total(), restaged if staging is None else None

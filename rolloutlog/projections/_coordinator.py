@@ -34,6 +34,7 @@ from rolloutlog.projections._fork import ForkRequest, ForkResult, fork_run
 from rolloutlog.projections._health import HealthReporter, RunHealth, RunHealthReport
 from rolloutlog.projections._ownership import DEFAULT_LEASE_S, Ownership, default_replica_id
 from rolloutlog.projections._part_planner import PartPlanner
+from rolloutlog.projections._prepared import RestorePreparer
 from rolloutlog.projections._projection_server import (
     ProjectionCache,
     ProjectionServer,
@@ -111,8 +112,18 @@ class Coordinator:
         #: Per run, the tasks that feed the catalog from its projector (ended with the run).
         self._recorders: dict[str, list[asyncio.Task[Any]]] = {}
         self._restore_cache = ProjectionCache(projection_cache_bytes)
+        #: A committed checkpoint's lines, prepared for its restore within half that budget
+        #: (they take the place of the run's cached ones).
+        self.preparer = RestorePreparer(
+            log, projection_cache_bytes // 2, superseded=self._restore_cache.forget_run
+        )
         self._checkpointer = Checkpointer(
-            log, catalog, self.projector, self._spawn, replica_id=self.replica_id
+            log,
+            catalog,
+            self.projector,
+            self._spawn,
+            replica_id=self.replica_id,
+            preparer=self.preparer,
         )
         self._restorer = Restorer(
             PartPlanner(
@@ -122,7 +133,7 @@ class Coordinator:
                 replica_id=self.replica_id,
                 owned_now=self._ownership.of,
             ),
-            ProjectionServer(log, catalog, self.projectors, self._restore_cache),
+            ProjectionServer(log, catalog, self.projectors, self._restore_cache, self.preparer),
             deadline_s=restore_deadline_s,
         )
 
@@ -378,6 +389,7 @@ class Coordinator:
                 task.cancel()
             await asyncio.gather(*recorders, return_exceptions=True)
             self._restore_cache.forget_run(run)
+            self.preparer.cancel(run)
             await self._checkpointer.forget_run(run)
             had_log = await self.log.delete_run(run)
         self._run_locks.pop(run, None)

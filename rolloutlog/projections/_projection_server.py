@@ -23,6 +23,7 @@ from rolloutlog.core import (
 from rolloutlog.errors import InvalidRequest, UnknownCheckpoint, UnknownEpisode, UnknownRestore
 from rolloutlog.log import Log
 from rolloutlog.projections._part_planner import PlanPart, PlanRequest
+from rolloutlog.projections._prepared import RestorePreparer
 from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._replay import (
     Composable,
@@ -192,11 +193,13 @@ class ProjectionServer:
         catalog: Catalog,
         projectors: Mapping[str, Projector],
         cache: ProjectionCache,
+        preparer: RestorePreparer | None = None,
     ) -> None:
         self.log = log
         self.catalog = catalog
         self._projectors = projectors
         self.cache = cache
+        self._preparer = preparer
         #: Projection lines being built (``_build``).
         self._builds: set[asyncio.Task[None]] = set()
 
@@ -279,8 +282,9 @@ class ProjectionServer:
         checkpoint: Checkpoint,
         manifest: Sequence[ManifestEntry],
         part: PlanPart,
-    ) -> AsyncIterator[EpisodeProjection]:
-        """A plan's continued projections: the plan's own when it replayed them; composed from
+    ) -> AsyncIterator[EpisodeProjection | ProjectionLine]:
+        """A plan's continued projections: the plan's own when it replayed them; prepared when
+        the checkpoint committed (``RestorePreparer``), given the new attempts; composed from
         the records their trackers' positions name when its pins held them (the trackers were
         reset to the new attempts at the commit, and are read here before anything else runs);
         else from a replay of their records (what ``_replay_restore`` reads once the restore
@@ -321,17 +325,40 @@ class ProjectionServer:
             state = item.state
             return projector.trackers.get(item.episode) is state and state.version == item.version
 
-        async def composed() -> AsyncIterator[EpisodeProjection]:
+        # The lines prepared at the checkpoint's commit, of the episodes continued from their
+        # pinned state at the cut: taken now, the commit has moved their trackers on.
+        prepared = (
+            {} if self._preparer is None else self._preparer.take(run, checkpoint.checkpoint_id)
+        )
+
+        async def composed() -> AsyncIterator[EpisodeProjection | ProjectionLine]:
             async for projection in _each(planned):
                 yield projection
             wanted: list[Composable] = []
+            ready: list[tuple[ProjectionLine, int, ManifestEntry]] = []
             with collector_paused():
                 for entry, tracker, version in chosen:
-                    if tracker.version == version and composable(tracker):
+                    line = prepared.pop(entry.episode, None)
+                    if line is not None:
+                        ready.append((line, attempts[entry.episode], entry))
+                    elif tracker.version == version and composable(tracker):
                         wanted.append(Composable.of(entry, tracker))
                     else:
                         replay.append(entry)
             chosen.clear()
+            prepared.clear()
+            # Each line let go as its copy for the new attempt is made (both held at once
+            # would cost a second copy of every line).
+            ready.reverse()
+            while ready:
+                line, attempt, entry = ready.pop()
+                try:
+                    yield line.as_attempt(attempt, was=entry.attempt)
+                except ValueError:
+                    replay.append(entry)
+                del line
+                if len(ready) % _ENCODE_SLICE == 0:
+                    await asyncio.sleep(0)
             failed: list[str] = []
             async for projection in compose_stream(self.log, run, wanted, current, failed):
                 yield projection
@@ -354,16 +381,25 @@ class ProjectionServer:
         return composed()
 
     def _build(
-        self, run: str, restore_id: int, projections: AsyncIterator[EpisodeProjection]
+        self,
+        run: str,
+        restore_id: int,
+        projections: AsyncIterator[EpisodeProjection | ProjectionLine]
+        | AsyncIterator[EpisodeProjection],
     ) -> RestoreLines:
-        """Encode ``projections`` into new ``RestoreLines`` in a task (dropped from the cache
-        if it fails: the next fetch builds them again)."""
+        """Encode ``projections`` (or take their lines, when prepared) into new
+        ``RestoreLines`` in a task (dropped from the cache if it fails: the next fetch builds
+        them again)."""
         lines = RestoreLines()
 
         async def fill() -> None:
             try:
                 async for projection in projections:
-                    lines.add(ProjectionLine.of(projection))
+                    lines.add(
+                        projection
+                        if isinstance(projection, ProjectionLine)
+                        else ProjectionLine.of(projection)
+                    )
             except BaseException as e:
                 lines.finish(e)
                 self.cache.drop(run, restore_id, lines)

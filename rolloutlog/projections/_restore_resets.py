@@ -130,13 +130,7 @@ class RestoreResets:
         out: dict[str, EpisodeTracker] = {}
         for entry in entries:
             tracker = trackers.get(entry.episode)
-            if (
-                tracker is not None
-                and tracker.exact
-                and not tracker.finished
-                and tracker.attempt == entry.attempt
-                and versions.get(entry.episode) == tracker.version
-            ):
+            if tracker is not None and tracker.at_cut_of(entry, versions):
                 tracker.pin()
                 out[entry.episode] = tracker
         self._pinned.extend(out.values())

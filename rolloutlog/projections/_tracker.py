@@ -10,6 +10,9 @@ a checkpoint this projector captured takes the verdict of every untouched episod
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from rolloutlog.catalog import ManifestEntry
 from rolloutlog.core import EpisodeFold
 
 __all__ = ["EpisodeTracker"]
@@ -23,6 +26,17 @@ class EpisodeTracker(EpisodeFold):
     def __init__(self, episode: str, partition: int, attempt: int = 0) -> None:
         super().__init__(episode, attempt, keep_payloads=False)
         self.partition = partition
+
+    def at_cut_of(self, entry: ManifestEntry, versions: Mapping[str, int]) -> bool:
+        """Whether this tracker is still, exactly, its state at the cut of the checkpoint whose
+        capture decided ``entry`` (a ``continue``) at ``versions``: its fold's state there
+        (``exact``), unchanged since (what a restore pins, and what a prepare composes)."""
+        return (
+            self.exact
+            and not self.finished
+            and self.attempt == entry.attempt
+            and versions.get(entry.episode) == self.version
+        )
 
     def pinned_state(self) -> EpisodeTracker:
         state = super().pinned_state()

@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +32,7 @@ from rolloutlog.log import (
     record_payload_start,
     validate_event,
 )
-from rolloutlog.projections import CheckpointResult, _replay, project_events
+from rolloutlog.projections import CheckpointResult, _prepared, _replay, project_events
 from rolloutlog.projections import _projection_server as projection_server
 from tests import factories as f
 from tests.projections.both_modes import follow
@@ -120,10 +122,22 @@ def test_what_cannot_be_composed_is_left_to_a_replay() -> None:
     assert not composable(tracker)
 
 
-async def _restored_and_served(service: Any) -> tuple[Any, dict[str, bytes]]:
-    """A checkpoint and a restore of it, with the lines the restore serves by episode."""
+async def _restored_and_served(
+    service: Any, *, prepared: bool = False
+) -> tuple[Any, dict[str, bytes]]:
+    """A checkpoint and a restore of it, with the lines the restore serves by episode: once the
+    checkpoint's lines are prepared (``prepared``), or with its prepare cancelled before it
+    ran (the restore composes them)."""
     checkpoint = await service.checkpoint()
     assert isinstance(checkpoint, CheckpointResult)
+    preparer = service.coordinator.preparer
+    if prepared:
+        task = preparer.status()[service.run].task
+        assert task is not None
+        await task
+        assert preparer.status()[service.run].state == "ready"
+    else:
+        preparer.cancel(service.run)
     restored = await service.restore()
     restore_id = restored.restore.restore_id
     lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
@@ -137,16 +151,27 @@ async def _replayed_lines(service: Any, restore_id: int) -> dict[str, bytes]:
     return {episode: ProjectionLine.of(p).line for episode, p in again.items()}
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["composed", "prepared"])
 async def test_a_pinned_restore_serves_composed_lines_that_a_replay_gives(
-    tmp_path: Path, monkeypatch: Any
+    tmp_path: Path, monkeypatch: Any, prepared: bool
 ) -> None:
+    """A restore of a checkpoint this service captured serves its continued projections
+    composed from their records (no fold): the lines prepared when the checkpoint committed,
+    given the restore's attempts, or composed after its commit; either way a replay's lines."""
+    ahead: list[int] = []
     composed: list[int] = []
     replayed: list[int] = []
     real_compose, real_replay = projection_server.compose_stream, projection_server.replay_stream
 
+    def count_ahead(*args: Any, **kw: Any) -> Any:
+        ahead.append(len(args[2]))
+        return real_compose(*args, **kw)
+
     def count_compose(*args: Any, **kw: Any) -> Any:
         composed.append(len(args[2]))
         return real_compose(*args, **kw)
+
+    monkeypatch.setattr(_prepared, "compose_stream", count_ahead)
 
     def count_replay(*args: Any, **kw: Any) -> Any:
         replayed.append(len(args[2]))
@@ -167,14 +192,20 @@ async def test_a_pinned_restore_serves_composed_lines_that_a_replay_gives(
             f.boundary("g", "invoke_agent", {"turn": 2}, seq=3),
             f.chunk("g", "c2", 0, 4),
         )
-        restored, served = await _restored_and_served(service)
+        restored, served = await _restored_and_served(service, prepared=prepared)
         restore_id = restored.restore.restore_id
         continued = {e.episode for e in restored.entries if e.action == "continue"}
         assert set(served) == continued == {"a", "e", "g"}
-        assert composed == [3] and replayed == []  # every continued projection composed
+        # Every continued projection composed: ahead, when the checkpoint committed (each
+        # entry the manifest continues: the restore's verdicts restart two of them), or by the
+        # restore; none replayed.
+        assert (ahead, composed) == (([5], [0]) if prepared else ([], [3]))
+        assert replayed == []
         again = await _replayed_lines(service, restore_id)
         assert replayed == [3]
-        assert served == again
+        assert served == again  # byte for byte, the restore's attempts and capture keys too
+        assert all(line.startswith(b'{"episode":') for line in served.values())
+        assert {orjson.loads(line)["attempt"] for line in served.values()} == {1}
     finally:
         await service.close()
 

@@ -1,0 +1,155 @@
+"""A checkpoint's continued projections, prepared ahead of a restore (docs/design.md §10 "A
+restore"): once a checkpoint this service captured whole commits, the projection line of each
+episode it continues is composed in the background, off the checkpoint's path, from the records
+its tracker's positions name (``compose_stream``), while the tracker is still its state at the
+cut. A restore of that checkpoint takes them (each given the restore's attempt,
+``ProjectionLine.as_attempt``) instead of composing them after its commit; an episode not
+prepared by then (the prepare still under way, a tracker that had moved on, lines over the
+budget) is composed or replayed as before.
+
+One prepare per run, started ``DELAY_S`` after the commit: a checkpoint of the run that begins
+cancels it (it would hold the event loop from the checkpoint), a newer committed one replaces
+it, the restore that takes it ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+from rolloutlog.catalog import ManifestEntry
+from rolloutlog.core import ProjectionLine, composable
+from rolloutlog.log import Log
+from rolloutlog.projections._capture import CheckpointCapture
+from rolloutlog.projections._projector import Projector
+from rolloutlog.projections._replay import Composable, compose_stream
+
+__all__ = ["PreparedLines", "RestorePreparer"]
+
+logger = logging.getLogger("rolloutlog.projections")
+
+#: What a prepared line costs besides its bytes (as ``RestoreLines`` counts it).
+LINE_OVERHEAD = 400
+#: How long after its checkpoint's commit a prepare starts: checkpoints taken back to back (a
+#: trainer that checkpoints every step) pay nothing for it, the next one cancels it before it
+#: starts. (Started at once, it held the event loop and the GIL from S1's next checkpoint,
+#: 0.4 s later: that checkpoint took 43 ms instead of 22.)
+DELAY_S = 1.0
+#: How many episodes a prepare handles before it lets the event loop run (~1-2 ms of S1's):
+#: small, so that what the service is asked meanwhile waits little for it.
+_SLICE = 32
+
+State = Literal["preparing", "ready", "skipped", "failed"]
+
+
+class PreparedLines:
+    """One checkpoint's prepared lines, by episode, each of the attempt its entry names."""
+
+    def __init__(self, checkpoint_id: int) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.lines: dict[str, ProjectionLine] = {}
+        self.size_bytes = 0
+        self.state: State = "preparing"
+        self.task: asyncio.Task[None] | None = None
+
+
+class RestorePreparer:
+    """The runs' prepares (``start`` when a checkpoint commits, ``take`` when it is restored),
+    their lines within ``budget_bytes`` each."""
+
+    def __init__(
+        self, log: Log, budget_bytes: int, superseded: Callable[[str], None] = lambda run: None
+    ) -> None:
+        self.log = log
+        self.budget_bytes = budget_bytes
+        #: Called as a run's prepare begins: the run's older restores' cached lines go (a
+        #: restore's participants fetch them at once; later, they are built again).
+        self._superseded = superseded
+        self._runs: dict[str, PreparedLines] = {}
+
+    def status(self) -> dict[str, PreparedLines]:
+        """Each run's newest prepare (as the metrics show it)."""
+        return dict(self._runs)
+
+    def cancel(self, run: str) -> None:
+        """A checkpoint of ``run`` begins (or the run is gone): its prepare ends here."""
+        prepared = self._runs.pop(run, None)
+        if prepared is not None and prepared.task is not None:
+            prepared.task.cancel()
+
+    def start(self, projector: Projector, capture: CheckpointCapture) -> None:
+        """Prepare the lines of a checkpoint this service captured whole and just committed."""
+        run = projector.run
+        self.cancel(run)
+        prepared = PreparedLines(capture.checkpoint_id)
+        whole = capture.compose()
+        seen = capture.whole_seen if capture.whole_seen is not None else capture.seen
+        self._runs[run] = prepared
+        prepared.task = asyncio.create_task(self._fill(projector, prepared, whole, seen))
+
+    def take(self, run: str, checkpoint_id: int) -> dict[str, ProjectionLine]:
+        """The lines prepared for ``checkpoint_id`` so far, handed to its restore (the prepare
+        ends: the restore's commit moves the trackers on, and composes the rest itself)."""
+        prepared = self._runs.get(run)
+        if prepared is None or prepared.checkpoint_id != checkpoint_id:
+            return {}
+        self.cancel(run)
+        return prepared.lines
+
+    async def _fill(
+        self,
+        projector: Projector,
+        prepared: PreparedLines,
+        whole: Mapping[str, ManifestEntry],
+        seen: Mapping[str, int],
+    ) -> None:
+        try:
+            await asyncio.sleep(DELAY_S)
+            wanted, estimate = [], 0
+            trackers = projector.trackers
+            for index, entry in enumerate(list(whole.values()), 1):
+                if index % (_SLICE * 8) == 0:
+                    await asyncio.sleep(0)
+                if entry.action != "continue":
+                    continue
+                tracker = trackers.get(entry.episode)
+                if tracker is None or not tracker.at_cut_of(entry, seen):
+                    continue
+                if composable(tracker):
+                    wanted.append(Composable.of(entry, tracker))
+                    estimate += tracker.payload_bytes() + LINE_OVERHEAD
+            if estimate > self.budget_bytes:
+                prepared.state = "skipped"
+                return
+            self._superseded(projector.run)
+
+            def current(item: Composable) -> bool:
+                state = item.state
+                return trackers.get(item.episode) is state and state.version == item.version
+
+            built = 0
+            # (An episode that moved on meanwhile is not prepared: ``failed`` is not needed.)
+            async for projection in compose_stream(self.log, projector.run, wanted, current, []):
+                line = ProjectionLine.of(projection)
+                prepared.lines[line.episode] = line
+                prepared.size_bytes += len(line.line) + LINE_OVERHEAD
+                if prepared.size_bytes > self.budget_bytes:
+                    prepared.lines.clear()
+                    prepared.size_bytes = 0
+                    prepared.state = "skipped"
+                    return
+                built += 1
+                if built % _SLICE == 0:
+                    await asyncio.sleep(0)
+            prepared.state = "ready"
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # What it prepared stands (each line was composed at the cut); the rest is composed
+            # by the restore, as without a prepare.
+            logger.exception(
+                "run %s: preparing checkpoint %s failed", projector.run, prepared.checkpoint_id
+            )
+            prepared.state = "failed"
