@@ -52,11 +52,15 @@ def _agent_boundary(episode: str, stage: str, **kw: Any) -> Event:
     return validate_event(f.envelope("step.boundary", episode, data, who=AGENT, **kw))
 
 
-def _composed_line(state: EpisodeFold, events: list[Event], cut: int) -> bytes:
+def _composed(state: EpisodeFold, events: list[Event], cut: int) -> ProjectionLine:
     records = {offset: encode_record(event) for offset, event in enumerate(events)}
     wanted = {offset: records[offset] for offset in projection_positions(state)}
     projection = compose_projection(state, wanted, cut, record_payload_start, peek_record)
-    return ProjectionLine.of(projection).line
+    return ProjectionLine.of(projection)
+
+
+def _composed_line(state: EpisodeFold, events: list[Event], cut: int) -> bytes:
+    return _composed(state, events, cut).line
 
 
 @settings(max_examples=400, deadline=None)
@@ -74,7 +78,17 @@ def test_a_composed_projection_is_the_folds_line_for_line(
         return
     assert all(offset < cut for offset in projection_positions(tracker))
     folded = project_events("e", offsets, cut, committed)
-    assert _composed_line(tracker, events, cut) == ProjectionLine.of(folded).line
+    prepared = _composed(tracker, events, cut)
+    assert prepared.line == ProjectionLine.of(folded).line
+    # A line prepared at the cut, given a restore's attempt (``ProjectionLine.as_attempt``), is
+    # the one composed from the state that restore continues (``continue_at_cut``).
+    attempt = tracker.attempt
+    tracker.pin()
+    tracker.continue_at_cut(attempt + 2)
+    assert composable(tracker)
+    assert prepared.as_attempt(attempt + 2, was=attempt) == _composed(tracker, events, cut)
+    with pytest.raises(ValueError):
+        prepared.as_attempt(attempt + 2, was=attempt + 1)  # not that attempt's line
 
 
 def test_sessions_and_boundaries_come_from_their_latest_records() -> None:
@@ -235,5 +249,66 @@ async def test_an_episode_that_cannot_be_composed_at_its_turn_is_replayed(
         assert len(calls) == 2 and set(served) == {"a", "e"}
         again = await _replayed_lines(service, restore_id)
         assert served == again
+    finally:
+        await service.close()
+
+
+async def test_a_prepare_that_fails_midway_leaves_the_rest_to_its_restore(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The prepare's read fails after its first line (made to happen here; a log that goes
+    away does the same): what it prepared is served, the restore composes the rest, and every
+    line is still the replay's."""
+    real = _prepared.compose_stream
+
+    async def fail_after_one(*args: Any, **kw: Any) -> Any:
+        async for projection in real(*args, **kw):
+            yield projection
+            raise OSError("the log went away")
+
+    monkeypatch.setattr(_prepared, "compose_stream", fail_after_one)
+    monkeypatch.setattr(_prepared, "DELAY_S", 0.0)
+    service = await open_service(tmp_path)
+    try:
+        for events in _scenario():
+            await service.append(*events)
+        checkpoint = await service.checkpoint()
+        preparer = service.coordinator.preparer
+        task = preparer.status()[service.run].task
+        assert task is not None
+        await task
+        assert preparer.status()[service.run].state == "failed"
+        assert len(preparer.status()[service.run].lines) == 1
+        restored = await service.restore()
+        restore_id = restored.restore.restore_id
+        lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
+        served = {e: line.line for e, line in (await lines.complete()).items()}
+        assert set(served) == {"a", "e"}
+        assert served == await _replayed_lines(service, restore_id)
+        assert checkpoint.checkpoint.checkpoint_id not in {
+            p.checkpoint_id for p in preparer.status().values()
+        }  # taken by the restore
+    finally:
+        await service.close()
+
+
+async def test_a_checkpoint_that_begins_cancels_the_previous_ones_prepare(
+    tmp_path: Path,
+) -> None:
+    """Checkpoints back to back: the first one's prepare (due 1 s after its commit) never runs,
+    the newest one's is the run's."""
+    service = await open_service(tmp_path)
+    try:
+        for events in _scenario():
+            await service.append(*events)
+        first = await service.checkpoint()
+        preparer = service.coordinator.preparer
+        task = preparer.status()[service.run].task
+        second = await service.checkpoint()
+        assert task is not None and task.cancelled()
+        prepared = preparer.status()[service.run]
+        assert prepared.checkpoint_id == second.checkpoint.checkpoint_id
+        assert prepared.checkpoint_id != first.checkpoint.checkpoint_id
+        assert prepared.state == "preparing" and not prepared.lines
     finally:
         await service.close()
