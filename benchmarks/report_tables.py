@@ -86,6 +86,10 @@ def introduction(results: dict[str, Any], quick: bool) -> list[str]:
         "service takes (its whole manifest is written), reported beside it. Restores come after "
         "the live checkpoints (a restore gives every continued episode a new attempt: the "
         "checkpoint after it changes every entry, reported as *after a restore* in the JSON). "
+        "Before each restore the benchmark waits until the service has prepared the "
+        "checkpoint's projection lines (it starts 1 s after the commit, off the checkpoint's "
+        "path, docs/design.md §10 step 9; a crash comes between checkpoints, so a restore meets "
+        "them ready), then measures the floor. "
         "**Restore** = request → committed plan; "
         "**restore + fetch** = until every continued episode's projection has been streamed "
         "(`GET …/restores/{id}/projections`, NDJSON, each line decoded). CPU seconds and peak RSS "
@@ -191,6 +195,21 @@ def figures(results: dict[str, Any]) -> list[str]:
             if parts:
                 w("")
                 w(f"{key}, the service's own stage timings (median ms): " + "; ".join(parts) + ".")
+        prepares = [
+            f"{key} {spread(f['prepare_s'])} from the checkpoint's reply (1 s of it the wait "
+            f"before it starts), {f['service_cpu_s_per_prepare']:.2f} s of service CPU each; "
+            f"what each restore met: {', '.join(f['prepared'])}"
+            for key in ("S1", "S2", "S3")
+            for f in [per.get(key) or {}]
+            if "prepare_s" in f
+        ]
+        if prepares:
+            w("")
+            w(
+                "Preparing a checkpoint's projection lines for its restore (`ready`; "
+                "`skipped` when they would not fit half the restore cache's budget, and the "
+                "restore composes them after its commit): " + "; ".join(prepares) + "."
+            )
         kinds = [
             f"{key} {spread(f['restore_and_fetch_per_kind_s'])} ({f['per_kind_lines']:,} lines; "
             f"the single stream {spread(f['restore_and_fetch_s'])}, {f['live']:,} lines)"
