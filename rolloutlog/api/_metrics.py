@@ -136,7 +136,7 @@ class _Projectors(Collector):
         prepared = GaugeMetricFamily(
             "rolloutlog_prepared_projection_lines",
             "Lines of the run's newest committed checkpoint prepared for its restore, by the "
-            "prepare's state (preparing, ready, skipped: over the budget, failed).",
+            "prepare's state (preparing, ready, skipped: over the budget, failed, cancelled).",
             labels=["run", "checkpoint_id", "state"],
         )
         for run, lines in sorted(coordinator.preparer.status().items()):

@@ -180,7 +180,7 @@ class Checkpointer:
             return answered
         await projector.capture_outcome()  # of a checkpoint another replica committed just now
         if self._preparer is not None:
-            self._preparer.cancel(run)  # the previous checkpoint's: it would hold the loop
+            self._preparer.pause(run)  # the previous checkpoint's: it would hold the loop
         timer.stage("begin")
         deadline = deadline_s if deadline_s is not None else DEFAULT_WAIT_DEADLINE_S
         capture = projector.begin_capture(checkpoint_id)

@@ -389,7 +389,7 @@ class Coordinator:
                 task.cancel()
             await asyncio.gather(*recorders, return_exceptions=True)
             self._restore_cache.forget_run(run)
-            self.preparer.cancel(run)
+            self.preparer.forget(run)
             await self._checkpointer.forget_run(run)
             had_log = await self.log.delete_run(run)
         self._run_locks.pop(run, None)

@@ -8,8 +8,9 @@ prepared by then (the prepare still under way, a tracker that had moved on, line
 budget) is composed or replayed as before.
 
 One prepare per run, started ``DELAY_S`` after the commit: a checkpoint of the run that begins
-cancels it (it would hold the event loop from the checkpoint), a newer committed one replaces
-it, the restore that takes it ends it.
+stops it (it would hold the event loop from the checkpoint), a newer committed one replaces it
+and keeps the lines of every episode unchanged since (``RestorePreparer``), the restore that
+takes it ends it.
 """
 
 from __future__ import annotations
@@ -41,23 +42,42 @@ DELAY_S = 1.0
 #: small, so that what the service is asked meanwhile waits little for it.
 _SLICE = 32
 
-State = Literal["preparing", "ready", "skipped", "failed"]
+State = Literal["preparing", "ready", "skipped", "failed", "cancelled"]
 
 
 class PreparedLines:
-    """One checkpoint's prepared lines, by episode, each of the attempt its entry names."""
+    """One checkpoint's prepared lines, by episode, each of the attempt its entry names, with
+    the tracker version it was composed at (``versions``)."""
 
     def __init__(self, checkpoint_id: int) -> None:
         self.checkpoint_id = checkpoint_id
         self.lines: dict[str, ProjectionLine] = {}
+        self.versions: dict[str, int] = {}
         self.size_bytes = 0
+        #: Of them, how many the previous prepare had composed already (carried over).
+        self.carried = 0
         self.state: State = "preparing"
         self.task: asyncio.Task[None] | None = None
+
+    def add(self, line: ProjectionLine, version: int) -> None:
+        self.lines[line.episode] = line
+        self.versions[line.episode] = version
+        self.size_bytes += len(line.line) + LINE_OVERHEAD
+
+    def clear(self) -> None:
+        self.lines.clear()
+        self.versions.clear()
+        self.size_bytes = 0
 
 
 class RestorePreparer:
     """The runs' prepares (``start`` when a checkpoint commits, ``take`` when it is restored),
-    their lines within ``budget_bytes`` each."""
+    their lines within ``budget_bytes`` each.
+
+    A line depends only on its tracker's state (and the attempt it names), not on the
+    checkpoint: an episode whose tracker has not changed since the previous prepare composed
+    its line (the same version: what a pin relies on) keeps that line. A live run's prepare
+    composes only what changed since the one before, even one a checkpoint cancelled midway."""
 
     def __init__(
         self, log: Log, budget_bytes: int, superseded: Callable[[str], None] = lambda run: None
@@ -73,21 +93,29 @@ class RestorePreparer:
         """Each run's newest prepare (as the metrics show it)."""
         return dict(self._runs)
 
-    def cancel(self, run: str) -> None:
-        """A checkpoint of ``run`` begins (or the run is gone): its prepare ends here."""
-        prepared = self._runs.pop(run, None)
-        if prepared is not None and prepared.task is not None:
+    def pause(self, run: str) -> None:
+        """A checkpoint of ``run`` begins: its prepare stops here (it would hold the event loop
+        from the checkpoint); what it composed is kept for the next one."""
+        prepared = self._runs.get(run)
+        if prepared is not None and prepared.task is not None and not prepared.task.done():
             prepared.task.cancel()
+            prepared.state = "cancelled"
+
+    def forget(self, run: str) -> None:
+        """The run is gone (or its lines were taken): nothing of its prepares is kept."""
+        self.pause(run)
+        self._runs.pop(run, None)
 
     def start(self, projector: Projector, capture: CheckpointCapture) -> None:
         """Prepare the lines of a checkpoint this service captured whole and just committed."""
         run = projector.run
-        self.cancel(run)
+        self.pause(run)
+        base = self._runs.get(run)
         prepared = PreparedLines(capture.checkpoint_id)
         whole = capture.compose()
         seen = capture.whole_seen if capture.whole_seen is not None else capture.seen
         self._runs[run] = prepared
-        prepared.task = asyncio.create_task(self._fill(projector, prepared, whole, seen))
+        prepared.task = asyncio.create_task(self._fill(projector, prepared, base, whole, seen))
 
     def take(self, run: str, checkpoint_id: int) -> dict[str, ProjectionLine]:
         """The lines prepared for ``checkpoint_id`` so far, handed to its restore (the prepare
@@ -95,13 +123,14 @@ class RestorePreparer:
         prepared = self._runs.get(run)
         if prepared is None or prepared.checkpoint_id != checkpoint_id:
             return {}
-        self.cancel(run)
+        self.forget(run)
         return prepared.lines
 
     async def _fill(
         self,
         projector: Projector,
         prepared: PreparedLines,
+        base: PreparedLines | None,
         whole: Mapping[str, ManifestEntry],
         seen: Mapping[str, int],
     ) -> None:
@@ -114,13 +143,24 @@ class RestorePreparer:
                     await asyncio.sleep(0)
                 if entry.action != "continue":
                     continue
-                tracker = trackers.get(entry.episode)
+                episode = entry.episode
+                tracker = trackers.get(episode)
                 if tracker is None or not tracker.at_cut_of(entry, seen):
                     continue
-                if composable(tracker):
+                line = None if base is None else base.lines.get(episode)
+                if (
+                    line is not None
+                    and base is not None
+                    and base.versions[episode] == seen[episode]
+                ):
+                    prepared.add(line, tracker.version)
+                    prepared.carried += 1
+                elif composable(tracker):
                     wanted.append(Composable.of(entry, tracker))
                     estimate += tracker.payload_bytes() + LINE_OVERHEAD
-            if estimate > self.budget_bytes:
+            base = None  # the lines that changed go with it
+            if prepared.size_bytes + estimate > self.budget_bytes:
+                prepared.clear()
                 prepared.state = "skipped"
                 return
             self._superseded(projector.run)
@@ -132,12 +172,9 @@ class RestorePreparer:
             built = 0
             # (An episode that moved on meanwhile is not prepared: ``failed`` is not needed.)
             async for projection in compose_stream(self.log, projector.run, wanted, current, []):
-                line = ProjectionLine.of(projection)
-                prepared.lines[line.episode] = line
-                prepared.size_bytes += len(line.line) + LINE_OVERHEAD
+                prepared.add(ProjectionLine.of(projection), seen[projection.episode])
                 if prepared.size_bytes > self.budget_bytes:
-                    prepared.lines.clear()
-                    prepared.size_bytes = 0
+                    prepared.clear()
                     prepared.state = "skipped"
                     return
                 built += 1

@@ -151,7 +151,7 @@ async def _restored_and_served(
         await task
         assert preparer.status()[service.run].state == "ready"
     else:
-        preparer.cancel(service.run)
+        preparer.forget(service.run)
     restored = await service.restore()
     restore_id = restored.restore.restore_id
     lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
@@ -310,5 +310,54 @@ async def test_a_checkpoint_that_begins_cancels_the_previous_ones_prepare(
         assert prepared.checkpoint_id == second.checkpoint.checkpoint_id
         assert prepared.checkpoint_id != first.checkpoint.checkpoint_id
         assert prepared.state == "preparing" and not prepared.lines
+    finally:
+        await service.close()
+
+
+async def test_a_prepare_keeps_the_lines_of_the_episodes_unchanged_since_the_previous_one(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Two checkpoints with one new episode between them: the second prepare composes only
+    that one and carries the others' lines over; its restore serves a replay's lines."""
+    ahead: list[int] = []
+    real = _prepared.compose_stream
+
+    def count_ahead(*args: Any, **kw: Any) -> Any:
+        ahead.append(len(args[2]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(_prepared, "compose_stream", count_ahead)
+    monkeypatch.setattr(_prepared, "DELAY_S", 0.0)
+    service = await open_service(tmp_path)
+    preparer = service.coordinator.preparer
+
+    async def prepared() -> Any:
+        lines = preparer.status()[service.run]
+        assert lines.task is not None
+        await lines.task
+        assert lines.state == "ready"
+        return lines
+
+    try:
+        for events in _scenario():
+            await service.append(*events)
+        await service.checkpoint()
+        first = await prepared()
+        await service.append(
+            f.started("g", seq=1),
+            f.boundary("g", "seed", {"turn": 1}, seq=2),
+            f.ledger_row("g", "c1", [1, 2, 3]),
+        )
+        await service.checkpoint()
+        second = await prepared()
+        assert ahead == [4, 1]
+        assert second.carried == 4 and set(second.lines) == set(first.lines) | {"g"}
+        assert all(second.lines[e] is first.lines[e] for e in first.lines)
+        restored = await service.restore()
+        restore_id = restored.restore.restore_id
+        lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
+        served = {e: line.line for e, line in (await lines.complete()).items()}
+        assert set(served) == {"a", "e", "g"}
+        assert served == await _replayed_lines(service, restore_id)
     finally:
         await service.close()
