@@ -118,7 +118,12 @@ class Restorer:
         # This restore supersedes the run's earlier ones: their projections go now rather than
         # sit beside this one's replay (rebuilt from the log if still asked for).
         self.projections.cache.forget_run(run)
-        manifest, current = await plan_inputs(self.catalog, run, checkpoint.checkpoint_id)
+        manifest, current = await plan_inputs(
+            self.catalog,
+            run,
+            checkpoint.checkpoint_id,
+            projector.committed_manifest(checkpoint.checkpoint_id),
+        )
         alone = projector.owns_every_partition
 
         async def plan_part() -> PlanPart:
