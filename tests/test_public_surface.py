@@ -152,6 +152,7 @@ SURFACES: dict[str, list[str]] = {
         "SERVICE_EVENT_TYPES",
         "SERVICE_PARTICIPANT_ID",
         "attempt_started_record",
+        "attempt_started_records",
         "encode_record_dict",
         "ledger_digest",
         "marker_record",

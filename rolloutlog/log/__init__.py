@@ -72,6 +72,7 @@ from rolloutlog.log._interface import (
 from rolloutlog.log._lock import DataDirLock
 from rolloutlog.log._record import (
     attempt_started_record,
+    attempt_started_records,
     encode_record,
     encode_record_dict,
     fast_record,
@@ -133,6 +134,7 @@ __all__ = [
     "StepStarted",
     "StepStartedData",
     "attempt_started_record",
+    "attempt_started_records",
     "capture_key",
     "check_record_size",
     "check_run_name",

@@ -25,6 +25,7 @@ the coordinator and the log (the service's own ``checkpoint.marker`` and ``attem
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -45,6 +46,7 @@ __all__ = [
     "PAYLOAD_FIELD",
     "FastRecord",
     "attempt_started_record",
+    "attempt_started_records",
     "encode_record",
     "encode_record_dict",
     "fast_record",
@@ -132,8 +134,8 @@ def fast_record(value: Any) -> FastRecord | None:
 
 def fitted(record: bytes) -> bytes:
     """A copy of an ``orjson.dumps`` result that fits its length: orjson's buffer is not shrunk
-    (a 230-byte record held 4 KB), and the service's own records stay in memory by the
-    thousand (a restore writes one per planned episode; the embedded log keeps its tail)."""
+    (a 230-byte record held 4 KB), and the service's own records stay in memory (the embedded
+    log keeps its tail; ``attempt_started_records``' are fitted by construction)."""
     return bytes(memoryview(record))
 
 
@@ -172,34 +174,66 @@ def attempt_started_record(
     ts: float,
 ) -> bytes:
     """The ``attempt.started`` a restore writes for one episode (the service's own record, built
-    from validated values: no model validation).
+    from validated values: no model validation; ``attempt_started_records`` for many).
 
     Its ``seq`` is the restore id: an episode gets at most one ``attempt.started`` per restore
     and restore ids only grow, so within an episode the service's ``seq`` rises per (participant,
     epoch), as the envelope asks of every writer (§3). (The fold never filters these records by
     ``seq``: a committed restore's record is taken for its restore id.)
     """
-    return fitted(
-        orjson.dumps(
-            {
-                "v": 1,
-                "episode": episode,
-                "attempt": attempt,
-                "step": None,
-                "participant": _service(controller_epoch),
-                "seq": restore_id,
-                "ts": ts,
-                # ``record_restore_id`` reads these two keys, in this order, off the bytes.
-                "type": "attempt.started",
-                "data": {
-                    "restore_id": restore_id,
-                    "checkpoint_id": checkpoint_id,
-                    "previous_attempt": previous_attempt,
-                    "cut": cut,
-                },
-            }
-        )
+    (record,) = attempt_started_records(
+        [(episode, attempt, previous_attempt, cut)],
+        restore_id=restore_id,
+        checkpoint_id=checkpoint_id,
+        controller_epoch=controller_epoch,
+        ts=ts,
     )
+    return record
+
+
+def attempt_started_records(
+    rows: Iterable[tuple[str, int, int, int]],
+    *,
+    restore_id: int,
+    checkpoint_id: int,
+    controller_epoch: int,
+    ts: float,
+) -> list[bytes]:
+    """The ``attempt.started`` records of one restore (``attempt_started_record``), one per row
+    ``(episode, attempt, previous_attempt, cut)``. The restore's fields are encoded once, into
+    a template of the record with a hole per row field, and each record fills the holes with
+    its values' JSON (16,000 records: 11 ms instead of 35 ms as a dict each): the same bytes as
+    ``orjson.dumps`` of the whole record (tested)."""
+    template = orjson.dumps(
+        {
+            "v": 1,
+            "episode": _HOLE,
+            "attempt": _HOLE,
+            "step": None,
+            "participant": _service(controller_epoch),
+            "seq": restore_id,
+            "ts": ts,
+            # ``record_restore_id`` reads these two keys, in this order, off the bytes.
+            "type": "attempt.started",
+            "data": {
+                "restore_id": restore_id,
+                "checkpoint_id": checkpoint_id,
+                "previous_attempt": _HOLE,
+                "cut": _HOLE,
+            },
+        }
+    )
+    fill = b"%b".join(part.replace(b"%", b"%%") for part in template.split(_HOLE_JSON))
+    dumps = orjson.dumps
+    return [
+        fill % (dumps(episode), dumps(attempt), dumps(previous), dumps(cut))
+        for episode, attempt, previous, cut in rows
+    ]
+
+
+#: A hole in ``attempt_started_records``' template: no other field of the record holds it.
+_HOLE = "\x00"
+_HOLE_JSON = orjson.dumps(_HOLE)
 
 
 def _service(controller_epoch: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
 from rolloutlog._gc import collector_paused
@@ -93,6 +94,7 @@ class Versions(Mapping[str, int]):
 
 
 _ABSENT = object()
+_EPISODE = itemgetter(0)
 
 
 @dataclass
@@ -265,6 +267,22 @@ class ManifestCapture:
                 if entry.action == "finished":
                     self._forget(entry.episode)
                     self.retired.add(entry.episode)
+
+    def committed_manifest(self, checkpoint_id: int) -> list[ManifestEntry] | None:
+        """The whole manifest of committed checkpoint ``checkpoint_id`` as the catalog's
+        ``load_manifest`` gives it (in episode order), from memory: while it is this projector's
+        base (the newest capture it saw commit, not yet amended by a newer capture's
+        ``compose``) and the projector owns every partition (its capture wrote every part).
+        None otherwise: read it from the catalog."""
+        base, capture = self._base, self._capture
+        if (
+            base is None
+            or base.checkpoint_id != checkpoint_id
+            or len(self.owned) != self.partitions
+            or (capture is not None and capture.whole is not None)
+        ):
+            return None
+        return sorted(base.entries.values(), key=_EPISODE)
 
     def _on_marker(self, partition: int, offset: int, checkpoint_id: int) -> Awaitable[None] | None:
         """A marker (of an owned partition: others are not captured here). The first one met

@@ -137,11 +137,18 @@ Plan = tuple[Sequence[PlannedEpisode], dict[str, int], dict[str, dict[int, int]]
 
 
 async def plan_inputs(
-    catalog: Catalog, run: str, checkpoint_id: int
+    catalog: Catalog,
+    run: str,
+    checkpoint_id: int,
+    captured: list[ManifestEntry] | None = None,
 ) -> tuple[list[ManifestEntry], dict[str, int]]:
     """The manifest of a committed checkpoint and the run's current attempts, read at once
     (neither waits for the other: attempts change only when a restore commits, and a plan
-    made from attempts a later restore changed is refused as stale by its commit)."""
+    made from attempts a later restore changed is refused as stale by its commit). A manifest
+    ``captured`` (the projector's own, ``committed_manifest``: what the catalog holds) is not
+    read again."""
+    if captured is not None:
+        return captured, await catalog.current_attempts(run)
     return await asyncio.gather(
         catalog.load_manifest(run, checkpoint_id), catalog.current_attempts(run)
     )

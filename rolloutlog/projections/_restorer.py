@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from rolloutlog.catalog import Checkpoint, Restore, RestoreEntry, Run
 from rolloutlog.core import PlannedEpisode, RestorePolicy, check_controller_epoch
-from rolloutlog.log import Record, attempt_started_record, partition_for
+from rolloutlog.log import Record, attempt_started_records, partition_for
 from rolloutlog.projections._part_planner import PartPlanner, PlanPart, PlanRequest, plan_inputs
 from rolloutlog.projections._projection_server import (
     ProjectionServer,
@@ -118,7 +118,12 @@ class Restorer:
         # This restore supersedes the run's earlier ones: their projections go now rather than
         # sit beside this one's replay (rebuilt from the log if still asked for).
         self.projections.cache.forget_run(run)
-        manifest, current = await plan_inputs(self.catalog, run, checkpoint.checkpoint_id)
+        manifest, current = await plan_inputs(
+            self.catalog,
+            run,
+            checkpoint.checkpoint_id,
+            projector.committed_manifest(checkpoint.checkpoint_id),
+        )
         alone = projector.owns_every_partition
 
         async def plan_part() -> PlanPart:
@@ -237,24 +242,21 @@ class Restorer:
         plan: Sequence[PlannedEpisode],
         controller_epoch: int,
     ) -> None:
-        """One ``attempt.started`` per planned episode (``attempt_started_record``)."""
-        now = time.time()
+        """One ``attempt.started`` per planned episode (``attempt_started_records``)."""
+        entries = [planned.entry for planned in plan]
+        values = attempt_started_records(
+            [
+                (e.episode, e.attempt, e.previous_attempt, p.cut)
+                for e, p in zip(entries, plan, strict=True)
+            ],
+            restore_id=restore_id,
+            checkpoint_id=checkpoint_id,
+            controller_epoch=controller_epoch,
+            ts=time.time(),
+        )
         records = [
-            Record(
-                partition_for(planned.entry.episode, partitions),
-                planned.entry.episode.encode(),
-                attempt_started_record(
-                    planned.entry.episode,
-                    planned.entry.attempt,
-                    restore_id=restore_id,
-                    checkpoint_id=checkpoint_id,
-                    previous_attempt=planned.entry.previous_attempt,
-                    cut=planned.cut,
-                    controller_epoch=controller_epoch,
-                    ts=now,
-                ),
-            )
-            for planned in plan
+            Record(partition_for(e.episode, partitions), e.episode.encode(), value)
+            for e, value in zip(entries, values, strict=True)
         ]
         for start in range(0, len(records), 4096):
             await self.log.append_records(run, records[start : start + 4096])

@@ -3,10 +3,13 @@ peeks read what the builders wrote."""
 
 from __future__ import annotations
 
+import orjson
+
 from rolloutlog.log import (
     AttemptStarted,
     CheckpointMarker,
     attempt_started_record,
+    attempt_started_records,
     decode_record,
     encode_record,
     encode_record_dict,
@@ -81,3 +84,47 @@ def test_one_digest_for_ids_and_for_their_logged_json() -> None:
     task = {"b": 1, "a": [1.5, None]}
     assert task_digest(task) == task_digest(b'{"a":[1.5,null],"b":1}') == f.task_digest(task)
     assert token_count(b"[]") == 0 and token_count(b"[4,5,6]") == 3
+
+
+def test_a_restores_records_are_the_records_of_their_whole_envelopes() -> None:
+    """``attempt_started_records`` fills a template: each record is the same bytes as orjson's
+    encoding of its whole envelope, and as ``attempt_started_record``'s."""
+    rows = [("r1-a", 1, 0, 0), ("r1-a2.b_c:d", 7, 6, 123_456_789_012), ("x", 2**40, 2**40 - 1, 5)]
+    for ts, epoch, restore_id in ((1.5, 5, 417), (1_733_493_000.123456, 2**33, 1), (0.0, 1, 9)):
+        records = attempt_started_records(
+            rows, restore_id=restore_id, checkpoint_id=9, controller_epoch=epoch, ts=ts
+        )
+        assert len(records) == len(rows)
+        for (episode, attempt, previous, cut), record in zip(rows, records, strict=True):
+            whole = {
+                "v": 1,
+                "episode": episode,
+                "attempt": attempt,
+                "step": None,
+                "participant": {"id": "rolloutlog", "kind": "service", "epoch": epoch},
+                "seq": restore_id,
+                "ts": ts,
+                "type": "attempt.started",
+                "data": {
+                    "restore_id": restore_id,
+                    "checkpoint_id": 9,
+                    "previous_attempt": previous,
+                    "cut": cut,
+                },
+            }
+            assert record == orjson.dumps(whole)
+            assert record == attempt_started_record(
+                episode,
+                attempt,
+                restore_id=restore_id,
+                checkpoint_id=9,
+                previous_attempt=previous,
+                cut=cut,
+                controller_epoch=epoch,
+                ts=ts,
+            )
+            assert encode_record(decode_record(record)) == record
+            assert record_restore_id(record) == restore_id and record_episode(record) == episode
+    assert (
+        attempt_started_records([], restore_id=1, checkpoint_id=1, controller_epoch=1, ts=1) == []
+    )

@@ -199,3 +199,52 @@ async def test_the_log_is_trimmed_only_where_the_floor_rose(
     checkpointer._trimmed.clear()  # as a restarted service: trimmed again, once
     await checkpointer._trim(service.run)
     assert set(calls) == floors
+
+
+async def test_a_restore_takes_the_projectors_own_manifest_only_as_the_catalog_holds_it(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone projector's newest committed capture (``committed_manifest``) is the catalog's
+    manifest of that checkpoint, entry for entry and in its order, whole or a delta, with
+    restarts' reasons and finished entries; a restore of it reads no manifest. Any other
+    checkpoint's, or one amended by a newer capture, is the catalog's business."""
+    projector = service.coordinator.projectors[service.run]
+    quiet = [f"q{i:02d}" for i in range(12)]
+    for name in ("a", "b", *quiet):
+        await service.append(f.started(name), f.boundary(name, "seed", {"t": 1}))
+    await service.append(f.started("c"), f.session_started("c", "s1", "restart_only"))
+    await service.append(f.started("e"), f.boundary("e"), f.finished("e"))
+    checkpoints = []
+    for changes in (
+        (),
+        (f.boundary("a", "invoke_agent", {"t": 2}), f.finished("b"), f.started("z")),
+        (f.boundary("z", "seed", {"t": 3}), f.started("y"), f.boundary("c", "verify")),
+    ):
+        if changes:
+            await service.append(*changes)
+        checkpoint_id = (await committed(service)).checkpoint.checkpoint_id
+        checkpoints.append(checkpoint_id)
+        mine = projector.committed_manifest(checkpoint_id)
+        assert mine == await service.catalog.load_manifest(service.run, checkpoint_id)
+        assert [type(e.staging_keys) for e in mine] == [tuple] * len(mine)
+    assert len(await stored(service, checkpoints[1])) < 15  # a delta
+    reasons = {e.episode: e.reason for e in mine if e.action == "restart"}
+    assert reasons and all(reasons.values())
+    assert projector.committed_manifest(checkpoints[0]) is None  # not the base
+    loads: list[int] = []
+    load_manifest = service.catalog.load_manifest
+
+    async def counted(run: str, checkpoint_id: int) -> list[ManifestEntry]:
+        loads.append(checkpoint_id)
+        return await load_manifest(run, checkpoint_id)
+
+    monkeypatch.setattr(service.catalog, "load_manifest", counted)
+    result = await service.restore(checkpoint_id=checkpoints[-1])
+    assert loads == []
+    assert result.restore.counts == {"continue": 15, "restart": 1, "excluded": 0}
+    result = await service.restore(checkpoint_id=checkpoints[1])  # not the base: read
+    assert loads == [checkpoints[1]]
+    # A newer capture composed over the base amends its entries in place: read from then on.
+    capture = projector.begin_capture(checkpoints[-1] + 1)
+    capture.whole = {}
+    assert projector.committed_manifest(checkpoints[-1]) is None
