@@ -256,6 +256,7 @@ episodes = Table(
     ForeignKeyConstraint(["run"], ["runs.run"]),
     Index("ix_episodes_run_status_episode", "run", "status", "episode"),
 )
+# (On PostgreSQL its pages keep room for a restore's updates: ``fillfactor = 70``, migration 0013.)
 
 quarantined_records = Table(
     "quarantined_records",

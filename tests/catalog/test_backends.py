@@ -115,6 +115,23 @@ async def test_postgres_server_settings_travel_in_the_url(postgres_schema: str) 
 
 
 @pytest.mark.postgres
+async def test_postgres_episodes_keep_room_for_a_restores_updates(postgres_schema: str) -> None:
+    """Migration 0013: ``episodes`` pages are filled to 70%, so that a restore's update of every
+    current attempt can stay on the page (no index entries written)."""
+    async with open_catalog(postgres_schema) as catalog:
+        await catalog.create_run("r")
+    engine = PostgresBackend(postgres_schema).create_engine()
+    try:
+        async with engine.connect() as conn:
+            result = await conn.exec_driver_sql(
+                "SELECT reloptions FROM pg_class WHERE oid = 'episodes'::regclass"
+            )
+            assert result.scalar_one() == ["fillfactor=70"]
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.postgres
 async def test_postgres_timeouts_travel_in_the_url(postgres_schema: str) -> None:
     """A statement past ``command_timeout`` is cut off client-side and is ``unavailable``; the
     timeout parameters are the catalog's own, never sent as server settings."""
