@@ -186,6 +186,7 @@ class Coordinator:
         for task in list(self._background):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self.preparer.stop()
         for projector in self.projectors.values():
             await projector.stop()
         self.projectors.clear()

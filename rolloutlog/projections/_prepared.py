@@ -106,6 +106,14 @@ class RestorePreparer:
         self.pause(run)
         self._runs.pop(run, None)
 
+    async def stop(self) -> None:
+        """The service stops: every prepare ends (nothing is kept)."""
+        tasks = [p.task for p in self._runs.values() if p.task is not None]
+        self._runs.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def start(self, projector: Projector, capture: CheckpointCapture) -> None:
         """Prepare the lines of a checkpoint this service captured whole and just committed."""
         run = projector.run

@@ -361,3 +361,15 @@ async def test_a_prepare_keeps_the_lines_of_the_episodes_unchanged_since_the_pre
         assert served == await _replayed_lines(service, restore_id)
     finally:
         await service.close()
+
+
+async def test_a_service_that_stops_ends_its_prepares(tmp_path: Path) -> None:
+    """A prepare waiting for its start when the service stops ends with it."""
+    service = await open_service(tmp_path)
+    for events in _scenario():
+        await service.append(*events)
+    await service.checkpoint()
+    task = service.coordinator.preparer.status()[service.run].task
+    assert task is not None and not task.done()
+    await service.close()
+    assert task.cancelled() and not service.coordinator.preparer.status()
