@@ -108,6 +108,12 @@ async def test_a_lapsed_requesters_checkpoint_is_superseded_at_once(replicas: Re
             .where(replicas_table.c.replica_id == requester)
             .values(expires_at=0.0)
         )
+    # The other replica's part is written when its wait step expires, at the deadline: the
+    # requester waits a grace for it past the deadline. The fixture's 0.3 s was too short on a
+    # loaded machine (a full test run on 2 cores: the part came later, the checkpoint
+    # committed, the request failed); 2 s still keeps this far from the orphan's 30 s.
+    for coordinator in replicas.coordinators.values():
+        coordinator._checkpointer.grace_s = 2.0
     started = time.monotonic()
     result = await replicas.checkpoint(other, deadline_s=0.5)
     assert isinstance(result, CheckpointResult)
