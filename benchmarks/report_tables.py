@@ -4,6 +4,7 @@ seed's published figures and the known limits."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from _common import DEPLOYMENTS
@@ -195,35 +196,32 @@ def figures(results: dict[str, Any]) -> list[str]:
             if parts:
                 w("")
                 w(f"{key}, the service's own stage timings (median ms): " + "; ".join(parts) + ".")
-        prepares = [
-            f"{key} {spread(f['prepare_s'])} from the checkpoint's reply (1 s of it the wait "
-            f"before it starts), {f['service_cpu_s_per_prepare']:.2f} s of service CPU each; "
-            f"what each restore met: {', '.join(f['prepared'])}"
-            for key in ("S1", "S2", "S3")
-            for f in [per.get(key) or {}]
-            if "prepare_s" in f
-        ]
-        if prepares:
-            w("")
-            w(
-                "Preparing a checkpoint's projection lines for its restore (`ready`; "
-                "`skipped` when they would not fit half the restore cache's budget, and the "
-                "restore composes them after its commit): " + "; ".join(prepares) + "."
-            )
-        kinds = [
-            f"{key} {spread(f['restore_and_fetch_per_kind_s'])} ({f['per_kind_lines']:,} lines; "
-            f"the single stream {spread(f['restore_and_fetch_s'])}, {f['live']:,} lines)"
-            for key in ("S1", "S2", "S3")
-            for f in [per.get(key) or {}]
-            if "restore_and_fetch_per_kind_s" in f
-        ]
-        if kinds:
-            w("")
-            w(
-                "Restore + fetch with one fetcher per participant kind in parallel (environment, "
-                "policy, resources, agent; each stream holds what its kind restores), beside the "
-                "single stream the targets are measured on: " + "; ".join(kinds) + "."
-            )
+        _paragraph(
+            w,
+            per,
+            "prepare_s",
+            lambda key, f: (
+                f"{key} {spread(f['prepare_s'])} from the checkpoint's reply (1 s of it the "
+                f"wait before it starts), {f['service_cpu_s_per_prepare']:.2f} s of service "
+                f"CPU each; what each restore met: {', '.join(f['prepared'])}"
+            ),
+            "Preparing a checkpoint's projection lines for its restore (`ready`; `skipped` when "
+            "they would not fit half the restore cache's budget, and the restore composes them "
+            "after its commit): ",
+        )
+        _paragraph(
+            w,
+            per,
+            "restore_and_fetch_per_kind_s",
+            lambda key, f: (
+                f"{key} {spread(f['restore_and_fetch_per_kind_s'])} ({f['per_kind_lines']:,} "
+                f"lines; the single stream {spread(f['restore_and_fetch_s'])}, "
+                f"{f['live']:,} lines)"
+            ),
+            "Restore + fetch with one fetcher per participant kind in parallel (environment, "
+            "policy, resources, agent; each stream holds what its kind restores), beside the "
+            "single stream the targets are measured on: ",
+        )
         s4 = per.get("S4")
         if s4:
             a = s4["appends"]
@@ -271,6 +269,23 @@ def figures(results: dict[str, Any]) -> list[str]:
     )
     w("")
     return out
+
+
+def _paragraph(
+    w: Callable[[str], None],
+    per: dict[str, Any],
+    figure: str,
+    item: Callable[[str, dict[str, Any]], str],
+    head: str,
+) -> None:
+    """A paragraph of ``head`` and one ``item`` per workload whose figures hold ``figure``
+    (none without any)."""
+    items = [
+        item(key, f) for key in ("S1", "S2", "S3") for f in [per.get(key) or {}] if figure in f
+    ]
+    if items:
+        w("")
+        w(head + "; ".join(items) + ".")
 
 
 def curves(results: dict[str, Any], images: list[str]) -> list[str]:

@@ -74,7 +74,7 @@ async def measure(workload: workloads.Workload, runs: int) -> dict[str, Any]:
                     if path == "replay":
                         stream = replay_stream(log, RUN, manifest, {}, set())
                     else:
-                        stream = compose_stream(log, RUN, composables, _current, [])
+                        stream = compose_stream(log, RUN, composables, None, [])
                     lines = [ProjectionLine.of(projection) async for projection in stream]
                     wall.append(time.perf_counter() - t0)
                     cpu.append(time.process_time() - c0)
@@ -109,10 +109,6 @@ async def _composables(
         assert composable(tracker)
         out.append(Composable.of(entry, tracker))
     return out
-
-
-def _current(item: Composable) -> bool:
-    return True
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 from _common import ROOT, append_in_chunks, serve_command, wait_ready
+from prometheus_client.parser import text_string_to_metric_families
 from workloads import Workload
 
 from rolloutlog.log import open_log
@@ -248,13 +249,17 @@ async def prepared(svc: Service, run: str, checkpoint_id: int, timeout_s: float 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=svc.url, timeout=30) as client:
         while True:
-            state = "none"
-            for line in (await client.get("/metrics")).text.splitlines():
-                if line.startswith("rolloutlog_prepared_projection_lines{"):
-                    pairs = line[line.index("{") + 1 : line.rindex("}")].split('",')
-                    labels = dict(p.rstrip('"').split('="', 1) for p in pairs)
-                    if wanted.items() <= labels.items():
-                        state = labels["state"]
+            text = (await client.get("/metrics")).text
+            state = next(
+                (
+                    sample.labels["state"]
+                    for family in text_string_to_metric_families(text)
+                    if family.name == "rolloutlog_prepared_projection_lines"
+                    for sample in family.samples
+                    if wanted.items() <= sample.labels.items()
+                ),
+                "none",
+            )
             if state != "preparing":
                 return state
             if time.perf_counter() - t0 > timeout_s:

@@ -64,10 +64,16 @@ class PreparedLines:
         self.versions[line.episode] = version
         self.size_bytes += len(line.line) + LINE_OVERHEAD
 
-    def clear(self) -> None:
+    def line_at(self, episode: str, version: int) -> ProjectionLine | None:
+        """The episode's line if it was composed from its tracker at ``version``."""
+        return self.lines.get(episode) if self.versions.get(episode) == version else None
+
+    def skip(self) -> None:
+        """Over the budget: nothing is kept."""
         self.lines.clear()
         self.versions.clear()
         self.size_bytes = 0
+        self.state = "skipped"
 
 
 class RestorePreparer:
@@ -155,12 +161,8 @@ class RestorePreparer:
                 tracker = trackers.get(episode)
                 if tracker is None or not tracker.at_cut_of(entry, seen):
                     continue
-                line = None if base is None else base.lines.get(episode)
-                if (
-                    line is not None
-                    and base is not None
-                    and base.versions[episode] == seen[episode]
-                ):
+                line = None if base is None else base.line_at(episode, tracker.version)
+                if line is not None:
                     prepared.add(line, tracker.version)
                     prepared.carried += 1
                 elif composable(tracker):
@@ -168,22 +170,16 @@ class RestorePreparer:
                     estimate += tracker.payload_bytes() + LINE_OVERHEAD
             base = None  # the lines that changed go with it
             if prepared.size_bytes + estimate > self.budget_bytes:
-                prepared.clear()
-                prepared.state = "skipped"
+                prepared.skip()
                 return
             self._superseded(projector.run)
 
-            def current(item: Composable) -> bool:
-                state = item.state
-                return trackers.get(item.episode) is state and state.version == item.version
-
             built = 0
             # (An episode that moved on meanwhile is not prepared: ``failed`` is not needed.)
-            async for projection in compose_stream(self.log, projector.run, wanted, current, []):
+            async for projection in compose_stream(self.log, projector.run, wanted, trackers, []):
                 prepared.add(ProjectionLine.of(projection), seen[projection.episode])
                 if prepared.size_bytes > self.budget_bytes:
-                    prepared.clear()
-                    prepared.state = "skipped"
+                    prepared.skip()
                     return
                 built += 1
                 if built % _SLICE == 0:

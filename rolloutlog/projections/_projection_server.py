@@ -321,10 +321,6 @@ class ProjectionServer:
             else:
                 chosen.append((entry, tracker, tracker.version))
 
-        def current(item: Composable) -> bool:
-            state = item.state
-            return projector.trackers.get(item.episode) is state and state.version == item.version
-
         # The lines prepared at the checkpoint's commit, of the episodes continued from their
         # pinned state at the cut: taken now, the commit has moved their trackers on.
         prepared = (
@@ -360,7 +356,9 @@ class ProjectionServer:
                 if len(ready) % _ENCODE_SLICE == 0:
                     await asyncio.sleep(0)
             failed: list[str] = []
-            async for projection in compose_stream(self.log, run, wanted, current, failed):
+            async for projection in compose_stream(
+                self.log, run, wanted, projector.trackers, failed
+            ):
                 yield projection
             replay.extend(cuts[e] for e in failed)
             if not replay:
@@ -384,8 +382,7 @@ class ProjectionServer:
         self,
         run: str,
         restore_id: int,
-        projections: AsyncIterator[EpisodeProjection | ProjectionLine]
-        | AsyncIterator[EpisodeProjection],
+        projections: AsyncIterator[EpisodeProjection | ProjectionLine],
     ) -> RestoreLines:
         """Encode ``projections`` (or take their lines, when prepared) into new
         ``RestoreLines`` in a task (dropped from the cache if it fails: the next fetch builds

@@ -138,14 +138,15 @@ async def compose_stream(
     log: Log,
     run: str,
     wanted: Sequence[Composable],
-    current: Callable[[Composable], bool],
+    trackers: Mapping[str, EpisodeFold] | None,
     failed: list[str],
 ) -> AsyncIterator[EpisodeProjection]:
     """The projections of ``wanted`` composed from the records at their positions as the reads
     pass them (partitions in parallel, in no fixed order): nothing is folded again
     (``rolloutlog.core._compose``). Each projection is composed from its state once its records
-    are read, so that nothing is copied ahead; an episode whose state is no longer ``current``
-    by then (it moved on) or whose records are not what it says is added to ``failed`` (for a
+    are read, so that nothing is copied ahead; an episode whose state is no longer ``trackers``'
+    (another tracker, or the same one moved on from its version; None: states that are nobody's
+    and do not change) or whose records are not what it says is added to ``failed`` (for a
     replay) instead."""
     by_partition: dict[int, dict[str, Composable]] = defaultdict(dict)
     for item in wanted:
@@ -171,7 +172,9 @@ async def compose_stream(
             for episode in episodes:
                 item = mine[episode]
                 projection = None
-                if current(item):
+                if trackers is None or (
+                    trackers.get(episode) is item.state and item.state.version == item.version
+                ):
                     try:
                         projection = compose_projection(
                             item.state, needed, item.cut, record_payload_start, peek_record

@@ -146,16 +146,21 @@ async def _restored_and_served(
     assert isinstance(checkpoint, CheckpointResult)
     preparer = service.coordinator.preparer
     if prepared:
-        task = preparer.status()[service.run].task
-        assert task is not None
-        await task
-        assert preparer.status()[service.run].state == "ready"
+        assert (await _prepare_ended(service)).state == "ready"
     else:
         preparer.forget(service.run)
     restored = await service.restore()
     restore_id = restored.restore.restore_id
     lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
     return restored, {episode: line.line for episode, line in (await lines.complete()).items()}
+
+
+async def _prepare_ended(service: Any) -> Any:
+    """The run's newest prepare, once it has ended."""
+    prepared = service.coordinator.preparer.status()[service.run]
+    assert prepared.task is not None
+    await prepared.task
+    return prepared
 
 
 async def _replayed_lines(service: Any, restore_id: int) -> dict[str, bytes]:
@@ -274,11 +279,9 @@ async def test_a_prepare_that_fails_midway_leaves_the_rest_to_its_restore(
             await service.append(*events)
         checkpoint = await service.checkpoint()
         preparer = service.coordinator.preparer
-        task = preparer.status()[service.run].task
-        assert task is not None
-        await task
-        assert preparer.status()[service.run].state == "failed"
-        assert len(preparer.status()[service.run].lines) == 1
+        ended = await _prepare_ended(service)
+        assert ended.state == "failed"
+        assert len(ended.lines) == 1
         restored = await service.restore()
         restore_id = restored.restore.restore_id
         lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
@@ -329,12 +332,9 @@ async def test_a_prepare_keeps_the_lines_of_the_episodes_unchanged_since_the_pre
     monkeypatch.setattr(_prepared, "compose_stream", count_ahead)
     monkeypatch.setattr(_prepared, "DELAY_S", 0.0)
     service = await open_service(tmp_path)
-    preparer = service.coordinator.preparer
 
     async def prepared() -> Any:
-        lines = preparer.status()[service.run]
-        assert lines.task is not None
-        await lines.task
+        lines = await _prepare_ended(service)
         assert lines.state == "ready"
         return lines
 
