@@ -43,35 +43,51 @@ def service_urls(url: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 class NdjsonSplitter:
-    """Splits a streamed NDJSON body into its lines as bytes, as the chunks arrive.
+    """Splits a streamed NDJSON body into its lines as the chunks arrive.
 
-    A restore's projections are ~100 MB of NDJSON for 16,000 episodes: orjson parses bytes, so
-    the lines are cut from the bytes as they are, never decoded to text and split again (what
-    ``httpx``'s ``aiter_lines`` does). Blank lines are dropped."""
+    A restore's projections are ~100 MB of NDJSON for 16,000 episodes (350 MB for 1,000 large
+    session states): orjson parses bytes and memoryviews, so each line inside a chunk is a view
+    of it, neither copied nor decoded to text and split again (what ``httpx``'s ``aiter_lines``
+    does); only a line cut across chunks is joined. Blank lines are dropped."""
 
     __slots__ = ("_parts",)
 
     def __init__(self) -> None:
         self._parts: list[bytes] = []
 
-    def feed(self, chunk: bytes) -> list[bytes]:
-        """The lines this chunk completes."""
-        if b"\n" not in chunk:
+    def feed(self, chunk: bytes) -> list[bytes | memoryview]:
+        """The lines this chunk completes (views of it, valid while it is)."""
+        end = chunk.find(b"\n")
+        if end < 0:
             if chunk:
                 self._parts.append(chunk)
             return []
-        lines = chunk.split(b"\n")
+        view = memoryview(chunk)
+        lines: list[bytes | memoryview] = []
         if self._parts:
-            self._parts.append(lines[0])
-            lines[0] = b"".join(self._parts)
+            self._parts.append(chunk[:end])
+            lines.append(b"".join(self._parts))
             self._parts.clear()
-        tail = lines.pop()
-        if tail:
-            self._parts.append(tail)
-        return [line for line in lines if line and not line.isspace()]
+        else:
+            lines.append(view[:end])
+        start = end + 1
+        end = chunk.find(b"\n", start)
+        while end >= 0:
+            lines.append(view[start:end])
+            start = end + 1
+            end = chunk.find(b"\n", start)
+        if start < len(chunk):
+            self._parts.append(chunk[start:])
+        return [line for line in lines if not _blank(line)]
 
     def end(self) -> list[bytes]:
         """The last line, when the body does not end with a newline."""
         rest = b"".join(self._parts)
         self._parts.clear()
-        return [rest] if rest and not rest.isspace() else []
+        return [] if _blank(rest) else [rest]
+
+
+def _blank(line: bytes | memoryview) -> bool:
+    """Empty or only whitespace (a JSON value starts with none: only such lines are copied to
+    be checked)."""
+    return not line or (line[0] in b" \t\r\n" and bytes(line).isspace())

@@ -25,7 +25,7 @@ def test_lines_survive_any_chunking(
     body = b"\n".join(orjson.dumps(v) for v in items) + (b"\n" if trailing_newline else b"")
     body = body.replace(b"\n", b"\n  \n", 1)  # a blank line is skipped
     splitter = NdjsonSplitter()
-    lines: list[bytes] = []
+    lines: list[bytes | memoryview] = []
     position = 0
     for cut in sorted(cuts):
         lines += splitter.feed(body[position:cut])

@@ -23,7 +23,7 @@ from rolloutlog.wire import NDJSON, NdjsonSplitter
 __all__ = ["Restores"]
 
 
-def _value(line: bytes) -> dict[str, Any]:
+def _value(line: bytes | memoryview) -> dict[str, Any]:
     """One projection line; an in-band ``{"error": …}`` line (the stream failed) is raised."""
     value: dict[str, Any] = orjson.loads(line)
     if isinstance(value, dict) and set(value) == {"error"}:

@@ -79,7 +79,7 @@ def fork_call(
     return Call("POST", "/v1/runs", json={"run": run, "fork": fork})
 
 
-def ndjson_line(raw: bytes | str) -> Any:
+def ndjson_line(raw: bytes | memoryview | str) -> Any:
     """One NDJSON line; an in-band ``{"error": …}`` line is raised."""
     value = orjson.loads(raw)
     if isinstance(value, dict) and set(value) == {"error"}:
