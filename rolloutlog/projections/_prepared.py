@@ -161,6 +161,9 @@ class RestorePreparer:
                 tracker = trackers.get(episode)
                 if tracker is None or not tracker.at_cut_of(entry, seen):
                     continue
+                # Worked out now, the verdict a restore's plan reads of it is kept until the
+                # tracker changes.
+                tracker.verdict()
                 line = None if base is None else base.line_at(episode, tracker.version)
                 if line is not None:
                     prepared.add(line, tracker.version)
