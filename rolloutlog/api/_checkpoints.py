@@ -244,6 +244,9 @@ async def restore(request: Request, run: RunPath, body: RestoreRequest) -> Respo
             policy_version=body.policy_version,
             max_policy_lag=body.max_policy_lag,
             exclude_results=body.exclude_results,
+            # The reply goes out while the projector takes the restore's resets (its fold
+            # waits for them): the participants' fetch starts sooner.
+            settle_after=True,
         )
         audited.done(
             "committed",

@@ -324,8 +324,10 @@ class Coordinator:
         policy_version: int | None = None,
         max_policy_lag: int | None = None,
         exclude_results: bool = False,
+        settle_after: bool = False,
     ) -> RestoreResult:
-        """Plan and commit a restore from a committed checkpoint, all or nothing."""
+        """Plan and commit a restore from a committed checkpoint, all or nothing
+        (``settle_after``: ``Restorer.restore``'s)."""
         projector = await self.projector(run)
         projector.check_running()
         policy = RestorePolicy(policy_version, max_policy_lag)
@@ -338,6 +340,7 @@ class Coordinator:
                 policy,
                 exclude_results,
                 lock=self._run_locks[run],
+                settle_after=settle_after,
             )
 
     async def sync_results(self, run: str) -> None:

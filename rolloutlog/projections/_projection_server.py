@@ -7,7 +7,7 @@ from a replay of the log when first asked for, and cached within a byte budget
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 
 from rolloutlog import _malloc
 from rolloutlog._gc import collector_paused
@@ -32,7 +32,6 @@ from rolloutlog.projections._replay import (
     replay_stream,
 )
 from rolloutlog.projections._start_plan import all_restores
-from rolloutlog.projections._tracker import EpisodeTracker
 
 __all__ = ["ProjectionCache", "ProjectionServer", "RestoreLines", "committed_checkpoint"]
 
@@ -266,127 +265,134 @@ class ProjectionServer:
         checkpoint: Checkpoint,
         manifest: Sequence[ManifestEntry],
         part: PlanPart,
+        settle: Callable[[], None],
     ) -> None:
         """Cache the lines of a restore just committed, whose plan ``part`` is whole (its
         planner owns every partition), built now rather than when the fetch that follows the
-        reply asks. (Started before the commit, the build held the event loop from the commit:
-        the plan then took as long as the replay.)"""
+        reply asks. ``settle`` gives the projector the restore's resets: the build calls it once
+        the lines that need no tracker are handed over, before it reads a tracker (and when it
+        ends, whatever ended it). (Started before the commit, the build held the event loop
+        from the commit: the plan then took as long as the replay.)"""
         _release_freed()
-        projections = self._planned(run, projector, checkpoint, manifest, part)
-        self.cache.put(run, restore_id, self._build(run, restore_id, projections))
+        # Taken now: a checkpoint that begins once the reply is out ends the prepare.
+        prepared = (
+            {} if self._preparer is None else self._preparer.take(run, checkpoint.checkpoint_id)
+        )
+        projections = self._planned(
+            run, restore_id, projector, checkpoint, manifest, part, prepared, settle
+        )
+        self.cache.put(run, restore_id, self._build(run, restore_id, projections, settle))
 
-    def _planned(
+    async def _planned(
         self,
         run: str,
+        restore_id: int,
         projector: Projector,
         checkpoint: Checkpoint,
         manifest: Sequence[ManifestEntry],
         part: PlanPart,
+        prepared: dict[str, ProjectionLine],
+        settle: Callable[[], None],
     ) -> AsyncIterator[EpisodeProjection | ProjectionLine]:
         """A plan's continued projections: the plan's own when it replayed them; prepared when
-        the checkpoint committed (``RestorePreparer``), given the new attempts; composed from
-        the records their trackers' positions name when its pins held them (the trackers were
-        reset to the new attempts at the commit, and are read here before anything else runs);
-        else from a replay of their records (what ``_replay_restore`` reads once the restore
-        is committed)."""
+        the checkpoint committed (``RestorePreparer``) for the episodes its pins continue from
+        their state at the cut, given the new attempts. Then, the restore's resets applied a
+        slice at a time (a fetch streams those lines meanwhile) and ``settle`` called, the
+        others: composed from the records their trackers'
+        positions name when its pins held them, else from a replay of their records (what
+        ``_replay_restore`` reads once the restore is committed)."""
         attempts = {
             p.entry.episode: p.entry.attempt
             for p in part.plan.episodes
             if p.entry.action == "continue"
         }
         kept = part.plan.projections
-        if part.pins is None:
-            return _each(kept[e] for e in attempts if e in kept)
         cuts = {e.episode: e for e in manifest if e.episode in attempts}
-        planned = [kept[e] for e in attempts if e in kept]
-        # The trackers' states are the projections now (reset to the new attempts at the
-        # commit): noted here, before the reply lets the new attempts write, each with its
-        # version; composed in the build, if the tracker has not moved on by then (the new
-        # attempt's records came), else replayed.
-        chosen: list[tuple[ManifestEntry, EpisodeTracker, int]] = []
+        # Neither the plan's own projections nor the prepared lines read a tracker: they go
+        # out before the resets (the pins kept each prepared line's state, the cut's).
+        later: list[ManifestEntry] = []
         replay: list[ManifestEntry] = []
-        for episode, attempt in attempts.items():
-            entry = cuts.get(episode)
-            if episode in kept or entry is None:
-                continue
-            reset = part.resets.get(episode)
-            tracker = projector.trackers.get(episode)
-            if (
-                reset is None
-                or reset.pinned is None
-                or tracker is None
-                or tracker.attempt != attempt
-            ):
-                replay.append(entry)
-            else:
-                chosen.append((entry, tracker, tracker.version))
-
-        # The lines prepared at the checkpoint's commit, of the episodes continued from their
-        # pinned state at the cut: taken now, the commit has moved their trackers on.
-        prepared = (
-            {} if self._preparer is None else self._preparer.take(run, checkpoint.checkpoint_id)
-        )
-
-        async def composed() -> AsyncIterator[EpisodeProjection | ProjectionLine]:
-            async for projection in _each(planned):
-                yield projection
-            wanted: list[Composable] = []
-            ready: list[tuple[ProjectionLine, int, ManifestEntry]] = []
-            with collector_paused():
-                for entry, tracker, version in chosen:
-                    line = prepared.pop(entry.episode, None)
-                    if line is not None:
-                        ready.append((line, attempts[entry.episode], entry))
-                    elif tracker.version == version and composable(tracker):
-                        wanted.append(Composable.of(entry, tracker))
-                    else:
-                        replay.append(entry)
-            chosen.clear()
-            prepared.clear()
-            # Each line let go as its copy for the new attempt is made (both held at once
-            # would cost a second copy of every line).
-            ready.reverse()
-            while ready:
-                line, attempt, entry = ready.pop()
-                try:
-                    yield line.as_attempt(attempt, was=entry.attempt)
-                except ValueError:
-                    replay.append(entry)
-                del line
-                if len(ready) % _ENCODE_SLICE == 0:
-                    await asyncio.sleep(0)
-            failed: list[str] = []
-            async for projection in compose_stream(
-                self.log, run, wanted, projector.trackers, failed
-            ):
-                yield projection
-            replay.extend(cuts[e] for e in failed)
-            if not replay:
+        try:
+            for episode in attempts:
+                if episode in kept:
+                    yield kept[episode]
+            if part.pins is None:
                 return
-            restores = {r.restore_id for r in await all_restores(self.catalog, run)}
-            stream = replay_stream(
-                self.log,
-                run,
-                replay,
-                replay_start(checkpoint.offsets),
-                restores,
-                quarantined=projector.quarantined,
-                continuing_attempts=attempts,
-            )
-            async for projection in stream:
-                yield projection
-
-        return composed()
+            for index, (episode, attempt) in enumerate(attempts.items(), 1):
+                entry = cuts.get(episode)
+                if episode in kept or entry is None:
+                    continue
+                reset = part.resets.get(episode)
+                line = prepared.pop(episode, None)
+                if reset is None or reset.pinned is None:
+                    replay.append(entry)
+                elif line is None:
+                    later.append(entry)
+                else:
+                    try:
+                        # The prepared line let go as its copy for the new attempt is made
+                        # (both held at once would cost a second copy of every line).
+                        line = line.as_attempt(attempt, was=entry.attempt)
+                    except ValueError:
+                        replay.append(entry)
+                        continue
+                    yield line
+                    del line
+                    if index % _ENCODE_SLICE == 0:
+                        await asyncio.sleep(0)
+            more = projector.reset_some(restore_id, _ENCODE_SLICE)
+            while more:
+                await asyncio.sleep(0)  # the fetch's turn
+                more = projector.reset_some(restore_id, _ENCODE_SLICE)
+        finally:
+            prepared.clear()
+            settle()
+        # The trackers' states are the projections now (reset to the new attempts): noted here,
+        # before the fold goes on (the new attempts' records), each with its version; composed
+        # below if the tracker has not moved on by then, else replayed.
+        wanted: list[Composable] = []
+        trackers = projector.trackers
+        with collector_paused():
+            for entry in later:
+                tracker = trackers.get(entry.episode)
+                if (
+                    tracker is not None
+                    and tracker.attempt == attempts[entry.episode]
+                    and composable(tracker)
+                ):
+                    wanted.append(Composable.of(entry, tracker))
+                else:
+                    replay.append(entry)
+        later.clear()
+        failed: list[str] = []
+        async for projection in compose_stream(self.log, run, wanted, trackers, failed):
+            yield projection
+        replay.extend(cuts[e] for e in failed)
+        if not replay:
+            return
+        restores = {r.restore_id for r in await all_restores(self.catalog, run)}
+        stream = replay_stream(
+            self.log,
+            run,
+            replay,
+            replay_start(checkpoint.offsets),
+            restores,
+            quarantined=projector.quarantined,
+            continuing_attempts=attempts,
+        )
+        async for projection in stream:
+            yield projection
 
     def _build(
         self,
         run: str,
         restore_id: int,
         projections: AsyncIterator[EpisodeProjection | ProjectionLine],
+        ended: Callable[[], None] | None = None,
     ) -> RestoreLines:
         """Encode ``projections`` (or take their lines, when prepared) into new
         ``RestoreLines`` in a task (dropped from the cache if it fails: the next fetch builds
-        them again)."""
+        them again); ``ended`` is called when the task ends, however it ends."""
         lines = RestoreLines()
 
         async def fill() -> None:
@@ -412,6 +418,8 @@ class ProjectionServer:
         task = asyncio.create_task(fill())
         self._builds.add(task)
         task.add_done_callback(self._builds.discard)
+        if ended is not None:
+            task.add_done_callback(lambda _: ended())
         return lines
 
     async def checkpoint_projection(

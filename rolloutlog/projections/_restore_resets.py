@@ -56,7 +56,7 @@ class RestoreResets:
         self._pin_holder: object | None = None
         self._pins_of: dict[int, object] = {}
         self._inflight_restores: dict[int, asyncio.Future[bool]] = {}
-        self._restore_resets: dict[int, Mapping[str, RestoreReset] | None] = {}
+        self._restore_resets: dict[int, dict[str, RestoreReset] | None] = {}
 
     # -- restores --------------------------------------------------------------------------
 
@@ -72,7 +72,8 @@ class RestoreResets:
         awaited: if it commits, its records fence their episodes as they are met."""
         if restore_id not in self._inflight_restores:
             self._inflight_restores[restore_id] = asyncio.get_running_loop().create_future()
-        self._restore_resets[restore_id] = resets
+        # A copy: ``reset_some`` takes them out as it applies them.
+        self._restore_resets[restore_id] = None if resets is None else dict(resets)
         if pins is not None:
             self._pins_of[restore_id] = pins
 
@@ -99,6 +100,26 @@ class RestoreResets:
             self.release_pins(pins)
         if future is not None and not future.done():
             future.set_result(committed)
+
+    def retire_excluded(self, restore_id: int) -> None:
+        """Apply a committed restore's exclusions ahead of its other resets (``reset_some``):
+        an excluded episode takes no more events once the restore's reply is out (the append
+        path asks ``retired``)."""
+        resets = self._restore_resets.get(restore_id) or {}
+        for episode in [e for e, r in resets.items() if r.action == "excluded"]:
+            self._reset(episode, resets.pop(episode))
+
+    def reset_some(self, restore_id: int, count: int) -> bool:
+        """Apply up to ``count`` more of a committed restore's resets ahead of its
+        ``end_restore`` (which applies the rest), so that applying them lets the event loop run
+        between slices; its partitions wait for the verdict meanwhile. Whether any are left."""
+        resets = self._restore_resets.get(restore_id)
+        with collector_paused():
+            for _ in range(count):
+                if not resets:
+                    return False
+                self._reset(*resets.popitem())
+        return bool(resets)
 
     def _reset(self, episode: str, reset: RestoreReset) -> None:
         if reset.action == "excluded":

@@ -81,22 +81,33 @@ class Restorer:
         policy: RestorePolicy,
         exclude_results: bool = False,
         lock: asyncio.Lock | None = None,
+        *,
+        settle_after: bool = False,
     ) -> RestoreResult:
         """Plan and commit a restore of the projector's run under the run's ``lock`` (the run's
         projector is not started afresh meanwhile, nor the run deleted; while the restore waits
         for other owners' parts it lets the lock go, ``PartPlanner.gather``).
 
         ``exclude_results``: also exclude every episode the plan would continue or restart whose
-        finished result the catalog holds (the trainer reads it from the results route)."""
+        finished result the catalog holds (the trainer reads it from the results route).
+
+        ``settle_after``: return once the plan is committed, before the projector has taken
+        the restore's resets when its lines are built ahead (``ProjectionServer.build_ahead``
+        applies them after handing over the lines prepared at the checkpoint; the projector's
+        fold waits for them, as it waits for any restore's verdict). What the REST route asks:
+        the reply goes out while they are applied. Otherwise they are applied on return."""
         lock = lock or asyncio.Lock()
         async with lock:
-            return await self._restore(
+            result, settled = await self._restore(
                 lock,
                 self._projectors.get(projector.run, projector),  # the current one, once locked
                 controller_epoch,
                 checkpoint_id,
                 PlanRequest(frozenset(exclude), exclude_results, policy),
             )
+            if not settle_after:
+                await settled
+        return result
 
     async def _restore(
         self,
@@ -105,12 +116,14 @@ class Restorer:
         controller_epoch: int,
         checkpoint_id: int | str,
         request: PlanRequest,
-    ) -> RestoreResult:
+    ) -> tuple[RestoreResult, asyncio.Future[None]]:
         """The request is opened (its id reserved) and this replica's part planned; the other
         owners' parts gathered; the attempts written and the plan committed. A projector that
         owns every partition plans before it opens the request (a mistyped exclusion fails at
         once, and no other owner waits for the request: it writes no parts) and builds the
-        restore's projections from its plan after the commit."""
+        restore's projections from its plan after the commit, which applies the restore's
+        resets to the projector once the lines that need no tracker are handed over (the
+        future returned is done then)."""
         run = projector.run
         timer = StageTimer()
         info = await self._fenced_run(run, controller_epoch)
@@ -162,15 +175,30 @@ class Restorer:
             raise
         finally:
             del self._requesting[(run, restore_id)]
-            if begun:
+            if begun and not (committed and alone):
                 projector.end_restore(restore_id, committed)
+        settled = asyncio.get_running_loop().create_future()
+
+        def settle() -> None:
+            if settled.done():
+                return
+            if alone:
+                projector.end_restore(restore_id, True)
+                gc.freeze()  # the trackers' new states, as below
+            settled.set_result(None)
+
         if alone:
+            projector.retire_excluded(restore_id)
             # The fetch that follows the reply needs every continued projection.
-            self.projections.build_ahead(run, restore_id, projector, checkpoint, manifest, part)
-        # What stays (cached projections, the trackers' new states): keep the collector from
-        # walking it again and again.
+            self.projections.build_ahead(
+                run, restore_id, projector, checkpoint, manifest, part, settle
+            )
+        else:
+            settle()
+        # What stays (the trackers' states, the plan's projections): keep the collector from
+        # walking it again and again (while the lines are handed over, too).
         gc.freeze()
-        return RestoreResult(restore, entries, timer.total(), cuts)
+        return RestoreResult(restore, entries, timer.total(), cuts), settled
 
     async def _open(
         self,

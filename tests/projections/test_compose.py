@@ -373,3 +373,81 @@ async def test_a_service_that_stops_ends_its_prepares(tmp_path: Path) -> None:
     assert task is not None and not task.done()
     await service.close()
     assert task.cancelled() and not service.coordinator.preparer.status()
+
+
+async def test_a_restore_that_replies_before_its_resets_folds_the_new_attempts_on_them(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The REST route's restore (``settle_after``) returns once its plan is committed, before
+    the projector has its resets (they come while the prepared lines are handed over, and its
+    fold waits for them): the new attempts' records appended at once are folded on the reset
+    state, and the restore serves a replay's lines."""
+    monkeypatch.setattr(_prepared, "DELAY_S", 0.0)
+    service = await open_service(tmp_path)
+    try:
+        for events in _scenario():
+            await service.append(*events)
+        await service.checkpoint()
+        assert (await _prepare_ended(service)).state == "ready"
+        projector = await service.coordinator.projector(service.run)
+        restored = await service.restore(settle_after=True)
+        restore_id = restored.restore.restore_id
+        assert projector.pending_restores == [restore_id]  # replied before the resets
+        assert projector.trackers["a"].attempt == 0
+        await service.append(f.boundary("a", "close_agent", {"turn": 2}, attempt=1))
+        lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
+        served = {e: line.line for e, line in (await lines.complete()).items()}
+        assert not projector.pending_restores and projector.trackers["a"].attempt == 1
+        assert set(served) == {"a", "e"}
+        assert served == await _replayed_lines(service, restore_id)
+        after = await service.checkpoint()
+        projection = await service.coordinator.checkpoint_projection(
+            service.run, after.checkpoint.checkpoint_id, "a"
+        )
+        assert projection.attempt == 1
+        assert projection.boundaries["environment"].state.value() == {"turn": 2}
+        assert len(projection.ledger) == 1  # the continued prefix, under the new attempt
+    finally:
+        await service.close()
+
+
+async def test_a_restore_whose_lines_fail_before_its_resets_still_gives_them(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The build of a restore's lines fails while it hands the prepared lines over, before the
+    resets (made to happen here): the projector still takes them and folds on, and the next
+    fetch serves a replay's lines."""
+    monkeypatch.setattr(_prepared, "DELAY_S", 0.0)
+
+    def broken(self: ProjectionLine, attempt: int, *, was: int) -> ProjectionLine:
+        raise RuntimeError("the build broke")
+
+    service = await open_service(tmp_path)
+    try:
+        for events in _scenario():
+            await service.append(*events)
+        await service.checkpoint()
+        assert (await _prepare_ended(service)).state == "ready"
+        projector = await service.coordinator.projector(service.run)
+        with monkeypatch.context() as patched:
+            patched.setattr(ProjectionLine, "as_attempt", broken)
+            restored = await service.restore(settle_after=True)
+            restore_id = restored.restore.restore_id
+            lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
+            with pytest.raises(RuntimeError, match="the build broke"):
+                await lines.complete()
+        assert not projector.pending_restores
+        assert {projector.trackers[e].attempt for e in ("a", "e")} == {1}
+        await service.append(f.boundary("a", "close_agent", {"turn": 2}, attempt=1))
+        again = await service.coordinator.restore_projection_lines(service.run, restore_id)
+        assert again is not lines
+        served = {e: line.line for e, line in (await again.complete()).items()}
+        assert set(served) == {"a", "e"}
+        assert served == await _replayed_lines(service, restore_id)
+        after = await service.checkpoint()
+        projection = await service.coordinator.checkpoint_projection(
+            service.run, after.checkpoint.checkpoint_id, "a"
+        )
+        assert projection.boundaries["environment"].state.value() == {"turn": 2}
+    finally:
+        await service.close()
