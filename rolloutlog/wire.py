@@ -5,6 +5,8 @@ are turned back into their classes by ``rolloutlog.errors.error_from_wire``."""
 from __future__ import annotations
 
 import os
+import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 
 __all__ = [
@@ -13,6 +15,7 @@ __all__ = [
     "NDJSON",
     "SERVICE_KEEPALIVE_S",
     "NdjsonSplitter",
+    "direct_http_url",
     "service_urls",
 ]
 
@@ -91,3 +94,15 @@ def _blank(line: bytes | memoryview) -> bool:
     """Empty or only whitespace (a JSON value starts with none: only such lines are copied to
     be checked)."""
     return not line or (line[0] in b" \t\r\n" and bytes(line).isspace())
+
+
+def direct_http_url(url: str) -> bool:
+    """Whether requests to ``url`` go straight to it (http/https, no proxy configured for it),
+    which is the only case the lean connection handles; otherwise the transport uses httpx."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return False
+    proxies = urllib.request.getproxies_environment()
+    if parts.scheme in proxies or "all" in proxies:
+        return bool(urllib.request.proxy_bypass(parts.hostname))
+    return True

@@ -358,6 +358,7 @@ SURFACES: dict[str, list[str]] = {
         "NDJSON",
         "NdjsonSplitter",
         "SERVICE_KEEPALIVE_S",
+        "direct_http_url",
         "service_urls",
     ],
     "rolloutlog.integrations.nemo_gym": [

@@ -26,21 +26,9 @@ from collections.abc import Mapping
 from rolloutlog.errors import BackendUnavailable
 from rolloutlog.wire import CLIENT_KEEPALIVE_S
 
-__all__ = ["Http1Connection", "direct_http_url"]
+__all__ = ["Http1Connection"]
 
 _MAX_HEAD = 64 * 1024
-
-
-def direct_http_url(url: str) -> bool:
-    """Whether requests to ``url`` go straight to it (http/https, no proxy configured for it),
-    which is the only case the lean connection handles; otherwise the transport uses httpx."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return False
-    proxies = urllib.request.getproxies_environment()
-    if parts.scheme in proxies or "all" in proxies:
-        return bool(urllib.request.proxy_bypass(parts.hostname))
-    return True
 
 
 class _Stale(Exception):

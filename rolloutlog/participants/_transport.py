@@ -39,6 +39,7 @@ from typing import Any, Self
 import httpx
 import orjson
 
+from rolloutlog._plain_http import async_service_client
 from rolloutlog._telemetry import client_span
 from rolloutlog.errors import (
     AttemptFenced,
@@ -60,8 +61,8 @@ from rolloutlog.log import (
     validate_event,
 )
 from rolloutlog.participants._encoding import check_built, encode_record_fast, encode_wire
-from rolloutlog.participants._http1 import Http1Connection, direct_http_url
-from rolloutlog.wire import CLIENT_KEEPALIVE_S, NDJSON, service_urls
+from rolloutlog.participants._http1 import Http1Connection
+from rolloutlog.wire import NDJSON, direct_http_url, service_urls
 
 __all__ = ["DEFAULT_DEADLINE_S", "FailureCallback", "HttpTransport", "KafkaTransport", "Transport"]
 
@@ -404,11 +405,7 @@ class _Rest:
         # One URL (a balancer, or the first of a ``ROLLOUTLOG_URL`` list the trainer shares).
         self.url = service_urls(url)[0]
         self.owns_client = client is None
-        self.client = client or httpx.AsyncClient(
-            base_url=self.url,
-            timeout=60.0,
-            limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S),
-        )
+        self.client = client or async_service_client(self.url, 60.0)
         self.prefix = "" if client is None or url is None else self.url
         token = token if token is not None else os.environ.get("ROLLOUTLOG_TOKEN")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}

@@ -13,6 +13,7 @@ from typing import Any, Self
 import httpx
 import orjson
 
+from rolloutlog._plain_http import async_service_client
 from rolloutlog._telemetry import client_span
 from rolloutlog.errors import CheckpointInProgress, RolloutlogError
 from rolloutlog.trainer._calls import (
@@ -39,7 +40,7 @@ from rolloutlog.trainer._types import (
     RestoreInfo,
     error_from_response,
 )
-from rolloutlog.wire import CLIENT_KEEPALIVE_S, NDJSON, NdjsonSplitter
+from rolloutlog.wire import NDJSON, NdjsonSplitter
 
 __all__ = ["AsyncTrainerClient"]
 
@@ -60,11 +61,7 @@ class AsyncTrainerClient(Calls):
         self._owns_client = client is None
         base = self.url if self._urls is None else ""
         self.timeout_s = timeout_s
-        self._client = client or httpx.AsyncClient(
-            base_url=base,
-            timeout=timeout_s,
-            limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S),
-        )
+        self._client = client or async_service_client(self.url, timeout_s, base_url=base)
 
     async def start(self) -> None:
         """Nothing to open (httpx connects lazily); here for the lifecycle's symmetry."""

@@ -20,10 +20,10 @@ from rolloutlog.participants import (
     RolloutContext,
     fingerprint,
 )
-from rolloutlog.participants._http1 import Http1Connection, direct_http_url
+from rolloutlog.participants._http1 import Http1Connection
 from rolloutlog.participants._transport import _Pending
 from rolloutlog.trainer import AsyncTrainerClient
-from rolloutlog.wire import SERVICE_KEEPALIVE_S
+from rolloutlog.wire import SERVICE_KEEPALIVE_S, direct_http_url
 from tests._services import free_port
 from tests.api.conftest import TOKENS
 from tests.api.test_e2e import Server, running_server
