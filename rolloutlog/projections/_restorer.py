@@ -188,11 +188,15 @@ class Restorer:
             settled.set_result(None)
 
         if alone:
-            projector.retire_excluded(restore_id)
-            # The fetch that follows the reply needs every continued projection.
-            self.projections.build_ahead(
-                run, restore_id, projector, checkpoint, manifest, part, settle
-            )
+            try:
+                projector.retire_excluded(restore_id)
+                # The fetch that follows the reply needs every continued projection.
+                self.projections.build_ahead(
+                    run, restore_id, projector, checkpoint, manifest, part, settle
+                )
+            except BaseException:
+                settle()  # committed: the projector has its resets whatever failed here
+                raise
         else:
             settle()
         # What stays (the trackers' states, the plan's projections): keep the collector from
