@@ -375,6 +375,16 @@ async def test_a_service_that_stops_ends_its_prepares(tmp_path: Path) -> None:
     assert task.cancelled() and not service.coordinator.preparer.status()
 
 
+async def _checkpoint_prepared(service: Any) -> Any:
+    """The scenario's episodes appended, then a checkpoint whose lines are prepared; the run's
+    projector."""
+    for events in _scenario():
+        await service.append(*events)
+    await service.checkpoint()
+    assert (await _prepare_ended(service)).state == "ready"
+    return await service.coordinator.projector(service.run)
+
+
 async def test_a_restore_that_replies_before_its_resets_folds_the_new_attempts_on_them(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -385,11 +395,7 @@ async def test_a_restore_that_replies_before_its_resets_folds_the_new_attempts_o
     monkeypatch.setattr(_prepared, "DELAY_S", 0.0)
     service = await open_service(tmp_path)
     try:
-        for events in _scenario():
-            await service.append(*events)
-        await service.checkpoint()
-        assert (await _prepare_ended(service)).state == "ready"
-        projector = await service.coordinator.projector(service.run)
+        projector = await _checkpoint_prepared(service)
         restored = await service.restore(settle_after=True)
         restore_id = restored.restore.restore_id
         assert projector.pending_restores == [restore_id]  # replied before the resets
@@ -424,11 +430,7 @@ async def test_a_restore_whose_lines_fail_before_its_resets_still_gives_them(
 
     service = await open_service(tmp_path)
     try:
-        for events in _scenario():
-            await service.append(*events)
-        await service.checkpoint()
-        assert (await _prepare_ended(service)).state == "ready"
-        projector = await service.coordinator.projector(service.run)
+        projector = await _checkpoint_prepared(service)
         with monkeypatch.context() as patched:
             patched.setattr(ProjectionLine, "as_attempt", broken)
             restored = await service.restore(settle_after=True)
