@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple
 import orjson
 
 from rolloutlog.core._ids import capture_key
-from rolloutlog.core._opaque import Opaque, encode_opaque
+from rolloutlog.core._opaque import Opaque, encode_line
 
 #: A projection's status at its cut (the catalog's episodes say ``running``/``finished``/
 #: ``excluded``: docs/design.md §11).
@@ -262,9 +262,7 @@ class ProjectionLine(NamedTuple):
         generation_cut = projection.generation_cut
         return cls(
             projection.episode,
-            # Joined rather than ``OPT_APPEND_NEWLINE``: orjson's own buffer is not shrunk to
-            # fit (an S1 line of 5.4 KB held 16 KB), the joined copy is.
-            orjson.dumps(projection.to_json(), default=encode_opaque) + b"\n",
+            encode_line(projection.to_json()),
             tuple((s.kind, s.participant) for s in projection.sessions.values()),
             bool(projection.ledger) or generation_cut is not None,
             any(owner != "environment" for owner in projection.boundaries),
