@@ -104,13 +104,10 @@ def encode_line(value: Any) -> bytes:
     large: list[bytes] = []
 
     def default(item: Any) -> Any:
-        if isinstance(item, Opaque):
-            raw = item.raw
-            if len(raw) < SPLICE_BYTES:
-                return orjson.Fragment(raw)
-            large.append(raw)
+        if isinstance(item, Opaque) and len(item.raw) >= SPLICE_BYTES:
+            large.append(item.raw)
             return _MARK_FRAGMENT
-        return encode_opaque(item)  # (its error)
+        return encode_opaque(item)
 
     encoded = orjson.dumps(value, default=default)
     if not large:

@@ -31,7 +31,8 @@ __all__ = ["PreparedLines", "RestorePreparer"]
 
 logger = logging.getLogger("rolloutlog.projections")
 
-#: What a prepared line costs besides its bytes (as ``RestoreLines`` counts it).
+#: What a line held costs besides its bytes (its tuple, strings and index entry), as both the
+#: prepare and the restore cache (``RestoreLines``) count it.
 LINE_OVERHEAD = 400
 #: How long after its checkpoint's commit a prepare starts: checkpoints taken back to back (a
 #: trainer that checkpoints every step) pay nothing for it, the next one cancels it before it

@@ -23,7 +23,7 @@ from rolloutlog.core import (
 from rolloutlog.errors import InvalidRequest, UnknownCheckpoint, UnknownEpisode, UnknownRestore
 from rolloutlog.log import Log
 from rolloutlog.projections._part_planner import PlanPart, PlanRequest
-from rolloutlog.projections._prepared import RestorePreparer
+from rolloutlog.projections._prepared import LINE_OVERHEAD, RestorePreparer
 from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._replay import (
     Composable,
@@ -35,8 +35,6 @@ from rolloutlog.projections._start_plan import all_restores
 
 __all__ = ["ProjectionCache", "ProjectionServer", "RestoreLines", "committed_checkpoint"]
 
-#: What a cached line costs besides its bytes (its tuple, strings and index entry).
-_LINE_OVERHEAD = 400
 #: How many projections a build encodes before it lets the event loop run.
 _ENCODE_SLICE = 256
 
@@ -65,7 +63,7 @@ class RestoreLines:
     def add(self, line: ProjectionLine) -> None:
         self.lines.append(line)
         self.by_episode[line.episode] = line
-        self.size_bytes += len(line.line) + _LINE_OVERHEAD
+        self.size_bytes += len(line.line) + LINE_OVERHEAD
         self._more.set()
 
     def finish(self, error: BaseException | None = None) -> None:
