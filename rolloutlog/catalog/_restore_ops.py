@@ -4,9 +4,8 @@ read them back (``Catalog`` composes them).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rolloutlog.catalog import _reads, _restore_requests, _results
@@ -30,15 +29,8 @@ class RestoreOperations(CatalogTransactions):
         timings_ms: Mapping[str, float] | None = None,
         restore_id: int | None = None,
         fences: Mapping[str, Mapping[int, int]] | None = None,
-        durable_first: Callable[[], Awaitable[None]] | None = None,
     ) -> Restore:
         """Commit a restore plan and make its new attempts current, in one transaction.
-
-        ``durable_first`` writes what must be durable before the plan commits (the restore's
-        ``attempt.started`` records); nothing commits if it fails. Where the database queues
-        writers itself (PostgreSQL) it runs beside the transaction's statements and is awaited
-        before its COMMIT; where the catalog's writers take turns (SQLite's one write lock) it
-        runs before the transaction begins, so that the lock is not held across it.
 
         ``restore_id``, when given, must come from ``reserve_restore_id`` and be above every
         committed restore's id (``RestoreConflict`` otherwise): a caller that wrote log records
@@ -57,40 +49,6 @@ class RestoreOperations(CatalogTransactions):
         """
         check_timings(timings_ms)
         check_plan(entries)
-        if durable_first is not None and self._turns is not None:
-            await durable_first()
-            durable_first = None
-        beside = None if durable_first is None else asyncio.ensure_future(durable_first())
-        try:
-            return await self._commit_restore(
-                run,
-                controller_epoch,
-                checkpoint_id,
-                entries,
-                timings_ms,
-                restore_id,
-                fences,
-                beside,
-            )
-        except BaseException:
-            if beside is not None:  # it ends before this does; its own failure is raised
-                await asyncio.wait([beside])
-                error = None if beside.cancelled() else beside.exception()
-                if error is not None:
-                    raise error from None  # (not the catalog's translation of it)
-            raise
-
-    async def _commit_restore(
-        self,
-        run: str,
-        controller_epoch: int,
-        checkpoint_id: int,
-        entries: Sequence[RestoreEntry],
-        timings_ms: Mapping[str, float] | None,
-        restore_id: int | None,
-        fences: Mapping[str, Mapping[int, int]] | None,
-        beside: asyncio.Future[None] | None,
-    ) -> Restore:
         now = self._clock()
         async with self._write() as conn:
             if fences is not None:
@@ -115,8 +73,6 @@ class RestoreOperations(CatalogTransactions):
                 conn, self._backend, run, [e.episode for e in entries if e.action != "excluded"]
             )
             unacknowledged = await _results.count_unacknowledged(conn, run)
-            if beside is not None:
-                await beside
         self._after_bulk_commit()
         return dataclasses.replace(restore, unacknowledged_results=unacknowledged)
 

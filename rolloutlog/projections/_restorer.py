@@ -242,15 +242,10 @@ class Restorer:
         fenced by each planner's lease generations): the restore and its entries."""
         # The id was reserved (``open_restore``) before any record names it: a restore that
         # dies before its commit leaves attempt records under an id no later one can commit.
-        records = self._attempt_records(
-            run.partitions, restore_id, checkpoint_id, planned, controller_epoch
+        await self._write_attempts(
+            run.run, run.partitions, restore_id, checkpoint_id, planned, controller_epoch
         )
         timer.stage("attempts")
-
-        async def write_attempts() -> None:
-            for start in range(0, len(records), 4096):
-                await self.log.append_records(run.run, records[start : start + 4096])
-
         entries = tuple(p.entry for p in planned)
         restore = await self.catalog.commit_restore(
             run.run,
@@ -260,7 +255,6 @@ class Restorer:
             timings_ms=timer.total(),
             restore_id=restore_id,
             fences={r: g for r, g in fences.items() if g},
-            durable_first=write_attempts,
         )
         timer.stage("commit")
         return restore, entries
@@ -271,16 +265,16 @@ class Restorer:
         check_controller_epoch(run, controller_epoch, info.controller_epoch)
         return info
 
-    def _attempt_records(
+    async def _write_attempts(
         self,
+        run: str,
         partitions: int,
         restore_id: int,
         checkpoint_id: int,
         plan: Sequence[PlannedEpisode],
         controller_epoch: int,
-    ) -> list[Record]:
-        """One ``attempt.started`` per planned episode (``attempt_started_records``), written
-        before the plan commits (``Catalog.commit_restore``'s ``durable_first``)."""
+    ) -> None:
+        """One ``attempt.started`` per planned episode (``attempt_started_records``)."""
         entries = [planned.entry for planned in plan]
         values = attempt_started_records(
             [
@@ -292,10 +286,12 @@ class Restorer:
             controller_epoch=controller_epoch,
             ts=time.time(),
         )
-        return [
+        records = [
             Record(partition_for(e.episode, partitions), e.episode.encode(), value)
             for e, value in zip(entries, values, strict=True)
         ]
+        for start in range(0, len(records), 4096):
+            await self.log.append_records(run, records[start : start + 4096])
 
     async def _abort(self, run: str, restore_id: int, error: BaseException) -> None:
         """Abort a request that failed before its commit (best effort: else at its deadline)."""

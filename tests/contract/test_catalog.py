@@ -839,51 +839,6 @@ async def test_a_restore_sets_each_status_and_names_the_stale_episode(catalog: C
     assert {statuses[e.episode] for i, e in enumerate(again) if i != 5} == {"running"}
 
 
-async def test_what_must_be_durable_first_is_written_before_the_restore_commits(
-    catalog: Catalog, catalog_factory: CatalogFactory
-) -> None:
-    """``durable_first`` (the restore's attempt records) is written while the restore is not yet
-    committed (read by another catalog: beside the transaction on PostgreSQL, before it on
-    SQLite); if it fails nothing commits and its error is raised; a plan refused as stale still
-    lets it finish before the refusal is raised."""
-    epoch = await controlled_run(catalog)
-    entries = make_entries(10)
-    checkpoint_id = await commit(catalog, epoch, entries)
-    reader = await catalog_factory()
-    seen: list[Any] = []
-
-    async def written() -> None:
-        await asyncio.sleep(0.05)  # the transaction's statements meanwhile, where they run beside
-        seen.append((await reader.list_restores(RUN), await reader.current_attempts(RUN)))
-
-    async def failing() -> None:
-        await asyncio.sleep(0.05)
-        raise OSError("the log went away")
-
-    try:
-        with pytest.raises(OSError, match="the log went away"):
-            await catalog.commit_restore(
-                RUN, epoch, checkpoint_id, restore_plan(entries), durable_first=failing
-            )
-        assert await catalog.list_restores(RUN) == []
-        assert set((await catalog.current_attempts(RUN)).values()) <= {0}
-
-        stale = restore_plan(entries, previous=1)
-        with pytest.raises(InvalidRequest):
-            await catalog.commit_restore(RUN, epoch, checkpoint_id, stale, durable_first=written)
-        assert len(seen) == 1 and await catalog.list_restores(RUN) == []
-
-        restore = await catalog.commit_restore(
-            RUN, epoch, checkpoint_id, restore_plan(entries), durable_first=written
-        )
-        restores, attempts = seen[-1]
-        assert restores == [] and set(attempts.values()) <= {0}  # written before the commit
-        assert [r.restore_id for r in await catalog.list_restores(RUN)] == [restore.restore_id]
-        assert set((await catalog.current_attempts(RUN)).values()) == {1}
-    finally:
-        await reader.stop()
-
-
 async def test_attempts_must_move_forward(catalog: Catalog) -> None:
     epoch = await controlled_run(catalog)
     checkpoint_id = await commit(catalog, epoch, make_entries(2))
