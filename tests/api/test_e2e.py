@@ -27,6 +27,11 @@ from tests.api.conftest import TOKENS, bearer, wire
 pytestmark = pytest.mark.slow
 
 
+#: How long a stop may take: a graceful stop waits up to the service's shutdown timeout (30 s by
+#: default) for requests in flight, then closes the log and the catalog.
+STOP_S = 60.0
+
+
 class Server:
     def __init__(self, data_dir: Path, tokens: Path, *extra: str) -> None:
         self.data_dir = data_dir
@@ -68,7 +73,9 @@ class Server:
             time.sleep(0.1)
         raise AssertionError(f"the server did not start: {self.log.read_text()}")
 
-    def stop(self, timeout: float = 30) -> int:
+    def stop(self, timeout: float = STOP_S) -> int:
+        """SIGTERM, then the exit code; a server still running after ``timeout`` is killed and
+        the failure shows the end of its log (which of uvicorn's shutdown stages it was in)."""
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -77,7 +84,10 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+            raise AssertionError(
+                f"the server did not stop within {timeout:g} s of SIGTERM; its log ends:\n{tail}"
+            ) from None
 
 
 @contextlib.contextmanager
