@@ -8,6 +8,13 @@ largest answers, a restore's projection stream read whole with ``aiter_bytes`` (
 service, same run): S2's 350 MB 391-433 ms over anyio against 226-309 ms here; S1's 86 MB
 99-115 ms against 57-72 ms. TLS (``https://``) stays on httpx's own transport: only plain TCP is
 read here, so no handshake, certificate or ALPN logic is written twice.
+
+httpcore asks for 64 KB a read. A read that comes back full means more is waiting, so the next
+asks for four times as much, up to ``LARGEST_READ``; one that comes back short starts again at
+what httpcore asks. A small answer reads as before; a large stream goes through h11 in a
+sixteenth of the steps. Measured on S2's stream from a server that writes it at once (client
+CPU, five runs each): ~445-470 ms with 64 KB reads, ~310-335 ms with reads grown to 1 MB. (At
+2 MB a read it was ~510 ms: the buffers no longer come back to the same memory.)
 """
 
 # httpcore's network interface passes each call's ``timeout``: kept as it names it.
@@ -39,6 +46,8 @@ __all__ = ["async_service_client", "plain_http_transport"]
 #: Where httpx keeps a transport's connection pool (``httpx.AsyncHTTPTransport``); the pin on
 #: httpx in pyproject.toml holds it, and tests/test_plain_http.py checks that it is there.
 _POOL = "_pool"
+#: The most one read of a large stream asks for (see the module's docstring).
+LARGEST_READ = 1024 * 1024
 
 
 def async_service_client(
@@ -132,17 +141,27 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
+        #: What the next read asks for beyond httpcore's ``max_bytes`` (0: just that).
+        self._grown = 0
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        """Up to ``max_bytes``, or more after a read that came back full (the module's
+        docstring)."""
+        size = max(max_bytes, self._grown)
+        data = await self._recv(size, timeout)
+        self._grown = min(size * 4, LARGEST_READ) if len(data) == size else 0
+        return data
+
+    async def _recv(self, size: int, timeout: float | None) -> bytes:
         try:
-            return self._sock.recv(max_bytes)
+            return self._sock.recv(size)
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as e:
             raise ReadError(str(e)) from e
         try:
             async with asyncio.timeout(timeout):
-                return await asyncio.get_running_loop().sock_recv(self._sock, max_bytes)
+                return await asyncio.get_running_loop().sock_recv(self._sock, size)
         except TimeoutError as e:
             raise ReadTimeout(str(e)) from e
         except OSError as e:

@@ -13,7 +13,12 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from rolloutlog._plain_http import AsyncioStream, async_service_client, plain_http_transport
+from rolloutlog._plain_http import (
+    LARGEST_READ,
+    AsyncioStream,
+    async_service_client,
+    plain_http_transport,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -77,6 +82,35 @@ async def test_a_chunked_body_of_any_chunking_and_a_sized_one_arrive_whole() -> 
                 received = b"".join([chunk async for chunk in response.aiter_bytes()])
             assert received == body
         assert len(accepted) == 1  # one connection, kept alive
+
+
+async def test_reads_grow_while_they_come_back_full_and_start_again_after_a_short_one() -> None:
+    """A read that fills what it asked for asks four times as much next (up to
+    ``LARGEST_READ``); a short one goes back to httpcore's size. Bytes arrive whole, in order."""
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    stream = AsyncioStream(ours)
+    sent = bytes(range(256)) * (3 * LARGEST_READ // 256)
+    writer = asyncio.create_task(asyncio.to_thread(theirs.sendall, sent))
+    sizes: list[int] = []
+    received = bytearray()
+    try:
+        while len(received) < len(sent):
+            data = await stream.read(64 * 1024, timeout=5)
+            sizes.append(len(data))
+            received += data
+        await writer
+        assert received == sent
+        assert max(sizes) > 64 * 1024  # it grew
+        assert max(sizes) <= LARGEST_READ
+        theirs.sendall(b"x" * 10)
+        assert await stream.read(64 * 1024, timeout=5) == b"x" * 10  # short: back to 64 KB
+        theirs.sendall(b"y" * (200 * 1024))
+        await asyncio.sleep(0.05)
+        assert len(await stream.read(64 * 1024, timeout=5)) == 64 * 1024
+    finally:
+        ours.close()
+        theirs.close()
 
 
 async def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
