@@ -1,5 +1,6 @@
-"""``encode_line`` (``ProjectionLine.of``'s encoding): large opaque values spliced into the line
-give the same bytes as orjson's plain encoding, and are copied once."""
+"""``encode_line`` and ``encode_line_pieces`` (``ProjectionLine.of``'s encoding): large opaque
+values spliced into the line give the same bytes as orjson's plain encoding; in pieces they are
+not copied at all, joined they are copied once."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from hypothesis import strategies as st
 
 from rolloutlog.core import ProjectionLine, _opaque
 from rolloutlog.core._model import BoundaryView, EpisodeProjection, LedgerEntry, SessionView
-from rolloutlog.core._opaque import SPLICE_BYTES, Opaque, encode_line, encode_opaque
+from rolloutlog.core._opaque import (
+    SPLICE_BYTES,
+    Opaque,
+    encode_line,
+    encode_line_pieces,
+    encode_opaque,
+)
 
 #: Strings JSON must escape, or that look like JSON, or like the splice's mark.
 TRICKY = ["", '"', "\\", "\x00", "\x00\x00", "\n\t", '{"a":', "]}", "é€😀", "\u2028", "a\x00b"]
@@ -147,3 +154,22 @@ def test_a_large_state_is_copied_once() -> None:
     # The line itself, and nothing of its size besides (orjson's buffer, its bytes and the
     # newline's join held ~3 lines at once).
     assert peak < 1.1 * len(line)
+
+
+def test_in_pieces_a_large_state_is_not_copied() -> None:
+    state = large("s" * (4 << 20))
+    view = Opaque(memoryview(b"  " + state.raw)[2:])  # as a projection composed from a record
+    value = {"episode": "e", "sessions": {"s1": {"state": state}, "s2": {"state": view}}}
+    tracemalloc.start()
+    try:
+        pieces = encode_line_pieces(value)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert b"".join(pieces) == plain(value)
+    assert [piece for piece in pieces if len(piece) >= SPLICE_BYTES] == [state.raw, view.raw]
+    assert pieces[1] is state.raw and pieces[3] is view.raw
+    assert peak < 64 * 1024  # the small pieces only
+    assert ProjectionLine.of(PROJECTIONS["large and small, tricky"]).size == len(
+        plain(PROJECTIONS["large and small, tricky"].to_json())
+    )

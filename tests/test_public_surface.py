@@ -121,6 +121,7 @@ SURFACES: dict[str, list[str]] = {
         "capture_key",
         "compose_state",
         "encode_opaque",
+        "SPLICE_BYTES",
         "episode_id_problem",
         "is_delta",
         "ledger_digest",

@@ -430,11 +430,12 @@ async def restore_projections(
         # projection's line is sent as soon as it is built (in no fixed order).
         lines = await service.coordinator.restore_projection_lines(run, restore_id)
 
-    async def selected() -> AsyncIterator[bytes]:
+    async def selected() -> AsyncIterator[bytes | memoryview]:
         async for batch in lines.batches():
             for line in batch:
                 if line.matches(kind, participant):
-                    yield line.line
+                    for piece in line.pieces:
+                        yield piece
         service.metrics.count_served_cuts(run, restore_id, lines.lines)
 
     return stream_ndjson_lines(selected())

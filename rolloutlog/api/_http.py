@@ -17,6 +17,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from rolloutlog.core import SPLICE_BYTES
 from rolloutlog.errors import RolloutlogError
 from rolloutlog.log import encode_opaque
 from rolloutlog.wire import NDJSON
@@ -105,6 +106,8 @@ async def _each(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]
 
 #: How much NDJSON a streamed response writes at once.
 _CHUNK_BYTES = 256 * 1024
+#: A piece of NDJSON this large is written alone, not joined with others (``stream_ndjson_lines``).
+_ALONE_BYTES = SPLICE_BYTES
 
 
 def stream_ndjson(
@@ -124,18 +127,27 @@ def stream_ndjson(
 
 
 def stream_ndjson_lines(
-    lines: AsyncIterable[bytes],
+    lines: AsyncIterable[bytes | memoryview],
     status_code: int = 200,
     on_close: Callable[[], None] | None = None,
 ) -> StreamingResponse:
-    """NDJSON lines already encoded (each ending with a newline), spliced into chunks as they
-    come; a failure mid-stream ends it with an ``{"error": …}`` line."""
+    """NDJSON already encoded, as lines (each ending with a newline) or the pieces of lines
+    (``ProjectionLine.pieces``), spliced into chunks as they come. A piece of ``_ALONE_BYTES``
+    or more (a large opaque state) is a chunk of its own, written as it is rather than copied
+    into a joined one. A failure mid-stream ends it with an ``{"error": …}`` line."""
 
-    async def body() -> AsyncIterator[bytes]:
-        buffer: list[bytes] = []
+    async def body() -> AsyncIterator[bytes | memoryview]:
+        buffer: list[bytes | memoryview] = []
         size = 0
         try:
             async for line in lines:
+                if len(line) >= _ALONE_BYTES:
+                    if buffer:
+                        yield b"".join(buffer)
+                        buffer.clear()
+                        size = 0
+                    yield line
+                    continue
                 buffer.append(line)
                 size += len(line)
                 if size >= _CHUNK_BYTES:

@@ -71,7 +71,7 @@ from rolloutlog.core._model import (
     ProjectionStatus,
     SessionView,
 )
-from rolloutlog.core._opaque import Opaque, encode_opaque
+from rolloutlog.core._opaque import SPLICE_BYTES, Opaque, encode_opaque
 from rolloutlog.core._planner import (
     PlannedEpisode,
     RestorePlan,
@@ -196,6 +196,7 @@ __all__ = [
     "record_holds",
     "compose_state",
     "encode_opaque",
+    "SPLICE_BYTES",
     "envelope_holds",
     "episode_id_problem",
     "is_delta",

@@ -24,7 +24,7 @@ from rolloutlog.core._model import (
     LedgerEntry,
     SessionView,
 )
-from rolloutlog.core._opaque import Opaque
+from rolloutlog.core._opaque import SPLICE_BYTES, Opaque
 from rolloutlog.core._tail import generation_cut
 
 if TYPE_CHECKING:
@@ -63,6 +63,17 @@ def projection_positions(fold: EpisodeFold) -> list[int]:
     return out
 
 
+def _payload(record: bytes, start: int) -> Opaque | None:
+    """A state's payload in ``record`` from ``start`` (None when it has none): a view of the
+    record when it is ``SPLICE_BYTES`` or more, which the projection's line then carries as it
+    is (``encode_line_pieces``); a copy of a small one, which keeps no record alive."""
+    if start >= len(record):
+        return None
+    if len(record) - start >= SPLICE_BYTES:
+        return Opaque(memoryview(record)[start:])
+    return Opaque(record[start:])
+
+
 def compose_projection(
     fold: EpisodeFold,
     records: Mapping[int, bytes],
@@ -82,13 +93,13 @@ def compose_projection(
     for owner, view in fold.boundaries.items():
         record = records[view[4]]
         start = payload_start(record)
-        state = Opaque(record[start:]) if start < len(record) else None
+        state = _payload(record, start)
         boundaries[owner] = _new(BoundaryView, (view[0], view[1], state, view[3], view[4]))
     sessions = dict(fold.sessions)
     for sid, offset in (fold.session_offsets or {}).items():
         record = records[offset]
         start = payload_start(record)
-        state = Opaque(record[start:]) if start < len(record) else None
+        state = _payload(record, start)
         sessions[sid] = _new(SessionView, (*sessions[sid][:5], state))
     ledger = []
     for offset in fold.ledger_offsets or ():

@@ -57,7 +57,7 @@ def state_delta(previous: Mapping[str, Any], state: Mapping[str, Any]) -> dict[s
     return delta
 
 
-def compose_state(base: bytes | None, deltas: Iterable[bytes]) -> bytes:
+def compose_state(base: bytes | memoryview | None, deltas: Iterable[bytes | memoryview]) -> bytes:
     """The state that ``deltas`` (delta payloads, in log order) make of ``base`` (an owner's
     last whole state; None for an empty object)."""
     state = orjson.loads(base) if base is not None else {}

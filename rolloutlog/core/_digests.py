@@ -30,11 +30,12 @@ def ledger_digest(parent_digest: str, token_ids: Iterable[int] | bytes) -> str:
 def task_digest(task: Any) -> str:
     """sha256 of the task's canonical JSON (sorted keys, compact).
 
-    ``task`` is a JSON value, an ``Opaque``, or (``bytes``) its raw JSON as a record holds it.
+    ``task`` is a JSON value, an ``Opaque``, or (``bytes`` or a view) its raw JSON as a record
+    holds it.
     """
     if isinstance(task, Opaque):
         raw = task.raw
-    elif isinstance(task, bytes):
+    elif isinstance(task, bytes | memoryview):
         raw = task
     else:
         raw = orjson.dumps(task)

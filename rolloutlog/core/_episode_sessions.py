@@ -29,7 +29,7 @@ class SessionRules:
         "restart_only_open",
         "session_offsets",
     )
-    boundary_deltas: dict[str, tuple[bytes, ...]] | None
+    boundary_deltas: dict[str, tuple[bytes | memoryview, ...]] | None
     exports: dict[str, tuple[int, bool, bool]] | None
     #: Per open session with a recorded state, the offset of the record its state is read from
     #: (None until the first): where a restore reads the state when it composes a projection

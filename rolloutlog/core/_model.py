@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple
 import orjson
 
 from rolloutlog.core._ids import capture_key
-from rolloutlog.core._opaque import Opaque, encode_line
+from rolloutlog.core._opaque import LinePieces, Opaque, encode_line_pieces
 
 #: A projection's status at its cut (the catalog's episodes say ``running``/``finished``/
 #: ``excluded``: docs/design.md §11).
@@ -246,8 +246,11 @@ class ProjectionLine(NamedTuple):
     line against ~8 KB as objects, and serving it again re-encodes nothing."""
 
     episode: str
-    #: ``ProjectionOut`` as JSON, ending with a newline.
-    line: bytes
+    #: ``ProjectionOut`` as JSON ending with a newline, in pieces (``encode_line_pieces``): one
+    #: ``bytes``, but for a line holding large opaque states, each of which is a piece of its
+    #: own (the stream writes them as they are). The first piece is ``bytes`` and holds the head
+    #: (``as_attempt``).
+    pieces: LinePieces
     #: ``(kind, participant)`` of each open session.
     sessions: tuple[tuple[str, str], ...]
     #: A ledger to restore or a generation cut to continue (what ``kind=policy`` serves).
@@ -262,7 +265,7 @@ class ProjectionLine(NamedTuple):
         generation_cut = projection.generation_cut
         return cls(
             projection.episode,
-            encode_line(projection.to_json()),
+            encode_line_pieces(projection.to_json()),
             tuple((s.kind, s.participant) for s in projection.sessions.values()),
             bool(projection.ledger) or generation_cut is not None,
             any(owner != "environment" for owner in projection.boundaries),
@@ -278,9 +281,24 @@ class ProjectionLine(NamedTuple):
         projection prepared at the cut, in which only the attempt and its capture key change
         (``to_json``'s first fields; the rest of the line is kept as it is)."""
         head = _line_head(self.episode, was)
-        if not self.line.startswith(head):
+        first, *rest = self.pieces
+        if not (isinstance(first, bytes) and first.startswith(head)):
             raise ValueError(f"the line of {self.episode!r} is not attempt {was}'s")
-        return self._replace(line=_line_head(self.episode, attempt) + self.line[len(head) :])
+        first = _line_head(self.episode, attempt) + first[len(head) :]
+        return self._replace(pieces=(first, *rest))
+
+    @property
+    def line(self) -> bytes:
+        """The whole line (joined, when it is in pieces)."""
+        first = self.pieces[0]
+        if len(self.pieces) == 1 and isinstance(first, bytes):
+            return first
+        return b"".join(self.pieces)
+
+    @property
+    def size(self) -> int:
+        """The line's length in bytes."""
+        return sum(len(piece) for piece in self.pieces)
 
     def matches(self, kind: str | None, participant: str | None) -> bool:
         """The bulk route's filter: does this projection hold something for that participant?

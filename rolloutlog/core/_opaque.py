@@ -14,11 +14,13 @@ class Opaque:
 
     Build one from a Python value (``Opaque.of(obj)``, encoded once) or from JSON bytes
     (``Opaque.from_json(raw)``, parsed once to check them). ``value()`` decodes on demand.
+    A projection composed from log records holds each large one as a view of its record
+    (``compose_projection``), which its line then carries as it is (``encode_line_pieces``).
     """
 
     __slots__ = ("raw",)
 
-    def __init__(self, raw: bytes) -> None:
+    def __init__(self, raw: bytes | memoryview) -> None:
         # Trusted constructor: ``raw`` must already be one valid JSON value.
         self.raw = raw
 
@@ -56,7 +58,7 @@ class Opaque:
         return hash(self.raw)
 
     def __repr__(self) -> str:
-        head = self.raw[:40]
+        head = bytes(self.raw[:40])
         return f"Opaque({head!r}{'...' if len(self.raw) > 40 else ''}, {len(self.raw)} bytes)"
 
     @classmethod
@@ -78,7 +80,8 @@ def _validate_opaque(value: Any) -> Opaque:
 def encode_opaque(value: Any) -> Any:
     """orjson's ``default`` for values holding ``Opaque``: its bytes go out as they are."""
     if isinstance(value, Opaque):
-        return orjson.Fragment(value.raw)
+        raw = value.raw
+        return orjson.Fragment(raw if isinstance(raw, bytes) else bytes(raw))
     raise TypeError(f"cannot encode {type(value).__name__}")
 
 
@@ -90,18 +93,30 @@ _MARK = b"\x00"
 _MARK_FRAGMENT = orjson.Fragment(_MARK)
 
 
+#: A line as ``encode_line_pieces`` gives it: bytes to be written one after another.
+LinePieces = tuple[bytes | memoryview, ...]
+
+
 def encode_line(value: Any) -> bytes:
     """``value`` as JSON ending with a newline (an NDJSON line), its ``Opaque`` values raw as
     ``encode_opaque`` writes them: the same bytes as ``orjson.dumps(value,
-    default=encode_opaque) + b"\\n"``.
+    default=encode_opaque) + b"\\n"`` (``encode_line_pieces``, joined)."""
+    pieces = encode_line_pieces(value)
+    first = pieces[0]
+    if len(pieces) == 1 and isinstance(first, bytes):
+        return first
+    return b"".join(pieces)
 
-    Each ``Opaque`` of ``SPLICE_BYTES`` or more is copied once, into the line itself: orjson
-    would copy it into its growing buffer, then into its bytes, then the newline's join into
-    fresh memory again (an S2 line holds a 350 KB state). It is encoded as a mark, and the
-    line joined from the pieces between the marks and the raw values. The newline is joined
-    rather than ``OPT_APPEND_NEWLINE``'d: orjson's own buffer is not shrunk to fit (an S1 line
-    of 5.4 KB held 16 KB), the joined copy is."""
-    large: list[bytes] = []
+
+def encode_line_pieces(value: Any) -> LinePieces:
+    """``encode_line``'s line in pieces: one, but for each ``Opaque`` of ``SPLICE_BYTES`` or more,
+    whose raw bytes are a piece of their own, neither copied nor encoded. An S2 line holds a
+    350 KB state: orjson would copy it into its growing buffer, then into its bytes; joining
+    the pieces would copy it again, into fresh memory; as a piece it goes from the log's record
+    to the response as it is. The large values are encoded as marks, and the line cut at them.
+    The newline is joined rather than ``OPT_APPEND_NEWLINE``'d: orjson's own buffer is not
+    shrunk to fit (an S1 line of 5.4 KB held 16 KB), the joined copy is."""
+    large: list[bytes | memoryview] = []
 
     def default(item: Any) -> Any:
         if isinstance(item, Opaque) and len(item.raw) >= SPLICE_BYTES:
@@ -111,12 +126,12 @@ def encode_line(value: Any) -> bytes:
 
     encoded = orjson.dumps(value, default=default)
     if not large:
-        return encoded + b"\n"
+        return (encoded + b"\n",)
     pieces = encoded.split(_MARK)
     if len(pieces) != len(large) + 1:  # a NUL in a small one (not JSON): the plain copies
-        return orjson.dumps(value, default=encode_opaque) + b"\n"
-    joined = [pieces[0]]
+        return (orjson.dumps(value, default=encode_opaque) + b"\n",)
+    out: list[bytes | memoryview] = [pieces[0]]
     for raw, piece in zip(large, pieces[1:], strict=True):
-        joined += (raw, piece)
-    joined.append(b"\n")
-    return b"".join(joined)
+        out += (raw, piece)
+    out[-1] = pieces[-1] + b"\n"
+    return tuple(out)

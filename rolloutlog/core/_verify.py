@@ -34,7 +34,7 @@ class Lineage:
         #: Rows waiting for the next boundary: (call id, digest, cum_len, problem or None).
         self.pending: list[tuple[str, str, int, str | None]] = []
 
-    def task(self, task_json: bytes | None, digest: str | None) -> None:
+    def task(self, task_json: bytes | memoryview | None, digest: str | None) -> None:
         """An ``episode.started`` (its task's raw JSON and the digest it claims)."""
         self.task_seen = task_json is not None and digest is not None
         self.task_problem = None

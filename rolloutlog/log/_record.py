@@ -105,7 +105,7 @@ def encode_record_dict(event: dict[str, Any]) -> bytes:
     if payload is None:
         return head
     if type(payload) is Opaque:
-        return b"%b\n%b" % (head, payload.raw)
+        return b"".join((head, b"\n", payload.raw))
     return b"%b\n%b" % (head, orjson.dumps(payload, default=encode_opaque))
 
 

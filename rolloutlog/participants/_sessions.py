@@ -225,7 +225,7 @@ class AgentSession:
         self.skipped = 0
         #: Bytes of the states this session wrote (whole or delta).
         self.state_bytes = 0
-        self._last: bytes | None = None
+        self._last: bytes | memoryview | None = None
         #: The last state written, as a copy that the caller's later changes leave alone.
         self._state: dict[str, Any] | None = None
 

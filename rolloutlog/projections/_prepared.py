@@ -63,7 +63,7 @@ class PreparedLines:
     def add(self, line: ProjectionLine, version: int) -> None:
         self.lines[line.episode] = line
         self.versions[line.episode] = version
-        self.size_bytes += len(line.line) + LINE_OVERHEAD
+        self.size_bytes += line.size + LINE_OVERHEAD
 
     def line_at(self, episode: str, version: int) -> ProjectionLine | None:
         """The episode's line if it was composed from its tracker at ``version``."""

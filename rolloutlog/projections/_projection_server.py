@@ -63,7 +63,7 @@ class RestoreLines:
     def add(self, line: ProjectionLine) -> None:
         self.lines.append(line)
         self.by_episode[line.episode] = line
-        self.size_bytes += len(line.line) + LINE_OVERHEAD
+        self.size_bytes += line.size + LINE_OVERHEAD
         self._more.set()
 
     def finish(self, error: BaseException | None = None) -> None:

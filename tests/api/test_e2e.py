@@ -114,6 +114,49 @@ def post(server: Server, path: str, role: str, body: Any, **kw: Any) -> httpx.Re
     return httpx.post(server.url + path, json=body, headers=bearer(role), timeout=30, **kw)
 
 
+def test_large_states_stream_whole_through_a_real_server(server: Server) -> None:
+    """States of 64 KB and more go out of a restore's stream as chunks of their own (views of
+    their records, ``stream_ndjson_lines``): through uvicorn each line is the one the
+    single-episode route gives, and each state the one appended."""
+    assert post(server, "/v1/runs", "trainer", {"run": "big", "partitions": 2}).status_code == 201
+    for pid, kind in (("env-0", "environment"), ("res-0", "resources")):
+        registered = post(
+            server, "/v1/runs/big/participants", "participant", {"id": pid, "kind": kind}
+        )
+        assert registered.status_code == 201, registered.text
+    res = f.participant("resources", "res-0")
+    states = {e: {"blob": e * (70_000 + 10_000 * i), "ünï": [i]} for i, e in enumerate("abcd")}
+    events = []
+    for episode, state in states.items():
+        events += [
+            f.started(episode),
+            f.session_started(episode, "s1", "exported", who=res),
+            f.session_state(episode, "s1", state, who=res),
+            f.boundary(episode, "seed", {"small": episode, "big": "z" * 65_536}),
+        ]
+    assert post(server, "/v1/runs/big/events", "participant", wire(*events)).status_code == 200
+    with TrainerClient(server.url, token=TOKENS["trainer"]) as trainer:
+        trainer.take_over("big")
+        checkpoint = trainer.checkpoint("big")
+        restored = trainer.restore("big", checkpoint_id=checkpoint.checkpoint_id)
+    url = f"{server.url}/v1/runs/big/restores/{restored.restore_id}/projections"
+    body = httpx.get(url, headers=bearer("participant"), timeout=30).content
+    lines = body.splitlines()
+    assert len(lines) == 4 and body.endswith(b"\n")
+    for line in lines:
+        projection = orjson.loads(line)
+        episode = projection["episode"]
+        assert projection["sessions"]["s1"]["state"] == states[episode]
+        assert projection["boundaries"]["environment"]["state"]["big"] == "z" * 65_536
+        single = httpx.get(
+            f"{server.url}/v1/runs/big/episodes/{episode}/projection",
+            params={"restore": restored.restore_id},
+            headers=bearer("participant"),
+            timeout=30,
+        )
+        assert single.content == line
+
+
 def test_the_whole_path_through_a_real_server(server: Server) -> None:
     assert post(server, "/v1/runs", "trainer", {"run": "e2e", "partitions": 4}).status_code == 201
     registered = post(

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
 
+from rolloutlog.api._http import stream_ndjson_lines
+from rolloutlog.core import SPLICE_BYTES, ProjectionLine
 from tests import factories as f
 from tests.api.conftest import RUN, Api, bearer
 
@@ -382,6 +385,40 @@ async def test_bulk_projections_filtered_by_participant(api: Api) -> None:
     assert code(refused) == "invalid_request"
     unknown = await api.call("GET", f"{R}/restores/99/projections", "participant", 404)
     assert code(unknown) == "unknown_restore"
+
+
+async def test_large_states_are_served_byte_for_byte_as_a_replay_gives_them(api: Api) -> None:
+    """A state of ``SPLICE_BYTES`` or more is written as a chunk of its own (a view of its
+    record, not joined into its line): the stream is the replay's lines, byte for byte."""
+    await api.seed(["a", "b"])
+    await api.register("res-0", "resources")
+    res = f.participant("resources", "res-0")
+    await api.append(
+        f.session_started("a", "s1", "exported", who=res),
+        f.session_state("a", "s1", {"blob": "x" * (3 * SPLICE_BYTES), "ünï": [1, 2]}, who=res),
+        f.boundary("b", "invoke_agent", {"big": "y" * SPLICE_BYTES}),
+    )
+    await api.checkpoint()
+    restore_id = int((await api.restore())["restore_id"])
+    url = f"{R}/restores/{restore_id}/projections"
+    served = (await api.call("GET", url, "participant", 200)).content
+    replayed = await api.service.coordinator.restore_projections(RUN, restore_id)
+    lines = [ProjectionLine.of(projection).line for projection in replayed.values()]
+    assert sorted(served.splitlines(keepends=True)) == sorted(lines)
+
+
+async def test_a_large_piece_is_a_chunk_of_its_own_and_not_copied() -> None:
+    big = memoryview(b"[" + b"1," * SPLICE_BYTES + b"1]")[1:-1]
+    pieces: list[bytes | memoryview] = [b'{"a":[', big, b"]}\n", b"{}\n" * 3, b"{}\n"]
+
+    async def produced() -> AsyncIterator[bytes | memoryview]:
+        for piece in pieces:
+            yield piece
+
+    chunks = [chunk async for chunk in stream_ndjson_lines(produced()).body_iterator]
+    assert b"".join(chunks) == b"".join(pieces)  # type: ignore[arg-type]
+    assert [type(c) for c in chunks] == [bytes, memoryview, bytes]
+    assert chunks[1] is big
 
 
 # -- episodes and stats ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutlog.core import (
+    SPLICE_BYTES,
     EpisodeFold,
     ProjectionLine,
     composable,
@@ -118,6 +119,36 @@ def test_sessions_and_boundaries_come_from_their_latest_records() -> None:
     sessions = folded.to_json()["sessions"]
     assert sessions["s1"]["state"].raw == b'{"n":2}'
     assert sessions["s2"]["state"] is None
+
+
+def test_large_states_go_into_the_line_as_views_of_their_records() -> None:
+    """A state of ``SPLICE_BYTES`` or more is a piece of the composed line that is a view of
+    its record, not a copy; the joined line is the fold's, and a smaller state is copied (it
+    keeps no record alive)."""
+    big = {"blob": "b" * SPLICE_BYTES}
+    events = [
+        f.started("e", seq=1),
+        f.session_started("e", "s1", "exported", who=RES, seq=1),
+        f.session_state("e", "s1", {"blob": "s" * SPLICE_BYTES}, who=RES, seq=2),
+        f.session_started("e", "s2", "exported", who=RES, seq=3),
+        f.session_state("e", "s2", {"small": 1}, who=RES, seq=4),
+        f.boundary("e", "seed", big, seq=2),
+    ]
+    offsets = list(enumerate(events))
+    cut = len(events)
+    tracker = follow("e", offsets, cut, None, keep_payloads=False)
+    records = {offset: encode_record(event) for offset, event in enumerate(events)}
+    wanted = {offset: records[offset] for offset in projection_positions(tracker)}
+    line = ProjectionLine.of(
+        compose_projection(tracker, wanted, cut, record_payload_start, peek_record)
+    )
+    assert line.line == ProjectionLine.of(project_events("e", offsets, cut)).line
+    views = [piece for piece in line.pieces if isinstance(piece, memoryview)]
+    assert sorted(id(view.obj) for view in views) == sorted(id(records[o]) for o in (2, 5))
+    assert line.size == len(line.line)
+    assert isinstance(line.pieces[0], bytes)
+    again = line.as_attempt(tracker.attempt + 1, was=tracker.attempt)
+    assert [id(p) for p in again.pieces[1:]] == [id(p) for p in line.pieces[1:]]  # not copied
 
 
 def test_what_cannot_be_composed_is_left_to_a_replay() -> None:
