@@ -1,7 +1,7 @@
 """Restore + fetch of one or more workloads on one deployment, beside the baselines it is judged
 against, measured in the same run: the suite's own measurement (the service, load and
 ``checkpoints_and_restores`` of ``suite_workload.measure_workload``) without the rest of the suite
-(no S4, no curves, no pyeventsourcing unless asked).
+(no S4, no curves, no pyeventsourcing).
 
 Per workload: restore (plan) and restore + fetch (the single stream, each line decoded, as the
 suite measures it), the floor, the stop-the-world restore (read + decode its files), their
@@ -15,7 +15,7 @@ from the end of the load to the last fetch, and its flame graph is saved in DIR 
 JSON) beside the client's cProfile of the same span.
 
     python benchmarks/restore_fetch.py [--workloads S1,S2] [--backend embedded] [--runs 3]
-        [--profile DIR] [--eventsourcing] [--fetchers kind] [--save-as NAME]
+        [--profile DIR] [--fetchers kind] [--save-as NAME]
 """
 
 from __future__ import annotations
