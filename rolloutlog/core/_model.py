@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple
 import orjson
 
 from rolloutlog.core._ids import capture_key
-from rolloutlog.core._opaque import LinePieces, Opaque, encode_line_pieces
+from rolloutlog.core._opaque import LinePieces, Opaque, encode_line_pieces, joined
 
 #: A projection's status at its cut (the catalog's episodes say ``running``/``finished``/
 #: ``excluded``: docs/design.md §11).
@@ -290,10 +290,7 @@ class ProjectionLine(NamedTuple):
     @property
     def line(self) -> bytes:
         """The whole line (joined, when it is in pieces)."""
-        first = self.pieces[0]
-        if len(self.pieces) == 1 and isinstance(first, bytes):
-            return first
-        return b"".join(self.pieces)
+        return joined(self.pieces)
 
     @property
     def size(self) -> int:

@@ -101,7 +101,11 @@ def encode_line(value: Any) -> bytes:
     """``value`` as JSON ending with a newline (an NDJSON line), its ``Opaque`` values raw as
     ``encode_opaque`` writes them: the same bytes as ``orjson.dumps(value,
     default=encode_opaque) + b"\\n"`` (``encode_line_pieces``, joined)."""
-    pieces = encode_line_pieces(value)
+    return joined(encode_line_pieces(value))
+
+
+def joined(pieces: LinePieces) -> bytes:
+    """A line's pieces as one ``bytes`` (the piece itself when it is the only one)."""
     first = pieces[0]
     if len(pieces) == 1 and isinstance(first, bytes):
         return first
