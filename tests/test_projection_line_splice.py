@@ -5,7 +5,8 @@ not copied at all, joined they are copied once."""
 from __future__ import annotations
 
 import tracemalloc
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 from unittest import mock
 
 import orjson
@@ -22,6 +23,8 @@ from rolloutlog.core._opaque import (
     encode_line_pieces,
     encode_opaque,
 )
+
+T = TypeVar("T")
 
 #: Strings JSON must escape, or that look like JSON, or like the splice's mark.
 TRICKY = ["", '"', "\\", "\x00", "\x00\x00", "\n\t", '{"a":', "]}", "é€😀", "\u2028", "a\x00b"]
@@ -141,15 +144,21 @@ def test_a_nul_in_a_small_opaque_falls_back_to_the_plain_encoding() -> None:
     assert encode_line(value) == plain(value)
 
 
-def test_a_large_state_is_copied_once() -> None:
-    state = large("s" * (4 << 20))
-    value = {"episode": "e", "sessions": {"s1": {"state": state}, "s2": {"state": None}}}
+def _with_peak(encode: Callable[[Any], T], value: Any) -> tuple[T, int]:
+    """``encode(value)`` and the most memory it held at once (tracemalloc)."""
     tracemalloc.start()
     try:
-        line = encode_line(value)
+        encoded = encode(value)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
+    return encoded, peak
+
+
+def test_a_large_state_is_copied_once() -> None:
+    state = large("s" * (4 << 20))
+    value = {"episode": "e", "sessions": {"s1": {"state": state}, "s2": {"state": None}}}
+    line, peak = _with_peak(encode_line, value)
     assert line == plain(value)
     # The line itself, and nothing of its size besides (orjson's buffer, its bytes and the
     # newline's join held ~3 lines at once).
@@ -160,12 +169,7 @@ def test_in_pieces_a_large_state_is_not_copied() -> None:
     state = large("s" * (4 << 20))
     view = Opaque(memoryview(b"  " + state.raw)[2:])  # as a projection composed from a record
     value = {"episode": "e", "sessions": {"s1": {"state": state}, "s2": {"state": view}}}
-    tracemalloc.start()
-    try:
-        pieces = encode_line_pieces(value)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    pieces, peak = _with_peak(encode_line_pieces, value)
     assert b"".join(pieces) == plain(value)
     assert [piece for piece in pieces if len(piece) >= SPLICE_BYTES] == [state.raw, view.raw]
     assert pieces[1] is state.raw and pieces[3] is view.raw
