@@ -62,6 +62,10 @@ class Backend:
         the database's parameter limit."""
         raise NotImplementedError
 
+    async def join_by_hash(self, conn: AsyncConnection, on: bool) -> None:
+        """From now on in ``conn``'s transaction (``on``), or no longer, join without nested
+        loops where the database would choose them (a no-op where it plans no such join)."""
+
     #: Whether ``write_in_one_hop`` can run a write transaction.
     one_hop_writes: ClassVar[bool] = False
 

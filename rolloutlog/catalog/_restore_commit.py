@@ -65,18 +65,23 @@ _FIRST_ATTEMPT = text(
 
 
 async def _make_current(
-    conn: AsyncConnection, keys: Mapping[str, Any], entries: Sequence[RestoreEntry]
+    conn: AsyncConnection,
+    backend: Backend,
+    keys: Mapping[str, Any],
+    entries: Sequence[RestoreEntry],
 ) -> bool:
     """Make the plan's attempts current (its ``restore_episodes`` rows, inserted under
     ``keys``); False, the transaction to be rolled back, if some episode's current attempt is
     not the plan's previous one. Each statement runs only while rows are left: a restore
     usually changes no status and inserts no episode (a stale plan's episodes, matched by
-    none, run them all)."""
+    none, run them all). The rows were just inserted: joined by hash (``Backend.join_by_hash``)."""
     changed = 0
+    await backend.join_by_hash(conn, True)
     for statement in (_SAME_STATUS, _FIRST_ATTEMPT, _NEW_STATUS):
         if changed == len(entries):
             break
         changed += (await conn.execute(statement, keys)).rowcount
+    await backend.join_by_hash(conn, False)
     return changed == len(entries)
 
 
@@ -166,7 +171,8 @@ async def commit_restore_rows(
     # Under a savepoint: a stale plan's error names episodes by their current attempts as they
     # were, not as the statements left them.
     savepoint = await conn.begin_nested()
-    if not await _make_current(conn, {"run": run, "restore_id": restore_id, "now": now}, entries):
+    keys = {"run": run, "restore_id": restore_id, "now": now}
+    if not await _make_current(conn, backend, keys, entries):
         await savepoint.rollback()
         await _disagreement(conn, backend, run, checkpoint_id, entries, manifest)
     await savepoint.commit()
