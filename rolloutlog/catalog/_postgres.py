@@ -119,12 +119,11 @@ class PostgresBackend(Backend):
         """``enable_nestloop`` off (or back to the server's default) for the rest of the
         transaction. Rows a transaction has just inserted have no statistics yet, so PostgreSQL
         estimates one row for each side of a restore's set-based UPDATE and picks either nested
-        loop: one looks
-        each planned episode up by its key, the other scans the restore's rows once per episode
-        (quadratic in the restore's size). Measured on S2 (1,000 episodes, EXPLAIN ANALYZE):
-        7.8 ms one way, 103 ms the other; by hash 3.8-5.3 ms. On S1 (16,000) the statement took
-        71-93 ms by hash against 74-110 ms with nested loops allowed. A hash join is linear
-        whatever the estimates."""
+        loop: one looks each planned episode up by its key, the other scans the restore's rows
+        once per episode (quadratic in the restore's size). Measured on S2 (1,000 episodes,
+        EXPLAIN ANALYZE): 7.8 ms one way, 103 ms the other; by hash 3.8-5.3 ms. On S1 (16,000)
+        the statement took 71-93 ms by hash against 74-110 ms with nested loops allowed. A hash
+        join is linear whatever the estimates."""
         await conn.execute(text(f"SET LOCAL enable_nestloop TO {'off' if on else 'DEFAULT'}"))
 
     def among(self, column: ColumnElement[Any], values: Sequence[str]) -> ColumnElement[bool]:
