@@ -1,6 +1,6 @@
-"""``encode_line`` and ``encode_line_pieces`` (``ProjectionLine.of``'s encoding): large opaque
-values spliced into the line give the same bytes as orjson's plain encoding; in pieces they are
-not copied at all, joined they are copied once."""
+"""``encode_line_pieces`` (``ProjectionLine.of``'s encoding): large opaque values spliced into
+the line give the same bytes as orjson's plain encoding; in pieces they are not copied at all,
+joined (``ProjectionLine.line``) they are copied once."""
 
 from __future__ import annotations
 
@@ -19,15 +19,20 @@ from rolloutlog.core._model import BoundaryView, EpisodeProjection, LedgerEntry,
 from rolloutlog.core._opaque import (
     SPLICE_BYTES,
     Opaque,
-    encode_line,
     encode_line_pieces,
     encode_opaque,
+    joined,
 )
 
 T = TypeVar("T")
 
 #: Strings JSON must escape, or that look like JSON, or like the splice's mark.
 TRICKY = ["", '"', "\\", "\x00", "\x00\x00", "\n\t", '{"a":', "]}", "é€😀", "\u2028", "a\x00b"]
+
+
+def encode_line(value: Any) -> bytes:
+    """The line ``ProjectionLine.line`` gives: its pieces joined."""
+    return joined(encode_line_pieces(value))
 
 
 def plain(value: Any) -> bytes:

@@ -85,23 +85,17 @@ def encode_opaque(value: Any) -> Any:
     raise TypeError(f"cannot encode {type(value).__name__}")
 
 
-#: ``Opaque`` values at least this large are spliced into ``encode_line``'s line, not encoded.
+#: ``Opaque`` values at least this large are pieces of their own in ``encode_line_pieces``'s
+#: line, not encoded.
 SPLICE_BYTES = 64 * 1024
-#: Where ``encode_line`` splices one: orjson escapes a NUL in every string it writes, and valid
-#: JSON holds none, so a raw one in its output is a mark.
+#: Where ``encode_line_pieces`` cuts the line for one: orjson escapes a NUL in every string it
+#: writes, and valid JSON holds none, so a raw one in its output is a mark.
 _MARK = b"\x00"
 _MARK_FRAGMENT = orjson.Fragment(_MARK)
 
 
 #: A line as ``encode_line_pieces`` gives it: bytes to be written one after another.
 LinePieces = tuple[bytes | memoryview, ...]
-
-
-def encode_line(value: Any) -> bytes:
-    """``value`` as JSON ending with a newline (an NDJSON line), its ``Opaque`` values raw as
-    ``encode_opaque`` writes them: the same bytes as ``orjson.dumps(value,
-    default=encode_opaque) + b"\\n"`` (``encode_line_pieces``, joined)."""
-    return joined(encode_line_pieces(value))
 
 
 def joined(pieces: LinePieces) -> bytes:
@@ -113,8 +107,11 @@ def joined(pieces: LinePieces) -> bytes:
 
 
 def encode_line_pieces(value: Any) -> LinePieces:
-    """``encode_line``'s line in pieces: one, but for each ``Opaque`` of ``SPLICE_BYTES`` or more,
-    whose raw bytes are a piece of their own, neither copied nor encoded. An S2 line holds a
+    """``value`` as JSON ending with a newline (an NDJSON line), its ``Opaque`` values raw as
+    ``encode_opaque`` writes them, in pieces: joined (``joined``), the same bytes as
+    ``orjson.dumps(value, default=encode_opaque) + b"\\n"``. One piece, but for each ``Opaque``
+    of ``SPLICE_BYTES`` or more, whose raw bytes are a piece of their own, neither copied nor
+    encoded. An S2 line holds a
     350 KB state: orjson would copy it into its growing buffer, then into its bytes; joining
     the pieces would copy it again, into fresh memory; as a piece it goes from the log's record
     to the response as it is. The large values are encoded as marks, and the line cut at them.
