@@ -64,6 +64,23 @@ class Episodes:
         result: dict[str, Any] = response.json()
         return result
 
+    async def held(self, name: str, point: str, key: str) -> dict[str, Any]:
+        """``Gym.wait_held`` for an episode dispatched here; an episode whose request ends
+        before it parks fails at once, with the environment's answer."""
+        episode = self.running[key]
+        waiting = asyncio.ensure_future(self.gym.wait_held(name, point, key))
+        try:
+            await asyncio.wait({waiting, episode}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+        if waiting.done() and not waiting.cancelled():
+            return waiting.result()
+        self.running.pop(key)
+        reply = episode.result()  # its EpisodeFailed, if it failed
+        raise AssertionError(f"{key}: the episode ended before {name} parked at {point}: {reply}")
+
     async def reply(self, key: str) -> dict[str, Any]:
         return await self.running.pop(key)
 

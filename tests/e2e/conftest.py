@@ -4,7 +4,7 @@ processes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,20 @@ from tests.e2e._gym import Episodes, gym_for
 from tests.e2e._harness import Appends, Deployment, Puppet, Replicas, Service, kafka_log_url
 
 RUN = "crash"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed scenario on a simulated Gym reports the end of every process's log (the
+    service's and each participant's): what a participant did is in no traceback."""
+    report = yield
+    gym = getattr(item, "funcargs", {}).get("gym")
+    if report.failed and report.when == "call" and isinstance(gym, Gym):
+        for name in ["service", *gym.processes]:
+            report.sections.append((f"{name}'s log, its end", gym.log_tail(name)))
+    return report
 
 
 @pytest.fixture(

@@ -81,13 +81,13 @@ async def test_one_crash_with_every_kind_of_episode_in_flight(
         await gym.hold(name, point, key, after_tokens=48 if point == "mid_generation" else 0)
     for key in {key for _, _, key in holds}:
         episodes.start(tasks[key])
-    parked = {key: await gym.wait_held(name, point, key) for name, point, key in holds}
+    parked = {key: await episodes.held(name, point, key) for name, point, key in holds}
     assert parked["cont"]["round"] == 1
     assert (parked["cut"]["call_id"], parked["constr"]["call_id"]) == ("cut.c0", "constr.c0")
     # 3: undeliv's second call is generated and its ledger row durable, but never delivered.
     await gym.hold("policy", "before_deliver", "undeliv")
     await gym.release("agent", "after_tool_round", "undeliv")
-    assert (await gym.wait_held("policy", "before_deliver", "undeliv"))["call_id"] == "undeliv.c1"
+    assert (await episodes.held("policy", "before_deliver", "undeliv"))["call_id"] == "undeliv.c1"
 
     # 6: vwait's verify is a wait step: the checkpoint stays pending until its boundary.
     pending = await trainer.checkpoint(run, wait=False, deadline_s=120)
@@ -98,7 +98,7 @@ async def test_one_crash_with_every_kind_of_episode_in_flight(
     assert (await trainer.get_checkpoint(run, pending.checkpoint_id)).status == "pending"
     await gym.hold("environment", "before:return", "vwait")
     await gym.release("verifier", "in_verify", "vwait")
-    await gym.wait_held("environment", "before:return", "vwait")
+    await episodes.held("environment", "before:return", "vwait")
     checkpoint = await trainer.wait_for_checkpoint(run, pending.checkpoint_id, timeout_s=60)
     assert checkpoint.status == "committed"
     manifest = await manifest_of(trainer, run, checkpoint.checkpoint_id)
@@ -220,7 +220,7 @@ async def test_the_counter_reward_needs_the_restored_state(
     task = make_task("neg")
     await gym.hold("agent", "after_tool_round", "neg")
     episodes.start(task)
-    assert (await gym.wait_held("agent", "after_tool_round", "neg"))["round"] == 1
+    assert (await episodes.held("agent", "after_tool_round", "neg"))["round"] == 1
     checkpoint = await trainer.checkpoint(run)
     assert dict(checkpoint.counts) == {"continue": 1, "restart": 0, "finished": 0}
     gym.kill_participants()
@@ -257,7 +257,7 @@ async def test_a_checkpoint_without_a_crash_disturbs_nothing(
     for task in tasks:
         episodes.start(task)
     for name, point, key, _ in holds:
-        await gym.wait_held(name, point, key)
+        await episodes.held(name, point, key)
     checkpoint = await trainer.checkpoint(run)
     assert dict(checkpoint.counts) == {"continue": 3, "restart": 1, "finished": 0}
     for name, point, key, _ in holds:
@@ -287,8 +287,8 @@ async def test_a_second_crash_before_and_after_the_replacement_starts(
     await gym.hold("policy", "mid_generation", "cut", after_tokens=48)
     episodes.start(task)
     episodes.start(cut_task)
-    await gym.wait_held("agent", "after_tool_round", "twice")
-    await gym.wait_held("policy", "mid_generation", "cut")
+    await episodes.held("agent", "after_tool_round", "twice")
+    await episodes.held("policy", "mid_generation", "cut")
     await trainer.checkpoint(run)
     gym.kill_participants()
     await episodes.cut_off(["twice", "cut"])
@@ -311,7 +311,7 @@ async def test_a_second_crash_before_and_after_the_replacement_starts(
     episodes.start(task, "twice-a2", "continue", second.restore_id)
     episodes.start(cut_task, "cut-a2", "continue", second.restore_id)
     assert right(await episodes.reply("cut-a2"), cut_task)
-    assert (await gym.wait_held("agent", "after_tool_round", "twice-a2"))["round"] == 2
+    assert (await episodes.held("agent", "after_tool_round", "twice-a2"))["round"] == 2
     policy = await gym.stats("policy")
     assert calls_of(policy, "twice-a2") == [("twice-a2.c1", "twice.c0", 0, 48)]
     assert calls_of(policy, "cut-a2") == [("cut.c0", None, 48, 48), ("cut-a2.c1", "cut.c0", 0, 96)]
@@ -350,8 +350,8 @@ async def test_the_service_killed_during_a_checkpoint_with_episodes_in_flight(
     await gym.hold("verifier", "in_verify", "w")
     for task in tasks.values():
         episodes.start(task)
-    await gym.wait_held("agent", "after_tool_round", "a")
-    await gym.wait_held("verifier", "in_verify", "w")
+    await episodes.held("agent", "after_tool_round", "a")
+    await episodes.held("verifier", "in_verify", "w")
     pending = await trainer.checkpoint(run, wait=False, deadline_s=120)
     assert pending.status == "pending"
 
@@ -360,7 +360,7 @@ async def test_the_service_killed_during_a_checkpoint_with_episodes_in_flight(
     assert (await trainer.get_checkpoint(run, pending.checkpoint_id)).status == "aborted"
     await gym.hold("environment", "before:return", "w")
     await gym.release("verifier", "in_verify", "w")
-    await gym.wait_held("environment", "before:return", "w")
+    await episodes.held("environment", "before:return", "w")
     checkpoint = await trainer.checkpoint(run)
     assert checkpoint.checkpoint_id > pending.checkpoint_id
     assert dict(checkpoint.counts) == {"continue": 2, "restart": 0, "finished": 0}

@@ -22,7 +22,7 @@ async def _checkpoint_parked_and_crash(
     run = gym.run
     await gym.hold("agent", "after_tool_round", key)
     episodes.start(make_task(key, resources="sandbox"))
-    assert (await gym.wait_held("agent", "after_tool_round", key))["round"] == 1
+    assert (await episodes.held("agent", "after_tool_round", key))["round"] == 1
     checkpoint = await trainer.checkpoint(run, deadline_s=30)
     assert dict(checkpoint.counts) == {"continue": 1, "restart": 0, "finished": 0}
     assert (await gym.stats("sandbox"))["exports"] == 1  # asked for and given before the commit

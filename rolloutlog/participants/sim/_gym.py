@@ -373,9 +373,13 @@ class Gym:
             raise RuntimeError(f"{process.name} is already running")
         process.log = self.data_dir / "logs" / f"{process.name}.log"
         process.log.parent.mkdir(parents=True, exist_ok=True)
+        # the sandbox's store under the Gym's data, not the machine's temporary directory
+        env = {**os.environ, "ROLLOUTLOG_SIM_SANDBOX_DIR": str(self.data_dir / "sandbox")}
+        (self.data_dir / "sandbox").mkdir(exist_ok=True)
         with open(process.log, "ab") as out:
             process.proc = subprocess.Popen(
                 [sys.executable, *args],
+                env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -215,9 +215,9 @@ class SandboxStore:
 
 
 def sandbox_path(settings: ServerSettings) -> Path:
-    """Where a sandbox server keeps its state: ``ROLLOUTLOG_SIM_SANDBOX_DIR`` (default: the
-    temporary directory), one file per service, run and participant id, so that a replacement
-    process finds what the killed one exported."""
+    """Where a sandbox server keeps its state: ``ROLLOUTLOG_SIM_SANDBOX_DIR`` (a ``Gym`` sets its
+    data dir's ``sandbox``; default: the temporary directory), one file per service, run and
+    participant id, so that a replacement process finds what the killed one exported."""
     root = Path(os.environ.get("ROLLOUTLOG_SIM_SANDBOX_DIR") or tempfile.gettempdir())
     service = hashlib.sha256(settings.service_url.encode()).hexdigest()[:8]
     return root / f"rolloutlog-sandbox-{service}-{settings.run}-{settings.participant_id}.db"
