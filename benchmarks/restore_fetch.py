@@ -147,7 +147,9 @@ def main() -> None:
                 f"restore {figures['stop_the_world_restore_s']['median'] * 1e3:.0f} ms "
                 f"(x{figures['restore_and_fetch_vs_stop_the_world_restore']:.2f} faster); "
                 f"checkpoint {figures['checkpoint_s']['median'] * 1e3:.0f} ms; service CPU "
-                f"{figures['service_cpu_s_per_restore_and_fetch']:.2f} s per restore+fetch; "
+                f"{figures['service_cpu_s_per_restore_and_fetch']:.2f} s and "
+                f"{figures['service_page_faults_per_restore_and_fetch']:,} page faults per "
+                "restore+fetch; "
                 f"RSS {figures['restore_peak_rss_mb']:.0f} MB (after each fetch {figures['rss_after_fetch_mb']}); stages {figures['stages_ms']['restore']}"
             )
             if "restore_and_fetch_per_kind_s" in figures:

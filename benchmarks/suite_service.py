@@ -95,10 +95,18 @@ class Service:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def cpu_s(self) -> float:
+    def _stat(self) -> list[str]:
+        """The service's ``/proc/PID/stat`` fields after its name (the state is field 0)."""
         assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+    def cpu_s(self) -> float:
+        fields = self._stat()
         return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+
+    def page_faults(self) -> int:
+        """The service's minor page faults so far (pages it touched for the first time)."""
+        return int(self._stat()[7])  # minflt
 
     def _status_mb(self, field: str) -> float:
         """A memory figure of the service's ``/proc/PID/status`` (``VmHWM``, ``VmRSS``) in MB."""

@@ -94,6 +94,7 @@ async def checkpoints_and_restores(
     figures: dict[str, list[float]] = {}
     stages: dict[str, dict[str, list[float]]] = {"checkpoint": {}, "restore": {}}
     cpu = {"checkpoint": 0.0, "restore": 0.0, "prepare": 0.0}
+    faults = {"restore": 0}
 
     async def checkpoint(figure: str) -> Any:
         before = svc.cpu_s()
@@ -131,7 +132,7 @@ async def checkpoints_and_restores(
             cpu["prepare"] += svc.cpu_s() - before
         async with reader(svc) as log:
             floor_s, floor_bytes = await floor(log, run, info.offsets)
-        before = svc.cpu_s()
+        before, faults_before = svc.cpu_s(), svc.page_faults()
         t0 = time.perf_counter()
         restored = await trainer.restore(run, checkpoint_id=info.checkpoint_id)
         restore_s = time.perf_counter() - t0
@@ -141,6 +142,7 @@ async def checkpoints_and_restores(
             fetched += 1
         fetch_s = time.perf_counter() - t0
         cpu["restore"] += svc.cpu_s() - before
+        faults["restore"] += svc.page_faults() - faults_before
         assert fetched == restored.counts["continue"], (fetched, restored.counts)
         for stage, value in restored.timings_ms.items():
             stages["restore"].setdefault(stage, []).append(float(value))
@@ -186,6 +188,7 @@ async def checkpoints_and_restores(
     out["stages_ms"]["cold_checkpoint"] = cold_stages
     out["service_cpu_s_per_checkpoint"] = cpu["checkpoint"] / runs
     out["service_cpu_s_per_restore_and_fetch"] = cpu["restore"] / max(1, restores)
+    out["service_page_faults_per_restore_and_fetch"] = faults["restore"] // max(1, restores)
     # What preparing a checkpoint's lines cost the service (off the checkpoint's path).
     out["service_cpu_s_per_prepare"] = cpu["prepare"] / max(1, restores - 1)
     return out
