@@ -63,7 +63,7 @@ def projection_positions(fold: EpisodeFold) -> list[int]:
     return out
 
 
-def _payload(record: bytes, start: int) -> Opaque | None:
+def _payload(record: bytes | memoryview, start: int) -> Opaque | None:
     """A state's payload in ``record`` from ``start`` (None when it has none): a view of the
     record when it is ``SPLICE_BYTES`` or more, which the projection's line then carries as it
     is (``encode_line_pieces``); a copy of a small one, which keeps no record alive."""
@@ -71,15 +71,15 @@ def _payload(record: bytes, start: int) -> Opaque | None:
         return None
     if len(record) - start >= SPLICE_BYTES:
         return Opaque(memoryview(record)[start:])
-    return Opaque(record[start:])
+    return Opaque(bytes(record[start:]))  # (a record read in place is a view: copied too)
 
 
 def compose_projection(
     fold: EpisodeFold,
-    records: Mapping[int, bytes],
+    records: Mapping[int, bytes | memoryview],
     cut: int,
-    payload_start: Callable[[bytes], int],
-    peek: Callable[[bytes], tuple[dict[str, Any], int]],
+    payload_start: Callable[[bytes | memoryview], int],
+    peek: Callable[[bytes | memoryview], tuple[dict[str, Any], int]],
 ) -> EpisodeProjection:
     """``fold.projection(cut)`` with the payloads read from ``records`` (by offset: every one of
     ``projection_positions``): ``payload_start`` says where a record's payload starts (its length
@@ -105,7 +105,7 @@ def compose_projection(
     for offset in fold.ledger_offsets or ():
         record = records[offset]
         meta, start = peek(record)
-        tokens = record[start:] if start < len(record) else b"[]"
+        tokens = bytes(record[start:]) if start < len(record) else b"[]"
         ledger.append(LedgerEntry.of_data(meta["data"], tokens))
     generation = None
     found = fold._cut_chunks()
@@ -115,7 +115,7 @@ def compose_projection(
         for chunk in walked:
             record = records[chunk[6]]  # type: ignore[index]
             start = payload_start(record)
-            kept = record[start:] if start < len(record) else None
+            kept = bytes(record[start:]) if start < len(record) else None
             read.append((*chunk[:4], kept, *chunk[5:]))
         generation = generation_cut((call, read, terminal, last, problem))
     return EpisodeProjection(

@@ -20,9 +20,11 @@ DELTA_KEY = "$delta"
 DELTA_PREFIX = b'{"$delta":'
 
 
-def is_delta(record: bytes, start: int = 0) -> bool:
+def is_delta(record: bytes | memoryview, start: int = 0) -> bool:
     """Whether the payload at ``record[start:]`` is a delta state (a prefix test, no decoding)."""
-    return record.startswith(DELTA_PREFIX, start)
+    if type(record) is bytes:
+        return record.startswith(DELTA_PREFIX, start)
+    return record[start : start + len(DELTA_PREFIX)] == DELTA_PREFIX
 
 
 def state_delta(previous: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:

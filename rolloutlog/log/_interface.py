@@ -103,6 +103,17 @@ class Log(abc.ABC):
         """``read_records`` a page (list) at a time, as the backend reads them: bulk replays and a
         projector catching up take no coroutine step per record."""
 
+    async def read_pages_in_place(
+        self, run: str, partition: int, start: int, end: int
+    ) -> AsyncIterator[Sequence[tuple[int, bytes | memoryview]]]:
+        """``read_pages`` whose large records may be read-only views of the log's own storage
+        (the embedded log's blob files, mapped): for a replay whose output carries them as they
+        are (a restore's lines), so that they are not copied into fresh memory first. A view
+        keeps what it shows readable for as long as it lives. Backends without such storage
+        give ``read_pages``' records."""
+        async for page in self.read_pages(run, partition, start, end):
+            yield page
+
     @abc.abstractmethod
     async def delete_run(self, run: str) -> bool:
         """Delete the run's topic and everything in it (its followers end); False when it had

@@ -243,6 +243,26 @@ def _service(controller_epoch: int) -> dict[str, Any]:
 # -- splitting -----------------------------------------------------------------------------
 
 
+def _cut(record: bytes | memoryview) -> int:
+    """Where a record's metadata ends (its first newline: JSON never holds a raw one), or -1.
+    A view (a large record read in place) is searched a window at a time from its start,
+    where its metadata is: its payload is neither copied nor scanned."""
+    if type(record) is bytes:
+        return record.find(_SEPARATOR)
+    window, start = _CUT_WINDOW, 0
+    while start < len(record):
+        found = bytes(record[start : start + window]).find(_SEPARATOR)
+        if found >= 0:
+            return start + found
+        start += window
+        window *= 4
+    return -1
+
+
+#: The first window ``_cut`` searches of a view: a record's metadata fits in it.
+_CUT_WINDOW = 4096
+
+
 def split_record(record: bytes) -> tuple[dict[str, Any], bytes | None]:
     """A record's metadata (decoded) and its payload's raw JSON (undecoded, or None)."""
     cut = record.find(_SEPARATOR)
@@ -251,26 +271,26 @@ def split_record(record: bytes) -> tuple[dict[str, Any], bytes | None]:
     return orjson.loads(record[:cut]), record[cut + 1 :]
 
 
-def record_meta(record: bytes) -> dict[str, Any]:
+def record_meta(record: bytes | memoryview) -> dict[str, Any]:
     """A record's metadata only: the payload after the first newline is neither decoded nor
     copied (what the projector reads of every record)."""
-    cut = record.find(_SEPARATOR)
+    cut = _cut(record)
     meta: dict[str, Any] = orjson.loads(record if cut < 0 else record[:cut])
     return meta
 
 
-def peek_record(record: bytes) -> tuple[dict[str, Any], int]:
+def peek_record(record: bytes | memoryview) -> tuple[dict[str, Any], int]:
     """A record's metadata and where its payload starts (``len(record)`` when it has none): the
     payload is not copied until someone asks for it (``record_payload``)."""
-    cut = record.find(_SEPARATOR)
+    cut = _cut(record)
     if cut < 0:
         return orjson.loads(record), len(record)
     return orjson.loads(record[:cut]), cut + 1
 
 
-def record_payload_start(record: bytes) -> int:
+def record_payload_start(record: bytes | memoryview) -> int:
     """Where a record's payload starts (``len(record)`` when it has none)."""
-    cut = record.find(_SEPARATOR)
+    cut = _cut(record)
     return len(record) if cut < 0 else cut + 1
 
 
@@ -300,14 +320,18 @@ def record_envelope(record: bytes) -> dict[str, Any]:
 # -- peeking -------------------------------------------------------------------------------
 
 _EPISODE_PREFIX = b'{"v":1,"episode":"'
+_EPISODE_WITHIN = len(_EPISODE_PREFIX) + 256
 
 
-def record_episode(record: bytes) -> str | None:
+def record_episode(record: bytes | memoryview) -> str | None:
     """A record's episode, read off its first bytes where the field order allows (every record
     rolloutlog writes), else by decoding its metadata."""
-    if record.startswith(_EPISODE_PREFIX):
-        end = record.find(b'"', len(_EPISODE_PREFIX))
-        return record[len(_EPISODE_PREFIX) : end].decode()
+    # an episode name is at most 200 ASCII characters: a view's first 256 bytes hold it
+    head = record if type(record) is bytes else bytes(record[:_EPISODE_WITHIN])
+    if head.startswith(_EPISODE_PREFIX):
+        end = head.find(b'"', len(_EPISODE_PREFIX))
+        if end >= 0:
+            return head[len(_EPISODE_PREFIX) : end].decode()
     episode = record_meta(record).get("episode")
     return episode if isinstance(episode, str) else None
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import array
 import sqlite3
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from rolloutlog.log._blobs import BLOB_THRESHOLD, BlobStore
 
@@ -26,6 +28,8 @@ _PAGE_SEGMENTS = 64
 
 OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 _LITTLE_ENDIAN = sys.byteorder == "little"
+#: What a page's large records are read as (``bytes``, or ``memoryview`` in place).
+R = TypeVar("R", bytes, memoryview)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS segments (
@@ -71,22 +75,23 @@ def _encode_segment(values: list[bytes], blobs: BlobStore) -> tuple[bytes, int |
 
 
 def _decode_segment(
-    first: int, count: int, blob: bytes, start: int, end: int, blobs: BlobStore
-) -> list[tuple[int, bytes]]:
-    """The records of a segment whose offsets fall in ``[start, end)``."""
+    first: int, count: int, blob: bytes, start: int, end: int, read: Callable[[memoryview], R]
+) -> list[tuple[int, bytes | R]]:
+    """The records of a segment whose offsets fall in ``[start, end)``, its large ones read from
+    their references by ``read`` (``BlobStore.read``, or ``BlobStore.view`` in place)."""
     lengths = array.array("I")
     lengths.frombytes(blob[: 4 * count])
     if not _LITTLE_ENDIAN:
         lengths.byteswap()
     view = memoryview(blob)
     position = 4 * count
-    out: list[tuple[int, bytes]] = []
+    out: list[tuple[int, bytes | R]] = []
     for index, length in enumerate(lengths):
         offset = first + index
         size = length & ~_EXTERNAL
         if start <= offset < end:
             body = view[position : position + size]
-            out.append((offset, blobs.read(body) if length & _EXTERNAL else bytes(body)))
+            out.append((offset, read(body) if length & _EXTERNAL else bytes(body)))
         position += size
     return out
 
@@ -177,7 +182,7 @@ def read_range(
     """The first page of ``[start, end)`` (a follower's step)."""
     cursor = open_range(conn, partition, start, end)
     try:
-        return fetch_page(cursor, start, end, blobs)
+        return fetch_page(cursor, start, end, blobs.read)
     finally:
         cursor.close()  # ends the read transaction before the connection goes back to the pool
 
@@ -200,9 +205,10 @@ def read_ranges(
 
 
 def fetch_page(
-    cursor: sqlite3.Cursor, start: int, end: int, blobs: BlobStore
-) -> list[tuple[int, bytes]]:
-    page: list[tuple[int, bytes]] = []
+    cursor: sqlite3.Cursor, start: int, end: int, read: Callable[[memoryview], R]
+) -> list[tuple[int, bytes | R]]:
+    """The next page of a range read (``open_range``), its large records read by ``read``."""
+    page: list[tuple[int, bytes | R]] = []
     size = 0
     segments = 0
     while segments < _PAGE_SEGMENTS and size < PAGE_BYTES:
@@ -210,7 +216,7 @@ def fetch_page(
         if row is None:
             break
         row_id, count, blob = row
-        page.extend(_decode_segment(row_id & OFFSET_MASK, count, blob, start, end, blobs))
+        page.extend(_decode_segment(row_id & OFFSET_MASK, count, blob, start, end, read))
         size += len(blob)
         segments += 1
     return page

@@ -60,6 +60,7 @@ from rolloutlog.log._run_file import (
 )
 from rolloutlog.log._segments import (
     OFFSET_MASK,
+    R,
     fetch_page,
     open_range,
     read_ranges,
@@ -241,24 +242,17 @@ class EmbeddedLog(Log):
     ) -> AsyncIterator[list[tuple[int, bytes]]]:
         """Like ``read_records``, a page (list) at a time: cheaper for bulk replays."""
         run_file = await self._run(run)
-        if not 0 <= partition < run_file.partitions:
-            raise InvalidRequest(f"partition {partition} out of range", run=run)
-        start = max(start, run_file.start_offsets[partition], 0)
-        if end <= start:
-            return
-        try:
-            async with run_file.reader() as reader:
-                cursor = await reader.run(open_range, reader.conn, partition, start, end)
-                try:
-                    while True:
-                        page = await reader.run(fetch_page, cursor, start, end, run_file.blobs)
-                        if not page:
-                            return
-                        yield page
-                finally:
-                    await reader.run(cursor.close)  # ends the read transaction
-        except (sqlite3.Error, OSError) as e:
-            raise translate(e, run_file.path) from e
+        async for page in _pages(run, run_file, partition, start, end, run_file.blobs.read):
+            yield page
+
+    async def read_pages_in_place(
+        self, run: str, partition: int, start: int, end: int
+    ) -> AsyncIterator[Sequence[tuple[int, bytes | memoryview]]]:
+        """``read_pages`` with its large records as views of their blob files' mappings
+        (``BlobStore.view``)."""
+        run_file = await self._run(run)
+        async for page in _pages(run, run_file, partition, start, end, run_file.blobs.view):
+            yield page
 
     async def follow(
         self, run: str, partition: int, start: int, *, poll_s: float = 0.05
@@ -376,6 +370,35 @@ class EmbeddedLog(Log):
 
     async def end_offsets(self, run: str) -> list[int]:
         return list((await self._run(run)).next_offsets)
+
+
+async def _pages(
+    run: str,
+    run_file: RunFile,
+    partition: int,
+    start: int,
+    end: int,
+    read: Callable[[memoryview], R],
+) -> AsyncIterator[list[tuple[int, bytes | R]]]:
+    """A range read's pages (``read_pages``), its large records read by ``read``."""
+    if not 0 <= partition < run_file.partitions:
+        raise InvalidRequest(f"partition {partition} out of range", run=run)
+    start = max(start, run_file.start_offsets[partition], 0)
+    if end <= start:
+        return
+    try:
+        async with run_file.reader() as reader:
+            cursor = await reader.run(open_range, reader.conn, partition, start, end)
+            try:
+                while True:
+                    page = await reader.run(fetch_page, cursor, start, end, read)
+                    if not page:
+                        return
+                    yield page
+            finally:
+                await reader.run(cursor.close)  # ends the read transaction
+    except (sqlite3.Error, OSError) as e:
+        raise translate(e, run_file.path) from e
 
 
 def _delete_files(path: Path) -> None:

@@ -20,7 +20,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any, NamedTuple
+from typing import NamedTuple, cast
 
 from rolloutlog._gc import collector_paused
 from rolloutlog.catalog import ManifestEntry
@@ -84,7 +84,9 @@ async def replay_stream(
         attempts_at_cut[entry.episode] = entry.attempt
 
     def fold(
-        episodes: Sequence[str], cuts: Mapping[str, int], records: dict[str, Any]
+        episodes: Sequence[str],
+        cuts: Mapping[str, int],
+        records: dict[str, list[tuple[int, bytes]]],
     ) -> list[EpisodeProjection]:
         out: list[EpisodeProjection] = []
         with collector_paused():
@@ -112,7 +114,7 @@ async def replay_stream(
     def collect(partition: int, cuts: Mapping[str, int]) -> _Collect:
         records: dict[str, list[tuple[int, bytes]]] = {episode: [] for episode in cuts}
 
-        def take(page: Sequence[tuple[int, bytes]]) -> None:
+        def take(page: Sequence[tuple[int, bytes | memoryview]]) -> None:
             for item in page:
                 if quarantined and (partition, item[0]) in quarantined:
                     continue  # the projector skipped it: so does the fold
@@ -122,7 +124,7 @@ async def replay_stream(
                     continue
                 wanted = records.get(episode)  # type: ignore[arg-type]
                 if wanted is not None:
-                    wanted.append(item)
+                    wanted.append(cast("tuple[int, bytes]", item))  # read with in_place=False
 
         return take, lambda episodes: fold(episodes, cuts, records)
 
@@ -130,7 +132,7 @@ async def replay_stream(
         partition: _PartitionRead(replay_from.get(partition, 0), cuts, collect(partition, cuts))
         for partition, cuts in by_partition.items()
     }
-    async for projection in _read_partitions(log, run, reads):
+    async for projection in _read_partitions(log, run, reads, in_place=False):
         yield projection
 
 
@@ -159,9 +161,9 @@ async def compose_stream(
         for item in mine.values():
             for offset in item.positions:
                 wanted[offset - first] = 1
-        needed: dict[int, bytes] = {}
+        needed: dict[int, bytes | memoryview] = {}
 
-        def take(page: Sequence[tuple[int, bytes]]) -> None:
+        def take(page: Sequence[tuple[int, bytes | memoryview]]) -> None:
             for offset, record in page:
                 if first <= offset < end and wanted[offset - first]:
                     needed[offset] = record
@@ -198,7 +200,7 @@ async def compose_stream(
         reads[partition] = _PartitionRead(
             first, ends, collect(mine, first, max(ends.values(), default=first))
         )
-    async for projection in _read_partitions(log, run, reads):
+    async for projection in _read_partitions(log, run, reads, in_place=True):
         yield projection
 
 
@@ -230,7 +232,7 @@ class Composable(NamedTuple):
 #: How a partition's read hands its records over: ``take`` a page, then ``emit`` the episodes
 #: whose records the read has passed (their projections).
 _Collect = tuple[
-    Callable[[Sequence[tuple[int, bytes]]], None],
+    Callable[[Sequence[tuple[int, bytes | memoryview]]], None],
     Callable[[Sequence[str]], Iterable[EpisodeProjection]],
 ]
 
@@ -250,7 +252,7 @@ _READS_AT_ONCE = 2
 
 
 async def _read_partitions(
-    log: Log, run: str, reads: Mapping[int, _PartitionRead]
+    log: Log, run: str, reads: Mapping[int, _PartitionRead], *, in_place: bool
 ) -> AsyncIterator[EpisodeProjection]:
     """Read each partition's range (in parallel), hand its pages to its ``collect`` and yield
     the projections it emits as the read passes each episode's end. A partition reads its next
@@ -271,7 +273,8 @@ async def _read_partitions(
             # A partition holds its slot for its whole read: a log's page reader may hold a
             # connection between pages (the embedded log's pool is not larger than the slots).
             async with reading:
-                async for page in log.read_pages(run, partition, read.start, ends[by_end[-1]]):
+                read_pages = log.read_pages_in_place if in_place else log.read_pages
+                async for page in read_pages(run, partition, read.start, ends[by_end[-1]]):
                     take(page)
                     if not page:
                         continue

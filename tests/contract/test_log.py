@@ -353,6 +353,20 @@ async def test_large_payloads_round_trip_byte_exact(log: Log, size: int) -> None
     assert got == event
 
 
+async def test_pages_read_in_place_hold_the_records_pages_hold(log: Log) -> None:
+    """``read_pages_in_place`` gives ``read_pages``' records, byte for byte, small and large (a
+    backend may give a large one as a read-only view of its storage)."""
+    await log.ensure_run("run", 1)
+    events = [f.started("r1"), f.session_state("r1", state={"blob": "b" * 400_000})]
+    positions = await log.append("run", [*events, f.boundary("r1", "seed", {"n": 1})])
+    end = positions[-1].offset + 1
+    copied = [item async for page in log.read_pages("run", 0, 0, end) for item in page]
+    in_place = [item async for page in log.read_pages_in_place("run", 0, 0, end) for item in page]
+    assert len(copied) == 3
+    assert [(offset, bytes(record)) for offset, record in in_place] == copied
+    assert all(type(record) is bytes or record.readonly for _, record in in_place)
+
+
 async def test_trim_drops_only_records_below(log: Log) -> None:
     await log.ensure_run("run", 1)
     positions = await log.append("run", [f.started(f"r{i}", seq=i) for i in range(10)])

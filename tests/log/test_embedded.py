@@ -10,7 +10,9 @@ import sqlite3
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,6 +164,64 @@ async def test_large_records_live_in_blob_files_that_trimming_deletes(
         assert [e.data.state.value()["i"] for e in got] == [6, 7]
         [after] = await log.append("run", [f.session_state("r1", state={"i": 8, "b": blob})])
         assert after.offset == positions[-1].offset + 1
+
+
+async def _records(pages: AsyncIterator[Sequence[tuple[int, bytes | memoryview]]]) -> list[Any]:
+    return [record async for page in pages for record in page]
+
+
+async def test_large_records_read_in_place_are_views_of_one_mapping_per_blob_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read_pages_in_place`` gives ``read_pages``' records byte for byte, the large ones as
+    read-only views: one mapping per blob file, mapped again once the file grew past it, and
+    every view readable after the run is trimmed, deleted and the log closed."""
+    monkeypatch.setattr(_blobs, "ROTATE_BYTES", 300_000)  # three 100 KB records a file
+    blob = "z" * 100_000
+    async with open_log(tmp_path) as log:
+        await log.ensure_run("run", 1)
+        for i in range(4):
+            events = [f.session_state("r1", state={"i": i, "b": blob}), f.session_state("r1")]
+            await log.append("run", events)
+        early = await _records(log.read_pages_in_place("run", 0, 0, 8))
+        for i in range(4, 6):
+            events = [f.session_state("r1", state={"i": i, "b": blob}), f.session_state("r1")]
+            await log.append("run", events)
+        copied = await _records(log.read_pages("run", 0, 0, 12))
+        in_place = await _records(log.read_pages_in_place("run", 0, 0, 12))
+        assert [(offset, bytes(value)) for offset, value in in_place] == copied
+        views = [value for _, value in in_place[::2]]
+        assert all(type(view) is memoryview and view.readonly for view in views)
+        assert all(type(value) is bytes for _, value in in_place[1::2])  # small: in SQLite
+        assert views[0].obj is views[1].obj is views[2].obj  # the first file's
+        # The second file was mapped when it held one record (the early read's view keeps that
+        # mapping, and reads of the record reuse it); the records past it map it again.
+        assert views[3].obj is early[6][1].obj
+        assert views[4].obj is views[5].obj is not views[3].obj
+        assert await log.trim("run", 0, 10)  # deletes the first file
+        assert await log.delete_run("run")
+    assert not (tmp_path / "log" / "run.blobs").exists()
+    assert [bytes(view) for view in views] == [value for _, value in copied[::2]]
+
+
+def test_a_blob_reference_past_its_files_end_is_an_error_never_a_crash(tmp_path: Path) -> None:
+    """A blob file cut short (by something other than the log) fails the read with ``OSError``,
+    in place or not, and through a mapping made before the cut too: never ``SIGBUS``."""
+    store = _blobs.BlobStore(tmp_path, sync=False)
+    reference = store.stage(b"x" * 200_000)
+    store.flush()
+    store.close()
+    view = store.view(reference)
+    assert view == b"x" * 200_000
+    os.truncate(tmp_path / "00000000", 50_000)
+    with pytest.raises(OSError):
+        store.view(reference)  # the mapping made before the cut, still alive
+    del view  # (its pages past the cut are gone: never touched again)
+    fresh = _blobs.BlobStore(tmp_path, sync=False)
+    with pytest.raises(OSError, match="ends before"):
+        fresh.view(reference)
+    with pytest.raises(OSError, match="ends before"):
+        fresh.read(reference)
 
 
 async def test_a_second_log_on_a_locked_data_dir_is_refused(tmp_path: Path) -> None:

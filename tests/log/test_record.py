@@ -13,12 +13,15 @@ from rolloutlog.log import (
     decode_record,
     encode_record,
     encode_record_dict,
+    is_delta,
     ledger_digest,
     marker_record,
+    peek_record,
     record_episode,
     record_meta,
     record_payload,
     record_payload_size,
+    record_payload_start,
     record_restore_id,
     split_record,
     task_digest,
@@ -75,6 +78,30 @@ def test_payload_peeks_and_the_dict_encoder() -> None:
     assert record_payload(encode_record(f.step_started("r1"))) is None
     assert record_payload_size(encode_record(f.step_started("r1"))) == 0
     assert encode_record_dict(event.model_dump()) == record
+
+
+def test_the_peeks_read_a_record_read_in_place_as_they_read_its_bytes() -> None:
+    """A large record a composition reads in place is a read-only view (``BlobStore.view``):
+    the peeks it uses give what they give the record's bytes, whether its metadata is longer
+    than the first window searched or it has no payload at all."""
+    long_meta = {"v": 1, "episode": "r1", "type": "step.started", "data": {"pad": "p" * 20_000}}
+    records = [
+        encode_record(f.session_state("r1", state={"b": "x" * 100_000})),
+        encode_record(f.ledger_row("r1", "c1", list(range(20_000)))),
+        encode_record(f.step_started("r1")),
+        orjson.dumps(long_meta) + b"\n" + b'{"$delta":{"k":1}}',
+        orjson.dumps(long_meta),
+        orjson.dumps({"type": "step.started", "episode": "r2", "data": {}}) + b"\n[1]",
+    ]
+    for record in records:
+        view = memoryview(record)
+        assert peek_record(view) == peek_record(record)
+        assert record_meta(view) == record_meta(record)
+        assert record_payload_start(view) == record_payload_start(record)
+        assert record_episode(view) == record_episode(record)
+        start = record_payload_start(record)
+        assert is_delta(view, start) == is_delta(record, start)
+    assert is_delta(memoryview(records[3]), record_payload_start(records[3]))
 
 
 def test_one_digest_for_ids_and_for_their_logged_json() -> None:
