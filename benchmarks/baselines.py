@@ -33,7 +33,7 @@ import orjson
 from _common import summary
 from workloads import Workload, live_states
 
-from rolloutlog.log import Log, split_record
+from rolloutlog.log import Log, peek_record
 
 # -- stop-the-world export --------------------------------------------------------------------
 
@@ -245,15 +245,18 @@ def eventsourcing_reconstruct(db_path: Path, live: list[str]) -> float:
 
 
 async def floor(log: Log, run: str, offsets: Iterable[Mapping[str, Any]]) -> tuple[float, int]:
-    """Read and split the records a restore of this checkpoint replays; (seconds, bytes)."""
+    """Read the records a restore of this checkpoint replays as its composition reads them
+    (``read_pages_in_place``: the embedded log's large records as views of their blob files)
+    and split each into its decoded metadata and where its payload starts (``peek_record``),
+    the payload passed through uncopied; (seconds, bytes)."""
     t0 = time.perf_counter()
     total = 0
 
     async def one(partition: int, start: int, end: int) -> None:
         nonlocal total
-        async for page in log.read_pages(run, partition, start, end):
+        async for page in log.read_pages_in_place(run, partition, start, end):
             for _, record in page:
-                split_record(record)
+                peek_record(record)
                 total += len(record)
 
     await asyncio.gather(

@@ -28,13 +28,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import baselines
 import orjson
 import workloads
 from _common import kafka_broker, save, summary
 
 from rolloutlog.api.cli import GC_THRESHOLDS
 from rolloutlog.catalog import open_catalog
-from rolloutlog.log import Event, Log, Opaque, open_log, split_record, validate_event
+from rolloutlog.log import Event, Log, Opaque, open_log, validate_event
 from rolloutlog.projections import CheckpointResult, Coordinator
 
 PARTITIONS = 16
@@ -79,15 +80,10 @@ async def deployment(name: str, kafka: str | None) -> AsyncIterator[tuple[Log, C
 
 
 async def floor(log: Log, run: str, ranges: dict[int, tuple[int, int]]) -> float:
-    """Reading and splitting the records a restore replays, with nothing else."""
-    started = time.perf_counter()
-
-    async def one(partition: int, start: int, end: int) -> None:
-        async for _, record in log.read_records(run, partition, start, end):
-            split_record(record)
-
-    await asyncio.gather(*(one(p, s, e) for p, (s, e) in ranges.items()))
-    return time.perf_counter() - started
+    """Reading and splitting the records a restore replays, with nothing else (the suite's
+    ``baselines.floor``)."""
+    offsets = [{"partition": p, "replay_from": s, "marker": e} for p, (s, e) in ranges.items()]
+    return (await baselines.floor(log, run, offsets))[0]
 
 
 async def measure(

@@ -120,7 +120,9 @@ def introduction(results: dict[str, Any], quick: bool) -> list[str]:
     )
     w(
         "- **Floor**: reading the records a restore of that checkpoint replays from rolloutlog's own "
-        "log and splitting them (metadata decoded, opaque states passed through), nothing else."
+        "log as its composition reads them (`read_pages_in_place`: the embedded log's large "
+        "records as views of their blob files) and splitting them (metadata decoded, payloads "
+        "passed through uncopied), nothing else."
     )
     curve_runs = next((c.get("runs") for c in (results.get("curves") or {}).values()), None)
     if curve_runs:
