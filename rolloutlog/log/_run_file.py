@@ -451,15 +451,18 @@ def translate(error: sqlite3.Error | OSError, path: Path) -> Exception:
 
 
 class Reader:
-    """A read connection whose blocking calls run in a worker thread. ``finish`` waits for a call
-    still running there (say, when the reading task was cancelled) before the connection is
-    handed on or closed."""
+    """A read connection whose blocking calls run in a worker thread, one at a time. A call
+    still running there (its task was cancelled while it waited) ends before the next one
+    starts (the cancelled read's ``cursor.close`` would otherwise run beside its fetch: sqlite3
+    refused that as recursive use of the cursor, or the process crashed), and ``finish`` waits
+    for it before the connection is handed on or closed."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self._running: asyncio.Future[Any] | None = None
 
     async def run(self, function: Callable[..., Any], *args: Any) -> Any:
+        await self.finish()
         self._running = asyncio.ensure_future(asyncio.to_thread(function, *args))
         result = await asyncio.shield(self._running)
         self._running = None
