@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -131,6 +132,11 @@ class Service:
 
     def stop(self) -> None:
         if self.proc is not None:
+            if self.proc.poll() is not None:  # it ended on its own: say how, before its log goes
+                print(
+                    f"rolloutlog serve ended with {self.proc.returncode}:\n{self.log_tail()}",
+                    file=sys.stderr,
+                )
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
