@@ -18,10 +18,10 @@ record and ``close`` releases it; a read opens, reads and closes (a large record
 than an ``open``), so an idle run holds none.
 
 ``view`` reads a record in place instead: a read-only view of a shared mapping of its file, for
-a restore's replay, whose lines carry large states as views of their records to the socket
-(docs/design.md §9, "A large state is read in place"). A ``read`` copies the record into fresh
-memory, a page fault per 4 KiB (a restore of 1,000 350 KB states: ~88k faults, ~40% of the
-service's CPU for the restore and its fetch); a view maps the page cache's own pages. A file has
+a restore's composition, whose lines carry large states as views of their records to the
+socket (docs/design.md §11, "A large state is read in place"). A ``read`` copies the record into
+fresh memory, a page fault per 4 KiB (a restore of 1,000 350 KB states: ~88k faults, about half
+of the service's CPU for the restore and its fetch); a view maps the page cache's own pages. A file has
 at most one live mapping, as long as a view of it lives (``weakref``); a record past its end is
 read through a new one. The mapping never reaches past a record the file holds whole, and its
 pages are faulted in at once (``MADV_POPULATE_READ``, Linux 5.14), so a read error is an
@@ -79,7 +79,7 @@ class BlobStore:
         self._pending: list[tuple[int, int, bytes]] = []
         #: Per file, its mapping while a view of it lives (``view``); the lock is the readers'.
         self._mappings: dict[int, weakref.ref[mmap.mmap]] = {}
-        self._mapping = threading.Lock()
+        self._mappings_lock = threading.Lock()
 
     def _path(self, number: int) -> Path:
         return self.directory / f"{number:08d}"
@@ -154,7 +154,7 @@ class BlobStore:
         (the module's docstring). Safe from any thread."""
         number, position, length = _REFERENCE.unpack(reference)
         end = position + length
-        with self._mapping:
+        with self._mappings_lock:
             found = self._mappings.get(number)
             mapped = found() if found is not None else None
             if mapped is None or len(mapped) < end:

@@ -257,7 +257,9 @@ async def _read_partitions(
     """Read each partition's range (in parallel), hand its pages to its ``collect`` and yield
     the projections it emits as the read passes each episode's end. A partition reads its next
     page once the projections it emitted are taken: a read never runs ahead of what is built
-    from it (measured on S1: readers 8 MB pages ahead held ~20 MB more at the peak)."""
+    from it (measured on S1: readers 8 MB pages ahead held ~20 MB more at the peak).
+    ``in_place``: the log's large records as read-only views of its storage
+    (``Log.read_pages_in_place``), for a composition that passes them on as they are."""
     ready: asyncio.Queue[
         tuple[Iterable[EpisodeProjection], asyncio.Event] | BaseException | None
     ] = asyncio.Queue()
