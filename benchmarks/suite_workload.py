@@ -94,7 +94,7 @@ async def checkpoints_and_restores(
     figures: dict[str, list[float]] = {}
     stages: dict[str, dict[str, list[float]]] = {"checkpoint": {}, "restore": {}}
     cpu = {"checkpoint": 0.0, "restore": 0.0, "prepare": 0.0}
-    faults = {"restore": 0}
+    restore_faults = 0
 
     async def checkpoint(figure: str) -> Any:
         before = svc.cpu_s()
@@ -142,7 +142,7 @@ async def checkpoints_and_restores(
             fetched += 1
         fetch_s = time.perf_counter() - t0
         cpu["restore"] += svc.cpu_s() - before
-        faults["restore"] += svc.page_faults() - faults_before
+        restore_faults += svc.page_faults() - faults_before
         assert fetched == restored.counts["continue"], (fetched, restored.counts)
         for stage, value in restored.timings_ms.items():
             stages["restore"].setdefault(stage, []).append(float(value))
@@ -188,7 +188,7 @@ async def checkpoints_and_restores(
     out["stages_ms"]["cold_checkpoint"] = cold_stages
     out["service_cpu_s_per_checkpoint"] = cpu["checkpoint"] / runs
     out["service_cpu_s_per_restore_and_fetch"] = cpu["restore"] / max(1, restores)
-    out["service_page_faults_per_restore_and_fetch"] = faults["restore"] // max(1, restores)
+    out["service_page_faults_per_restore_and_fetch"] = restore_faults // max(1, restores)
     # What preparing a checkpoint's lines cost the service (off the checkpoint's path).
     out["service_cpu_s_per_prepare"] = cpu["prepare"] / max(1, restores - 1)
     return out

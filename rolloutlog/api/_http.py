@@ -106,8 +106,6 @@ async def _each(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]
 
 #: How much NDJSON a streamed response writes at once.
 _CHUNK_BYTES = 256 * 1024
-#: A piece of NDJSON this large is written alone, not joined with others (``stream_ndjson_lines``).
-_ALONE_BYTES = SPLICE_BYTES
 
 
 def stream_ndjson(
@@ -132,16 +130,17 @@ def stream_ndjson_lines(
     on_close: Callable[[], None] | None = None,
 ) -> StreamingResponse:
     """NDJSON already encoded, as lines (each ending with a newline) or the pieces of lines
-    (``ProjectionLine.pieces``), spliced into chunks as they come. A piece of ``_ALONE_BYTES``
-    or more (a large opaque state) is a chunk of its own, written as it is rather than copied
-    into a joined one. A failure mid-stream ends it with an ``{"error": …}`` line."""
+    (``ProjectionLine.pieces``), spliced into chunks as they come. A piece of ``SPLICE_BYTES``
+    or more (a large opaque state, a piece of its own in its line) is a chunk of its own,
+    written as it is rather than copied into a joined one. A failure mid-stream ends it with an
+    ``{"error": …}`` line."""
 
     async def body() -> AsyncIterator[bytes | memoryview]:
         buffer: list[bytes | memoryview] = []
         size = 0
         try:
             async for line in lines:
-                if len(line) >= _ALONE_BYTES:
+                if len(line) >= SPLICE_BYTES:
                     if buffer:
                         yield b"".join(buffer)
                         buffer.clear()
