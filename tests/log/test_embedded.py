@@ -256,6 +256,30 @@ async def test_page_reads_cancelled_while_a_page_is_fetched_end_cleanly(
         assert [await read(0), await read(1)] == [20_000, 20_000]
 
 
+async def test_a_blob_file_cut_short_fails_the_reads_of_its_record_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's first blob file cut short under a running log: a read of its record fails
+    (``unavailable``, naming the file), copied or in place, again and again; the record in the
+    next file reads, and appends go on and read back."""
+    monkeypatch.setattr(_blobs, "ROTATE_BYTES", 100_000)  # a file per 100 KB record
+    blob = "c" * 100_000
+    async with open_log(tmp_path) as log:
+        await log.ensure_run("run", 1)
+        for i in range(2):
+            await log.append("run", [f.session_state("r1", state={"i": i, "b": blob})])
+        os.truncate(tmp_path / "log" / "run.blobs" / "00000000", 50_000)
+        for _ in range(2):
+            for read in (log.read_pages, log.read_pages_in_place):
+                with pytest.raises(BackendUnavailable, match="ends before"):
+                    await _records(read("run", 0, 0, 2))
+        [(offset, record)] = await _records(log.read_pages_in_place("run", 0, 1, 2))
+        assert offset == 1 and b'"i":1' in bytes(record)
+        [after] = await log.append("run", [f.session_state("r1", state={"i": 2, "b": blob})])
+        got = [event async for _, event in log.read("run", 0, after.offset, after.offset + 1)]
+        assert [event.data.state.value()["i"] for event in got] == [2]
+
+
 async def test_a_second_log_on_a_locked_data_dir_is_refused(tmp_path: Path) -> None:
     async with open_log(tmp_path) as log:
         await log.ensure_run("run", 1)
