@@ -74,17 +74,20 @@ class Server:
         raise AssertionError(f"the server did not start: {self.log.read_text()}")
 
     def stop(self, timeout: float = STOP_S) -> int:
-        """SIGTERM, then the exit code; a server still running after ``timeout`` is killed and
-        the failure shows the end of its log (which of uvicorn's shutdown stages it was in)."""
+        """SIGTERM, then the exit code; a server still running after ``timeout`` prints its
+        threads' stacks (SIGUSR2), is killed, and the failure shows the end of its log (which of
+        the shutdown's stages it was in, and what each thread waited for)."""
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR2)
+            time.sleep(1)
             self.proc.kill()
             self.proc.wait()
-            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-120:])
             raise AssertionError(
                 f"the server did not stop within {timeout:g} s of SIGTERM; its log ends:\n{tail}"
             ) from None
@@ -209,6 +212,20 @@ def test_the_whole_path_through_a_real_server(server: Server) -> None:
     log = server.log.read_text()
     assert '"message":"service stopped"' in log
     assert all(line.startswith("{") for line in log.splitlines() if line.strip())
+
+
+def test_sigusr2_prints_every_threads_stack_and_the_service_goes_on(server: Server) -> None:
+    """What an operator (or a stop that does not end, ``Server.stop``) asks of a running service:
+    SIGUSR2 prints each thread's stack to its stderr, and it keeps serving, then stops as ever."""
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGUSR2)
+    deadline = time.monotonic() + 10
+    while "most recent call first" not in server.log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "no stacks printed"
+        time.sleep(0.1)
+    assert 'File "' in server.log.read_text(errors="replace")
+    assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
+    assert server.stop() == 0
 
 
 def test_sigterm_finishes_in_flight_appends_and_loses_none(server: Server) -> None:

@@ -160,6 +160,7 @@ def run_service(given: Mapping[str, Any], flag_names: Mapping[str, str]) -> int:
 
 def _serve(settings: Settings, listener: socket.socket) -> int:
     import asyncio
+    import faulthandler
     import gc
     import math
     import signal
@@ -210,6 +211,9 @@ def _serve(settings: Settings, listener: socket.socket) -> int:
     stopped_by: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, frame: stopped_by.append(number))
+    # SIGUSR2 prints every thread's stack to stderr and the service goes on: what a stop (or
+    # anything else) that does not end is waiting for.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
         failed = runner.run(
             _start_then_serve(app, server, settings, listener, stopped_by, limits_line)
