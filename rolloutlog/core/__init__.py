@@ -63,6 +63,7 @@ from rolloutlog.core._ids import (
     run_name_problem,
 )
 from rolloutlog.core._model import (
+    LINE_OVERHEAD,
     BoundaryView,
     EpisodeProjection,
     GenerationCut,
@@ -71,7 +72,7 @@ from rolloutlog.core._model import (
     ProjectionStatus,
     SessionView,
 )
-from rolloutlog.core._opaque import SPLICE_BYTES, Opaque, encode_opaque
+from rolloutlog.core._opaque import SPLICE_BYTES, Opaque, encode_opaque, mapped
 from rolloutlog.core._planner import (
     PlannedEpisode,
     RestorePlan,
@@ -197,6 +198,8 @@ __all__ = [
     "compose_state",
     "encode_opaque",
     "SPLICE_BYTES",
+    "LINE_OVERHEAD",
+    "mapped",
     "envelope_holds",
     "episode_id_problem",
     "is_delta",

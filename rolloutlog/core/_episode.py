@@ -23,7 +23,7 @@ from rolloutlog.core._model import (
     LedgerEntry,
     SessionView,
 )
-from rolloutlog.core._opaque import Opaque
+from rolloutlog.core._opaque import SPLICE_BYTES, Opaque
 from rolloutlog.core._pins import snapshot
 from rolloutlog.core._planner import restart_only_reason
 from rolloutlog.core._restore import AttemptRules
@@ -442,6 +442,13 @@ class EpisodeFold(AttemptRules):
         return (
             self.task_bytes + sum(self.boundary_bytes.values()) + sum(self.session_bytes.values())
         )
+
+    def held_payload_bytes(self) -> int:
+        """Of ``payload_bytes``, what a line composed from this state keeps on the heap: a state
+        of ``SPLICE_BYTES`` or more is a piece of its own, which a prepare keeps mapped from a
+        file (``ProjectionLine.held_bytes``)."""
+        states = (*self.boundary_bytes.values(), *self.session_bytes.values())
+        return self.task_bytes + sum(size for size in states if size < SPLICE_BYTES)
 
     def verdict(self) -> str | None:
         """What ``verify_projection`` says of this state's projection: why it cannot continue, or

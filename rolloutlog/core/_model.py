@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple
 import orjson
 
 from rolloutlog.core._ids import capture_key
-from rolloutlog.core._opaque import LinePieces, Opaque, encode_line_pieces, joined
+from rolloutlog.core._opaque import LinePieces, Opaque, encode_line_pieces, joined, mapped
 
 #: A projection's status at its cut (the catalog's episodes say ``running``/``finished``/
 #: ``excluded``: docs/design.md §11).
@@ -239,6 +239,10 @@ class EpisodeProjection:
         }
 
 
+#: What a line held costs besides its bytes (its tuple, strings and index entry).
+LINE_OVERHEAD = 400
+
+
 class ProjectionLine(NamedTuple):
     """A projection as the restore routes serve it: its ``ProjectionOut`` NDJSON line, encoded
     once (opaque states spliced in raw), with what the routes' filters and metrics read of it.
@@ -296,6 +300,12 @@ class ProjectionLine(NamedTuple):
     def size(self) -> int:
         """The line's length in bytes."""
         return sum(len(piece) for piece in self.pieces)
+
+    @property
+    def held_bytes(self) -> int:
+        """What keeping this line costs the heap, as the caches count it against their budgets:
+        its pieces but those mapped from a file (``mapped``), plus ``LINE_OVERHEAD``."""
+        return LINE_OVERHEAD + sum(len(p) for p in self.pieces if not mapped(p))
 
     def matches(self, kind: str | None, participant: str | None) -> bool:
         """The bulk route's filter: does this projection hold something for that participant?

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import orjson
@@ -104,6 +105,12 @@ def joined(pieces: LinePieces) -> bytes:
     if len(pieces) == 1 and isinstance(first, bytes):
         return first
     return b"".join(pieces)
+
+
+def mapped(piece: bytes | memoryview) -> bool:
+    """Is ``piece`` a view of a file's mapping (a large state read in place, or kept in a file
+    by a prepare): bytes the page cache holds, not the heap?"""
+    return isinstance(piece, memoryview) and isinstance(piece.obj, mmap.mmap)
 
 
 def encode_line_pieces(value: Any) -> LinePieces:

@@ -51,6 +51,7 @@ from rolloutlog.core import (
     task_digest,
     token_count,
 )
+from rolloutlog.log._blobs import mapped_copies
 from rolloutlog.log._codec import (
     decode_event,
     decode_record,
@@ -147,6 +148,7 @@ __all__ = [
     "episode_id_problem",
     "is_delta",
     "ledger_digest",
+    "mapped_copies",
     "marker_record",
     "name_problem",
     "open_log",

@@ -36,8 +36,10 @@ import mmap
 import os
 import struct
 import sys
+import tempfile
 import threading
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -102,11 +104,7 @@ class BlobStore:
         pending, self._pending = self._pending, []
         for index, (number, position, value) in enumerate(pending):
             fd = self._writer(number)
-            view = memoryview(value)
-            while view:
-                written = os.pwrite(fd, view, position)
-                view = view[written:]
-                position += written
+            _write_all(fd, value, position)
             last_of_file = index + 1 == len(pending) or pending[index + 1][0] != number
             if last_of_file and self.sync:
                 os.fdatasync(fd)
@@ -187,6 +185,38 @@ class BlobStore:
         fd, self._fd, self._fd_number = self._fd, None, -1
         if fd is not None:
             os.close(fd)
+
+
+def mapped_copies(pieces: Sequence[bytes | memoryview], directory: str | None) -> list[memoryview]:
+    """``pieces`` copied into a file of their own and read back in place: read-only views of
+    one mapping, as ``BlobStore.view`` gives (its pages faulted in at once), of a file with no
+    name (``O_TMPFILE`` in ``directory``, the temporary directory by default). The page cache
+    holds the bytes, not the heap; the file's space is the mapping's and is freed with its
+    last view, or with the process, however it ends. Raises ``OSError`` (a full disk, a
+    missing directory) with nothing left behind."""
+    total = sum(len(piece) for piece in pieces)
+    with tempfile.TemporaryFile(dir=directory) as file:
+        fd, position = file.fileno(), 0
+        for piece in pieces:
+            _write_all(fd, piece, position)
+            position += len(piece)
+        mapped = mmap.mmap(fd, total, prot=mmap.PROT_READ) if total else None
+    if mapped is None:
+        return [memoryview(b"") for _ in pieces]
+    _populate(mapped, 0, total)
+    whole, views, position = memoryview(mapped), [], 0
+    for piece in pieces:
+        views.append(whole[position : position + len(piece)])
+        position += len(piece)
+    return views
+
+
+def _write_all(fd: int, value: bytes | memoryview, position: int) -> None:
+    view = memoryview(value)
+    while view:
+        written = os.pwrite(fd, view, position)
+        view = view[written:]
+        position += written
 
 
 def _populate(mapped: mmap.mmap, start: int, end: int) -> None:

@@ -16,13 +16,16 @@ takes it ends it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping
 from typing import Literal
 
 from rolloutlog.catalog import ManifestEntry
-from rolloutlog.core import ProjectionLine, composable
-from rolloutlog.log import Log
+from rolloutlog.core import LINE_OVERHEAD, SPLICE_BYTES, ProjectionLine, composable, mapped
+from rolloutlog.log import Log, mapped_copies
 from rolloutlog.projections._capture import CheckpointCapture
 from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._replay import Composable, compose_stream
@@ -31,9 +34,9 @@ __all__ = ["PreparedLines", "RestorePreparer"]
 
 logger = logging.getLogger("rolloutlog.projections")
 
-#: What a line held costs besides its bytes (its tuple, strings and index entry), as both the
-#: prepare and the restore cache (``RestoreLines``) count it.
-LINE_OVERHEAD = 400
+#: Of the disk under the temporary directory, what a prepare leaves free: it keeps a large
+#: state in a file only while that much would still be free after it.
+SPILL_RESERVE_BYTES = 1 << 30
 #: How long after its checkpoint's commit a prepare starts: checkpoints taken back to back (a
 #: trainer that checkpoints every step) pay nothing for it, the next one cancels it before it
 #: starts. (Started at once, it held the event loop and the GIL from S1's next checkpoint,
@@ -63,7 +66,7 @@ class PreparedLines:
     def add(self, line: ProjectionLine, version: int) -> None:
         self.lines[line.episode] = line
         self.versions[line.episode] = version
-        self.size_bytes += line.size + LINE_OVERHEAD
+        self.size_bytes += line.held_bytes
 
     def line_at(self, episode: str, version: int) -> ProjectionLine | None:
         """The episode's line if it was composed from its tracker at ``version``."""
@@ -87,10 +90,18 @@ class RestorePreparer:
     composes only what changed since the one before, even one a checkpoint cancelled midway."""
 
     def __init__(
-        self, log: Log, budget_bytes: int, superseded: Callable[[str], None] = lambda run: None
+        self,
+        log: Log,
+        budget_bytes: int,
+        superseded: Callable[[str], None] = lambda run: None,
+        *,
+        spill_dir: str | None = None,
     ) -> None:
         self.log = log
         self.budget_bytes = budget_bytes
+        #: Where the large states read from a log that copies them are kept (``_spill``):
+        #: the temporary directory by default.
+        self.spill_dir = spill_dir
         #: Called as a run's prepare begins: the run's older restores' cached lines go (a
         #: restore's participants fetch them at once; later, they are built again).
         self._superseded = superseded
@@ -171,24 +182,30 @@ class RestorePreparer:
                     prepared.carried += 1
                 elif composable(tracker):
                     wanted.append(Composable.of(entry, tracker))
-                    estimate += tracker.payload_bytes() + LINE_OVERHEAD
+                    estimate += tracker.held_payload_bytes() + LINE_OVERHEAD
             base = None  # the lines that changed go with it
             if prepared.size_bytes + estimate > self.budget_bytes:
                 prepared.skip()
                 return
             self._superseded(projector.run)
 
-            built = 0
+            # A slice at a time: its large states go to one file (``_spill``).
             # (An episode that moved on meanwhile is not prepared: ``failed`` is not needed.)
-            async for projection in compose_stream(self.log, projector.run, wanted, trackers, []):
-                prepared.add(ProjectionLine.of(projection), seen[projection.episode])
-                if prepared.size_bytes > self.budget_bytes:
-                    prepared.skip()
-                    return
-                built += 1
-                if built % _SLICE == 0:
-                    await asyncio.sleep(0)
-            prepared.state = "ready"
+            lines: list[ProjectionLine] = []
+            try:
+                composed = compose_stream(self.log, projector.run, wanted, trackers, [])
+                async for projection in composed:
+                    lines.append(ProjectionLine.of(projection))
+                    if len(lines) == _SLICE:
+                        kept, lines = await self._keep(prepared, lines, seen), []
+                        if not kept:
+                            return
+                        await asyncio.sleep(0)
+            except Exception:
+                await self._keep(prepared, lines, seen)  # what was composed stands
+                raise
+            if await self._keep(prepared, lines, seen):
+                prepared.state = "ready"
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -198,3 +215,47 @@ class RestorePreparer:
                 "run %s: preparing checkpoint %s failed", projector.run, prepared.checkpoint_id
             )
             prepared.state = "failed"
+
+    async def _keep(
+        self, prepared: PreparedLines, lines: list[ProjectionLine], seen: Mapping[str, int]
+    ) -> bool:
+        """Add a slice's lines (their large states spilled); False when that went over the
+        budget and nothing is kept."""
+        for line in await self._spill(lines):
+            prepared.add(line, seen[line.episode])
+        if prepared.size_bytes > self.budget_bytes:
+            prepared.skip()
+            return False
+        return True
+
+    async def _spill(self, lines: list[ProjectionLine]) -> list[ProjectionLine]:
+        """``lines`` with each large state still on the heap (a log that copies its records,
+        Kafka's) moved to a file of the slice's own and carried as a view of its mapping
+        (``mapped_copies``), as the embedded log's are read in place: the page cache holds
+        them, not the heap, and the restore's stream writes them as they are. A state stays on
+        the heap when the disk is short of room or refuses the write (the budget decides)."""
+        found = [
+            (index, at, piece)
+            for index, line in enumerate(lines)
+            for at, piece in enumerate(line.pieces)
+            if at > 0 and len(piece) >= SPLICE_BYTES and not mapped(piece)
+        ]
+        if not found:
+            return lines
+        size = sum(len(piece) for _, _, piece in found)
+        try:
+            free = shutil.disk_usage(self.spill_dir or tempfile.gettempdir()).free
+            if free - size < SPILL_RESERVE_BYTES:
+                raise OSError(errno.ENOSPC, f"{free} bytes free, {size} to keep")
+            copies = [piece for _, _, piece in found]
+            views = await asyncio.to_thread(mapped_copies, copies, self.spill_dir)
+        except OSError as e:
+            logger.warning("prepared lines keep their large states in memory: %s", e)
+            return lines
+        pieces = {index: list(lines[index].pieces) for index, _, _ in found}
+        for (index, at, _), view in zip(found, views, strict=True):
+            pieces[index][at] = view
+        return [
+            line if index not in pieces else line._replace(pieces=tuple(pieces[index]))
+            for index, line in enumerate(lines)
+        ]

@@ -23,7 +23,7 @@ from rolloutlog.core import (
 from rolloutlog.errors import InvalidRequest, UnknownCheckpoint, UnknownEpisode, UnknownRestore
 from rolloutlog.log import Log
 from rolloutlog.projections._part_planner import PlanPart, PlanRequest
-from rolloutlog.projections._prepared import LINE_OVERHEAD, RestorePreparer
+from rolloutlog.projections._prepared import RestorePreparer
 from rolloutlog.projections._projector import Projector
 from rolloutlog.projections._replay import (
     Composable,
@@ -63,7 +63,7 @@ class RestoreLines:
     def add(self, line: ProjectionLine) -> None:
         self.lines.append(line)
         self.by_episode[line.episode] = line
-        self.size_bytes += line.size + LINE_OVERHEAD
+        self.size_bytes += line.held_bytes
         self._more.set()
 
     def finish(self, error: BaseException | None = None) -> None:

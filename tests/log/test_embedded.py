@@ -172,6 +172,44 @@ async def _records(pages: AsyncIterator[Sequence[tuple[int, bytes | memoryview]]
     return [record async for page in pages for record in page]
 
 
+def test_mapped_copies_are_views_of_one_mapping_of_a_file_with_no_name(tmp_path: Path) -> None:
+    """``mapped_copies``: the pieces back byte for byte, as read-only views of one mapping, of
+    a file that no directory names; they outlive the call and the pieces."""
+    pieces = [os.urandom(70_000), b"", os.urandom(5), bytearray(os.urandom(200_000))]
+    expected = [bytes(p) for p in pieces]
+    views = _blobs.mapped_copies([memoryview(p) for p in pieces], str(tmp_path))
+    assert len({id(v.obj) for v in views if len(v)}) == 1 and all(v.readonly for v in views)
+    assert list(tmp_path.iterdir()) == []
+    pieces[3][:] = b"z" * 200_000
+    del pieces
+    assert [bytes(v) for v in views] == expected
+
+
+@pytest.mark.parametrize("fault", ["file size limit", "missing directory"])
+def test_mapped_copies_a_disk_refuses_raise_and_leave_nothing(tmp_path: Path, fault: str) -> None:
+    """A write the kernel refuses (the process's file size limit, ``EFBIG``, as a full disk's
+    ``ENOSPC``) or a directory that is gone: ``OSError``, and no file left behind."""
+    directory = tmp_path / ("gone" if fault == "missing directory" else "spill")
+    if fault == "file size limit":
+        directory.mkdir()
+    script = (
+        "import resource, sys\n"
+        "from rolloutlog.log import mapped_copies\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    mapped_copies([b'x' * 80_000, b'y' * 80_000], sys.argv[1])\n"
+        "except OSError as e:\n"
+        "    print('refused', e.errno)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(directory)], capture_output=True, text=True, timeout=60
+    )
+    expected = errno.EFBIG if fault == "file size limit" else errno.ENOENT
+    assert done.stdout.split() == ["refused", str(expected)], done.stderr
+    if directory.exists():
+        assert list(directory.iterdir()) == []
+
+
 async def test_large_records_read_in_place_are_views_of_one_mapping_per_blob_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,6 +10,7 @@ fold's projection, line for line, and a restore serves composed lines without fo
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from rolloutlog.core import (
     ProjectionLine,
     composable,
     compose_projection,
+    mapped,
     projection_positions,
 )
 from rolloutlog.log import (
@@ -390,6 +392,85 @@ async def test_a_prepare_keeps_the_lines_of_the_episodes_unchanged_since_the_pre
         served = {e: line.line for e, line in (await lines.complete()).items()}
         assert set(served) == {"a", "e", "g"}
         assert served == await _replayed_lines(service, restore_id)
+    finally:
+        await service.close()
+
+
+def _large_state_episodes(count: int) -> list[list[Event]]:
+    """``count`` episodes, each with an exported session whose state is ``SPLICE_BYTES`` or
+    more (a piece of its own in the line) and a small boundary state."""
+    return [
+        [
+            f.started(f"big{i}", seq=1),
+            f.session_started(f"big{i}", "s1", "exported", who=RES, seq=1),
+            f.session_state(f"big{i}", "s1", {"blob": f"{i}" * SPLICE_BYTES}, who=RES, seq=2),
+            f.boundary(f"big{i}", "seed", {"turn": i}, seq=2),
+        ]
+        for i in range(count)
+    ]
+
+
+async def _prepared_large_states(
+    service: Any, monkeypatch: Any, read: str, count: int = 40
+) -> tuple[Any, dict[str, ProjectionLine], dict[str, bytes]]:
+    """``count`` large-state episodes (more than a slice) checkpointed, their prepare ended
+    (its state ``ready``) and the checkpoint restored: the prepare, its lines and the lines served. With
+    ``read="copied"`` the log gives copies to the composition (as Kafka's does)."""
+    monkeypatch.setattr(_prepared, "DELAY_S", 0.0)
+    if read == "copied":
+        monkeypatch.setattr(service.log, "read_pages_in_place", service.log.read_pages)
+    for events in _large_state_episodes(count):
+        await service.append(*events)
+    await service.checkpoint()
+    prepared = await _prepare_ended(service)
+    assert prepared.state == "ready" and len(prepared.lines) == count
+    kept = dict(prepared.lines)  # (the restore takes them)
+    restored = await service.restore()
+    restore_id = restored.restore.restore_id
+    lines = await service.coordinator.restore_projection_lines(service.run, restore_id)
+    served = {e: line.line for e, line in (await lines.complete()).items()}
+    assert served == await _replayed_lines(service, restore_id)  # byte for byte
+    return prepared, kept, served
+
+
+@pytest.mark.parametrize("read", ["in place", "copied"])
+async def test_a_prepare_keeps_large_states_mapped_from_files_not_on_the_heap(
+    service: Any, monkeypatch: Any, read: str
+) -> None:
+    """Each prepared line's large state is a view of a file's mapping: the embedded log's blob
+    file it was read from in place, or, from a log that copies (Kafka's, and the embedded one
+    made to copy), a file the prepare wrote for its slice. The budget counts only what the heap
+    holds, so a checkpoint of states larger than it is prepared; its restore serves a replay's
+    lines."""
+    prepared, lines, served = await _prepared_large_states(service, monkeypatch, read)
+    large = [piece for line in lines.values() for piece in line.pieces[1:] if len(piece) > 1000]
+    assert len(large) == 40 and all(mapped(piece) for piece in large)
+    assert prepared.size_bytes < sum(map(len, large)) // 10
+    if read == "copied" or service.log.url.startswith("kafka"):
+        # One file (and mapping) per slice of 32 lines, none of them named in any directory.
+        assert len({id(piece.obj) for piece in large}) == 2
+    assert len(served) == 40
+
+
+@pytest.mark.parametrize("fault", ["missing directory", "short of room"])
+async def test_a_prepare_that_cannot_keep_large_states_in_a_file_keeps_them_in_memory(
+    tmp_path: Path, monkeypatch: Any, fault: str
+) -> None:
+    """The prepare's directory is gone, or its disk would keep less than the reserve free:
+    the large states stay on the heap (the budget decides, as before files), and the restore
+    still serves a replay's lines."""
+    service = await open_service(tmp_path)
+    try:
+        if fault == "missing directory":
+            service.coordinator.preparer.spill_dir = str(tmp_path / "gone")
+        else:
+            total = shutil.disk_usage(tmp_path).total
+            monkeypatch.setattr(_prepared, "SPILL_RESERVE_BYTES", total)
+        prepared, lines, served = await _prepared_large_states(service, monkeypatch, "copied")
+        pieces = [p for line in lines.values() for p in line.pieces[1:] if len(p) > 1000]
+        assert len(pieces) == 40 and not any(mapped(piece) for piece in pieces)
+        assert prepared.size_bytes > sum(map(len, pieces))
+        assert len(served) == 40
     finally:
         await service.close()
 
