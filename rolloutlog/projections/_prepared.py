@@ -189,7 +189,7 @@ class RestorePreparer:
                 return
             self._superseded(projector.run)
 
-            # A slice at a time: its large states go to one file (``_spill``).
+            # A slice at a time, its large states each line's file (``_spill``).
             # (An episode that moved on meanwhile is not prepared: ``failed`` is not needed.)
             lines: list[ProjectionLine] = []
             try:
@@ -230,32 +230,40 @@ class RestorePreparer:
 
     async def _spill(self, lines: list[ProjectionLine]) -> list[ProjectionLine]:
         """``lines`` with each large state still on the heap (a log that copies its records,
-        Kafka's) moved to a file of the slice's own and carried as a view of its mapping
+        Kafka's) moved to a file of its line's own and carried as a view of its mapping
         (``mapped_copies``), as the embedded log's are read in place: the page cache holds
-        them, not the heap, and the restore's stream writes them as they are. A state stays on
-        the heap when the disk is short of room or refuses the write (the budget decides)."""
-        found = [
-            (index, at, piece)
+        them, not the heap, the restore's stream writes them as they are, and the file goes
+        with the line (a line carried over to later prepares keeps no other line's file). A
+        slice's states stay on the heap when the disk is short of room or refuses a write (the
+        budget decides)."""
+        found = {
+            index: [at for at, piece in enumerate(line.pieces) if _on_heap(at, piece)]
             for index, line in enumerate(lines)
-            for at, piece in enumerate(line.pieces)
-            if at > 0 and len(piece) >= SPLICE_BYTES and not mapped(piece)
-        ]
+        }
+        found = {index: ats for index, ats in found.items() if ats}
         if not found:
             return lines
-        size = sum(len(piece) for _, _, piece in found)
+        size = sum(len(lines[i].pieces[at]) for i, ats in found.items() for at in ats)
         try:
             free = shutil.disk_usage(self.spill_dir or tempfile.gettempdir()).free
             if free - size < SPILL_RESERVE_BYTES:
                 raise OSError(errno.ENOSPC, f"{free} bytes free, {size} to keep")
-            copies = [piece for _, _, piece in found]
-            views = await asyncio.to_thread(mapped_copies, copies, self.spill_dir)
+            large = [[lines[i].pieces[at] for at in ats] for i, ats in found.items()]
+            views = await asyncio.to_thread(
+                lambda: [mapped_copies(pieces, self.spill_dir) for pieces in large]
+            )
         except OSError as e:
             logger.warning("prepared lines keep their large states in memory: %s", e)
             return lines
-        pieces = {index: list(lines[index].pieces) for index, _, _ in found}
-        for (index, at, _), view in zip(found, views, strict=True):
-            pieces[index][at] = view
-        return [
-            line if index not in pieces else line._replace(pieces=tuple(pieces[index]))
-            for index, line in enumerate(lines)
-        ]
+        out = list(lines)
+        for (index, ats), mine in zip(found.items(), views, strict=True):
+            pieces = list(lines[index].pieces)
+            for at, view in zip(ats, mine, strict=True):
+                pieces[at] = view
+            out[index] = lines[index]._replace(pieces=tuple(pieces))
+        return out
+
+
+def _on_heap(at: int, piece: bytes | memoryview) -> bool:
+    """A line's piece that is a large state on the heap (not the head, not mapped already)."""
+    return at > 0 and len(piece) >= SPLICE_BYTES and not mapped(piece)

@@ -435,20 +435,24 @@ async def _prepared_large_states(
 
 @pytest.mark.parametrize("read", ["in place", "copied"])
 async def test_a_prepare_keeps_large_states_mapped_from_files_not_on_the_heap(
-    service: Any, monkeypatch: Any, read: str
+    service: Any, tmp_path: Path, monkeypatch: Any, read: str
 ) -> None:
     """Each prepared line's large state is a view of a file's mapping: the embedded log's blob
     file it was read from in place, or, from a log that copies (Kafka's, and the embedded one
-    made to copy), a file the prepare wrote for its slice. The budget counts only what the heap
+    made to copy), a file of its own that the prepare wrote and no directory names. The budget counts only what the heap
     holds, so a checkpoint of states larger than it is prepared; its restore serves a replay's
     lines."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    service.coordinator.preparer.spill_dir = str(spill)
     prepared, lines, served = await _prepared_large_states(service, monkeypatch, read)
     large = [piece for line in lines.values() for piece in line.pieces[1:] if len(piece) > 1000]
     assert len(large) == 40 and all(mapped(piece) for piece in large)
     assert prepared.size_bytes < sum(map(len, large)) // 10
     if read == "copied" or service.log.url.startswith("kafka"):
-        # One file (and mapping) per slice of 32 lines, none of them named in any directory.
-        assert len({id(piece.obj) for piece in large}) == 2
+        # A file (and a mapping) per line, named in no directory.
+        assert len({id(piece.obj) for piece in large}) == 40
+    assert list(spill.iterdir()) == []
     assert len(served) == 40
 
 
