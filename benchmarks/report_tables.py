@@ -208,8 +208,9 @@ def figures(results: dict[str, Any]) -> list[str]:
                 f"CPU each; what each restore met: {', '.join(f['prepared'])}"
             ),
             "Preparing a checkpoint's projection lines for its restore (`ready`; `skipped` when "
-            "they would not fit half the restore cache's budget, and the restore composes them "
-            "after its commit): ",
+            "what they hold on the heap would not fit half the restore cache's budget, and the "
+            "restore composes them after its commit; a large state is kept mapped from a file, "
+            "not counted): ",
         )
         _paragraph(
             w,
