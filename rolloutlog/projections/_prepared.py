@@ -11,6 +11,11 @@ One prepare per run, started ``DELAY_S`` after the commit: a checkpoint of the r
 stops it (it would hold the event loop from the checkpoint), a newer committed one replaces it
 and keeps the lines of every episode unchanged since (``RestorePreparer``), the restore that
 takes it ends it.
+
+The budget counts what the lines hold on the heap (``ProjectionLine.held_bytes``): a large state
+is a view of a mapped file, its blob file's on the embedded log, or one the prepare writes for
+its line when the log gave a copy (``_spill``; docs/design.md §11, "A prepared large state is
+kept mapped, not on the heap").
 """
 
 from __future__ import annotations
