@@ -241,22 +241,16 @@ class RestorePreparer:
         with the line (a line carried over to later prepares keeps no other line's file). A
         slice's states stay on the heap when the disk is short of room or refuses a write (the
         budget decides)."""
-        found = {
-            index: [at for at, piece in enumerate(line.pieces) if _on_heap(at, piece)]
-            for index, line in enumerate(lines)
-        }
-        found = {index: ats for index, ats in found.items() if ats}
+        found = {}
+        for index, line in enumerate(lines):
+            ats = [at for at, piece in enumerate(line.pieces) if _on_heap(at, piece)]
+            if ats:
+                found[index] = ats
         if not found:
             return lines
-        size = sum(len(lines[i].pieces[at]) for i, ats in found.items() for at in ats)
+        large = [[lines[index].pieces[at] for at in ats] for index, ats in found.items()]
         try:
-            free = shutil.disk_usage(self.spill_dir or tempfile.gettempdir()).free
-            if free - size < SPILL_RESERVE_BYTES:
-                raise OSError(errno.ENOSPC, f"{free} bytes free, {size} to keep")
-            large = [[lines[i].pieces[at] for at in ats] for i, ats in found.items()]
-            views = await asyncio.to_thread(
-                lambda: [mapped_copies(pieces, self.spill_dir) for pieces in large]
-            )
+            views = await asyncio.to_thread(self._write_files, large)
         except OSError as e:
             logger.warning("prepared lines keep their large states in memory: %s", e)
             return lines
@@ -267,6 +261,15 @@ class RestorePreparer:
                 pieces[at] = view
             out[index] = lines[index]._replace(pieces=tuple(pieces))
         return out
+
+    def _write_files(self, large: list[list[bytes | memoryview]]) -> list[list[memoryview]]:
+        """Each line's large states in a file of its own (``mapped_copies``), in a worker
+        thread: refused when the disk would keep less than ``SPILL_RESERVE_BYTES`` free."""
+        size = sum(len(piece) for pieces in large for piece in pieces)
+        free = shutil.disk_usage(self.spill_dir or tempfile.gettempdir()).free
+        if free - size < SPILL_RESERVE_BYTES:
+            raise OSError(errno.ENOSPC, f"{free} bytes free, {size} to keep")
+        return [mapped_copies(pieces, self.spill_dir) for pieces in large]
 
 
 def _on_heap(at: int, piece: bytes | memoryview) -> bool:

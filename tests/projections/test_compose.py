@@ -462,7 +462,7 @@ async def test_a_prepare_that_cannot_keep_large_states_in_a_file_keeps_them_in_m
 ) -> None:
     """The prepare's directory is gone, or its disk would keep less than the reserve free:
     the large states stay on the heap (the budget decides, as before files), and the restore
-    still serves a replay's lines."""
+    still serves a replay's lines; once the fault ends, the next prepare keeps them in files."""
     service = await open_service(tmp_path)
     try:
         if fault == "missing directory":
@@ -475,6 +475,14 @@ async def test_a_prepare_that_cannot_keep_large_states_in_a_file_keeps_them_in_m
         assert len(pieces) == 40 and not any(mapped(piece) for piece in pieces)
         assert prepared.size_bytes > sum(map(len, pieces))
         assert len(served) == 40
+        # The fault ends: the next checkpoint's prepare keeps them in files again.
+        monkeypatch.setattr(_prepared, "SPILL_RESERVE_BYTES", 0)
+        service.coordinator.preparer.spill_dir = None
+        await service.checkpoint()
+        again = await _prepare_ended(service)
+        assert again.state == "ready" and len(again.lines) == 40
+        large = [p for line in again.lines.values() for p in line.pieces[1:] if len(p) > 1000]
+        assert len(large) == 40 and all(mapped(piece) for piece in large)
     finally:
         await service.close()
 
