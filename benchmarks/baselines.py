@@ -21,7 +21,9 @@ import functools
 import hashlib
 import os
 import shutil
+import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -263,6 +265,31 @@ async def floor(log: Log, run: str, offsets: Iterable[Mapping[str, Any]]) -> tup
         *(one(o["partition"], o.get("replay_from") or 0, o["marker"]) for o in offsets)
     )
     return time.perf_counter() - t0, total
+
+
+def socket_floor(size: int) -> float:
+    """The least a fetch of ``size`` bytes over a socket can take: that many bytes sent through a
+    loopback TCP connection from one thread to another, received into one reused buffer and not
+    looked at (no HTTP, no splitting into lines, no decoding, no plan); seconds from the
+    connect to the end of the stream."""
+    payload = memoryview(bytearray(b"\x01") * max(1, size))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def send() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.sendall(payload)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        buffer = memoryview(bytearray(1 << 20))
+        t0 = time.perf_counter()
+        with socket.create_connection(server.getsockname()) as conn:
+            while conn.recv_into(buffer):
+                pass
+        elapsed = time.perf_counter() - t0
+        sender.join()
+    return elapsed
 
 
 def measure_baselines(

@@ -122,7 +122,10 @@ def introduction(results: dict[str, Any], quick: bool) -> list[str]:
         "- **Floor**: reading the records a restore of that checkpoint replays from rolloutlog's own "
         "log as its composition reads them (`read_pages_in_place`: the embedded log's large "
         "records as views of their blob files) and splitting them (metadata decoded, payloads "
-        "passed through uncopied), nothing else."
+        "passed through uncopied), nothing else. Beside it, the **socket floor**: the same "
+        "number of bytes sent through a loopback TCP connection from one thread of the "
+        "benchmark to another, received into one reused buffer and not looked at: the least "
+        "any fetch of them over a socket can take (no HTTP, no lines, no decoding, no plan)."
     )
     curve_runs = next((c.get("runs") for c in (results.get("curves") or {}).values()), None)
     if curve_runs:

@@ -246,6 +246,12 @@ def measured_split(reason: str, results: dict[str, Any]) -> str:
                 base = baselines.get(key, {})
                 if reason.endswith("over_floor"):
                     split += f", floor {ms(median(f.get('floor_s')))}"
+                    if f.get("socket_s"):
+                        split += (
+                            f" (its {median(f['floor_mb']):,.0f} MB through a loopback socket "
+                            f"alone: {ms(median(f['socket_s']))}, "
+                            f"{median(f['socket_over_floor']):.2f}x the floor)"
+                        )
                 elif reason.endswith("stop_the_world_restore") and base.get("stop_the_world"):
                     split += f", stop-the-world restore {ms(median(base['stop_the_world']['restore_s']))}"
                 elif reason.endswith("eventsourcing") and base.get("eventsourcing"):

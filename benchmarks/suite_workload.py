@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from _common import log, summary
-from baselines import floor
+from baselines import floor, socket_floor
 from suite_appends import saturated_checkpoints
 from suite_service import (
     PARTITIONS,
@@ -83,7 +83,8 @@ async def checkpoints_and_restores(
     3. ``restores`` rounds of: the wait for the checkpoint's lines to be prepared (the service
        starts that 1 s after the commit, off its path: ``prepare_s`` from the checkpoint's
        reply, ``service_cpu_s_per_prepare``), floor (read + split what a restore of the newest
-       checkpoint replays), restore (request → committed plan), fetching every projection of
+       checkpoint replays) and the socket floor (its bytes through a loopback socket alone:
+       ``baselines.socket_floor``), restore (request → committed plan), fetching every projection of
        it (NDJSON stream, decoded as a participant would); before each round but the first, a
        new checkpoint (every episode changed: the restore gave it a new attempt), whose time
        is ``checkpoint_after_restore_s``.
@@ -132,6 +133,7 @@ async def checkpoints_and_restores(
             cpu["prepare"] += svc.cpu_s() - before
         async with reader(svc) as log:
             floor_s, floor_bytes = await floor(log, run, info.offsets)
+        socket_s = socket_floor(floor_bytes)
         before, faults_before = svc.cpu_s(), svc.page_faults()
         t0 = time.perf_counter()
         restored = await trainer.restore(run, checkpoint_id=info.checkpoint_id)
@@ -152,6 +154,8 @@ async def checkpoints_and_restores(
             "floor_s": floor_s,
             "restore_over_floor": restore_s / floor_s,
             "restore_and_fetch_over_floor": fetch_s / floor_s,
+            "socket_s": socket_s,
+            "socket_over_floor": socket_s / floor_s,
         }.items():
             figures.setdefault(key, []).append(value)
         figures.setdefault("floor_mb", []).append(floor_bytes / 1e6)

@@ -100,6 +100,9 @@ def test_report_names_missed_targets() -> None:
         "floor_s": _figure(0.4),
         "restore_over_floor": _figure(2.0),
         "restore_and_fetch_over_floor": _figure(2.5),
+        "floor_mb": _figure(120.0),
+        "socket_s": _figure(0.032),
+        "socket_over_floor": _figure(0.08),
         "load_events_per_s": 1000.0,
         "service_cpu_s_per_checkpoint": 0.1,
         "service_cpu_s_per_restore_and_fetch": 1.0,
@@ -124,6 +127,11 @@ def test_report_names_missed_targets() -> None:
     text = report.build(results, [], quick=False)
     missed = text.split("### Missed targets", 1)[1].split("##", 1)[0]
     assert "S1 restore + fetch within 1.5x of the read floor on embedded: measured 2.50x" in missed
+    # The floor's split names what its bytes alone take through a socket.
+    assert (
+        "floor 400 ms (its 120 MB through a loopback socket alone: 32 ms, 0.08x the floor)"
+        in text
+    )
     assert "service peak RSS, S1 restore + fetch ≤ 400 MB on embedded: measured 500 MB" in missed
     assert "projector fold rate on Kafka ≥ 200k events/s: measured 150,000 events/s" in missed
     assert "stop-the-world" not in missed  # 25x: met
