@@ -129,8 +129,7 @@ def test_report_names_missed_targets() -> None:
     assert "S1 restore + fetch within 1.5x of the read floor on embedded: measured 2.50x" in missed
     # The floor's split names what its bytes alone take through a socket.
     assert (
-        "floor 400 ms (its 120 MB through a loopback socket alone: 32 ms, 0.08x the floor)"
-        in text
+        "floor 400 ms (its 120 MB through a loopback socket alone: 32 ms, 0.08x the floor)" in text
     )
     assert "service peak RSS, S1 restore + fetch ≤ 400 MB on embedded: measured 500 MB" in missed
     assert "projector fold rate on Kafka ≥ 200k events/s: measured 150,000 events/s" in missed
