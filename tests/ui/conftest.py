@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,17 @@ def _seed(client: httpx.Client) -> None:
     )
     later = [f.started("ep-f", step=0), f.boundary("ep-f", "seed", {"turn": 1}, step=0)]
     call("POST", f"{runs}/events", "participant", wire(*later), 200)
+    # The service folds records and registers episodes after it acknowledges them: the run is
+    # seeded once the catalog counts all six and the projector has nothing left to fold, so
+    # that a page and the API, read one after the other, answer the same numbers.
+    deadline = time.monotonic() + 30
+    while True:
+        counts = call("GET", runs, "analyst", None, 200)["counts"]
+        lag = call("GET", f"{runs}/projector", "analyst", None, 200)["lag"]
+        if counts["episodes"] == 6 and lag == 0:
+            return
+        assert time.monotonic() < deadline, f"the seeded run did not settle: {counts}, lag {lag}"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
