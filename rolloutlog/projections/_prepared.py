@@ -241,7 +241,7 @@ class RestorePreparer:
         with the line (a line carried over to later prepares keeps no other line's file). A
         slice's states stay on the heap when the disk is short of room or refuses a write (the
         budget decides)."""
-        found = {}
+        found: dict[int, list[int]] = {}  # a line's index: where its large states are
         for index, line in enumerate(lines):
             ats = [at for at, piece in enumerate(line.pieces) if _on_heap(at, piece)]
             if ats:

@@ -439,9 +439,9 @@ async def test_a_prepare_keeps_large_states_mapped_from_files_not_on_the_heap(
 ) -> None:
     """Each prepared line's large state is a view of a file's mapping: the embedded log's blob
     file it was read from in place, or, from a log that copies (Kafka's, and the embedded one
-    made to copy), a file of its own that the prepare wrote and no directory names. The budget counts only what the heap
-    holds, so a checkpoint of states larger than it is prepared; its restore serves a replay's
-    lines."""
+    made to copy), a file of its own that the prepare wrote and no directory names. The budget
+    counts only what the heap holds, so a checkpoint of states larger than it is prepared; its
+    restore serves a replay's lines."""
     spill = tmp_path / "spill"
     spill.mkdir()
     service.coordinator.preparer.spill_dir = str(spill)
